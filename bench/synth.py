@@ -1,0 +1,85 @@
+"""Deterministic random checkpoints for benchmarks, built offline (no hub), cached on disk.
+
+`qwen3_0p5b` is Qwen3-shaped: hidden 1024, 28 layers, 16 query heads, 8 KV heads of 128,
+MLP 3072, vocabulary 65536, tied embeddings: 0.50B parameters, about 1.0 GB in bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+OUT = ROOT / "bench" / "out"
+
+QWEN3_0P5B = dict(
+    model_type="qwen3",
+    architectures=["Qwen3ForCausalLM"],
+    vocab_size=65536,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    tie_word_embeddings=True,
+    hidden_act="silu",
+    attention_bias=False,
+    eos_token_id=0,
+    bos_token_id=None,
+    dtype="bfloat16",
+)
+
+
+def build_random_checkpoint(name: str, config: dict, seed: int = 0, std: float = 0.02) -> Path:
+    """Write config.json + model.safetensors (bf16) + a test tokenizer under bench/out/NAME once."""
+    import torch
+    from safetensors.torch import save_file
+
+    from checkpoints import write_tokenizer
+
+    out = OUT / name
+    done = out / ".complete"
+    if done.exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    hd, h, kv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
+
+    def norm(n):
+        return (1.0 + 0.1 * torch.randn(n, generator=gen)).to(torch.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": rnd(v, d), "model.norm.weight": norm(d)}
+    if not config.get("tie_word_embeddings"):
+        tensors["lm_head.weight"] = rnd(v, d)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": rnd(h * hd, d),
+            p + "self_attn.k_proj.weight": rnd(kv * hd, d),
+            p + "self_attn.v_proj.weight": rnd(kv * hd, d),
+            p + "self_attn.o_proj.weight": rnd(d, h * hd),
+            p + "self_attn.q_norm.weight": norm(hd),
+            p + "self_attn.k_norm.weight": norm(hd),
+            p + "mlp.gate_proj.weight": rnd(f, d),
+            p + "mlp.up_proj.weight": rnd(f, d),
+            p + "mlp.down_proj.weight": rnd(d, f),
+            p + "input_layernorm.weight": norm(d),
+            p + "post_attention_layernorm.weight": norm(d),
+        }
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(out)
+    done.write_text("ok\n")
+    return out

@@ -1,0 +1,1 @@
+"""Synchronous model code: configuration, weights, tokenizer, forward pass and state."""

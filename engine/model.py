@@ -1,0 +1,83 @@
+"""A loaded model: configuration, weights laid out for one backend, RoPE tables.
+
+Immutable once built and shared by every `Forward` (each job has its own state), so a
+second job on the same model costs its KV rows, not another copy of the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from engine.config import ModelConfig, load_config
+from engine.weights import ModelWeights, load_weights
+from kernels import default_backend
+from kernels.base import Backend, LinearWeight, WeightFormat
+
+
+class Model:
+    """Config + backend-ready weights. Build with `Model.load(dir)` or from dataclasses."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, backend: Backend | None = None):
+        self.config = config
+        self.backend = backend if backend is not None else default_backend()
+        self.weights = _prepare(weights, self.backend)
+        self.fingerprint = weights.fingerprint
+        # one RoPE table per distinct spec (sliding and full layers may differ)
+        cache: dict = {}
+        self.inv_freq = [cache.setdefault(spec.rope, spec.rope.inv_freq()) for spec in config.layers]
+
+    @classmethod
+    def load(
+        cls,
+        checkpoint_dir: str | Path,
+        fmt: WeightFormat | str = WeightFormat.BF16,
+        backend: Backend | None = None,
+    ) -> "Model":
+        """Read config.json and the safetensors weights; raises ConfigError or WeightsError."""
+        if isinstance(fmt, str):
+            fmt = WeightFormat.parse(fmt)
+        config = load_config(checkpoint_dir)
+        return cls(config, load_weights(config, checkpoint_dir, fmt), backend)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weights.nbytes
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads (the embedding row aside): the roofline's numerator."""
+        w = self.weights
+        total = w.lm_head.nbytes
+        for layer in w.layers:
+            for lin in (layer.attn.q, layer.attn.k, layer.attn.v, layer.attn.o, layer.mlp.gate, layer.mlp.up, layer.mlp.down):
+                total += lin.nbytes
+        return total
+
+
+def _prepare(weights: ModelWeights, backend: Backend) -> ModelWeights:
+    """Lay every linear out for the backend once; a tied head stays one object."""
+    seen: dict[int, LinearWeight] = {}
+
+    def prep(w: LinearWeight) -> LinearWeight:
+        if id(w) not in seen:
+            seen[id(w)] = backend.prepare_linear(w)
+        return seen[id(w)]
+
+    layers = []
+    for lw in weights.layers:
+        a, m = lw.attn, lw.mlp
+        attn = dataclasses.replace(a, q=prep(a.q), k=prep(a.k), v=prep(a.v), o=prep(a.o))
+        mlp = dataclasses.replace(m, gate=prep(m.gate), up=prep(m.up), down=prep(m.down))
+        layers.append(dataclasses.replace(lw, attn=attn, mlp=mlp))
+    return dataclasses.replace(
+        weights, embed=prep(weights.embed), layers=layers, lm_head=prep(weights.lm_head)
+    )
+
+
+def rows_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bit equality of two float32 arrays (NaNs with equal bits compare equal)."""
+    return a.shape == b.shape and np.array_equal(
+        np.ascontiguousarray(a, np.float32).view(np.uint32), np.ascontiguousarray(b, np.float32).view(np.uint32)
+    )

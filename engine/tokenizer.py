@@ -1,0 +1,425 @@
+"""Tokenizer: tokenizer.json through `tokenizers`, chat templates rendered as transformers does.
+
+transformers is not imported at runtime; what it does when it renders a chat template
+(the Jinja environment, the variables a template sees, how messages are normalised) is
+reproduced here, and tests compare the output with transformers' own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import operator
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _Backend
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file is missing or malformed, or a chat cannot be rendered."""
+
+
+# the named special tokens transformers passes to chat templates (SPECIAL_TOKENS_ATTRIBUTES)
+_NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# names a message's reasoning arrives under; templates read the first (Qwen3) or "thinking" (gpt-oss)
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise TokenizerError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"{path}: not valid JSON: {exc}") from None
+
+
+def _token_content(value: Any, field: str, source: Path) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken object."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        value = value.get("content")
+    if not isinstance(value, str):
+        raise TokenizerError(f"{source}: {field} must be a string or an object with 'content', got {value!r}")
+    return value
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Jinja's own tojson escapes <, >, & and ' for HTML; chat templates want plain JSON
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _make_dict(*args, **kwargs) -> dict:
+    # a plain function, so a template cannot reach the dict type's attributes through it
+    return dict(*args, **kwargs)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """Jinja's namespace() refusing underscore names, so templates cannot reach dunders."""
+
+    def __init__(*args, **kwargs):  # noqa: N805 - Jinja's signature, so namespace(self=...) works
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set namespace attribute {name!r}")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; it renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller) -> str:
+        return caller()
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _make_dict
+    env.globals["namespace"] = _Namespace
+    return env
+
+
+def _plain(value: Any, where: str) -> Any:
+    """A fresh copy made only of JSON types, so the template neither sees nor edits caller objects."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, dict):
+        return {_plain(k, where): _plain(v, where) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, where) for v in value]
+    raise TokenizerError(f"{where}: {type(value).__name__} values cannot be passed to a chat template")
+
+
+def _normalize_messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise TokenizerError(f"messages must be a non-empty list of objects, got {messages!r}")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise TokenizerError(f"messages[{i}] must be an object, got {message!r}")
+        # APIs send content=None or tool_calls=None; templates handle a missing key, not None
+        message = _plain({k: v for k, v in message.items() if v is not None}, f"messages[{i}]")
+        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer: encode, decode, chat template, special token ids."""
+
+    def __init__(
+        self,
+        backend: _Backend,
+        *,
+        fingerprint: str,
+        chat_templates: dict[str, str] | None = None,
+        special_tokens: dict[str, str] | None = None,
+        extra_special_ids: Iterable[int] = (),
+        extra_eos_ids: Iterable[int] = (),
+        source: str = "tokenizer",
+    ) -> None:
+        self._backend = backend
+        self._source = source
+        self.fingerprint = fingerprint
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self._special_tokens = dict(special_tokens or {})
+        ids = {}
+        for field, content in self._special_tokens.items():
+            token_id = backend.token_to_id(content)
+            if token_id is None:
+                raise TokenizerError(f"{source}: {field} {content!r} is not in the vocabulary")
+            ids[field] = token_id
+        self.bos_token_id: int | None = ids.get("bos_token")
+        eos = [ids["eos_token"]] if "eos_token" in ids else []
+        for token_id in extra_eos_ids:
+            if token_id not in eos:
+                eos.append(token_id)
+        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        added = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
+        self.special_token_ids: frozenset[int] = frozenset(added | set(ids.values()) | set(extra_special_ids))
+        self._templates: dict[str, jinja2.Template] = {}
+        env = _environment()
+        for name, text in (chat_templates or {}).items():
+            try:
+                self._templates[name] = env.from_string(text)
+            except jinja2.TemplateSyntaxError as exc:
+                raise TokenizerError(
+                    f"{source}: chat template {name!r} has a syntax error at line {exc.lineno}: {exc.message}"
+                ) from None
+
+    @classmethod
+    def from_dir(cls, checkpoint_dir) -> "Tokenizer":
+        """Returns the tokenizer of a checkpoint directory.
+
+        Reads tokenizer.json, tokenizer_config.json (special tokens, chat template),
+        chat_template.jinja (where transformers 5 saves the template; it wins) and the
+        eos ids of generation_config.json. Raises TokenizerError naming the file.
+        """
+        directory = Path(checkpoint_dir)
+        tokenizer_path = directory / "tokenizer.json"
+        try:
+            raw = tokenizer_path.read_bytes()
+        except OSError as exc:
+            raise TokenizerError(f"{tokenizer_path}: cannot read: {exc.strerror or exc}") from None
+        try:
+            backend = _Backend.from_str(raw.decode("utf-8"))
+        except Exception as exc:  # the Rust side raises its own Exception type
+            raise TokenizerError(f"{tokenizer_path}: not a valid tokenizer: {exc}") from None
+
+        config_path = directory / "tokenizer_config.json"
+        config = _read_json(config_path) if config_path.is_file() else {}
+        if not isinstance(config, dict):
+            raise TokenizerError(f"{config_path}: must be a JSON object")
+        special_tokens = {}
+        for field in _NAMED_TOKENS:
+            content = _token_content(config.get(field), field, config_path)
+            if content is not None:
+                special_tokens[field] = content
+
+        extra_special: set[int] = set()
+        decoder_entries = config.get("added_tokens_decoder") or {}
+        if not isinstance(decoder_entries, dict):
+            raise TokenizerError(f"{config_path}: added_tokens_decoder must be an object")
+        for key, entry in decoder_entries.items():
+            if isinstance(entry, dict) and entry.get("special"):
+                if not key.isdigit():
+                    raise TokenizerError(f"{config_path}: added_tokens_decoder key {key!r} is not a token id")
+                extra_special.add(int(key))
+        for field in ("additional_special_tokens", "extra_special_tokens"):
+            listed = config.get(field) or []
+            if isinstance(listed, dict):  # transformers 5 may map names to tokens
+                listed = list(listed.values())
+            if not isinstance(listed, list):
+                raise TokenizerError(f"{config_path}: {field} must be a list, got {listed!r}")
+            for item in listed:
+                content = _token_content(item, field, config_path)
+                token_id = backend.token_to_id(content)
+                if token_id is None:
+                    raise TokenizerError(f"{config_path}: {field} token {content!r} is not in the vocabulary")
+                extra_special.add(token_id)
+
+        templates = cls._read_templates(directory, config, config_path)
+
+        eos_ids: list[int] = []
+        generation_path = directory / "generation_config.json"
+        if generation_path.is_file():
+            generation = _read_json(generation_path)
+            value = generation.get("eos_token_id") if isinstance(generation, dict) else None
+            items = value if isinstance(value, list) else ([] if value is None else [value])
+            for item in items:
+                if not isinstance(item, int) or isinstance(item, bool) or item < 0:
+                    raise TokenizerError(f"{generation_path}: eos_token_id = {value!r}: must be token ids")
+                eos_ids.append(item)
+
+        return cls(
+            backend,
+            fingerprint=hashlib.sha256(raw).hexdigest(),
+            chat_templates=templates,
+            special_tokens=special_tokens,
+            extra_special_ids=extra_special,
+            extra_eos_ids=eos_ids,
+            source=str(directory),
+        )
+
+    @staticmethod
+    def _read_templates(directory: Path, config: dict, config_path: Path) -> dict[str, str]:
+        """Named chat templates; a single template is named "default"."""
+        templates: dict[str, str] = {}
+        value = config.get("chat_template")
+        if isinstance(value, str):
+            templates["default"] = value
+        elif isinstance(value, list):  # [{"name": ..., "template": ...}, ...]
+            for entry in value:
+                if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                        and isinstance(entry.get("template"), str)):
+                    raise TokenizerError(f"{config_path}: chat_template entry {entry!r} needs a name and a template")
+                templates[entry["name"]] = entry["template"]
+        elif value is not None:
+            raise TokenizerError(f"{config_path}: chat_template must be a string or a list, got {value!r}")
+        jinja_path = directory / "chat_template.jinja"
+        if jinja_path.is_file():
+            try:
+                templates["default"] = jinja_path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise TokenizerError(f"{jinja_path}: cannot read: {exc}") from None
+        extra_dir = directory / "additional_chat_templates"
+        if extra_dir.is_dir():
+            for path in sorted(extra_dir.glob("*.jinja")):
+                templates[path.stem] = path.read_text(encoding="utf-8")
+        return templates
+
+    @property
+    def chat_template_names(self) -> tuple[str, ...]:
+        return tuple(self._templates)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Returns the token ids of `text`; special tokens written in the text map to their ids."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"text must be a str, got {type(text).__name__}")
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def _check_ids(self, ids) -> list[int]:
+        out = []
+        for value in ids:
+            try:
+                token_id = operator.index(value)  # ints and numpy integers, not floats
+            except TypeError:
+                raise TokenizerError(f"token id {value!r} is not an int") from None
+            if isinstance(value, bool):
+                raise TokenizerError(f"token id {value!r} is not an int")
+            if not 0 <= token_id < self.vocab_size:
+                raise TokenizerError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
+            out.append(token_id)
+        return out
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """Returns the text of `ids` (without transformers' optional space clean-up).
+
+        Raises TokenizerError for an id outside the vocabulary.
+        """
+        ids = self._check_ids(ids)
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.special_token_ids]
+        return self._backend.decode(ids, skip_special_tokens=False)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        chat_template: str | None = None,
+        **kwargs,
+    ) -> str:
+        """Returns the rendered prompt text, as transformers' apply_chat_template(tokenize=False).
+
+        `chat_template` picks a named template; extra kwargs (e.g. enable_thinking) reach
+        the template. Raises TokenizerError when there is no template, the messages are
+        malformed, or the template raises.
+        """
+        if not self._templates:
+            raise TokenizerError(f"{self._source}: this tokenizer has no chat template")
+        if chat_template is not None:
+            if chat_template not in self._templates:
+                raise TokenizerError(
+                    f"chat_template {chat_template!r} not found; available: {sorted(self._templates)}"
+                )
+            template = self._templates[chat_template]
+        elif len(self._templates) == 1:
+            template = next(iter(self._templates.values()))
+        elif tools is not None and "tool_use" in self._templates:
+            template = self._templates["tool_use"]
+        elif "default" in self._templates:
+            template = self._templates["default"]
+        else:
+            raise TokenizerError(
+                f"{self._source}: several chat templates and no default; pick one of {sorted(self._templates)}"
+            )
+        variables = {**self._special_tokens, **_plain(kwargs, "kwargs")}
+        try:
+            return template.render(
+                messages=_normalize_messages(messages),
+                tools=_plain(tools, "tools"),
+                documents=_plain(documents, "documents"),
+                add_generation_prompt=bool(add_generation_prompt),
+                **variables,
+            )
+        except jinja2.exceptions.TemplateError as exc:
+            raise TokenizerError(f"chat template failed: {exc.message or exc}") from None
+        except Exception as exc:  # a template is code from the checkpoint; its bugs are the caller's error
+            raise TokenizerError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+
+    def decoder(self, skip_special_tokens: bool = False) -> "IncrementalDecoder":
+        """Returns a fresh streaming decoder."""
+        return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDecoder:
+    """Turns tokens pushed one at a time into text, never splitting a character.
+
+    Each push decodes a short window of recent tokens twice, with and without the new
+    ones, and emits the difference. Decoding from a window start that lies on a
+    character boundary gives the same text as decoding from the beginning, and text is
+    held back while it ends in U+FFFD (bytes of an incomplete character).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: the token after which text was last complete
+        self._read = 0  # tokens before this have been emitted
+        self._emitted: list[str] = []
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer._backend.decode(ids, skip_special_tokens=False)
+
+    def push(self, token_id: int) -> str:
+        """Returns the text the token completes ("" while a character is still partial)."""
+        (token_id,) = self._tokenizer._check_ids([token_id])
+        if self._skip and token_id in self._tokenizer.special_token_ids:
+            return ""
+        self._ids.append(token_id)
+        before = self._decode(self._ids[self._prefix:self._read])
+        after = self._decode(self._ids[self._prefix:])
+        if len(after) <= len(before) or after.endswith(_REPLACEMENT_CHAR) or not after.startswith(before):
+            return ""
+        text = after[len(before):]
+        self._prefix, self._read = self._read, len(self._ids)
+        self._emitted.append(text)
+        return text
+
+    def flush(self) -> str:
+        """Returns the text still held back (e.g. an incomplete character, as U+FFFD)."""
+        emitted = "".join(self._emitted)
+        full = self._decode(self._ids)
+        if full.startswith(emitted):
+            text = full[len(emitted):]
+        else:
+            # a decoder whose windows do not concatenate: emit what the window adds
+            before = self._decode(self._ids[self._prefix:self._read])
+            text = self._decode(self._ids[self._prefix:])[len(before):]
+        self._prefix = self._read = len(self._ids)
+        self._emitted = [emitted + text]
+        return text

@@ -1,0 +1,55 @@
+"""Compute backends behind one interface (kernels/base.py): host (CPU) and xrt (NPU)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import structlog
+
+from kernels.base import Backend, LinearWeight
+
+log = structlog.get_logger(__name__)
+
+_lock = threading.Lock()
+_default: Backend | None = None
+
+
+class RowwiseBackend:
+    """A backend whose GEMM runs one row per call: batch-invariant by construction.
+
+    Used when the start-up self-check finds that the fast kernel's rows depend on M on
+    this machine. Every other operation is delegated unchanged.
+    """
+
+    def __init__(self, inner: Backend):
+        self.inner = inner
+        self.name = f"{inner.name}-rowwise"
+
+    def linear(self, x: np.ndarray, w: LinearWeight) -> np.ndarray:
+        return np.concatenate([self.inner.linear(x[i : i + 1], w) for i in range(x.shape[0])])
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+
+def default_backend() -> Backend:
+    """The host backend, after its batch-invariance self-check on this machine (run once).
+
+    If any row of an M-row GEMM (M = 1..16) differs in its bits from the one-row call, the
+    result is logged and the row-at-a-time wrapper is returned instead.
+    """
+    global _default
+    with _lock:
+        if _default is None:
+            from kernels.host import HostBackend, check_batch_invariance, num_threads
+
+            host = HostBackend()
+            failures = check_batch_invariance(host)
+            if failures:
+                log.warning("kernel_self_check_failed", backend=host.name, failures=failures, fallback="rowwise")
+                _default = RowwiseBackend(host)
+            else:
+                log.info("kernel_self_check_passed", backend=host.name, rows="1..16", threads=num_threads())
+                _default = host
+        return _default

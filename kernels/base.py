@@ -1,0 +1,110 @@
+"""The compute backend interface: what a forward pass needs from a device.
+
+Every operation takes M rows and must give, for each row, the bits that a one-row call
+would give for that row alone (batch invariance). The speculative verifier depends on it:
+an accepted draft means "the model would have chosen this token here", not "nearby".
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+class WeightFormat(enum.Enum):
+    """How a linear layer's weight matrix is held in host memory."""
+
+    FP32 = "fp32"  # float32 [N, K]
+    BF16 = "bf16"  # uint16 [N, K] holding bfloat16 bits, widened to fp32 inside the kernel
+    INT8 = "int8"  # int8 [N, K] with one fp32 scale per output row (symmetric, per channel)
+
+    @classmethod
+    def parse(cls, value: str) -> "WeightFormat":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"unknown weight format {value!r}; expected one of {[f.value for f in cls]}"
+            ) from None
+
+
+@dataclass(slots=True, frozen=True)
+class LinearWeight:
+    """A linear layer y = x @ W.T (+ bias), W held in `fmt`.
+
+    As loaded, `data` is [N, K] ("rows"). A backend may re-lay it out once at load time
+    (`Backend.prepare_linear`); the host backend uses column tiles, [ceil(N / T), K, T]
+    zero-padded, and records the true N in `out_features`.
+    """
+
+    fmt: WeightFormat
+    data: np.ndarray  # rows: [N, K]; tiles: [ceil(N / T), K, T]. float32, uint16 (bf16 bits) or int8
+    scale: np.ndarray | None = None  # [N] float32, INT8 only
+    bias: np.ndarray | None = None  # [N] float32
+    layout: str = "rows"
+    out_features: int = 0  # derived from `data` for the rows layout
+
+    def __post_init__(self) -> None:
+        if self.layout == "rows":
+            object.__setattr__(self, "out_features", int(self.data.shape[0]))
+        elif self.out_features <= 0:
+            raise ValueError(f"LinearWeight: layout {self.layout!r} needs out_features")
+
+    @property
+    def in_features(self) -> int:
+        return int(self.data.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        n = self.data.nbytes
+        if self.scale is not None:
+            n += self.scale.nbytes
+        if self.bias is not None:
+            n += self.bias.nbytes
+        return n
+
+
+class Backend(Protocol):
+    """Row-wise kernels. Shapes are written [rows, features]; all activations are fp32."""
+
+    name: str
+
+    def prepare_linear(self, w: LinearWeight) -> LinearWeight:
+        """Re-lay out a loaded [N, K] weight for this backend (done once, at load)."""
+
+    def linear(self, x: np.ndarray, w: LinearWeight) -> np.ndarray:
+        """x: [M, K] -> [M, N]."""
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """x: [M, D] normalised over D, times weight [D] -> [M, D]."""
+
+    def rope(self, x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+        """x: [M, H, Dh], positions: [M] -> rotated [M, H, Dh] (half-split layout)."""
+
+    def attention(
+        self,
+        q: np.ndarray,
+        k_cache: np.ndarray,
+        v_cache: np.ndarray,
+        positions: np.ndarray,
+        window: int,
+        scale: float,
+    ) -> np.ndarray:
+        """Causal attention of M query rows over a cache.
+
+        q: [M, H, Dh]; k_cache, v_cache: [T, KVH, Dh] holding positions 0..T-1;
+        positions: [M], row m sees keys 0..positions[m] (the last `window` of them when
+        window > 0) -> [M, H, Dh].
+        """
+
+    def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        """silu(gate) * up, elementwise, [M, F] -> [M, F]."""
+
+    def embed(self, table: LinearWeight, tokens: np.ndarray) -> np.ndarray:
+        """Rows of the embedding table: tokens [M] -> [M, D] fp32."""
+
+    def argmax(self, logits: np.ndarray) -> np.ndarray:
+        """[M, V] -> [M] int64, the first index of the maximum in each row."""

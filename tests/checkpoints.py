@@ -1,0 +1,137 @@
+"""Tiny checkpoints built on the fly: a trained byte-level BPE tokenizer and random models
+saved by transformers itself, so the loader reads exactly what the reference writes.
+
+Everything is deterministic under its seed and small enough to build in about a second.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "def greet(name):\n    print('hello, ' + name)\n",
+    "for i in range(10):\n    total += i * i\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "The quick brown fox jumps over the lazy dog. ",
+    "Speculative decoding drafts tokens and verifies them in one batched pass. ",
+    "naïve café — 東京 🙂 résumé ",
+] * 20
+
+
+@lru_cache(maxsize=None)
+def _tokenizer_json(vocab_size: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    return tok.to_str()
+
+
+def write_tokenizer(out_dir: Path, vocab_size: int = 320) -> None:
+    """tokenizer.json (byte-level BPE), tokenizer_config.json with a ChatML template."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "tokenizer.json").write_text(_tokenizer_json(vocab_size))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": 4096,
+            }
+        )
+    )
+
+
+_BASE = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+
+
+def build_tiny_checkpoint(
+    out_dir: Path,
+    model_type: str = "qwen3",
+    seed: int = 0,
+    dtype: str = "float32",
+    init_std: float = 0.2,
+    **overrides,
+) -> Path:
+    """Save a random transformers model of `model_type` (llama, mistral, qwen2, qwen3) with a tokenizer.
+
+    `init_std` is larger than transformers' default so that logits are spread and greedy
+    choices are decided by clear margins (parity tests compare argmax sequences).
+    Returns the checkpoint directory.
+    """
+    import torch
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }
+    config_cls, model_cls = classes[model_type]
+    params = dict(_BASE)
+    if model_type == "qwen3":
+        params["head_dim"] = 32
+    params.update(overrides)
+    config = config_cls(**params)
+    config.initializer_range = init_std
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        # norms start at 1.0 in transformers; give them spread so a norm bug shows
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    out_dir = Path(out_dir)
+    model.to(getattr(torch, dtype)).save_pretrained(out_dir, safe_serialization=True)
+    write_tokenizer(out_dir, vocab_size=min(params["vocab_size"], 320))
+    return out_dir
+
+
+def load_reference(ckpt: Path, dtype: str = "float32"):
+    """The transformers model for a checkpoint directory, on the CPU in eval mode."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype))
+    return model.eval()

@@ -1,0 +1,249 @@
+"""The forward pass: parity with transformers, batch invariance, truncation.
+
+Tolerances: with fp32 weights, max |our logit - transformers' logit| <= 1e-4 x max |logit|
+over a 32-token prompt. With bf16 (or int8) host weights we compare against transformers
+running in fp32 on the same rounded (or dequantised) weights, with the same 1e-4 bound,
+since the arithmetic is fp32 on both sides; the cost of bf16 storage itself is the
+rounding of the weights, which both sides share.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoints import build_tiny_checkpoint, load_reference
+from engine.forward import Forward
+from engine.model import Model, rows_equal
+from engine.weights import open_checkpoint
+from kernels.base import WeightFormat
+
+LONG = [int(t) for t in np.random.default_rng(7).integers(3, 320, 48)]
+PROMPT = LONG[:32]
+
+CASES = {
+    "llama": dict(model_type="llama"),
+    "llama_tied_gqa": dict(model_type="llama", tie_word_embeddings=True, num_key_value_heads=1),
+    "llama_bias": dict(model_type="llama", attention_bias=True, mlp_bias=True),
+    "llama3_rope": dict(
+        model_type="llama",
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "mistral_window": dict(model_type="mistral", sliding_window=8),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen2_tied": dict(model_type="qwen2", tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3"),
+    "qwen3_tied_mha": dict(model_type="qwen3", tie_word_embeddings=True, num_key_value_heads=4),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: build_tiny_checkpoint(root / name, **kw) for name, kw in CASES.items()}
+
+
+def reference_logits(ckpt, tokens):
+    ref = load_reference(ckpt)
+    with torch.no_grad():
+        return ref(torch.tensor([tokens])).logits[0].numpy()
+
+
+def reference_greedy(ckpt, tokens, n):
+    ref = load_reference(ckpt)
+    with torch.no_grad():
+        out = ref.generate(
+            torch.tensor([tokens]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, len(tokens) :].tolist()
+
+
+def our_greedy(model, tokens, n):
+    f = Forward(model)
+    logits = f.prefill(tokens)
+    out = []
+    for _ in range(n):
+        t = int(np.argmax(logits))
+        out.append(t)
+        logits = f.step(t, f.positions_held)
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fp32_matches_transformers(checkpoints, name):
+    ckpt = checkpoints[name]
+    model = Model.load(ckpt, WeightFormat.FP32)
+    ours = Forward(model).step_batch_all(PROMPT, 0)
+    ref = reference_logits(ckpt, PROMPT)
+    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+    assert our_greedy(model, PROMPT, 32) == reference_greedy(ckpt, PROMPT, 32)
+
+
+def _rounded_reference(ckpt, tmp_path, transform):
+    """transformers on the checkpoint with every 2-D weight replaced by transform(weight)."""
+    ref = load_reference(ckpt)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if p.ndim == 2:
+                p.copy_(torch.from_numpy(transform(p.numpy().copy())))
+    return ref
+
+
+def _bf16_round(w):
+    return torch.from_numpy(w).to(torch.bfloat16).to(torch.float32).numpy()
+
+
+def _int8_round(w):
+    scale = np.abs(w).max(axis=1, keepdims=True) / 127
+    scale[scale == 0] = 1.0
+    return (np.clip(np.rint(w / scale), -127, 127) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt,transform", [("bf16", _bf16_round), ("int8", _int8_round)])
+@pytest.mark.parametrize("name", ["qwen3", "llama_tied_gqa"])
+def test_low_precision_weights_match_rounded_reference(checkpoints, tmp_path, name, fmt, transform):
+    ckpt = checkpoints[name]
+    ours = Forward(Model.load(ckpt, fmt)).step_batch_all(PROMPT, 0)
+    ref_model = _rounded_reference(ckpt, tmp_path, transform)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([PROMPT])).logits[0].numpy()
+    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+    assert np.array_equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_bf16_checkpoint_loads_and_matches(tmp_path):
+    ckpt = build_tiny_checkpoint(tmp_path / "bf16", "qwen3", dtype="bfloat16")
+    assert open_checkpoint(ckpt)["model.embed_tokens.weight"].dtype == "BF16"
+    ref = reference_logits(ckpt, PROMPT)  # fp32 arithmetic on the bf16 values
+    for fmt in ("bf16", "fp32"):
+        ours = Forward(Model.load(ckpt, fmt)).step_batch_all(PROMPT, 0)
+        assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+@pytest.fixture(scope="module", params=["fp32", "bf16", "int8"])
+def qwen3_model(request, checkpoints):
+    return Model.load(checkpoints["qwen3"], request.param)
+
+
+@pytest.mark.parametrize("prefix", [0, 5, 23])
+def test_batched_rows_bit_identical_to_sequential_steps(qwen3_model, prefix):
+    tokens = LONG[: prefix + 16]
+    seq = Forward(qwen3_model)
+    stepped = [seq.step(t, i) for i, t in enumerate(tokens)]
+    for m in range(1, 17):
+        f = Forward(qwen3_model)
+        if prefix:
+            f.prefill(tokens[:prefix])
+        rows = f.step_batch_all(tokens[prefix : prefix + m], prefix)
+        for i in range(m):
+            assert rows_equal(rows[i], stepped[prefix + i]), f"M={m} row {i} at position {prefix + i}"
+        g = Forward(qwen3_model)
+        if prefix:
+            g.prefill(tokens[:prefix])
+        assert rows_equal(g.step_batch(tokens[prefix : prefix + m], prefix), rows[-1])
+
+
+def test_repeat_run_identical(qwen3_model):
+    a = Forward(qwen3_model).step_batch_all(PROMPT[:9], 0)
+    b = Forward(qwen3_model).step_batch_all(PROMPT[:9], 0)
+    assert rows_equal(a, b)
+
+
+def test_prefill_last_row_equals_steps(qwen3_model):
+    f = Forward(qwen3_model, prefill_chunk=5)  # chunks of 5, 5, 5, ... over 32 tokens
+    last = f.prefill(PROMPT)
+    g = Forward(qwen3_model)
+    for i, t in enumerate(PROMPT):
+        stepped = g.step(t, i)
+    assert rows_equal(last, stepped)
+    assert f.positions_held == g.positions_held == len(PROMPT)
+
+
+@pytest.mark.parametrize("keep", [0, 1, 7, 20])
+def test_truncate_then_continue_equals_fresh_forward(qwen3_model, keep):
+    f = Forward(qwen3_model)
+    f.prefill(PROMPT[:20])
+    f.step_batch_all(PROMPT[20:26], 20)
+    f.truncate(keep)
+    assert f.positions_held == keep
+    cont = f.step_batch_all(PROMPT[keep : keep + 4], keep)
+    fresh = Forward(qwen3_model)
+    if keep:
+        fresh.prefill(PROMPT[:keep])
+    assert rows_equal(cont, fresh.step_batch_all(PROMPT[keep : keep + 4], keep))
+
+
+def test_sliding_window_batched_rows_match_steps(checkpoints):
+    model = Model.load(checkpoints["mistral_window"], "fp32")
+    seq = Forward(model)
+    stepped = [seq.step(t, i) for i, t in enumerate(PROMPT[:20])]
+    f = Forward(model)
+    f.prefill(PROMPT[:10])
+    rows = f.step_batch_all(PROMPT[10:20], 10)
+    assert all(rows_equal(rows[i], stepped[10 + i]) for i in range(10))
+
+
+def test_pass_at_wrong_position_is_refused_and_changes_nothing(qwen3_model):
+    f = Forward(qwen3_model)
+    f.prefill(PROMPT[:4])
+    with pytest.raises(ValueError, match="starts at position 3, but 4"):
+        f.step(PROMPT[4], 3)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        f.step_batch_all([PROMPT[4], 10_000], 4)
+    assert f.positions_held == 4
+    g = Forward(qwen3_model)
+    g.prefill(PROMPT[:4])
+    assert rows_equal(f.step(PROMPT[4], 4), g.step(PROMPT[4], 4))
+
+
+def test_failed_pass_rolls_back_appended_rows(qwen3_model, monkeypatch):
+    f = Forward(qwen3_model)
+    f.prefill(PROMPT[:4])
+    calls = {"n": 0}
+    real = f.backend.silu_mul
+
+    def failing(gate, up):
+        calls["n"] += 1
+        if calls["n"] == 2:  # layer 1: layer 0 has already appended its K/V rows
+            raise MemoryError("injected")
+        return real(gate, up)
+
+    monkeypatch.setattr(f.backend, "silu_mul", failing)
+    with pytest.raises(MemoryError):
+        f.step_batch_all(PROMPT[4:8], 4)
+    monkeypatch.undo()
+    assert [p.length for p in f.state.planes] == [4, 4]
+    g = Forward(qwen3_model)
+    g.prefill(PROMPT[:4])
+    assert rows_equal(f.step_batch_all(PROMPT[4:8], 4), g.step_batch_all(PROMPT[4:8], 4))
+
+
+def test_layer_taps_receive_every_row(qwen3_model):
+    rows = []
+
+    class Sink:
+        def append(self, r):
+            rows.append(r.copy())
+
+    f = Forward(qwen3_model)
+    f.set_layer_taps([0, 1], Sink())
+    f.prefill(PROMPT[:6])
+    f.step_batch_all(PROMPT[6:9], 6)
+    f.step(PROMPT[9], 9)
+    taps = np.concatenate(rows)
+    assert taps.shape == (10, 2 * qwen3_model.config.hidden_size)
+    g = Forward(qwen3_model)
+    g.set_layer_taps([0, 1], Sink())
+    rows.clear()
+    for i, t in enumerate(PROMPT[:10]):
+        g.step(t, i)
+    assert rows_equal(taps, np.concatenate(rows))
+    assert f.last_hidden_rows().shape == (1, qwen3_model.config.hidden_size)
