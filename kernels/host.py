@@ -60,20 +60,31 @@ def _make_linear(widen, parallel):
         M, K = x.shape
         tiles = wt.shape[0]
         k4 = K - K % 4
+        m2 = M - M % 2
         for t in prange(tiles):
             acc = np.zeros((M, TILE), np.float32)
             w4 = np.empty((4, TILE), np.float32)
-            # four k at a time: each accumulator still adds x[m, k] * w[k] in increasing k,
-            # one rounding per multiply and per add, but is loaded and stored once per four
+            # four k at a time, two rows at a time: each accumulator still adds x[m, k] * w[k]
+            # in increasing k with one rounding per multiply and per add, but is loaded and
+            # stored once per four k, and two rows give the core independent chains to overlap
             for k in range(0, k4, 4):
                 for i in range(4):
                     for j in range(TILE):
                         w4[i, j] = widen(wt[t, k + i, j])
-                for m in range(M):
-                    x0 = x[m, k]
-                    x1 = x[m, k + 1]
-                    x2 = x[m, k + 2]
-                    x3 = x[m, k + 3]
+                for m in range(0, m2, 2):
+                    x0, x1, x2, x3 = x[m, k], x[m, k + 1], x[m, k + 2], x[m, k + 3]
+                    y0, y1, y2, y3 = x[m + 1, k], x[m + 1, k + 1], x[m + 1, k + 2], x[m + 1, k + 3]
+                    for j in range(TILE):
+                        a = acc[m, j] + x0 * w4[0, j]
+                        b = acc[m + 1, j] + y0 * w4[0, j]
+                        a = a + x1 * w4[1, j]
+                        b = b + y1 * w4[1, j]
+                        a = a + x2 * w4[2, j]
+                        b = b + y2 * w4[2, j]
+                        acc[m, j] = a + x3 * w4[3, j]
+                        acc[m + 1, j] = b + y3 * w4[3, j]
+                for m in range(m2, M):
+                    x0, x1, x2, x3 = x[m, k], x[m, k + 1], x[m, k + 2], x[m, k + 3]
                     for j in range(TILE):
                         a = acc[m, j] + x0 * w4[0, j]
                         a = a + x1 * w4[1, j]
