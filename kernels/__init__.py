@@ -53,3 +53,36 @@ def default_backend() -> Backend:
                 log.info("kernel_self_check_passed", backend=host.name, rows="1..16", threads=num_threads())
                 _default = host
         return _default
+
+
+def select_backend(kind: str = "auto", xrt_design: str | None = None) -> tuple[Backend, str]:
+    """The backend to serve with, and why: "host", "xrt", or "auto" (xrt where it can run).
+
+    Raises ValueError for an unknown kind, and kernels.xrt.XrtUnavailable when "xrt" was
+    asked for and cannot run. A backend is only returned after its invariance self-check.
+    """
+    from kernels import xrt
+
+    if kind not in ("auto", "host", "xrt"):
+        raise ValueError(f"unknown backend {kind!r}; expected auto, host or xrt")
+    host = default_backend()
+    if kind == "host":
+        return host, "host backend requested"
+    ok, why = xrt.probe()
+    if ok and xrt_design is None:
+        ok, why = False, f"{why}, but no NPU GEMM design (xrt_design) is configured"
+    if not ok:
+        if kind == "xrt":
+            raise xrt.XrtUnavailable(why)
+        return host, f"host backend: {why}"
+    from kernels.host import check_batch_invariance
+
+    backend = xrt.XrtBackend(xrt.GemmDesign.load(xrt_design), host)
+    failures = check_batch_invariance(backend)
+    if failures:
+        log.warning("kernel_self_check_failed", backend="xrt", failures=failures)
+        if kind == "xrt":
+            raise xrt.XrtUnavailable(f"the NPU GEMM is not batch-invariant on this device: {failures}")
+        return host, f"host backend: NPU GEMM failed the invariance self-check ({failures[0]}, ...)"
+    log.info("kernel_self_check_passed", backend="xrt", rows="1..16")
+    return backend, why
