@@ -158,8 +158,16 @@ class KVPlane:
         _check_arrays(self.layer, snap, self.array_shapes(snap.positions))
 
     def restore(self, snap: PlaneSnapshot) -> None:
-        self.length = 0
-        self.append(snap.arrays["k"], snap.arrays["v"])
+        n = snap.positions
+        # headroom, so that the pass right after a restore does not copy every row again to
+        # grow; np.empty maps pages lazily, so the unused half costs address space only
+        if self.k.shape[0] < n + 1:
+            cap = max(64, 2 * n)
+            self.k = np.empty((cap, self.num_kv_heads, self.head_dim), np.float32)
+            self.v = np.empty((cap, self.num_kv_heads, self.head_dim), np.float32)
+        self.k[:n] = snap.arrays["k"]
+        self.v[:n] = snap.arrays["v"]
+        self.length = n
 
 
 class SharedPlane:
@@ -205,14 +213,17 @@ class RecurrentPlane:
 
     `begin_pass()` marks the start of a batched pass; `advance(arrays)` records the state
     after each row. `keep_positions(n)` may then go back to any position the pass went
-    through; any other cut raises StateError, since a recurrent state cannot be sliced.
+    through, or up to `retain` positions behind the current one from earlier passes (a
+    draft model that stepped k tokens one pass each and is cut back to its accepted ones);
+    any other cut raises StateError, since a recurrent state cannot be sliced.
     """
 
     kind = PlaneKind.RECURRENT
 
-    def __init__(self, layer: int, shapes: dict[str, tuple[int, ...]]):
+    def __init__(self, layer: int, shapes: dict[str, tuple[int, ...]], retain: int = 0):
         self.layer = layer
         self.shapes = dict(shapes)
+        self.retain = retain
         self.arrays = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
         self.length = 0
         self._history: dict[int, dict[str, np.ndarray]] = {0: self._copy()}
@@ -237,7 +248,9 @@ class RecurrentPlane:
         return sum(a.nbytes for a in self.arrays.values())
 
     def begin_pass(self) -> None:
-        self._history = {self.length: self._copy()}
+        keep = self.length - self.retain
+        self._history = {n: saved for n, saved in self._history.items() if keep <= n < self.length}
+        self._history[self.length] = self._copy()
 
     def advance(self, arrays: dict[str, np.ndarray]) -> None:
         for name, a in arrays.items():
@@ -307,14 +320,15 @@ class ModelState:
         self.planes = planes
 
     @classmethod
-    def for_config(cls, cfg) -> "ModelState":
-        """Fresh, empty planes for a `ModelConfig` (engine/config.py)."""
+    def for_config(cls, cfg, recurrent_retain: int = 0) -> "ModelState":
+        """Fresh, empty planes for a `ModelConfig` (engine/config.py); recurrent planes keep
+        `recurrent_retain` positions from earlier passes (RecurrentPlane)."""
         from engine.config import AttentionKind
 
         planes: list[Plane] = []
         for spec in cfg.layers:
             if spec.kind is AttentionKind.LINEAR:
-                planes.append(RecurrentPlane(spec.index, cfg.recurrent_state_shapes(spec)))
+                planes.append(RecurrentPlane(spec.index, cfg.recurrent_state_shapes(spec), recurrent_retain))
             elif not spec.owns_kv:
                 planes.append(SharedPlane(spec.index, spec.kv_owner))
             else:

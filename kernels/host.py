@@ -125,7 +125,8 @@ _GEMMS = {
     for fmt, widen in ((WeightFormat.FP32, _widen_f32), (WeightFormat.BF16, _widen_bf16), (WeightFormat.INT8, _widen_i8))
     for parallel in (False, True)
 }
-PARALLEL_MIN_WORK = 1 << 21  # rows x weight elements below which one thread is faster
+PARALLEL_MIN_WORK = 1 << 21  # elements of work below which waking a second thread costs more than it saves
+PARALLEL_MIN_WEIGHT = 1 << 20  # weight elements from which a GEMM splits its tiles across threads
 
 
 def pack_tiles(data: np.ndarray) -> np.ndarray:
@@ -297,7 +298,8 @@ class HostBackend:
         if x.ndim != 2 or x.shape[1] != w.in_features:
             raise ValueError(f"linear: x has shape {x.shape}, weight expects [M, {w.in_features}]")
         padded = np.empty((x.shape[0], w.data.shape[0] * TILE), np.float32)
-        parallel = self.parallel and x.shape[0] * w.data.size >= PARALLEL_MIN_WORK
+        # by weight size alone, so a step and a verify of the same layer take the same path
+        parallel = self.parallel and w.data.size >= PARALLEL_MIN_WEIGHT
         _GEMMS[w.fmt, parallel](x, w.data, padded)
         out = padded[:, : w.out_features]
         has_scale = w.scale is not None
@@ -367,6 +369,69 @@ class HostBackend:
     def argmax(self, logits: np.ndarray) -> np.ndarray:
         return np.argmax(logits, axis=-1)
 
+    # ---------------------------------------------- gemma4 / qwen3_5 (kernels at the end of the file)
+
+    def gelu_tanh_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        gate = np.ascontiguousarray(gate, dtype=np.float32)
+        up = np.ascontiguousarray(up, dtype=np.float32)
+        out = np.empty_like(gate)
+        _gelu_tanh_mul(gate, up, out)
+        return out
+
+    def sigmoid_mul(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty_like(x)
+        _sigmoid_mul(x, np.ascontiguousarray(gate, dtype=np.float32), out)
+        return out
+
+    def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty_like(x)
+        _softcap(x, np.float32(cap), out)
+        return out
+
+    def l2_norm(self, x: np.ndarray, eps: float) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        flat = x.reshape(-1, x.shape[-1])
+        out = np.empty_like(flat)
+        _l2_norm(flat, np.float32(eps), out)
+        return out.reshape(x.shape)
+
+    def causal_conv1d_silu(self, x: np.ndarray, state: np.ndarray, weight: np.ndarray):
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        m, c = x.shape
+        taps = weight.shape[1]
+        out = np.empty_like(x)
+        states = np.empty((m, c, taps - 1), np.float32)
+        _causal_conv1d_silu(x, np.ascontiguousarray(state, dtype=np.float32), weight, out, states)
+        return out, states
+
+    def gdn_gates(self, a: np.ndarray, b: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray):
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        log_decay = np.empty_like(a)
+        beta = np.empty_like(a)
+        _gdn_gates(a, np.ascontiguousarray(b, dtype=np.float32), a_log, dt_bias, log_decay, beta)
+        return log_decay, beta
+
+    def gated_delta_rule(self, q, k, v, log_decay, beta, state):
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        k = np.ascontiguousarray(k, dtype=np.float32)
+        v = np.ascontiguousarray(v, dtype=np.float32)
+        m, hv, dv = v.shape
+        out = np.empty((m, hv, dv), np.float32)
+        states = np.empty((m,) + state.shape, np.float32)
+        _GATED_DELTA[self.parallel and m * state.size >= PARALLEL_MIN_WORK // 8](
+            q, k, v, np.ascontiguousarray(log_decay), np.ascontiguousarray(beta),
+            np.ascontiguousarray(state, dtype=np.float32), out, states,
+        )
+        return out, states
+
+    def gated_rms_norm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty_like(x)
+        _gated_rms_norm(x, np.ascontiguousarray(z, dtype=np.float32), weight, np.float32(eps), out)
+        return out
+
 
 _EMPTY = np.zeros(1, np.float32)
 
@@ -402,3 +467,156 @@ def check_batch_invariance(backend, rows: int = 16, k: int = 300, n: int = 136, 
 
 def num_threads() -> int:
     return numba.get_num_threads()
+
+
+# ------------------------------------------------------------------ gemma4 / qwen3_5 kernels
+# Each output element (or each row, or each (row, head)) is computed by one fixed sequence of
+# operations that reads only its own row (and, for the recurrent kernels, the state carried
+# from the row before), so row i of an M-row call has the bits of a one-row call. Inner loops
+# run over one row at a time: where LLVM vectorises them, the split into vector body and tail
+# depends on the row length, never on M. Transcendentals are taken in float64 and rounded once.
+
+
+@njit(cache=True, fastmath=False, nogil=True)
+def _gelu_tanh_mul(gate, up, out):
+    # gate, up: [M, F] -> gelu_tanh(gate) * up; gelu_tanh(x) = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+    M, F = gate.shape
+    c = math.sqrt(2.0 / math.pi)
+    for m in range(M):
+        for f in range(F):
+            g = np.float64(gate[m, f])
+            act = np.float32(0.5 * g * (1.0 + math.tanh(c * (g + 0.044715 * g * g * g))))
+            out[m, f] = act * up[m, f]
+
+
+@njit(cache=True, fastmath=False, nogil=True)
+def _sigmoid_mul(x, gate, out):
+    # x, gate: [M, F] -> x * sigmoid(gate)
+    M, F = x.shape
+    for m in range(M):
+        for f in range(F):
+            s = np.float32(1.0 / (1.0 + math.exp(-np.float64(gate[m, f]))))
+            out[m, f] = x[m, f] * s
+
+
+@njit(cache=True, fastmath=False, nogil=True)
+def _softcap(x, cap, out):
+    # x: [M, V] -> cap * tanh(x / cap), each op rounded to float32 as the reference does
+    M, V = x.shape
+    for m in range(M):
+        for j in range(V):
+            t = x[m, j] / cap
+            out[m, j] = np.float32(math.tanh(np.float64(t))) * cap
+
+
+@njit(cache=True, fastmath=False, nogil=True)
+def _l2_norm(x, eps, out):
+    # x: [R, D] -> x / sqrt(sum x^2 + eps) per row; the sum in float64, in index order
+    R, D = x.shape
+    for r in range(R):
+        ss = 0.0
+        for d in range(D):
+            v = np.float64(x[r, d])
+            ss += v * v
+        inv = np.float32(1.0 / math.sqrt(ss + eps))
+        for d in range(D):
+            out[r, d] = x[r, d] * inv
+
+
+@njit(cache=True, fastmath=False, nogil=True)
+def _causal_conv1d_silu(x, state, w, out, states):
+    # x: [M, C] new inputs; state: [C, K-1] the inputs before row 0; w: [C, K] depthwise taps
+    # -> out [M, C] = silu(sum_j w[c, j] * input[row - (K-1) + j]), states [M, C, K-1]: the
+    # last K-1 inputs up to and including each row
+    M, C = x.shape
+    K = w.shape[1]
+    hist = np.empty(K - 1 + M, np.float32)
+    for c in range(C):
+        for j in range(K - 1):
+            hist[j] = state[c, j]
+        for m in range(M):
+            hist[K - 1 + m] = x[m, c]
+        for m in range(M):
+            acc = np.float32(0.0)
+            for j in range(K):
+                acc += w[c, j] * hist[m + j]
+            out[m, c] = acc / (np.float32(1.0) + np.float32(math.exp(-np.float64(acc))))
+            for j in range(K - 1):
+                states[m, c, j] = hist[m + 1 + j]
+
+
+@njit(cache=True, fastmath=False, nogil=True)
+def _gdn_gates(a, b, a_log, dt_bias, log_decay, beta):
+    # a, b: [M, H] -> log_decay = -exp(a_log) * softplus(a + dt_bias), beta = sigmoid(b)
+    # (softplus as torch's: x above 20 is its own value)
+    M, H = a.shape
+    for m in range(M):
+        for h in range(H):
+            t = a[m, h] + dt_bias[h]
+            sp = t if t > 20.0 else np.float32(math.log1p(math.exp(np.float64(t))))
+            log_decay[m, h] = -np.float32(math.exp(np.float64(a_log[h]))) * sp
+            beta[m, h] = np.float32(1.0 / (1.0 + math.exp(-np.float64(b[m, h]))))
+
+
+def _make_gated_delta(parallel):
+    """The gated delta rule, row after row; value heads are independent jobs."""
+
+    @njit(parallel=parallel, cache=True, fastmath=False, nogil=True)
+    def gated_delta(q, k, v, log_decay, beta, state, out, states):
+        # q, k: [M, HK, DK] (q l2-normed and scaled, k l2-normed); v: [M, HV, DV];
+        # log_decay, beta: [M, HV]; state: [HV, DK, DV] before row 0
+        # -> out [M, HV, DV], states [M, HV, DK, DV]: the state after each row
+        M, HV, DV = v.shape
+        HK, DK = q.shape[1], q.shape[2]
+        group = HV // HK
+        for h in prange(HV):
+            kh = h // group
+            s = state[h].copy()
+            mem = np.empty(DV, np.float32)
+            for m in range(M):
+                decay = np.float32(math.exp(np.float64(log_decay[m, h])))
+                for i in range(DK):
+                    for j in range(DV):
+                        s[i, j] = s[i, j] * decay
+                # what the state predicts for this key, and the correction it is moved by
+                for j in range(DV):
+                    mem[j] = 0.0
+                for i in range(DK):
+                    ki = k[m, kh, i]
+                    for j in range(DV):
+                        mem[j] += s[i, j] * ki
+                bt = beta[m, h]
+                for j in range(DV):
+                    mem[j] = (v[m, h, j] - mem[j]) * bt
+                for i in range(DK):
+                    ki = k[m, kh, i]
+                    for j in range(DV):
+                        s[i, j] = s[i, j] + ki * mem[j]
+                for j in range(DV):
+                    out[m, h, j] = 0.0
+                for i in range(DK):
+                    qi = q[m, kh, i]
+                    for j in range(DV):
+                        out[m, h, j] += s[i, j] * qi
+                states[m, h] = s
+
+    return gated_delta
+
+
+_GATED_DELTA = {p: _make_gated_delta(p) for p in (False, True)}
+
+
+@njit(cache=True, fastmath=False, nogil=True)
+def _gated_rms_norm(x, z, weight, eps, out):
+    # x, z: [R, D] -> weight * (x / sqrt(mean x^2 + eps)) * silu(z), per row
+    R, D = x.shape
+    for r in range(R):
+        ss = 0.0
+        for d in range(D):
+            v = np.float64(x[r, d])
+            ss += v * v
+        inv = np.float32(1.0 / math.sqrt(ss / D + eps))
+        for d in range(D):
+            g = z[r, d]
+            silu = g / (np.float32(1.0) + np.float32(math.exp(-np.float64(g))))
+            out[r, d] = (weight[d] * (x[r, d] * inv)) * silu

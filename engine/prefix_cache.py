@@ -1,0 +1,537 @@
+"""Prefix cache: model states of prompt prefixes, found by chained block hashes.
+
+A prompt is cut into blocks of `block_size` tokens; block i is keyed by
+H(key of block i - 1, its token ids), so one key names a whole prefix. Only full blocks
+are keyed, and a hit is trusted only after the token ids themselves compare equal.
+
+An entry is a `StateSnapshot` of the model after its tokens. A snapshot of KV planes only
+serves any shorter prefix too (`StateSnapshot.prefix(n)` cuts each plane at its own
+width); one with a recurrent plane holds its state at exactly one position and serves
+that length only.
+
+How the caller (engine/session.py) uses it, so that a restored prompt is bit-identical to
+a cold one:
+
+    match = cache.lookup(prompt)                 # None on a miss
+    start, logits = 0, None
+    if match is not None:
+        forward.state.restore(match.snapshot)
+        start = match.num_cached_tokens          # always < len(prompt)
+    boundary = cache.insert_boundary(len(prompt))
+    if boundary > (match.entry_tokens if match is not None else 0):
+        logits = forward.prefill(prompt[start:boundary])
+        cache.insert(prompt[:boundary], forward.state.snapshot())
+        start = boundary
+    if start < len(prompt):
+        logits = forward.prefill(prompt[start:])
+    # logits: the last prompt row's, as a cold prefill of the whole prompt gives them
+
+When boundary == len(prompt) the snapshot and insert may wait until the first token has
+been sent (the state is still at the boundary until the next step), which keeps the copy
+out of the time to first token.
+
+Memory is bounded by `max_bytes` (LRU). With a `state_dir`, an entry pushed out of memory
+is written to disk (a spill, engine/prefix_store.py) and read back on a hit; `flush()`
+writes the entries that are only in memory (call it when idle and before exit); the disk
+is bounded by `max_disk_bytes` (LRU; an entry evicted from disk is gone). Pinned entries
+are never evicted, and pins are kept in `pins.json`. At start-up the index is rebuilt from
+the directory: a truncated, corrupt or incomplete file, or one of another geometry, is
+deleted with a log line; a file of another model (fingerprint) is left alone, unindexed.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import structlog
+
+from engine import prefix_store as store
+from engine.state import ModelState, PlaneKind, PlaneSnapshot, StateError, StateSnapshot
+
+log = structlog.get_logger(__name__)
+
+PINS_FILE = "pins.json"
+
+
+class PrefixCacheError(ValueError):
+    """A cache operation the caller got wrong (unknown key, bad arguments)."""
+
+
+class MatchSource(enum.Enum):
+    MEMORY = "memory"
+    DISK = "disk"
+
+
+@dataclass(slots=True, frozen=True)
+class PrefixMatch:
+    """The longest cached prefix of a prompt: restore `snapshot`, then prefill the rest."""
+
+    key: str
+    num_cached_tokens: int  # == snapshot.positions, always < len(prompt)
+    snapshot: StateSnapshot  # arrays are read-only; restoring copies them
+    source: MatchSource
+    entry_tokens: int  # length of the entry it came from: no new entry is needed up to there
+
+
+@dataclass(slots=True, frozen=True)
+class PrefixCacheStats:
+    hits: int
+    misses: int
+    tokens_reused: int
+    bytes_held: int  # snapshot bytes in memory
+    disk_bytes: int  # bytes of this model's files in the state dir
+    entries: int  # indexed entries, in memory or on disk
+    entries_in_memory: int
+    evictions: int  # entries removed by a budget (memory without a state dir, disk with one)
+    spills: int  # entries moved from memory to disk only by the memory budget
+    superseded: int  # entries dropped because a longer KV-only entry serves all their prefixes
+    files_dropped: int  # files found bad and deleted
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    key: str
+    tokens: np.ndarray  # int64 [num_tokens], read-only
+    hashes: tuple[bytes, ...]  # chained key of each full block
+    recurrent: bool  # serves exactly num_tokens only
+    nbytes: int  # snapshot bytes
+    snapshot: StateSnapshot | None = None  # None: on disk only
+    path: Path | None = None  # None: not written (yet)
+    file_bytes: int = 0
+    last_used: int = 0
+    pins: set[str] = field(default_factory=set)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+class PrefixCache:
+    """Snapshots of prompt prefixes for one model; every public method holds a lock."""
+
+    def __init__(
+        self,
+        fingerprint: str,
+        state: ModelState,
+        state_dir: str | Path | None = None,
+        max_bytes: int = 1 << 30,
+        max_disk_bytes: int = 8 << 30,
+        block_size: int = 32,
+    ):
+        """`state` is a (fresh) `ModelState` of the model: entries must fit its planes.
+
+        Raises PrefixCacheError for a bad argument; with `state_dir`, creates it and
+        rebuilds the index from the files in it.
+        """
+        if not isinstance(fingerprint, str) or not fingerprint:
+            raise PrefixCacheError(f"fingerprint must be a non-empty string, got {fingerprint!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise PrefixCacheError(f"block_size must be an int >= 1, got {block_size!r}")
+        for name, value in (("max_bytes", max_bytes), ("max_disk_bytes", max_disk_bytes)):
+            if not isinstance(value, int) or value < 0:
+                raise PrefixCacheError(f"{name} must be an int >= 0, got {value!r}")
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+        self.max_bytes = max_bytes
+        self.max_disk_bytes = max_disk_bytes
+        self._template = state
+        self._recurrent = any(p.kind is PlaneKind.RECURRENT for p in state.planes)
+        self._root = hashlib.blake2b(
+            b"npud-prefix\0%s\0%d" % (fingerprint.encode(), block_size), digest_size=16
+        ).digest()
+        self._lock = threading.RLock()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._blocks: dict[bytes, set[str]] = {}  # block key -> entries that can serve it
+        self._pins: dict[str, str] = {}
+        self._tick = 0
+        self._counts = dict.fromkeys(("hits", "misses", "tokens_reused", "evictions", "spills",
+                                      "superseded", "files_dropped"), 0)
+        self._bytes_held = 0
+        self._disk_bytes = 0
+        self.state_dir = Path(state_dir) if state_dir is not None else None
+        if self.state_dir is not None:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self._rebuild()
+
+    # ------------------------------------------------------------------ lookup and insert
+
+    def insert_boundary(self, num_tokens: int) -> int:
+        """Where the caller should snapshot a prompt of `num_tokens`: a multiple of block_size.
+
+        The longest full-block boundary <= num_tokens, or < num_tokens when the model has a
+        recurrent plane (such an entry serves only its exact length, and a repeat of the
+        prompt must leave a token to prefill). 0 means: nothing to insert.
+        """
+        b = self.block_size
+        return ((num_tokens - 1) // b) * b if self._recurrent and num_tokens > 0 else (num_tokens // b) * b
+
+    def lookup(self, tokens: Sequence[int]) -> PrefixMatch | None:
+        """Returns the longest cached prefix of `tokens` shorter than the whole prompt, or None.
+
+        At least one token is always left to prefill: the first sampled token needs the
+        last prompt row's logits, which a snapshot does not hold.
+        """
+        tokens = _as_tokens(tokens)
+        with self._lock:
+            limit = len(tokens) - 1
+            hashes = self._chain(tokens)
+            for depth_blocks in range(len(hashes), 0, -1):
+                depth = depth_blocks * self.block_size
+                found = []
+                for key in self._blocks.get(hashes[depth_blocks - 1], ()):
+                    e = self._entries[key]
+                    if not np.array_equal(e.tokens[:depth], tokens[:depth]):
+                        continue  # a hash is not trusted alone
+                    if e.recurrent:
+                        served = depth if e.num_tokens == depth and depth <= limit else 0
+                    else:
+                        served = min(depth + _common_prefix(e.tokens[depth:limit], tokens[depth:limit]), limit)
+                    if served > 0:
+                        found.append((served, e.last_used, e))
+                for served, _, e in sorted(found, key=lambda f: (f[0], f[1]), reverse=True):
+                    source = MatchSource.MEMORY if e.snapshot is not None else MatchSource.DISK
+                    snap = self._snapshot_of(e)
+                    if snap is None:
+                        continue  # its file was bad and is gone
+                    self._counts["hits"] += 1
+                    self._counts["tokens_reused"] += served
+                    if served != snap.positions:
+                        snap = snap.prefix(served)
+                    self._enforce_budgets()
+                    return PrefixMatch(e.key, served, snap, source, e.num_tokens)
+            self._counts["misses"] += 1
+            return None
+
+    def insert(self, tokens: Sequence[int], snapshot: StateSnapshot) -> str | None:
+        """Cache `snapshot`, the state after `tokens[:snapshot.positions]`; returns its key.
+
+        The entry is keyed at the longest full-block boundary <= snapshot.positions; a
+        KV-only snapshot past it is cut there (copied), while a snapshot with a recurrent
+        plane must sit on a boundary (use `insert_boundary`). Returns None when the
+        snapshot holds less than one block. The cache takes the snapshot's arrays (and
+        makes them read-only): do not write to them afterwards. Raises StateError when the
+        snapshot does not fit this model's planes, PrefixCacheError when tokens are too few.
+        """
+        tokens = _as_tokens(tokens)
+        if snapshot.positions > len(tokens):
+            raise PrefixCacheError(f"snapshot holds {snapshot.positions} positions but only {len(tokens)} tokens given")
+        recurrent = any(p.kind is PlaneKind.RECURRENT for p in snapshot.planes)
+        boundary = (snapshot.positions // self.block_size) * self.block_size
+        if boundary == 0:
+            return None
+        if recurrent and boundary != snapshot.positions:
+            raise StateError(
+                f"a snapshot with a recurrent plane holds position {snapshot.positions} only; "
+                f"snapshot at a multiple of {self.block_size} (insert_boundary)"
+            )
+        self._template.check_snapshot(snapshot)
+        with self._lock:
+            tokens = tokens[:boundary].copy()
+            tokens.flags.writeable = False
+            hashes = self._chain(tokens)
+            key = hashes[-1].hex()
+            old = self._entries.get(key)
+            if old is not None:
+                if np.array_equal(old.tokens, tokens):
+                    self._touch(old)
+                    return key
+                log.warning("prefix_cache_key_collision", key=key)
+                return None
+            if boundary != snapshot.positions:
+                snapshot = _owned(snapshot.prefix(boundary))
+            _freeze(snapshot)
+            entry = _Entry(key, tokens, tuple(hashes), recurrent, snapshot.nbytes, snapshot)
+            self._add(entry)
+            if not recurrent:
+                self._drop_superseded(entry)
+            self._enforce_budgets()
+            return key if key in self._entries else None
+
+    # ------------------------------------------------------------------ pins and drops
+
+    def pin(self, name: str, key: str) -> None:
+        """Pin entry `key` under `name` (moving the name if it pinned another); raises PrefixCacheError.
+
+        With a state dir the entry is written at once, so the pin outlives the process.
+        """
+        if not isinstance(name, str) or not name:
+            raise PrefixCacheError(f"pin name must be a non-empty string, got {name!r}")
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                raise PrefixCacheError(f"no cached entry {key!r}")
+            if self.state_dir is not None and entry.path is None and entry.snapshot is not None:
+                self._write(entry)
+            self._unpin(name)
+            self._pins[name] = key
+            entry.pins.add(name)
+            self._save_pins()
+
+    def unpin(self, name: str) -> bool:
+        """Remove pin `name`; returns whether it existed. The entry becomes evictable."""
+        with self._lock:
+            existed = self._unpin(name)
+            if existed:
+                self._save_pins()
+                self._enforce_budgets()
+            return existed
+
+    def pins(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._pins)
+
+    def drop(self, key: str) -> bool:
+        """Remove entry `key` from memory and disk, pins included; returns whether it existed."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            had_pins = bool(entry.pins)
+            self._remove(entry)
+            if had_pins:
+                self._save_pins()
+            return True
+
+    # ------------------------------------------------------------------ disk
+
+    def flush(self) -> int:
+        """Write every in-memory entry that has no file yet; returns how many were written."""
+        if self.state_dir is None:
+            return 0
+        with self._lock:
+            written = 0
+            for entry in list(self._entries.values()):
+                if entry.path is None and entry.snapshot is not None and self._write(entry):
+                    written += 1
+            self._enforce_budgets()
+            return written
+
+    def stats(self) -> PrefixCacheStats:
+        with self._lock:
+            return PrefixCacheStats(
+                bytes_held=self._bytes_held,
+                disk_bytes=self._disk_bytes,
+                entries=len(self._entries),
+                entries_in_memory=sum(e.snapshot is not None for e in self._entries.values()),
+                **self._counts,
+            )
+
+    # ------------------------------------------------------------------ internals
+
+    def _chain(self, tokens: np.ndarray) -> list[bytes]:
+        """The chained key of every full block of `tokens`."""
+        b = self.block_size
+        out, parent = [], self._root
+        for start in range(0, len(tokens) - b + 1, b):
+            parent = hashlib.blake2b(parent + tokens[start : start + b].astype("<i8").tobytes(), digest_size=16).digest()
+            out.append(parent)
+        return out
+
+    def _touch(self, entry: _Entry) -> None:
+        self._tick += 1
+        entry.last_used = self._tick
+        self._entries.move_to_end(entry.key)
+
+    def _add(self, entry: _Entry) -> None:
+        self._entries[entry.key] = entry
+        self._touch(entry)
+        for h in entry.hashes[-1:] if entry.recurrent else entry.hashes:
+            self._blocks.setdefault(h, set()).add(entry.key)
+        if entry.snapshot is not None:
+            self._bytes_held += entry.nbytes
+        self._disk_bytes += entry.file_bytes
+
+    def _remove(self, entry: _Entry) -> None:
+        del self._entries[entry.key]
+        for h in entry.hashes:
+            keys = self._blocks.get(h)
+            if keys is not None:
+                keys.discard(entry.key)
+                if not keys:
+                    del self._blocks[h]
+        for name in entry.pins:
+            self._pins.pop(name, None)
+        entry.pins.clear()
+        self._release(entry)
+        self._delete_file(entry)
+
+    def _release(self, entry: _Entry) -> None:
+        if entry.snapshot is not None:
+            entry.snapshot = None
+            self._bytes_held -= entry.nbytes
+
+    def _unpin(self, name: str) -> bool:
+        key = self._pins.pop(name, None)
+        if key is None:
+            return False
+        self._entries[key].pins.discard(name)
+        return True
+
+    def _drop_superseded(self, entry: _Entry) -> None:
+        # a shorter unpinned KV-only entry on this entry's path serves nothing this one can't
+        for depth_blocks, h in enumerate(entry.hashes[:-1], start=1):
+            for key in list(self._blocks.get(h, ())):
+                other = self._entries[key]
+                if (not other.recurrent and not other.pins and other.num_tokens == depth_blocks * self.block_size
+                        and np.array_equal(other.tokens, entry.tokens[: other.num_tokens])):
+                    self._remove(other)
+                    self._counts["superseded"] += 1
+
+    def _enforce_budgets(self) -> None:
+        # least recently used first; the entry just used or inserted is the newest
+        for entry in list(self._entries.values()):
+            if self._bytes_held <= self.max_bytes:
+                break
+            if entry.snapshot is None or entry.pins:
+                continue
+            if self.state_dir is not None and (entry.path is not None or self._write(entry)):
+                self._release(entry)
+                self._counts["spills"] += 1
+            else:
+                self._remove(entry)
+                self._counts["evictions"] += 1
+        for entry in list(self._entries.values()):
+            if self._disk_bytes <= self.max_disk_bytes:
+                break
+            if entry.path is not None and not entry.pins:
+                self._remove(entry)
+                self._counts["evictions"] += 1
+
+    def _snapshot_of(self, entry: _Entry) -> StateSnapshot | None:
+        """The entry's snapshot, read from disk when needed; None (entry dropped) if its file is bad."""
+        self._touch(entry)
+        if entry.snapshot is not None:
+            return entry.snapshot
+        try:
+            snap = store.read_entry_snapshot(entry.path, fingerprint=self.fingerprint, tokens=entry.tokens.tolist())
+            self._template.check_snapshot(snap)
+        except (store.BadFile, StateError, OSError) as exc:
+            log.warning("prefix_cache_file_dropped", path=str(entry.path), reason=str(exc))
+            self._counts["files_dropped"] += 1
+            pinned = bool(entry.pins)
+            self._remove(entry)
+            if pinned:
+                self._save_pins()
+            return None
+        _freeze(snap)
+        entry.snapshot = snap
+        self._bytes_held += entry.nbytes
+        return snap
+
+    def _write(self, entry: _Entry) -> bool:
+        """Write the entry's file; False (logged) when the disk refuses."""
+        path = self.state_dir / f"{entry.key}{store.SUFFIX}"
+        try:
+            size = store.write_entry(path, entry.snapshot, fingerprint=self.fingerprint,
+                                     block_size=self.block_size, key=entry.key, tokens=entry.tokens.tolist())
+        except OSError as exc:
+            log.warning("prefix_cache_write_failed", path=str(path), error=str(exc))
+            return False
+        entry.path, entry.file_bytes = path, size
+        self._disk_bytes += size
+        return True
+
+    def _delete_file(self, entry: _Entry) -> None:
+        if entry.path is not None:
+            store.unlink(entry.path)
+            self._disk_bytes -= entry.file_bytes
+            entry.path, entry.file_bytes = None, 0
+
+    def _rebuild(self) -> None:
+        """Index the files of this model in the state dir; drop the bad ones."""
+        for tmp in self.state_dir.glob("*.tmp"):
+            store.unlink(tmp)  # an interrupted write
+        found = []
+        for path in self.state_dir.glob(f"*{store.SUFFIX}"):
+            try:
+                entry = self._index_file(path)
+            except store.OtherModel as exc:
+                log.info("prefix_cache_file_ignored", path=str(path), reason=str(exc))
+                continue
+            except (store.BadFile, OSError) as exc:
+                log.warning("prefix_cache_file_dropped", path=str(path), reason=str(exc))
+                self._counts["files_dropped"] += 1
+                store.unlink(path)
+                continue
+            found.append((path.stat().st_mtime_ns, entry))
+        for _, entry in sorted(found, key=lambda f: f[0]):
+            self._add(entry)
+        self._load_pins()
+        self._enforce_budgets()
+
+    def _index_file(self, path: Path) -> _Entry:
+        """An on-disk entry for a file, after every check short of reading its tensors."""
+        info = store.read_entry_info(path, fingerprint=self.fingerprint, block_size=self.block_size,
+                                     template=self._template)
+        tokens = np.asarray(info.tokens, dtype=np.int64)
+        tokens.flags.writeable = False
+        hashes = self._chain(tokens)
+        key = hashes[-1].hex()
+        if info.key != key or path.name != f"{key}{store.SUFFIX}":
+            raise store.BadFile(f"key {info.key!r} (file {path.name}) is not the hash of its tokens, {key}")
+        recurrent = any(p.kind is PlaneKind.RECURRENT for p in self._template.planes)
+        return _Entry(key, tokens, tuple(hashes), recurrent, info.nbytes, None, path, info.size)
+
+    def _save_pins(self) -> None:
+        if self.state_dir is None:
+            return
+        try:
+            store.write_atomic(self.state_dir / PINS_FILE, [json.dumps(self._pins, sort_keys=True).encode()])
+        except OSError as exc:
+            log.warning("prefix_cache_write_failed", path=str(self.state_dir / PINS_FILE), error=str(exc))
+
+    def _load_pins(self) -> None:
+        path = self.state_dir / PINS_FILE
+        if not path.exists():
+            return
+        try:
+            pins = json.loads(path.read_text())
+            if not isinstance(pins, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as exc:
+            log.warning("prefix_cache_pins_dropped", path=str(path), reason=str(exc))
+            return
+        for name, key in pins.items():
+            entry = self._entries.get(key) if isinstance(key, str) else None
+            if entry is None:
+                log.info("prefix_cache_pin_dropped", name=name, key=key, reason="no such entry on disk")
+                continue
+            self._pins[name] = key
+            entry.pins.add(name)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _as_tokens(tokens: Sequence[int]) -> np.ndarray:
+    a = np.asarray(tokens, dtype=np.int64)
+    if a.ndim != 1:
+        raise PrefixCacheError(f"tokens must be a 1-D sequence of ints, got shape {a.shape}")
+    return a
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+def _owned(snap: StateSnapshot) -> StateSnapshot:
+    """A snapshot whose arrays are its own (a prefix's views would keep the long arrays alive)."""
+    planes = tuple(PlaneSnapshot(p.kind, p.layer, p.positions, p.geometry, {k: a.copy() for k, a in p.arrays.items()})
+                   for p in snap.planes)
+    return StateSnapshot(snap.positions, planes)
+
+
+def _freeze(snap: StateSnapshot) -> None:
+    for p in snap.planes:
+        for a in p.arrays.values():
+            a.flags.writeable = False
