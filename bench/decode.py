@@ -1,8 +1,10 @@
-"""Plain greedy decode on a 0.5B Qwen3-shaped random checkpoint: ours vs transformers vs roofline.
+"""Plain greedy decode on a random checkpoint of a few hundred million parameters: ours vs transformers vs roofline.
 
 One run, one table, every figure from this run (the machines are shared and noisy, so the
 comparisons are ratios measured side by side). Run: .venv/bin/python bench/decode.py
-Options: --tokens N (decode steps timed, default 32), --quick (a 4-layer model, for a smoke run).
+Options: --tokens N (decode steps timed, default 32), --quick (a 4-layer model, for a smoke run),
+--arch qwen3|gemma4|qwen3_5 (bench/synth.py's 0.5B Qwen3, 0.4B Gemma4 or 0.4B Qwen3.5 shape),
+--formats (our weight formats to time, default fp32,bf16,int8).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import statistics
 import time
 
 import numpy as np
-from synth import QWEN3_0P5B, build_random_checkpoint
+from synth import GEMMA4_0P4B, QWEN3_0P5B, QWEN3_5_0P4B, build_random_checkpoint, build_transformers_checkpoint
 
 from engine.forward import Forward
 from engine.model import Model
@@ -96,22 +98,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--arch", choices=("qwen3", "gemma4", "qwen3_5"), default="qwen3")
+    ap.add_argument("--formats", default="fp32,bf16,int8")
     args = ap.parse_args()
+    formats = args.formats.split(",")
 
     import torch
 
     torch.set_num_threads(2)
-    config = dict(QWEN3_0P5B)
-    name = "qwen3-0.5b"
+    presets = {"qwen3": (QWEN3_0P5B, "qwen3-0.5b"), "gemma4": (GEMMA4_0P4B, "gemma4-0.4b"),
+               "qwen3_5": (QWEN3_5_0P4B, "qwen3_5-0.4b")}
+    config, name = dict(presets[args.arch][0]), presets[args.arch][1]
     if args.quick:
-        config["num_hidden_layers"], name = 4, "qwen3-0.5b-4layer"
-    ckpt = build_random_checkpoint(name, config)
+        config["num_hidden_layers"], name = 4, f"{name}-4layer"
+        if args.arch == "gemma4":
+            config["layer_types"], config["num_kv_shared_layers"] = ["sliding_attention", "full_attention"] * 2, 1
+    if args.arch == "qwen3":
+        ckpt = build_random_checkpoint(name, config)
+    else:
+        ckpt = build_transformers_checkpoint(name, args.arch, config)
     prompt = [int(t) for t in np.random.default_rng(0).integers(1, config["vocab_size"], 16)]
 
     bandwidth = measure_read_bandwidth()
     rows = []
     models = {}
-    for fmt in ("fp32", "bf16", "int8"):
+    for fmt in formats:
         model = Model.load(ckpt, fmt)
         s, toks = our_decode(model, prompt, args.tokens)
         bytes_per_token = model.weight_bytes_per_token()
@@ -136,10 +147,13 @@ def main() -> None:
             f"| {label:<34} | {1 / s:>7.1f} | {hf_fp32[1] / s:>9.2f}x | {hf_bf16[1] / s:>9.2f}x | "
             f"{(f'{roof:.1f}' if roof else '-'):>14} | {(f'{(1 / s) / roof:.0%}' if roof else '-'):>11} |"
         )
-    same = rows[0][3] == hf_fp32[3]
-    print(f"\ngreedy tokens, ours fp32 == transformers fp32: {same}")
+    if "fp32" in formats:
+        same = rows[formats.index("fp32")][3] == hf_fp32[3]
+        print(f"\ngreedy tokens, ours fp32 == transformers fp32: {same}")
+    if "bf16" not in formats:
+        return
     bf16_model = models["bf16"]
-    bf16_step = rows[1][1]
+    bf16_step = rows[formats.index("bf16")][1]
     ratios = batch_ratios(bf16_model, prompt, bf16_step)
     print("\n| step_batch_all rows (bf16) | " + " | ".join(f"M={m}" for m in ratios) + " |")
     print("|---|" + "---|" * len(ratios))

@@ -83,3 +83,52 @@ def build_random_checkpoint(name: str, config: dict, seed: int = 0, std: float =
     write_tokenizer(out)
     done.write_text("ok\n")
     return out
+
+
+# Gemma4-shaped: hidden 1024, 15 layers (sliding:full 4:1, window 512), 8 query heads, sliding
+# KV 1 x 128, full KV 1 x 256 with keys as values, the last 5 layers KV-shared with a
+# double-wide MLP, per-layer inputs of 128, softcapping 30, vocabulary 65536 tied: ~0.39B
+# parameters (0.13B of them the per-layer embedding table).
+GEMMA4_0P4B = dict(
+    vocab_size=65536, hidden_size=1024, intermediate_size=3072, num_hidden_layers=15, num_attention_heads=8,
+    num_key_value_heads=1, head_dim=128, global_head_dim=256, num_global_key_value_heads=1,
+    layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 3,
+    attention_k_eq_v=True, sliding_window=512, num_kv_shared_layers=5, use_double_wide_mlp=True,
+    hidden_size_per_layer_input=128, vocab_size_per_layer_input=65536, final_logit_softcapping=30.0,
+    max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=0, bos_token_id=None, pad_token_id=0,
+)
+
+# Qwen3.5-shaped: hidden 1024, 16 layers (3 GDN : 1 full), full attention 8 heads x 256 with
+# 2 KV heads and an output gate, GDN 16 key / 16 value heads of 128, conv 4, MLP 3072,
+# vocabulary 65536 tied: ~0.37B parameters.
+QWEN3_5_0P4B = dict(
+    vocab_size=65536, hidden_size=1024, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16,
+    max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=0, bos_token_id=None, pad_token_id=0,
+)
+
+
+def build_transformers_checkpoint(name: str, arch: str, config: dict, seed: int = 0) -> Path:
+    """Write a random gemma4_text / qwen3_5_text model (transformers' own init, bf16) and a test
+    tokenizer under bench/out/NAME once; transformers writes what its loader reads."""
+    import torch
+    import transformers
+
+    from checkpoints import write_tokenizer
+
+    out = OUT / name
+    done = out / ".complete"
+    if done.exists():
+        return out
+    classes = {
+        "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM),
+        "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+    }
+    config_cls, model_cls = classes[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**config)).eval()
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    write_tokenizer(out)
+    done.write_text("ok\n")
+    return out

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import ModelConfig, load_config
-from engine.weights import ModelWeights, load_weights
+from engine.weights import ModelWeights, load_weights, weight_arrays
 from kernels import default_backend
 from kernels.base import Backend, LinearWeight, WeightFormat
 
@@ -47,12 +47,13 @@ class Model:
         return self.weights.nbytes
 
     def weight_bytes_per_token(self) -> int:
-        """Bytes of weights one decode step reads (the embedding row aside): the roofline's numerator."""
+        """Bytes of weights one decode step reads (embedding rows aside): the roofline's numerator."""
         w = self.weights
         total = w.lm_head.nbytes
+        if w.per_layer_model_projection is not None:
+            total += w.per_layer_model_projection.nbytes
         for layer in w.layers:
-            for lin in (layer.attn.q, layer.attn.k, layer.attn.v, layer.attn.o, layer.mlp.gate, layer.mlp.up, layer.mlp.down):
-                total += lin.nbytes
+            total += sum(obj.nbytes for obj in weight_arrays(layer) if isinstance(obj, LinearWeight))
         return total
 
 
@@ -60,20 +61,19 @@ def _prepare(weights: ModelWeights, backend: Backend) -> ModelWeights:
     """Lay every linear out for the backend once; a tied head stays one object."""
     seen: dict[int, LinearWeight] = {}
 
-    def prep(w: LinearWeight) -> LinearWeight:
-        if id(w) not in seen:
-            seen[id(w)] = backend.prepare_linear(w)
-        return seen[id(w)]
+    def prep(obj):
+        if isinstance(obj, LinearWeight):
+            if id(obj) not in seen:
+                seen[id(obj)] = backend.prepare_linear(obj)
+            return seen[id(obj)]
+        if isinstance(obj, list):
+            return [prep(item) for item in obj]
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            changes = {f.name: prep(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+            return dataclasses.replace(obj, **changes)
+        return obj
 
-    layers = []
-    for lw in weights.layers:
-        a, m = lw.attn, lw.mlp
-        attn = dataclasses.replace(a, q=prep(a.q), k=prep(a.k), v=prep(a.v), o=prep(a.o))
-        mlp = dataclasses.replace(m, gate=prep(m.gate), up=prep(m.up), down=prep(m.down))
-        layers.append(dataclasses.replace(lw, attn=attn, mlp=mlp))
-    return dataclasses.replace(
-        weights, embed=prep(weights.embed), layers=layers, lm_head=prep(weights.lm_head)
-    )
+    return prep(weights)
 
 
 def rows_equal(a: np.ndarray, b: np.ndarray) -> bool:

@@ -252,11 +252,14 @@ class RecurrentPlane:
         self._history = {n: saved for n, saved in self._history.items() if keep <= n < self.length}
         self._history[self.length] = self._copy()
 
-    def advance(self, arrays: dict[str, np.ndarray]) -> None:
+    def advance(self, arrays: dict[str, np.ndarray], record: bool = True) -> None:
+        """Move one position on to `arrays`; record=False keeps no copy to return to (a
+        prefill, which is never cut inside, need not hold a state per row)."""
         for name, a in arrays.items():
             self.arrays[name][...] = a
         self.length += 1
-        self._history[self.length] = self._copy()
+        if record:
+            self._history[self.length] = self._copy()
 
     def keep_positions(self, n: int) -> None:
         if n == self.length:

@@ -108,3 +108,41 @@ class Backend(Protocol):
 
     def argmax(self, logits: np.ndarray) -> np.ndarray:
         """[M, V] -> [M] int64, the first index of the maximum in each row."""
+
+    # gemma4 / qwen3_5
+
+    def gelu_tanh_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        """gelu_tanh(gate) * up, elementwise (torch's gelu(approximate="tanh")), [M, F] -> [M, F]."""
+
+    def sigmoid_mul(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+        """x * sigmoid(gate), elementwise, [M, F] -> [M, F]."""
+
+    def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
+        """cap * tanh(x / cap), elementwise, [M, V] -> [M, V]."""
+
+    def l2_norm(self, x: np.ndarray, eps: float) -> np.ndarray:
+        """x / sqrt(sum(x^2) + eps) over the last axis, [..., D] -> [..., D]."""
+
+    def causal_conv1d_silu(self, x: np.ndarray, state: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Depthwise causal conv then silu, row after row.
+
+        x: [M, C]; state: [C, K-1], the inputs before row 0; weight: [C, K] ->
+        (out [M, C], states [M, C, K-1]: the last K-1 inputs after each row).
+        """
+
+    def gdn_gates(self, a: np.ndarray, b: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """a, b: [M, H] -> (log decay -exp(a_log) * softplus(a + dt_bias), beta sigmoid(b)), each [M, H]."""
+
+    def gated_delta_rule(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, log_decay: np.ndarray, beta: np.ndarray, state: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The gated delta rule over M rows in order, from `state`.
+
+        q, k: [M, HK, DK]; v: [M, HV, DV]; log_decay, beta: [M, HV]; state: [HV, DK, DV];
+        value head h reads key head h // (HV / HK). Per row: S *= exp(log_decay);
+        S += k (x) (beta (v - S^T k)); out = S^T q -> (out [M, HV, DV], states [M, HV, DK, DV]:
+        the state after each row, so a verify can keep any prefix of the pass).
+        """
+
+    def gated_rms_norm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """weight * rms_norm(x) * silu(z) per row, [R, D] -> [R, D]."""
