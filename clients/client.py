@@ -1,0 +1,400 @@
+"""A small client for npud: blocking (`Client`) and trio (`AsyncClient`) APIs over one framing.
+
+    from clients.client import Client
+    with Client() as npud:
+        job = npud.submit(prompts=["Hello"], max_tokens=16)["job"]
+        for ev in (s := npud.stream(job)):
+            print(ev.name, ev.data)
+        print(npud.result(job)["results"])
+
+Errors from the daemon are raised as NpudError subclasses chosen by their stable code
+(docs/protocol.md); a missing socket raises NotRunning saying how to start npud.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from npud.protocol import ErrorCode, LineReader, LineTooLong, encode
+
+DEFAULT_SOCKET = "/run/npud/npud.sock"
+MAX_REPLY_BYTES = 1 << 30  # a result of many prompts is one line
+
+
+def default_socket_path() -> str:
+    """$NPUD_SOCKET, else the packaged default."""
+    return os.environ.get("NPUD_SOCKET") or DEFAULT_SOCKET
+
+
+# -- errors --------------------------------------------------------------------------------
+
+class NpudError(Exception):
+    """An error reply from npud (or a client-side failure with its own code)."""
+
+    code = "error"
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+
+class BadRequest(NpudError): code = ErrorCode.BAD_REQUEST.value
+class LineTooLongError(NpudError): code = ErrorCode.LINE_TOO_LONG.value
+class UnknownMethod(NpudError): code = ErrorCode.UNKNOWN_METHOD.value
+class NotFound(NpudError): code = ErrorCode.NOT_FOUND.value
+class Forbidden(NpudError): code = ErrorCode.FORBIDDEN.value
+class Overloaded(NpudError): code = ErrorCode.OVERLOADED.value
+class PromptTooLong(NpudError): code = ErrorCode.PROMPT_TOO_LONG.value
+class DeviceQuarantined(NpudError): code = ErrorCode.DEVICE_QUARANTINED.value
+class ModelError(NpudError): code = ErrorCode.MODEL_ERROR.value
+class Unsupported(NpudError): code = ErrorCode.UNSUPPORTED.value
+class StoreError(NpudError): code = ErrorCode.STORE_ERROR.value
+class StoreFull(StoreError): code = ErrorCode.STORE_FULL.value
+class StoreReadOnly(StoreError): code = ErrorCode.STORE_READONLY.value
+class ShuttingDown(NpudError): code = ErrorCode.SHUTTING_DOWN.value
+class InternalError(NpudError): code = ErrorCode.INTERNAL_ERROR.value
+
+
+class NotRunning(NpudError):
+    """No daemon answers at the socket path."""
+
+    code = "not_running"
+
+
+class PermissionDenied(NpudError):
+    code = "permission_denied"
+
+
+class ConnectionLost(NpudError):
+    code = "connection_lost"
+
+
+ERRORS: dict[str, type[NpudError]] = {
+    cls.code: cls for cls in (BadRequest, LineTooLongError, UnknownMethod, NotFound, Forbidden, Overloaded,
+                              PromptTooLong, DeviceQuarantined, ModelError, Unsupported, StoreError, StoreFull,
+                              StoreReadOnly, ShuttingDown, InternalError)
+}
+
+
+def error_from_wire(error: dict) -> NpudError:
+    """The exception for an error object; an unknown code gives a plain NpudError with that code."""
+    code = str(error.get("code", "error"))
+    message = str(error.get("message", ""))
+    cls = ERRORS.get(code)
+    return cls(message) if cls is not None else NpudError(message, code)
+
+
+def _connect_error(path: str, exc: OSError) -> NpudError:
+    if exc.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR):
+        return NotRunning(
+            f"npud is not running (nothing listens at {path}). Start it with `sudo systemctl start npud`, "
+            "or run `npud --config FILE`; set NPUD_SOCKET if it listens elsewhere.")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return PermissionDenied(f"cannot connect to {path}: permission denied; the socket is for the group "
+                                "that owns it (`ls -l` it) — add yourself to that group and log in again")
+    return NpudError(f"cannot connect to {path}: {exc.strerror}", "connection_failed")
+
+
+# -- the shared framing ----------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    name: str
+    data: dict
+
+
+class Framing:
+    """Sans-IO half of a connection: request lines out, replies and events in."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._reader = LineReader(MAX_REPLY_BYTES)
+        self._ready: list[dict] = []
+
+    def request(self, method: str, params: dict | None) -> tuple[int, bytes]:
+        req_id = next(self._ids)
+        msg = {"id": req_id, "method": method}
+        if params:
+            msg["params"] = {k: v for k, v in params.items() if v is not None}
+        return req_id, encode(msg)
+
+    def feed(self, data: bytes) -> None:
+        for line in self._reader.feed(data):
+            if isinstance(line, LineTooLong):
+                raise ConnectionLost(f"npud sent a line of {line.length} bytes, more than this client reads")
+            self._ready.append(json.loads(line))
+
+    def next_message(self) -> dict | None:
+        return self._ready.pop(0) if self._ready else None
+
+    @staticmethod
+    def interpret(req_id: int, msg: dict) -> Event | tuple[str, Any]:
+        """An Event, or ("result", value) for the final reply; raises the reply's error."""
+        if msg.get("id") != req_id:
+            if msg.get("id") is None and msg.get("ok") is False:
+                raise error_from_wire(msg["error"])
+            raise ConnectionLost(f"reply for request {msg.get('id')!r} while waiting for {req_id}")
+        if "event" in msg:
+            return Event(msg["event"], msg.get("data") or {})
+        if msg.get("ok"):
+            return ("result", msg.get("result"))
+        raise error_from_wire(msg.get("error") or {})
+
+
+# -- the methods, written once ---------------------------------------------------------------
+
+def _generation(model, max_tokens, sampling, stop, spec, use_prefix_cache) -> dict:
+    return {"model": model, "max_tokens": max_tokens, "sampling": sampling, "stop": stop, "spec": spec,
+            "use_prefix_cache": use_prefix_cache}
+
+
+class _Methods:
+    """Every protocol method as a call; subclasses supply _call (one reply) and _stream."""
+
+    def _call(self, method: str, params: dict | None = None) -> Any:
+        raise NotImplementedError
+
+    def _stream(self, method: str, params: dict | None = None) -> Any:
+        raise NotImplementedError
+
+    def call(self, method: str, params: dict | None = None) -> Any:
+        """Any method by name; returns its result."""
+        return self._call(method, params)
+
+    def hello(self, client: str | None = None):
+        return self._call("hello", {"client": client})
+
+    def submit(self, prompts: list[str] | None = None, *, chats: list[list[dict]] | None = None,
+               model: str | None = None, max_tokens: int | None = None, sampling: dict | None = None,
+               stop: list[str] | None = None, spec: dict | None = None, use_prefix_cache: bool | None = None,
+               priority: str | None = None):
+        return self._call("submit", {"prompts": prompts, "chats": chats, "priority": priority,
+                                     **_generation(model, max_tokens, sampling, stop, spec, use_prefix_cache)})
+
+    def complete(self, prompt: str | None = None, *, messages: list[dict] | None = None, model: str | None = None,
+                 max_tokens: int | None = None, sampling: dict | None = None, stop: list[str] | None = None,
+                 spec: dict | None = None, use_prefix_cache: bool | None = None):
+        """A stream of `ticket` and `token` events; its `.result` is the prompt result."""
+        return self._stream("complete", {"prompt": prompt, "messages": messages,
+                                         **_generation(model, max_tokens, sampling, stop, spec, use_prefix_cache)})
+
+    def stream(self, job: int, *, tokens: bool = True):
+        """A stream of a job's events; its `.result` is the final job status."""
+        return self._stream("stream", {"job": job, "tokens": tokens})
+
+    def result(self, job: int, prompts: list[int] | None = None):
+        return self._call("result", {"job": job, "prompts": prompts})
+
+    def status(self, job: int):
+        return self._call("status", {"job": job})
+
+    def jobs(self, state: str | list[str] | None = None, *, all_users: bool | None = None, limit: int | None = None,
+             before: int | None = None):
+        return self._call("jobs", {"state": state, "all_users": all_users, "limit": limit, "before": before})
+
+    def cancel(self, job: int):
+        return self._call("cancel", {"job": job})
+
+    def tickets(self, *, job: int | None = None, state: str | None = None, outcome: str | None = None,
+                since: float | None = None, until: float | None = None, limit: int | None = None):
+        return self._call("tickets", {"job": job, "state": state, "outcome": outcome, "since": since,
+                                      "until": until, "limit": limit})
+
+    def cache_list(self, model: str | None = None):
+        return self._call("cache.list", {"model": model})
+
+    def cache_pin(self, name: str, text: str | None = None, *, key: str | None = None, model: str | None = None):
+        """Pin the prefix of `text` (computed now) or the existing entry `key` under `name`."""
+        return self._call("cache.pin", {"model": model, "name": name, "text": text, "key": key})
+
+    def cache_drop(self, key: str, *, model: str | None = None):
+        return self._call("cache.drop", {"model": model, "key": key})
+
+    def device_status(self):
+        return self._call("device.status")
+
+    def device_clear(self):
+        return self._call("device.clear")
+
+    def models(self):
+        return self._call("models")
+
+    def stats(self):
+        return self._call("stats")
+
+
+# -- blocking client -------------------------------------------------------------------------
+
+class Stream:
+    """Iterate for the events; `result` holds the final reply once iteration ends."""
+
+    def __init__(self, client: "Client", req_id: int) -> None:
+        self._client = client
+        self._req_id = req_id
+        self.result: Any = None
+        self.finished = False
+
+    def __iter__(self) -> Iterator[Event]:
+        while not self.finished:
+            item = Framing.interpret(self._req_id, self._client._receive())
+            if isinstance(item, Event):
+                yield item
+            else:
+                self.result = item[1]
+                self.finished = True
+
+    def wait(self) -> Any:
+        """Drain the remaining events and return the result."""
+        for _ in self:
+            pass
+        return self.result
+
+
+class Client(_Methods):
+    """A blocking connection to npud; one request at a time."""
+
+    def __init__(self, path: str | None = None, *, timeout: float | None = None) -> None:
+        self.path = path or default_socket_path()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(self.path)
+        except OSError as exc:
+            self._sock.close()
+            raise _connect_error(self.path, exc) from None
+        self._framing = Framing()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _send(self, method: str, params: dict | None) -> int:
+        req_id, data = self._framing.request(method, params)
+        try:
+            self._sock.sendall(data)
+        except OSError as exc:
+            raise ConnectionLost(f"npud closed the connection ({exc.strerror})") from None
+        return req_id
+
+    def _receive(self) -> dict:
+        while (msg := self._framing.next_message()) is None:
+            try:
+                data = self._sock.recv(65536)
+            except OSError as exc:
+                raise ConnectionLost(f"lost the connection to npud ({exc})") from None
+            if not data:
+                raise ConnectionLost("npud closed the connection")
+            self._framing.feed(data)
+        return msg
+
+    def _call(self, method: str, params: dict | None = None) -> Any:
+        stream = Stream(self, self._send(method, params))
+        return stream.wait()
+
+    def _stream(self, method: str, params: dict | None = None) -> Stream:
+        return Stream(self, self._send(method, params))
+
+
+# -- trio client -----------------------------------------------------------------------------
+
+class AsyncStream:
+    def __init__(self, client: "AsyncClient", method: str, params: dict | None) -> None:
+        self._client = client
+        self._method = method
+        self._params = params
+        self.result: Any = None
+        self.finished = False
+
+    async def __aiter__(self):
+        async with self._client._lock:
+            req_id = await self._client._send(self._method, self._params)
+            while not self.finished:
+                item = Framing.interpret(req_id, await self._client._receive())
+                if isinstance(item, Event):
+                    yield item
+                else:
+                    self.result = item[1]
+                    self.finished = True
+
+    async def wait(self) -> Any:
+        async for _ in self:
+            pass
+        return self.result
+
+
+class AsyncClient(_Methods):
+    """A trio connection to npud: `async with await AsyncClient.connect() as c: await c.status(1)`.
+
+    One request at a time per connection (a lock orders them); open more for concurrency.
+    """
+
+    def __init__(self, stream: Any, path: str) -> None:
+        import trio
+
+        self.path = path
+        self._stream_conn = stream
+        self._framing = Framing()
+        self._lock = trio.Lock()
+
+    @classmethod
+    async def connect(cls, path: str | None = None) -> "AsyncClient":
+        import trio
+
+        path = path or default_socket_path()
+        try:
+            stream = await trio.open_unix_socket(path)
+        except OSError as exc:
+            raise _connect_error(path, exc) from None
+        return cls(stream, path)
+
+    async def aclose(self) -> None:
+        await self._stream_conn.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    async def _send(self, method: str, params: dict | None) -> int:
+        import trio
+
+        req_id, data = self._framing.request(method, params)
+        try:
+            await self._stream_conn.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise ConnectionLost(f"npud closed the connection ({exc})") from None
+        return req_id
+
+    async def _receive(self) -> dict:
+        import trio
+
+        while (msg := self._framing.next_message()) is None:
+            try:
+                data = await self._stream_conn.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                raise ConnectionLost(f"lost the connection to npud ({exc})") from None
+            if not data:
+                raise ConnectionLost("npud closed the connection")
+            self._framing.feed(data)
+        return msg
+
+    async def _call(self, method: str, params: dict | None = None) -> Any:
+        return await AsyncStream(self, method, params).wait()
+
+    def _stream(self, method: str, params: dict | None = None) -> AsyncStream:
+        return AsyncStream(self, method, params)

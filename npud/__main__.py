@@ -1,0 +1,3 @@
+from npud.main import main
+
+raise SystemExit(main())

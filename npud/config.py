@@ -1,0 +1,359 @@
+"""The daemon's configuration: a TOML file read into validated frozen dataclasses.
+
+Every field is checked where it is declared (`__post_init__`); an error names the field
+and the bad value. `npud --check-config` runs exactly this code and exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG_PATH = Path("/etc/npud/npud.toml")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("auto", "json", "console")
+MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+    def __init__(self, field_name: str, value: Any, why: str) -> None:
+        super().__init__(f"{field_name} = {value!r}: {why}")
+        self.field = field_name
+        self.value = value
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(name, value, "must be > 0")
+
+
+@dataclass(slots=True, frozen=True)
+class ServerConfig:
+    socket_path: str = "/run/npud/npud.sock"
+    socket_group: str = ""  # "" keeps the daemon's own group
+    socket_mode: int = 0o660
+    admin_group: str = "npud-admin"  # root is always admin; a missing group means root only
+    max_connections: int = 512
+    max_inflight_per_connection: int = 32
+    idle_timeout_s: float = 600.0  # a connection with no request in flight and no input
+    line_timeout_s: float = 30.0  # a started line must end within this
+    drain_timeout_s: float = 10.0  # SIGTERM: how long the running round may take to finish
+
+    def __post_init__(self) -> None:
+        if not self.socket_path:
+            raise ConfigError("server.socket_path", self.socket_path, "must not be empty")
+        if len(self.socket_path.encode()) > 107:
+            raise ConfigError("server.socket_path", self.socket_path, "a Unix socket path is at most 107 bytes")
+        if not 0 <= self.socket_mode <= 0o777:
+            raise ConfigError("server.socket_mode", self.socket_mode, "must be a permission mode like 0o660")
+        if self.socket_mode & 0o007:
+            raise ConfigError("server.socket_mode", oct(self.socket_mode), "must not grant access to other users")
+        for name in ("max_connections", "max_inflight_per_connection", "idle_timeout_s", "line_timeout_s",
+                     "drain_timeout_s"):
+            _positive(f"server.{name}", getattr(self, name))
+
+
+@dataclass(slots=True, frozen=True)
+class LimitsConfig:
+    max_line_bytes: int = 1 << 20
+    max_prompt_tokens: int = 8192
+    max_tokens: int = 4096
+    max_prompts_per_job: int = 1024
+    max_queued_jobs_per_user: int = 64
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _positive(f"limits.{f.name}", getattr(self, f.name))
+        if self.max_line_bytes < 1024:
+            raise ConfigError("limits.max_line_bytes", self.max_line_bytes, "must be at least 1024")
+
+
+@dataclass(slots=True, frozen=True)
+class StoreConfig:
+    state_dir: str = "/var/lib/npud"
+    retention_days: float = 30.0  # finished jobs, their results and tickets are kept this long
+    persist_prefix_cache: bool = True  # prefix-cache entries spill to <state_dir>/prefix-cache/<model>
+
+    def __post_init__(self) -> None:
+        if not self.state_dir:
+            raise ConfigError("store.state_dir", self.state_dir, "must not be empty")
+        _positive("store.retention_days", self.retention_days)
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    # A ticket holds the device for at most this much work when another ticket of the same
+    # or a higher class waits; an interactive ticket waiting preempts batch at once.
+    quantum_tokens: int = 256
+    quantum_ms: float = 2000.0
+
+    def __post_init__(self) -> None:
+        _positive("scheduler.quantum_tokens", self.quantum_tokens)
+        _positive("scheduler.quantum_ms", self.quantum_ms)
+
+
+@dataclass(slots=True, frozen=True)
+class DeviceConfig:
+    accel_dir: str = "/dev/accel"
+    sysfs_class_dir: str = "/sys/class/accel"
+    max_resident_bytes: int = 0  # models kept loaded (LRU); 0 = half of the physical memory
+
+    def __post_init__(self) -> None:
+        if self.max_resident_bytes < 0:
+            raise ConfigError("device.max_resident_bytes", self.max_resident_bytes, "must be >= 0")
+
+
+@dataclass(slots=True, frozen=True)
+class ThermalConfig:
+    enabled: bool = True
+    psutil_chips: tuple[str, ...] = ("k10temp",)  # psutil.sensors_temperatures() chips; () = none
+    paths: tuple[str, ...] = ()  # files or globs in millidegrees C (hwmon temp*_input, thermal_zone*/temp)
+    hold_above_c: float = 95.0
+    resume_below_c: float = 85.0
+    abort_above_c: float = 100.0
+    poll_interval_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        _positive("thermal.poll_interval_s", self.poll_interval_s)
+        if not self.resume_below_c < self.hold_above_c:
+            raise ConfigError("thermal.resume_below_c", self.resume_below_c,
+                              f"must be below thermal.hold_above_c ({self.hold_above_c})")
+        if not self.hold_above_c <= self.abort_above_c:
+            raise ConfigError("thermal.abort_above_c", self.abort_above_c,
+                              f"must be at least thermal.hold_above_c ({self.hold_above_c})")
+
+
+@dataclass(slots=True, frozen=True)
+class ErrorsConfig:
+    """The amdxdna error count read from the kernel log."""
+
+    enabled: bool = True
+    source: str = "/dev/kmsg"
+    patterns: tuple[str, ...] = (r"amdxdna.*\*ERROR\*",)
+    poll_interval_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        _positive("errors.poll_interval_s", self.poll_interval_s)
+        if not self.patterns:
+            raise ConfigError("errors.patterns", self.patterns, "needs at least one pattern")
+        for i, pattern in enumerate(self.patterns):
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ConfigError(f"errors.patterns[{i}]", pattern, f"not a regular expression: {exc}") from None
+
+
+@dataclass(slots=True, frozen=True)
+class LoggingConfig:
+    level: str = "info"
+    format: str = "auto"  # auto: JSON lines unless stdout is a TTY
+
+    def __post_init__(self) -> None:
+        if self.level not in LOG_LEVELS:
+            raise ConfigError("logging.level", self.level, f"expected one of {list(LOG_LEVELS)}")
+        if self.format not in LOG_FORMATS:
+            raise ConfigError("logging.format", self.format, f"expected one of {list(LOG_FORMATS)}")
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    # The module that provides the session API (ServedModel, GenerateRequest, SamplingParams,
+    # SpecParams, RequestError). Only tests point it elsewhere.
+    module: str = "engine.session"
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", self.module):
+            raise ConfigError("engine.module", self.module, "not a dotted module name")
+
+
+@dataclass(slots=True, frozen=True)
+class ModelEntry:
+    name: str
+    checkpoint_dir: str
+    draft_dir: str | None = None
+    weight_format: str = "bf16"
+
+    def __post_init__(self) -> None:
+        if not MODEL_NAME_RE.match(self.name):
+            raise ConfigError("models.name", self.name, "letters, digits, '.', '_', '-' (at most 64)")
+        if not self.checkpoint_dir:
+            raise ConfigError(f"models[{self.name}].checkpoint_dir", self.checkpoint_dir, "must not be empty")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ConfigError(f"models[{self.name}].weight_format", self.weight_format,
+                              f"expected one of {list(WEIGHT_FORMATS)}")
+
+
+@dataclass(slots=True, frozen=True)
+class DaemonConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    thermal: ThermalConfig = field(default_factory=ThermalConfig)
+    errors: ErrorsConfig = field(default_factory=ErrorsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    models: tuple[ModelEntry, ...] = ()
+    default_model: str | None = None  # None: the first model
+
+    def __post_init__(self) -> None:
+        names = [m.name for m in self.models]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ConfigError("models.name", sorted(dup)[0], "model names must be unique")
+        if self.default_model is not None and self.default_model not in names:
+            raise ConfigError("default_model", self.default_model, f"not one of the models {names}")
+
+    @property
+    def default_model_name(self) -> str | None:
+        if self.default_model is not None:
+            return self.default_model
+        return self.models[0].name if self.models else None
+
+    def model(self, name: str) -> ModelEntry | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    def replace(self, **sections: Any) -> "DaemonConfig":
+        return dataclasses.replace(self, **sections)
+
+
+# Fields that SIGHUP cannot change in a running daemon (the socket and the store are open).
+RELOAD_FIXED = ("server.socket_path", "server.socket_group", "server.socket_mode", "store.state_dir", "engine.module")
+
+
+def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
+    """Check a TOML value against a field's type hint; tuples come from TOML arrays."""
+    where = f"{cls_name}.{name}" if cls_name else name
+    origin = typing.get_origin(hint)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(where, value, "expected true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(where, value, "expected an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(where, value, "expected a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(where, value, "expected a string")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(where, value, "expected a list of strings")
+        return tuple(value)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _coerce(cls_name, name, args[0], value)
+    raise TypeError(f"no coercion for {hint!r}")
+
+
+def _build(cls: type, raw: Any, section: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(section, raw, "expected a table")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(raw) - names
+    if unknown:
+        raise ConfigError(f"{section}.{sorted(unknown)[0]}", raw[sorted(unknown)[0]], "unknown field")
+    for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and f.name not in raw:
+            raise ConfigError(f"{section}.{f.name}", None, "is required")
+    return cls(**{k: _coerce(section, k, hints[k], v) for k, v in raw.items()})
+
+
+_SECTIONS = {
+    "server": ServerConfig, "limits": LimitsConfig, "store": StoreConfig, "scheduler": SchedulerConfig,
+    "device": DeviceConfig, "thermal": ThermalConfig, "errors": ErrorsConfig, "logging": LoggingConfig,
+    "engine": EngineConfig,
+}
+
+
+def parse_config(raw: dict, base_dir: Path | None = None) -> DaemonConfig:
+    """Build a DaemonConfig from parsed TOML; relative model paths are taken from base_dir.
+
+    Raises ConfigError naming the first bad field.
+    """
+    unknown = set(raw) - set(_SECTIONS) - {"models", "default_model"}
+    if unknown:
+        key = sorted(unknown)[0]
+        raise ConfigError(key, raw[key], "unknown section or field")
+    sections = {name: _build(cls, raw.get(name, {}), name) for name, cls in _SECTIONS.items()}
+    models_raw = raw.get("models", [])
+    if not isinstance(models_raw, list):
+        raise ConfigError("models", models_raw, "expected an array of tables ([[models]])")
+    models = []
+    for i, entry in enumerate(models_raw):
+        model = _build(ModelEntry, entry, f"models[{i}]")
+        if base_dir is not None:
+            model = dataclasses.replace(
+                model,
+                checkpoint_dir=str(base_dir / model.checkpoint_dir),
+                draft_dir=None if model.draft_dir is None else str(base_dir / model.draft_dir),
+            )
+        models.append(model)
+    default_model = raw.get("default_model")
+    if default_model is not None and not isinstance(default_model, str):
+        raise ConfigError("default_model", default_model, "expected a string")
+    return DaemonConfig(models=tuple(models), default_model=default_model, **sections)
+
+
+def load_config(path: Path) -> DaemonConfig:
+    """Read and validate a TOML config file; raises ConfigError (also for I/O and syntax)."""
+    try:
+        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError("--config", str(path), f"cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError("--config", str(path), "not UTF-8") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("--config", str(path), f"not valid TOML: {exc}") from None
+    return parse_config(raw, Path(path).resolve().parent)
+
+
+def check_models(cfg: DaemonConfig) -> list[str]:
+    """Problems with the model directories that a --check-config should report (no loading)."""
+    problems = []
+    for m in cfg.models:
+        for label, d in (("checkpoint_dir", m.checkpoint_dir), ("draft_dir", m.draft_dir)):
+            if d is None:
+                continue
+            p = Path(d)
+            if not p.is_dir():
+                problems.append(f"models[{m.name}].{label} = {d!r}: not a directory")
+            elif not (p / "config.json").is_file():
+                problems.append(f"models[{m.name}].{label} = {d!r}: no config.json in it")
+    return problems
+
+
+def diff_for_reload(old: DaemonConfig, new: DaemonConfig) -> tuple[DaemonConfig, list[str]]:
+    """The config a SIGHUP applies: `new` with the fields that cannot change kept from `old`.
+
+    Returns (config, names of the fixed fields the new file tried to change).
+    """
+    ignored = []
+    for dotted in RELOAD_FIXED:
+        section, name = dotted.split(".")
+        if getattr(getattr(old, section), name) != getattr(getattr(new, section), name):
+            ignored.append(dotted)
+    merged = new.replace(
+        server=dataclasses.replace(new.server, socket_path=old.server.socket_path,
+                                   socket_group=old.server.socket_group, socket_mode=old.server.socket_mode),
+        store=dataclasses.replace(new.store, state_dir=old.store.state_dir),
+        engine=old.engine,
+    )
+    return merged, ignored

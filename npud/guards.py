@@ -1,0 +1,211 @@
+"""Guards that decide whether the device may be driven: heat and amdxdna driver errors.
+
+ThermalGuard polls temperature sensors and sets the queue's hold/abort flags with
+hysteresis. ErrorCountGuard follows the kernel log and counts amdxdna error records; the
+device owner reads the count when a ticket is granted and released, and a count that grew
+in between faults the ticket and quarantines the device.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import glob
+import os
+import re
+
+import psutil
+import structlog
+import trio
+
+from npud.config import ErrorsConfig, ThermalConfig
+from npud.tickets import TicketQueue
+
+log = structlog.get_logger(__name__)
+
+MAX_KEPT_LINES = 1000  # error lines remembered for fault reports
+
+
+class ThermalGuard:
+    def __init__(self, cfg: ThermalConfig, queue: TicketQueue) -> None:
+        self.cfg = cfg
+        self.queue = queue
+        self.reading_c: float | None = None
+        self.sources: list[str] = []
+        self.state = "disabled" if not cfg.enabled else "ok"
+        self._said_no_sensor = False
+
+    def read(self) -> tuple[float | None, list[str]]:
+        """The hottest configured sensor in degrees C (None if none could be read) and the sources read."""
+        readings: list[tuple[float, str]] = []
+        if self.cfg.psutil_chips:
+            try:
+                chips = psutil.sensors_temperatures()
+            except (AttributeError, OSError):  # no sensor support on this platform
+                chips = {}
+            for chip in self.cfg.psutil_chips:
+                for entry in chips.get(chip, ()):
+                    if entry.current is not None:
+                        readings.append((float(entry.current), f"psutil:{chip}/{entry.label or 'temp'}"))
+        for pattern in self.cfg.paths:
+            for path in sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]:
+                try:
+                    with open(path, encoding="ascii") as f:
+                        milli = int(f.read().strip())
+                except (OSError, ValueError):
+                    continue  # a sensor that vanished or reads garbage is not a reading
+                readings.append((milli / 1000.0, path))
+        if not readings:
+            return None, []
+        return max(r for r, _ in readings), [s for _, s in readings]
+
+    def evaluate(self, reading: float | None) -> None:
+        """Move the hold/abort state for a new reading and tell the queue."""
+        cfg, q = self.cfg, self.queue
+        self.reading_c = reading
+        if reading is None:
+            if not self._said_no_sensor:
+                log.warning("guard_thermal_no_sensor", chips=list(cfg.psutil_chips), paths=list(cfg.paths))
+                self._said_no_sensor = True
+            self.state = "no_sensor"
+            if q.thermal_hold or q.thermal_abort:
+                q.set_thermal(hold=False, abort=False)
+            return
+        hold, abort = q.thermal_hold, reading > cfg.abort_above_c
+        if reading > cfg.hold_above_c:
+            hold = True
+        elif hold and reading < cfg.resume_below_c:
+            hold = False
+        if abort and not q.thermal_abort:
+            log.warning("guard_thermal_abort", reading_c=reading, abort_above_c=cfg.abort_above_c)
+        if hold and not q.thermal_hold:
+            log.warning("guard_thermal_hold", reading_c=reading, hold_above_c=cfg.hold_above_c)
+        if not hold and q.thermal_hold:
+            log.info("guard_thermal_resume", reading_c=reading, resume_below_c=cfg.resume_below_c)
+        self.state = "abort" if abort else "hold" if hold else "ok"
+        if (hold, abort) != (q.thermal_hold, q.thermal_abort):
+            q.set_thermal(hold=hold, abort=abort)
+
+    def poll(self) -> None:
+        if not self.cfg.enabled:
+            self.state, self.reading_c, self.sources = "disabled", None, []
+            if self.queue.thermal_hold or self.queue.thermal_abort:
+                self.queue.set_thermal(hold=False, abort=False)
+            return
+        reading, self.sources = self.read()
+        self.evaluate(reading)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        self.poll()  # the first reading is in before the first grant
+        task_status.started()
+        while True:
+            await trio.sleep(self.cfg.poll_interval_s)
+            self.poll()
+
+    def to_wire(self) -> dict:
+        return {"state": self.state, "reading_c": self.reading_c, "sources": self.sources,
+                "hold_above_c": self.cfg.hold_above_c, "resume_below_c": self.cfg.resume_below_c,
+                "abort_above_c": self.cfg.abort_above_c}
+
+
+class ErrorCountGuard:
+    """Counts kernel log records that match the amdxdna error patterns, from start-up on.
+
+    Reads /dev/kmsg (one record per read, non-blocking) or, for tests and other setups, any
+    file that grows by lines. Only records written after the daemon started are counted.
+    """
+
+    def __init__(self, cfg: ErrorsConfig) -> None:
+        self.cfg = cfg
+        self._patterns = [re.compile(p) for p in cfg.patterns]
+        self.count = 0
+        self.available = False
+        self.why: str | None = None
+        self._fd: int | None = None
+        self._pos = 0
+        self._partial = b""
+        self._lines: collections.deque[tuple[int, str]] = collections.deque(maxlen=MAX_KEPT_LINES)
+
+    def reconfigure(self, cfg: ErrorsConfig) -> None:
+        reopen = cfg.source != self.cfg.source or cfg.enabled != self.cfg.enabled
+        self.cfg = cfg
+        self._patterns = [re.compile(p) for p in cfg.patterns]
+        if reopen:
+            self.close()
+            if cfg.enabled:
+                self.open()
+
+    def open(self) -> bool:
+        try:
+            self._fd = os.open(self.cfg.source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                self._pos = os.lseek(self._fd, 0, os.SEEK_END)  # count what happens from now on
+            except OSError as exc:
+                if exc.errno != errno.ESPIPE:  # a pipe has no past to skip
+                    raise
+                self._pos = 0
+        except OSError as exc:
+            self._fd = None
+            self.available = False
+            self.why = f"cannot read {self.cfg.source}: {exc.strerror}"
+            log.warning("guard_errors_unavailable", source=self.cfg.source, error=exc.strerror)
+            return False
+        self.available, self.why = True, None
+        return True
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd = None
+        self.available = False
+
+    def poll(self) -> int:
+        """Read every record written since the last poll; returns the error count so far."""
+        fd = self._fd
+        if fd is None:  # disabled, or the source could not be opened (said once, at open)
+            return self.count
+        size = os.fstat(fd).st_size
+        if 0 < size < self._pos:  # a regular file was truncated
+            self._pos = os.lseek(fd, 0, os.SEEK_SET)
+            self._partial = b""
+        while True:
+            try:
+                data = os.read(fd, 8192)
+            except BlockingIOError:
+                break  # /dev/kmsg: no new record
+            except OSError as exc:
+                if exc.errno == errno.EPIPE:  # /dev/kmsg overwrote records we had not read yet
+                    log.warning("guard_errors_records_lost", source=self.cfg.source)
+                    continue
+                raise
+            if not data:
+                break  # a regular file: at its end
+            self._pos += len(data)
+            lines = (self._partial + data).split(b"\n")
+            self._partial = lines.pop()
+            for raw in lines:
+                self._record(raw.decode("utf-8", "replace"))
+        return self.count
+
+    def _record(self, record: str) -> None:
+        message = record.split(";", 1)[1] if re.match(r"^\d+,\d+,\d+,[^;]*;", record) else record
+        if any(p.search(message) for p in self._patterns):
+            self.count += 1
+            self._lines.append((self.count, message))
+            log.warning("guard_device_error_line", count=self.count, line=message)
+
+    def lines_since(self, count: int) -> list[str]:
+        """The error lines counted after `count` (those still remembered)."""
+        return [line for n, line in self._lines if n > count]
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        if self.cfg.enabled:
+            self.open()
+        task_status.started()
+        while True:
+            await trio.sleep(self.cfg.poll_interval_s)
+            self.poll()
+
+    def to_wire(self) -> dict:
+        return {"count": self.count, "source": self.cfg.source, "available": self.available, "why": self.why,
+                "patterns": list(self.cfg.patterns)}

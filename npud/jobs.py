@@ -1,0 +1,350 @@
+"""Jobs: accepted work, its durable record, its queue ticket and the clients that follow it.
+
+A job is written to the store before anyone is told it exists; it then holds exactly one
+queued or granted ticket until it ends. The device owner (npud/worker.py) reports what it
+did through the `on_*` methods; clients read and cancel through the rest.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import structlog
+import trio
+
+from npud.config import DaemonConfig
+from npud.jobspec import JobSpec
+from npud.protocol import ApiError, ErrorCode
+from npud.store import Store, StoreError
+from npud.tickets import Outcome, Priority, Ticket, TicketQueue, TicketState, YieldReason
+
+log = structlog.get_logger(__name__)
+
+SUBSCRIBER_BUFFER = 4096  # events a slow client may fall behind before its stream is ended
+
+
+class JobState(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+_OUTCOME_STATE = {Outcome.DONE: JobState.DONE, Outcome.CANCELLED: JobState.CANCELLED, Outcome.FAILED: JobState.FAILED}
+
+
+@dataclass(slots=True, frozen=True)
+class Caller:
+    """Who is asking: the peer's uid and whether it is an operator (root or the admin group)."""
+
+    uid: int
+    admin: bool
+
+    def may_access(self, owner_uid: int) -> bool:
+        return self.admin or self.uid == owner_uid
+
+
+@dataclass(slots=True, eq=False)
+class Subscriber:
+    send: trio.MemorySendChannel
+    receive: trio.MemoryReceiveChannel
+    lagged: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    id: int
+    owner_uid: int
+    priority: Priority
+    interactive: bool  # a `complete` request: cancelled when its client goes away
+    spec: JobSpec
+    created_at: float
+    state: JobState = JobState.QUEUED
+    done_prompts: set[int] = field(default_factory=set)
+    started_at: float | None = None
+    finished_at: float | None = None
+    tokens: int = 0
+    num_tickets: int = 0
+    error: ApiError | None = None
+    cancel_requested: bool = False
+    ticket: Ticket | None = None
+    session: Any = None  # the engine session of `session_prompt`, kept across preemption
+    session_prompt: int | None = None
+    subscribers: list[Subscriber] = field(default_factory=list)
+    finished: trio.Event = field(default_factory=trio.Event)
+
+    def next_prompt(self) -> int | None:
+        """The first prompt without a result, or None when all have one."""
+        return next((i for i in range(self.spec.num_prompts) if i not in self.done_prompts), None)
+
+    def status(self) -> dict:
+        return {
+            "job": self.id, "owner_uid": self.owner_uid, "state": self.state.value, "priority": self.priority.label,
+            "interactive": self.interactive, "model": self.spec.model, "num_prompts": self.spec.num_prompts,
+            "done_prompts": len(self.done_prompts), "tokens": self.tokens, "tickets": self.num_tickets,
+            "created_at": self.created_at, "started_at": self.started_at, "finished_at": self.finished_at,
+            "cancel_requested": self.cancel_requested,
+            "error": None if self.error is None else self.error.to_wire(),
+        }
+
+
+class JobManager:
+    def __init__(self, cfg: DaemonConfig, store: Store, queue: TicketQueue, *, wall: Callable[[], float] = time.time):
+        self.cfg = cfg
+        self.store = store
+        self.queue = queue
+        self.wall = wall
+        self.active: dict[int, Job] = {}
+        self.accepting = True
+        self.tokens_generated = 0
+        self._db_limiter = trio.CapacityLimiter(1)  # the store's connection is used by one thread at a time
+        queue.observers.append(self._on_ticket_change)
+
+    async def db(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a store call in a worker thread (SQLite commits fsync; the event loop must not wait)."""
+        return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=self._db_limiter)
+
+    # -- start-up ------------------------------------------------------------------------
+
+    async def recover(self) -> int:
+        """Requeue every job that was unfinished when the daemon last stopped; returns how many."""
+        closed = await self.db(self.store.recover, self.wall())
+        rows = await self.db(self.store.unfinished_jobs)
+        for row in rows:
+            done = {r["prompt"] for r in await self.db(self.store.results, row["job"])}
+            job = Job(row["job"], row["owner_uid"], Priority.parse(row["priority"]), row["interactive"],
+                      JobSpec.from_json(row["request"]), row["created_at"], done_prompts=done,
+                      started_at=row["started_at"], tokens=row["tokens"], num_tickets=row["tickets"])
+            self.active[job.id] = job
+            job.ticket = self.queue.enqueue(job.id, job.priority)
+            log.info("job_requeued", job=job.id, done_prompts=len(done), num_prompts=job.spec.num_prompts)
+        if rows or closed:
+            log.info("store_recovered", jobs_requeued=len(rows), tickets_closed=closed)
+        return len(rows)
+
+    # -- client side ---------------------------------------------------------------------
+
+    async def submit(self, caller: Caller, spec: JobSpec, priority: Priority, *, interactive: bool = False,
+                     subscribe: bool = False) -> tuple[Job, Subscriber | None]:
+        """Accept a job: store it, then queue its ticket. Raises overloaded / shutting_down / store_*."""
+        if not self.accepting:
+            raise ApiError(ErrorCode.SHUTTING_DOWN, "npud is shutting down and accepts no new work")
+        limit = self.cfg.limits.max_queued_jobs_per_user
+        if sum(1 for j in self.active.values() if j.owner_uid == caller.uid) >= limit:
+            raise ApiError(ErrorCode.OVERLOADED,
+                           f"you have {limit} unfinished jobs, the limit (limits.max_queued_jobs_per_user)")
+        created = self.wall()
+        # Shielded: once the row is committed, the job must also be queued, whatever the client does.
+        with trio.CancelScope(shield=True):
+            job_id = await self.db(self.store.insert_job, owner_uid=caller.uid, priority=priority.label,
+                                   interactive=interactive, model=spec.model, request=spec.to_json(),
+                                   num_prompts=spec.num_prompts, created_at=created)
+            job = Job(job_id, caller.uid, priority, interactive, spec, created)
+            self.active[job_id] = job
+            sub = self.subscribe(job) if subscribe else None
+            job.ticket = self.queue.enqueue(job_id, priority)
+        log.info("job_accepted", job=job_id, owner_uid=caller.uid, priority=priority.label, model=spec.model,
+                 num_prompts=spec.num_prompts)
+        return job, sub
+
+    async def status(self, caller: Caller, job_id: int) -> dict:
+        job = self.active.get(job_id)
+        if job is not None:
+            self._check_access(caller, job.owner_uid, job_id)
+            out = job.status()
+        else:
+            row = await self.db(self.store.job, job_id)
+            if row is None:
+                raise ApiError(ErrorCode.NOT_FOUND, f"no job {job_id}")
+            self._check_access(caller, row["owner_uid"], job_id)
+            out = row
+        out["queue_position"] = self.queue.position(job_id)
+        return out
+
+    @staticmethod
+    def _check_access(caller: Caller, owner_uid: int, job_id: int) -> None:
+        if not caller.may_access(owner_uid):
+            raise ApiError(ErrorCode.FORBIDDEN, f"job {job_id} belongs to another user")
+
+    async def results(self, caller: Caller, job_id: int, prompts: list[int] | None) -> dict:
+        status = await self.status(caller, job_id)
+        results = await self.db(self.store.results, job_id, prompts)
+        return {"job": job_id, "state": status["state"], "results": results}
+
+    async def list(self, caller: Caller, *, states: list[str] | None, all_users: bool, limit: int,
+                   before: int | None) -> list[dict]:
+        if all_users and not caller.admin:
+            raise ApiError(ErrorCode.FORBIDDEN, "all_users needs the admin group")
+        rows = await self.db(self.store.jobs, owner_uid=None if all_users else caller.uid, states=states,
+                             limit=limit, before=before)
+        # the store has the durable fields; live counters of active jobs come from memory
+        return [self.active[r["job"]].status() if r["job"] in self.active else r for r in rows]
+
+    async def cancel(self, caller: Caller, job_id: int) -> dict:
+        status = await self.status(caller, job_id)  # raises not_found / forbidden
+        job = self.active.get(job_id)
+        if job is None:
+            return {**status, "cancelled": False}
+        await self.cancel_job(job)
+        return {**job.status(), "queue_position": None, "cancelled": True}
+
+    async def cancel_job(self, job: Job) -> None:
+        """Cancel now if queued; if running, the device owner stops it at the next round boundary."""
+        job.cancel_requested = True
+        ticket = job.ticket
+        with trio.CancelScope(shield=True):
+            if ticket is not None and ticket.state is TicketState.QUEUED:
+                self.queue.release(ticket, Outcome.CANCELLED, "cancelled while queued")
+                await self.finish(job, JobState.CANCELLED, ticket=ticket)
+            elif ticket is None and job.state is JobState.QUEUED:  # yielded for shutdown
+                await self.finish(job, JobState.CANCELLED)
+        log.info("job_cancel_requested", job=job.id, state=job.state.value)
+
+    # -- events to clients ---------------------------------------------------------------
+
+    def subscribe(self, job: Job) -> Subscriber:
+        send, receive = trio.open_memory_channel(SUBSCRIBER_BUFFER)
+        sub = Subscriber(send, receive)
+        job.subscribers.append(sub)
+        return sub
+
+    def unsubscribe(self, job: Job, sub: Subscriber) -> None:
+        if sub in job.subscribers:
+            job.subscribers.remove(sub)
+        sub.send.close()
+
+    def publish(self, job: Job, name: str, data: dict) -> None:
+        """Give an event to every follower of the job; one that has fallen too far behind is cut off."""
+        for sub in list(job.subscribers):
+            try:
+                sub.send.send_nowait((name, data))
+            except trio.WouldBlock:
+                sub.lagged = True
+                self.unsubscribe(job, sub)
+            except trio.ClosedResourceError:
+                self.unsubscribe(job, sub)
+
+    def _on_ticket_change(self, ticket: Ticket) -> None:
+        job = self.active.get(ticket.job_id)
+        if job is not None:
+            data = {"ticket": ticket.id, "job": ticket.job_id, "state": ticket.state.value}
+            if ticket.outcome is not None:
+                data["outcome"] = ticket.outcome.value
+                data["reason"] = ticket.reason
+            self.publish(job, "ticket", data)
+
+    # -- device-owner side ---------------------------------------------------------------
+
+    async def on_granted(self, job: Job, ticket: Ticket) -> None:
+        job.state = JobState.RUNNING
+        job.num_tickets += 1
+        if job.started_at is None:
+            job.started_at = ticket.granted_at
+        await self._write_state(job, ticket)
+
+    async def commit_result(self, job: Job, prompt: int, body: dict, tokens: int) -> None:
+        """Record one finished prompt; raises StoreError when it could not be written."""
+        await self.db(self.store.add_result, job.id, prompt, body, tokens)
+        job.done_prompts.add(prompt)
+        self.publish(job, "progress", {"prompt": prompt, "finish_reason": body.get("finish_reason"),
+                                       "error": body.get("error"), "done_prompts": len(job.done_prompts),
+                                       "num_prompts": job.spec.num_prompts})
+
+    def count_tokens(self, job: Job, ticket: Ticket, num_tokens: int) -> None:
+        job.tokens += num_tokens
+        ticket.tokens += num_tokens
+        self.tokens_generated += num_tokens
+
+    async def on_released(self, job: Job, ticket: Ticket, yielded: YieldReason | None) -> None:
+        """Persist a released ticket and move the job on: finished, or queued again."""
+        if ticket.outcome in _OUTCOME_STATE:
+            await self.finish(job, _OUTCOME_STATE[ticket.outcome], ticket=ticket)
+            return
+        job.state = JobState.QUEUED
+        if ticket.outcome is Outcome.FAULTED:
+            job.session = job.session_prompt = None  # output made during a fault is not trusted
+            job.ticket = self.queue.requeue(ticket, keep_place=True)
+        elif yielded is YieldReason.SHUTDOWN:
+            job.ticket = None  # the store says queued; the next start runs it
+        else:
+            job.ticket = self.queue.requeue(ticket, keep_place=yielded is not None and yielded.keeps_place)
+        await self._write_state(job, ticket)
+
+    async def finish(self, job: Job, state: JobState, error: ApiError | None = None, *,
+                     ticket: Ticket | None = None) -> None:
+        """End a job (and store `ticket`, its last one, in the same commit)."""
+        job.state = state
+        job.error = error if error is not None else job.error
+        job.finished_at = self.wall()
+        job.session = job.session_prompt = None
+        job.ticket = None
+        self.active.pop(job.id, None)
+        await self._write_state(job, ticket)
+        job.finished.set()
+        for sub in list(job.subscribers):
+            self.unsubscribe(job, sub)
+        event = {JobState.DONE: "job_done", JobState.FAILED: "job_failed"}.get(state, "job_cancelled")
+        log.info(event, job=job.id, tokens=job.tokens, tickets=job.num_tickets,
+                 elapsed_ms=round((job.finished_at - job.created_at) * 1000, 1),
+                 error=None if job.error is None else job.error.code)
+
+    async def _write_state(self, job: Job, ticket: Ticket | None = None) -> None:
+        """Store the job's state (and the ticket that changed it) in one commit."""
+        try:
+            await self.db(self.store.set_job_state, job.id, job.state.value, started_at=job.started_at,
+                          finished_at=job.finished_at, error=job.error,
+                          ticket=None if ticket is None else ticket.to_wire())
+        except StoreError as exc:
+            # Nothing more can be done here: the store keeps the last state it could write, and
+            # a restart redoes the job from that state. The operator sees why.
+            log.error("store_write_failed", job=job.id, ticket=None if ticket is None else ticket.id,
+                      code=exc.code, message=exc.message)
+
+    # -- queries -------------------------------------------------------------------------
+
+    async def tickets(self, caller: Caller, *, job_id: int | None, state: str | None, outcome: str | None,
+                      since: float | None, until: float | None, limit: int) -> list[dict]:
+        """Ticket history, newest first: queued tickets from memory, the rest from the store."""
+        owner = None if caller.admin else caller.uid
+        live = []
+        if state in (None, "queued") and outcome is None:
+            for t in self.queue.queued():
+                job = self.active.get(t.job_id)
+                if job is None or (owner is not None and job.owner_uid != owner):
+                    continue
+                if (job_id is None or t.job_id == job_id) and (since is None or t.queued_at >= since) and (
+                    until is None or t.queued_at < until
+                ):
+                    live.append(t.to_wire())
+        stored = []
+        if state != "queued":
+            stored = await self.db(self.store.tickets, job_id=job_id, owner_uid=owner, state=state, outcome=outcome,
+                                   since=since, until=until, limit=limit)
+            granted = self.queue.granted
+            if granted is not None:  # its stored row is from the grant; memory has the live counters
+                stored = [granted.to_wire() if t["ticket"] == granted.id else t for t in stored]
+        merged = sorted(live + stored, key=lambda t: -t["ticket"])
+        return merged[:limit]
+
+    async def prune(self, retention_days: float) -> int:
+        cutoff = self.wall() - retention_days * 86400.0
+        removed = await self.db(self.store.prune, cutoff)
+        if removed:
+            log.info("history_pruned", jobs=removed)
+        return removed
+
+    async def run_retention(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Prune finished history at start-up and then every hour."""
+        task_status.started()
+        while True:
+            try:
+                await self.prune(self.cfg.store.retention_days)
+            except StoreError as exc:
+                log.error("history_prune_failed", code=exc.code, message=exc.message)
+            await trio.sleep(3600)
+

@@ -1,0 +1,143 @@
+"""The configured models and which of them are loaded: a model loads on first use inside a
+ticket and stays resident while memory allows, the least recently used going first.
+
+`get` loads a model and is blocking: only the device owner calls it, in a worker thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import psutil
+import structlog
+
+from npud.config import ModelEntry
+from npud.protocol import ApiError, ErrorCode
+
+log = structlog.get_logger(__name__)
+
+
+def estimate_bytes(entry: ModelEntry) -> int:
+    """What a model will take once loaded, before loading it: the size of its weight files."""
+    total = 0
+    for d in (entry.checkpoint_dir, entry.draft_dir):
+        if d is not None:
+            total += sum(p.stat().st_size for p in Path(d).glob("*.safetensors") if p.is_file())
+    return total
+
+
+class ModelRegistry:
+    def __init__(self, models: tuple[ModelEntry, ...], *, engine_module: str, max_resident_bytes: int,
+                 cache_root: Path | None = None, engine: ModuleType | None = None) -> None:
+        self._entries = {m.name: m for m in models}
+        self.cache_root = cache_root  # prefix caches persist under cache_root/<model>; None: memory only
+        self._engine_module = engine_module
+        self._engine = engine
+        self.max_resident_bytes = max_resident_bytes
+        self._resident: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+    def engine(self) -> ModuleType:
+        """The session module (engine.session unless configured otherwise); raises model_error."""
+        if self._engine is None:
+            try:
+                self._engine = importlib.import_module(self._engine_module)
+            except Exception as exc:
+                raise ApiError(ErrorCode.MODEL_ERROR,
+                               f"the engine module {self._engine_module} does not import: "
+                               f"{type(exc).__name__}: {exc}") from None
+        return self._engine
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._entries)
+
+    def entry(self, name: str) -> ModelEntry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise ApiError(ErrorCode.NOT_FOUND, f"no model {name!r}; models: {list(self._entries)}") from None
+
+    def resident(self, name: str) -> Any | None:
+        return self._resident.get(name)
+
+    def budget(self) -> int:
+        return self.max_resident_bytes or psutil.virtual_memory().total // 2
+
+    def get(self, name: str, *, keep: Iterable[str] = ()) -> Any:
+        """The loaded model `name`, loading it (and unloading others) if needed. Blocking.
+
+        Raises not_found for an unknown name and model_error when its files do not load.
+        """
+        served = self._resident.get(name)
+        if served is not None:
+            self._resident.move_to_end(name)
+            return served
+        entry = self.entry(name)
+        engine = self.engine()
+        keep = set(keep)
+        self._evict(estimate_bytes(entry), keep)
+        started = time.perf_counter()
+        try:
+            served = engine.ServedModel.load(
+                entry.name, entry.checkpoint_dir, draft_dir=entry.draft_dir, weight_format=entry.weight_format,
+                cache_dir=None if self.cache_root is None else self.cache_root / entry.name)
+        except (ValueError, OSError) as exc:  # ConfigError, WeightsError, TokenizerError, missing files
+            log.error("model_load_failed", model=name, error=f"{type(exc).__name__}: {exc}")
+            raise ApiError(ErrorCode.MODEL_ERROR,
+                           f"model {name!r} ({entry.checkpoint_dir}) does not load: {type(exc).__name__}: {exc}") from None
+        self._resident[name] = served
+        log.info("model_loaded", model=name, nbytes=served.nbytes,
+                 load_ms=round((time.perf_counter() - started) * 1000, 1))
+        self._evict(0, keep | {name})
+        return served
+
+    def _evict(self, incoming: int, keep: set[str]) -> None:
+        budget = self.budget()
+        while sum(m.nbytes for m in self._resident.values()) + incoming > budget:
+            victim = next((n for n in self._resident if n not in keep), None)
+            if victim is None:
+                log.warning("model_memory_over_budget", budget=budget, resident=list(self._resident))
+                return
+            self.unload(victim)
+
+    def unload(self, name: str) -> None:
+        if self._resident.pop(name, None) is not None:
+            log.info("model_unloaded", model=name)
+
+    def flush_caches(self) -> int:
+        """Write the resident models' in-memory prefix-cache entries to disk (blocking); returns how many."""
+        written = 0
+        for name, served in self._resident.items():
+            cache = getattr(served, "prefix_cache", None)
+            if cache is not None and hasattr(cache, "flush"):
+                written += cache.flush()
+        return written
+
+    def reconfigure(self, models: tuple[ModelEntry, ...], max_resident_bytes: int, *, keep: Iterable[str]) -> None:
+        """New model list (SIGHUP): a model whose entry changed or vanished is unloaded unless in use."""
+        keep = set(keep)
+        new = {m.name: m for m in models}
+        for name in list(self._resident):
+            if new.get(name) != self._entries.get(name) and name not in keep:
+                self.unload(name)
+        self._entries = new
+        self.max_resident_bytes = max_resident_bytes
+
+    def describe(self) -> list[dict]:
+        out = []
+        for name, entry in self._entries.items():
+            served = self._resident.get(name)
+            out.append({
+                "name": name, "checkpoint_dir": entry.checkpoint_dir, "draft_dir": entry.draft_dir,
+                "weight_format": entry.weight_format, "resident": served is not None,
+                "nbytes": None if served is None else served.nbytes,
+                "max_context": None if served is None else served.max_context,
+                "describe": None if served is None else served.describe(),
+            })
+        return out

@@ -1,0 +1,286 @@
+"""The Unix socket: listening, peer credentials, framing, limits, and one task per request.
+
+Each connection reads lines up to `limits.max_line_bytes`; every request runs in its own
+task in the connection's nursery, so a streaming request and a `status` share a
+connection. Whatever a client sends, the answer is an error with a stable code on that
+connection, and every other connection carries on.
+"""
+
+from __future__ import annotations
+
+import errno
+import grp
+import itertools
+import os
+import pwd
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import structlog
+import trio
+
+from npud.config import DaemonConfig
+from npud.jobs import Caller
+from npud.protocol import (ApiError, ErrorCode, LineReader, LineTooLong, Request, encode, error_reply,
+                           event, parse_request, reply)
+
+log = structlog.get_logger(__name__)
+
+RECEIVE_BYTES = 65536
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+@dataclass(slots=True, frozen=True)
+class Peer:
+    conn: int
+    pid: int
+    uid: int
+    gid: int
+    caller: Caller
+
+
+def peer_credentials(sock: trio.socket.SocketType) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+    return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+
+
+def is_admin(uid: int, gid: int, admin_group: str) -> bool:
+    """Root, or a member of the admin group (primary or supplementary)."""
+    if uid == 0:
+        return True
+    try:
+        group = grp.getgrnam(admin_group)
+    except KeyError:
+        return False
+    if gid == group.gr_gid:
+        return True
+    try:
+        user = pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return user.pw_gid == group.gr_gid or user.pw_name in group.gr_mem
+
+
+def _refuse_if_live(path: str) -> None:
+    """Remove a stale socket file; raise if a daemon is listening on it."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return
+    finally:
+        probe.close()
+    raise RuntimeError(f"another npud is already listening on {path}")
+
+
+async def open_listener(cfg: DaemonConfig) -> trio.SocketListener:
+    """Bind the socket with the configured mode and group; raises OSError/RuntimeError with the path."""
+    server = cfg.server
+    path = server.socket_path
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    if os.path.lexists(path):
+        _refuse_if_live(path)
+    gid = -1
+    if server.socket_group:
+        try:
+            gid = grp.getgrnam(server.socket_group).gr_gid
+        except KeyError:
+            raise RuntimeError(f"server.socket_group {server.socket_group!r} does not exist") from None
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # The socket file is created with the umask's mode; make it no wider than the target
+    # before it exists, so no other user can connect in between bind and chmod.
+    old_umask = os.umask(0o777 & ~server.socket_mode)
+    try:
+        await sock.bind(path)
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, server.socket_mode)
+    if gid != -1:
+        os.chown(path, -1, gid)
+    sock.listen(socket.SOMAXCONN)
+    return trio.SocketListener(sock)
+
+
+class Connection:
+    def __init__(self, stream: trio.SocketStream, peer: Peer, send_timeout_s: float) -> None:
+        self.stream = stream
+        self.peer = peer
+        self.send_timeout_s = send_timeout_s
+        self.inflight = 0
+        self.closed = False
+        self._send_lock = trio.Lock()
+
+    async def send(self, message: dict) -> None:
+        """Write one message; a client that stops reading for send_timeout_s is disconnected."""
+        if self.closed:
+            raise trio.ClosedResourceError("connection closed")
+        data = encode(message)
+        async with self._send_lock:
+            try:
+                with trio.fail_after(self.send_timeout_s):
+                    await self.stream.send_all(data)
+            except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                self.closed = True
+                raise trio.ClosedResourceError("connection closed") from None
+
+
+Handler = Callable[[Peer, Request, Callable[[str, dict], Awaitable[None]]], Awaitable[dict]]
+
+
+class Server:
+    def __init__(self, cfg: DaemonConfig, handler: Handler) -> None:
+        self.cfg = cfg
+        self.handler = handler
+        self.connections = 0
+        self._ids = itertools.count(1)
+        self._accept_scope: trio.CancelScope | None = None
+        self._listener: trio.SocketListener | None = None
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Listen and serve until cancelled; started() once the socket accepts connections."""
+        self._listener = await open_listener(self.cfg)
+        log.info("socket_listening", path=self.cfg.server.socket_path, mode=oct(self.cfg.server.socket_mode),
+                 group=self.cfg.server.socket_group or None)
+        try:
+            async with trio.open_nursery() as conns:
+                with trio.CancelScope() as self._accept_scope:
+                    task_status.started()
+                    await self._accept_loop(conns)
+                self._close_listener()
+                # accepting has stopped; existing connections carry on until the daemon ends
+        finally:
+            self._close_listener()
+
+    async def _accept_loop(self, conns: trio.Nursery) -> None:
+        listener = self._listener
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:  # EMFILE and friends: wait a little rather than spin
+                log.error("accept_failed", error=exc.strerror, errno=exc.errno)
+                await trio.sleep(0.1 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM) else 0)
+                continue
+            conns.start_soon(self.handle, stream)
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.socket.close()
+            self._listener = None
+            try:
+                os.unlink(self.cfg.server.socket_path)
+            except FileNotFoundError:
+                pass
+
+    def stop_accepting(self) -> None:
+        if self._accept_scope is not None:
+            self._accept_scope.cancel()
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        conn_id = next(self._ids)
+        self.connections += 1
+        try:
+            with structlog.contextvars.bound_contextvars(conn=conn_id):
+                await self._handle(stream, conn_id)
+        except Exception:
+            log.exception("connection_error", conn=conn_id)
+        finally:
+            self.connections -= 1
+            await trio.aclose_forcefully(stream)
+
+    async def _handle(self, stream: trio.SocketStream, conn_id: int) -> None:
+        server = self.cfg.server
+        try:
+            pid, uid, gid = peer_credentials(stream.socket)
+        except OSError as exc:
+            log.warning("peer_credentials_failed", error=exc.strerror)
+            return
+        peer = Peer(conn_id, pid, uid, gid, Caller(uid, is_admin(uid, gid, server.admin_group)))
+        conn = Connection(stream, peer, server.idle_timeout_s)
+        if self.connections > server.max_connections:
+            log.warning("connection_refused", uid=uid, pid=pid, reason="max_connections")
+            await self._send_quietly(conn, error_reply(None, ApiError(
+                ErrorCode.OVERLOADED, f"npud has {server.max_connections} connections, its limit (server.max_connections)")))
+            return
+        log.debug("connection_opened", uid=uid, pid=pid)
+        reader = LineReader(self.cfg.limits.max_line_bytes)
+        async with trio.open_nursery() as tasks:
+            while True:
+                if reader.partial:
+                    timeout = server.line_timeout_s
+                elif conn.inflight == 0:
+                    timeout = server.idle_timeout_s
+                else:
+                    timeout = float("inf")  # a stream may be silent on our side for as long as it likes
+                data = None
+                with trio.move_on_after(timeout):
+                    try:
+                        data = await stream.receive_some(RECEIVE_BYTES)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        data = b""
+                if data is None:
+                    log.info("connection_timeout", partial_line=reader.partial)
+                    if reader.partial:
+                        await self._send_quietly(conn, error_reply(None, ApiError(
+                            ErrorCode.BAD_REQUEST, f"the request line did not end within {server.line_timeout_s} s")))
+                    break
+                if not data:
+                    break  # the client closed its end
+                for line in reader.feed(data):
+                    if isinstance(line, LineTooLong):
+                        log.warning("request_line_too_long", length=line.length)
+                        await self._send_quietly(conn, error_reply(None, ApiError(
+                            ErrorCode.LINE_TOO_LONG,
+                            f"the request line has {line.length} bytes, more than limits.max_line_bytes = "
+                            f"{self.cfg.limits.max_line_bytes}; it was discarded")))
+                        continue
+                    if not line.strip():
+                        continue
+                    try:
+                        req = parse_request(line)
+                    except ApiError as exc:
+                        await self._send_quietly(conn, error_reply(getattr(exc, "req_id", None), exc))
+                        continue
+                    if conn.inflight >= server.max_inflight_per_connection:
+                        await self._send_quietly(conn, error_reply(req.id, ApiError(
+                            ErrorCode.OVERLOADED, f"{server.max_inflight_per_connection} requests are already in "
+                                                  "flight on this connection (server.max_inflight_per_connection)")))
+                        continue
+                    conn.inflight += 1
+                    tasks.start_soon(self._run_request, conn, req)
+                if conn.closed:
+                    break
+            tasks.cancel_scope.cancel()  # the client is gone: its streams and completions end
+        conn.closed = True
+        log.debug("connection_closed")
+
+    async def _run_request(self, conn: Connection, req: Request) -> None:
+        async def emit(name: str, data: dict) -> None:
+            await conn.send(event(req.id, name, data))
+
+        try:
+            try:
+                result = await self.handler(conn.peer, req, emit)
+                message = reply(req.id, result)
+            except ApiError as exc:
+                message = error_reply(req.id, exc)
+            except trio.ClosedResourceError:
+                return  # the client went away while we streamed to it
+            except Exception as exc:
+                log.exception("internal_error", method=req.method)
+                message = error_reply(req.id, ApiError(ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}"))
+            await self._send_quietly(conn, message)
+        finally:
+            conn.inflight -= 1
+
+    @staticmethod
+    async def _send_quietly(conn: Connection, message: dict) -> None:
+        try:
+            await conn.send(message)
+        except trio.ClosedResourceError:
+            pass

@@ -1,0 +1,267 @@
+"""The npu-hold ticket queue: who may drive the device next, and when the holder must yield.
+
+A ticket is a hold of the device for one unit of work of one job. Tickets are granted one
+at a time, interactive before batch and first come first served within a class, never while
+the device is quarantined, held for heat, or the daemon is stopping. The holder asks
+`should_yield` at every round boundary; a preempted job continues in a new ticket.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+import trio
+
+log = structlog.get_logger(__name__)
+
+
+class Priority(enum.IntEnum):
+    """Lower value is served first."""
+
+    INTERACTIVE = 0
+    BATCH = 1
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, label: str) -> "Priority":
+        return cls[label.upper()]
+
+
+class TicketState(enum.Enum):
+    QUEUED = "queued"
+    GRANTED = "granted"
+    RELEASED = "released"
+
+
+class Outcome(enum.Enum):
+    DONE = "done"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+    FAULTED = "faulted"
+    PREEMPTED = "preempted"
+
+
+class YieldReason(enum.Enum):
+    INTERACTIVE_WAITING = "interactive_waiting"  # keeps its place at the head of its class
+    QUANTUM = "quantum"  # goes to the back of its class
+    THERMAL = "thermal"  # keeps its place
+    SHUTDOWN = "shutdown"  # not requeued in memory: the store has the job, the next start runs it
+
+    @property
+    def keeps_place(self) -> bool:
+        return self in (YieldReason.INTERACTIVE_WAITING, YieldReason.THERMAL)
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    id: int
+    job_id: int
+    priority: Priority
+    seq: int  # FIFO position within its class; a requeue that keeps its place keeps its seq
+    queued_at: float
+    state: TicketState = TicketState.QUEUED
+    outcome: Outcome | None = None
+    reason: str | None = None
+    granted_at: float | None = None
+    released_at: float | None = None
+    granted_mono: float | None = None
+    thermal_c: float | None = None
+    errors_at_grant: int | None = None
+    errors_at_release: int | None = None
+    fault_lines: tuple[str, ...] = ()
+    tokens: int = 0  # tokens generated while this ticket was held
+    drafted: int = 0
+    accepted: int = 0
+
+    def to_wire(self) -> dict:
+        return {
+            "ticket": self.id, "job": self.job_id, "priority": self.priority.label, "state": self.state.value,
+            "outcome": None if self.outcome is None else self.outcome.value, "reason": self.reason,
+            "queued_at": self.queued_at, "granted_at": self.granted_at, "released_at": self.released_at,
+            "thermal_c": self.thermal_c, "errors_at_grant": self.errors_at_grant,
+            "errors_at_release": self.errors_at_release, "fault_lines": list(self.fault_lines),
+            "tokens": self.tokens, "drafted": self.drafted, "accepted": self.accepted,
+        }
+
+
+@dataclass(slots=True, frozen=True)
+class Quarantine:
+    since: float
+    reason: str
+    ticket: int | None = None
+    job: int | None = None
+    lines: tuple[str, ...] = ()
+
+    def to_wire(self) -> dict:
+        return {"since": self.since, "reason": self.reason, "ticket": self.ticket, "job": self.job,
+                "lines": list(self.lines)}
+
+
+@dataclass(slots=True)
+class TicketQueue:
+    quantum_tokens: int
+    quantum_ms: float
+    first_id: int = 1
+    clock: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
+    granted: Ticket | None = None
+    quarantine: Quarantine | None = None
+    thermal_hold: bool = False
+    thermal_abort: bool = False
+    stopping: bool = False
+    observers: list[Callable[[Ticket], None]] = field(default_factory=list)
+    _queued: list[Ticket] = field(default_factory=list)
+    _ids: itertools.count = field(init=False)
+    _seqs: itertools.count = field(default_factory=itertools.count)
+    _changed: trio.Event = field(default_factory=trio.Event)
+
+    def __post_init__(self) -> None:
+        self._ids = itertools.count(self.first_id)
+
+    # -- state changes -------------------------------------------------------------------
+
+    def _notify(self, ticket: Ticket | None = None) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+        if ticket is not None:
+            for observer in self.observers:
+                observer(ticket)
+
+    def enqueue(self, job_id: int, priority: Priority) -> Ticket:
+        """Queue a new ticket at the back of its class."""
+        ticket = Ticket(next(self._ids), job_id, priority, next(self._seqs), self.wall())
+        self._queued.append(ticket)
+        log.info("ticket_queued", ticket=ticket.id, job=job_id, priority=priority.label)
+        self._notify(ticket)
+        return ticket
+
+    def requeue(self, ticket: Ticket, *, keep_place: bool) -> Ticket:
+        """A new ticket for the job of a released one: at its old place in its class or at the back."""
+        if ticket.state is not TicketState.RELEASED:
+            raise ValueError(f"ticket {ticket.id} is {ticket.state.value}, not released")
+        seq = ticket.seq if keep_place else next(self._seqs)
+        new = Ticket(next(self._ids), ticket.job_id, ticket.priority, seq, self.wall())
+        self._queued.append(new)
+        log.info("ticket_queued", ticket=new.id, job=new.job_id, priority=new.priority.label,
+                 requeued_from=ticket.id, keep_place=keep_place)
+        self._notify(new)
+        return new
+
+    def can_grant(self) -> bool:
+        return (
+            self.granted is None
+            and self.quarantine is None
+            and not self.thermal_hold
+            and not self.stopping
+            and bool(self._queued)
+        )
+
+    def grant(self) -> Ticket | None:
+        """Grant the first ticket of the highest class, or None when nothing may be granted."""
+        if not self.can_grant():
+            return None
+        ticket = min(self._queued, key=lambda t: (t.priority, t.seq))
+        self._queued.remove(ticket)
+        ticket.state = TicketState.GRANTED
+        ticket.granted_at = self.wall()
+        ticket.granted_mono = self.clock()
+        self.granted = ticket
+        self._notify(ticket)
+        return ticket
+
+    async def wait_grant(self) -> Ticket:
+        """Wait until a ticket can be granted and grant it."""
+        while True:
+            ticket = self.grant()
+            if ticket is not None:
+                return ticket
+            await self._changed.wait()
+
+    async def wait_changed(self) -> None:
+        await self._changed.wait()
+
+    def release(self, ticket: Ticket, outcome: Outcome, reason: str | None = None) -> None:
+        """End a granted ticket (any outcome) or a queued one (cancelled)."""
+        if ticket.state is TicketState.GRANTED:
+            if ticket is not self.granted:
+                raise ValueError(f"ticket {ticket.id} is not the granted ticket")
+            self.granted = None
+        elif ticket.state is TicketState.QUEUED:
+            if outcome is not Outcome.CANCELLED:
+                raise ValueError(f"a queued ticket can only be cancelled, not {outcome.value}")
+            self._queued.remove(ticket)
+        else:
+            raise ValueError(f"ticket {ticket.id} is already released")
+        ticket.state = TicketState.RELEASED
+        ticket.outcome = outcome
+        ticket.reason = reason
+        ticket.released_at = self.wall()
+        self._notify(ticket)
+
+    # -- the holder's questions ----------------------------------------------------------
+
+    def should_yield(self, ticket: Ticket) -> YieldReason | None:
+        """Asked by the holder at a round boundary: must it release the device now, and why."""
+        if self.stopping:
+            return YieldReason.SHUTDOWN
+        if self.thermal_abort:
+            return YieldReason.THERMAL
+        if self.thermal_hold or not self._queued:
+            return None  # nobody could be granted in its place
+        if ticket.priority is Priority.BATCH and any(t.priority is Priority.INTERACTIVE for t in self._queued):
+            return YieldReason.INTERACTIVE_WAITING
+        used_ms = (self.clock() - (ticket.granted_mono or 0.0)) * 1000.0
+        if ticket.tokens >= self.quantum_tokens or used_ms >= self.quantum_ms:
+            if any(t.priority <= ticket.priority for t in self._queued):
+                return YieldReason.QUANTUM
+        return None
+
+    # -- guards and operators ------------------------------------------------------------
+
+    def set_quarantine(self, quarantine: Quarantine | None) -> None:
+        self.quarantine = quarantine
+        self._notify()
+
+    def set_thermal(self, *, hold: bool, abort: bool) -> None:
+        self.thermal_hold = hold
+        self.thermal_abort = abort
+        self._notify()
+
+    def stop(self) -> None:
+        """No more grants; the holder yields at its next round boundary."""
+        self.stopping = True
+        self._notify()
+
+    def set_quantum(self, quantum_tokens: int, quantum_ms: float) -> None:
+        self.quantum_tokens = quantum_tokens
+        self.quantum_ms = quantum_ms
+
+    # -- queries -------------------------------------------------------------------------
+
+    def queued(self) -> list[Ticket]:
+        """Queued tickets in the order they would be granted."""
+        return sorted(self._queued, key=lambda t: (t.priority, t.seq))
+
+    def queued_ticket(self, job_id: int) -> Ticket | None:
+        return next((t for t in self._queued if t.job_id == job_id), None)
+
+    def position(self, job_id: int) -> int | None:
+        """0-based place of the job's queued ticket in grant order, or None."""
+        for i, t in enumerate(self.queued()):
+            if t.job_id == job_id:
+                return i
+        return None
+
+    def counts(self) -> dict[str, int]:
+        out = {p.label: 0 for p in Priority}
+        for t in self._queued:
+            out[t.priority.label] += 1
+        return out

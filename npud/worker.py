@@ -1,0 +1,225 @@
+"""The device owner: the one task that drives the engine, a round at a time, inside tickets.
+
+For each granted ticket it runs the job's prompts through `Session.run_round` in a worker
+thread, and between two rounds (a round boundary) it asks the queue whether to yield, and
+the job whether it was cancelled. The amdxdna error count is read at grant, before each
+result is committed, and at release; a count that grew faults the ticket, quarantines the
+device and requeues the job with nothing of the faulted work kept.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import structlog
+import trio
+
+from npud.config import DaemonConfig
+from npud.guards import ErrorCountGuard, ThermalGuard
+from npud.jobs import Job, JobManager
+from npud.protocol import ApiError, ErrorCode
+from npud.registry import ModelRegistry
+from npud.store import StoreError
+from npud.tickets import Outcome, Quarantine, Ticket, TicketQueue, YieldReason
+
+log = structlog.get_logger(__name__)
+
+QUARANTINE_KEY = "quarantine"
+
+
+def jsonable(value: Any) -> Any:
+    """Engine stats as JSON: numpy scalars to Python numbers, non-finite floats to None."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (bool, str)) or value is None:
+        return value
+    if hasattr(value, "item") and not isinstance(value, (int, float)):  # a numpy scalar
+        value = value.item()
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else None
+    return str(value)
+
+
+def result_body(result: Any) -> dict:
+    return {"text": result.text, "token_ids": [int(t) for t in result.token_ids],
+            "prompt_tokens": int(result.prompt_tokens), "finish_reason": result.finish_reason,
+            "stats": jsonable(dict(result.stats))}
+
+
+class DeviceOwner:
+    def __init__(self, cfg: DaemonConfig, queue: TicketQueue, jobs: JobManager, registry: ModelRegistry,
+                 thermal: ThermalGuard, errors: ErrorCountGuard) -> None:
+        self.cfg = cfg
+        self.queue = queue
+        self.jobs = jobs
+        self.registry = registry
+        self.thermal = thermal
+        self.errors = errors
+        self.device_lock = trio.Lock()  # all engine work: rounds, loads, prefix-cache operations
+        self.holding: Ticket | None = None
+        self._idle = trio.Event()
+        self._idle.set()
+
+    async def engine_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run blocking engine work in a thread, one piece at a time."""
+        async with self.device_lock:
+            return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), abandon_on_cancel=True)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            ticket = await self.queue.wait_grant()
+            self.holding = ticket
+            self._idle = trio.Event()
+            try:
+                await self.hold(ticket)
+            finally:
+                self.holding = None
+                self._idle.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    async def hold(self, ticket: Ticket) -> None:
+        job = self.jobs.active[ticket.job_id]
+        ticket.errors_at_grant = self.errors.poll()
+        ticket.thermal_c = self.thermal.reading_c
+        with structlog.contextvars.bound_contextvars(job=job.id, ticket=ticket.id):
+            log.info("ticket_granted", priority=ticket.priority.label, thermal_c=ticket.thermal_c,
+                     waited_ms=round((ticket.granted_at - ticket.queued_at) * 1000, 1))
+            outcome, reason, yielded = Outcome.FAILED, None, None
+            try:
+                await self.jobs.on_granted(job, ticket)
+                outcome, reason, yielded = await self._work(job, ticket)
+            except ApiError as exc:
+                job.error, outcome, reason = exc, Outcome.FAILED, exc.code
+            except trio.Cancelled:
+                outcome, reason, yielded = Outcome.PREEMPTED, YieldReason.SHUTDOWN.value, YieldReason.SHUTDOWN
+                raise
+            except Exception as exc:
+                log.exception("device_owner_error")
+                job.error = ApiError(ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
+                outcome, reason = Outcome.FAILED, ErrorCode.INTERNAL_ERROR.value
+            finally:
+                with trio.CancelScope(shield=True):
+                    ticket.errors_at_release = self.errors.poll()
+                    if ticket.errors_at_release > ticket.errors_at_grant:
+                        outcome, reason, yielded = Outcome.FAULTED, "amdxdna_errors", None
+                        job.error = None  # whatever failed, the job runs again once the device is cleared
+                        ticket.fault_lines = tuple(self.errors.lines_since(ticket.errors_at_grant))
+                        await self.quarantine(job, ticket)
+                    self.queue.release(ticket, outcome, reason)
+                    log.info("ticket_released", outcome=outcome.value, reason=reason, tokens=ticket.tokens,
+                             held_ms=round((ticket.released_at - ticket.granted_at) * 1000, 1))
+                    await self.jobs.on_released(job, ticket, yielded)
+
+    async def _work(self, job: Job, ticket: Ticket) -> tuple[Outcome, str | None, YieldReason | None]:
+        """Run the job's prompts until it is done or must yield; returns (outcome, reason, yielded)."""
+        engine = self.registry.engine()
+        served = await self.engine_call(self.registry.get, job.spec.model, keep=self.models_in_use())
+        while (prompt := job.next_prompt()) is not None:
+            session = job.session if job.session_prompt == prompt else None
+            if session is None:
+                if job.cancel_requested:
+                    return Outcome.CANCELLED, None, None
+                try:
+                    session = await self.engine_call(self._start, engine, served, job, prompt)
+                except ApiError as exc:  # this prompt cannot run; the others still can
+                    await self.jobs.commit_result(job, prompt, {"error": exc.to_wire()}, 0)
+                    continue
+                job.session, job.session_prompt = session, prompt
+            while not session.done:
+                if job.cancel_requested:
+                    session.cancel()  # the next round ends the session with finish_reason "cancelled"
+                else:
+                    yielded = self.queue.should_yield(ticket)
+                    if yielded is not None:
+                        return Outcome.PREEMPTED, yielded.value, yielded
+                events = await self.engine_call(session.run_round)
+                if events:
+                    # an event without a token id releases held-back text at the end of a run
+                    token_ids = [int(e.token_id) for e in events if e.token_id is not None]
+                    self.jobs.count_tokens(job, ticket, len(token_ids))
+                    self.jobs.publish(job, "token", {"prompt": prompt, "text": "".join(e.text for e in events),
+                                                     "token_ids": token_ids})
+            result = session.result()
+            job.session = job.session_prompt = None
+            if self.errors.poll() > ticket.errors_at_grant:
+                return Outcome.FAULTED, "amdxdna_errors", None  # not committed: made while the device erred
+            body = result_body(result)
+            self._account(ticket, prompt, body["stats"])
+            await self.jobs.commit_result(job, prompt, body, len(body["token_ids"]))
+            if body["finish_reason"] == "cancelled":
+                return Outcome.CANCELLED, None, None
+        return Outcome.DONE, None, None
+
+    def _start(self, engine: Any, served: Any, job: Job, prompt: int) -> Any:
+        """Check the prompt's length and start its session (blocking; in the engine thread).
+
+        Raises ApiError with the code of why this prompt cannot run."""
+        limit = self.cfg.limits.max_prompt_tokens
+        try:
+            request = job.spec.engine_request(engine, prompt)
+            num_tokens = served.count_prompt_tokens(request)
+            if num_tokens > limit:
+                raise ApiError(ErrorCode.PROMPT_TOO_LONG,
+                               f"the prompt has {num_tokens} tokens, more than limits.max_prompt_tokens = {limit}")
+            return served.start(request)
+        except engine.RequestError as exc:
+            raise ApiError(exc.code, exc.message) from None
+        except ValueError as exc:  # the engine's own validation of the request (ConfigError)
+            raise ApiError(ErrorCode.BAD_REQUEST, f"the engine rejects the request: {exc}") from None
+
+    def _account(self, ticket: Ticket, prompt: int, stats: dict) -> None:
+        ticket.drafted += int(stats.get("drafted") or 0)
+        ticket.accepted += int(stats.get("accepted") or 0)
+        if stats.get("fell_back"):
+            log.info("spec_fallback", prompt=prompt, fallbacks=stats.get("fallbacks"))
+        cached = stats.get("num_cached_tokens")
+        if cached is not None:
+            log.info("cache_hit" if cached else "cache_miss", prompt=prompt, num_cached_tokens=cached)
+
+    def models_in_use(self) -> set[str]:
+        """Models that must stay loaded: those with a session kept across preemption."""
+        return {j.spec.model for j in self.jobs.active.values() if j.session is not None}
+
+    # -- quarantine ----------------------------------------------------------------------
+
+    async def quarantine(self, job: Job, ticket: Ticket) -> None:
+        grown = ticket.errors_at_release - ticket.errors_at_grant
+        q = Quarantine(since=self.jobs.wall(), reason=f"{grown} amdxdna error line(s) during ticket {ticket.id}",
+                       ticket=ticket.id, job=job.id, lines=ticket.fault_lines)
+        log.error("guard_device_fault", errors_at_grant=ticket.errors_at_grant,
+                  errors_at_release=ticket.errors_at_release, lines=list(ticket.fault_lines))
+        self.queue.set_quarantine(q)
+        log.error("device_quarantined", reason=q.reason)
+        try:
+            await self._save_quarantine(q.to_wire())
+        except StoreError as exc:  # the quarantine holds in memory; only a restart would forget it
+            log.error("store_write_failed", code=exc.code, message=exc.message)
+
+    async def clear_quarantine(self) -> bool:
+        if self.queue.quarantine is None:
+            return False
+        await self._save_quarantine(None)  # first: a clear that is not recorded would come back on restart
+        self.queue.set_quarantine(None)
+        log.warning("device_cleared")
+        return True
+
+    async def _save_quarantine(self, value: dict | None) -> None:
+        await self.jobs.db(self.jobs.store.set_state, QUARANTINE_KEY, value)
+
+    async def restore_quarantine(self) -> None:
+        value = await self.jobs.db(self.jobs.store.get_state, QUARANTINE_KEY)
+        if value is not None:
+            self.queue.set_quarantine(Quarantine(value["since"], value["reason"], value["ticket"], value["job"],
+                                                 tuple(value["lines"])))
+            log.error("device_quarantined", reason=value["reason"], restored=True)

@@ -1,0 +1,140 @@
+"""The daemon's configuration: every field validated, errors name the field, --check-config."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from npud.config import ConfigError, diff_for_reload, load_config, parse_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_defaults_are_valid_and_frozen():
+    cfg = parse_config({})
+    assert cfg.server.socket_mode == 0o660 and cfg.models == () and cfg.default_model_name is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.server.socket_path = "/x"
+
+
+@pytest.mark.parametrize("raw, field", [
+    ({"server": {"socket_mode": 0o666}}, "server.socket_mode"),
+    ({"server": {"socket_path": "/" + "x" * 120}}, "server.socket_path"),
+    ({"server": {"max_connections": 0}}, "server.max_connections"),
+    ({"server": {"max_conections": 5}}, "server.max_conections"),
+    ({"limits": {"max_tokens": "3"}}, "limits.max_tokens"),
+    ({"limits": {"max_line_bytes": 10}}, "limits.max_line_bytes"),
+    ({"limits": {"max_prompt_tokens": True}}, "limits.max_prompt_tokens"),
+    ({"store": {"retention_days": -1}}, "store.retention_days"),
+    ({"scheduler": {"quantum_tokens": 0}}, "scheduler.quantum_tokens"),
+    ({"thermal": {"resume_below_c": 96.0}}, "thermal.resume_below_c"),
+    ({"thermal": {"abort_above_c": 90.0}}, "thermal.abort_above_c"),
+    ({"thermal": {"paths": "/sys/x"}}, "thermal.paths"),
+    ({"errors": {"patterns": ["amdxdna ("]}}, "errors.patterns[0]"),
+    ({"errors": {"patterns": []}}, "errors.patterns"),
+    ({"logging": {"level": "loud"}}, "logging.level"),
+    ({"engine": {"module": "not a module"}}, "engine.module"),
+    ({"models": [{"name": "a"}]}, "models[0].checkpoint_dir"),
+    ({"models": [{"name": "bad name", "checkpoint_dir": "x"}]}, "models.name"),
+    ({"models": [{"name": "a", "checkpoint_dir": "x", "weight_format": "fp8"}]}, "models[a].weight_format"),
+    ({"models": [{"name": "a", "checkpoint_dir": "x"}, {"name": "a", "checkpoint_dir": "y"}]}, "models.name"),
+    ({"models": [{"name": "a", "checkpoint_dir": "x"}], "default_model": "b"}, "default_model"),
+    ({"modles": []}, "modles"),
+])
+def test_bad_values_name_the_field(raw, field):
+    with pytest.raises(ConfigError) as info:
+        parse_config(raw)
+    assert info.value.field == field, str(info.value)
+    assert str(info.value).startswith(field)
+
+
+def test_relative_model_paths_are_taken_from_the_config_file(tmp_path):
+    (tmp_path / "npud.toml").write_text('[[models]]\nname = "m"\ncheckpoint_dir = "ckpt"\ndraft_dir = "d"\n')
+    cfg = load_config(tmp_path / "npud.toml")
+    assert cfg.models[0].checkpoint_dir == str(tmp_path / "ckpt")
+    assert cfg.models[0].draft_dir == str(tmp_path / "d")
+    assert cfg.default_model_name == "m"
+
+
+def test_unreadable_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+    (tmp_path / "bad.toml").write_text("[server\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(tmp_path / "bad.toml")
+
+
+def test_reload_keeps_what_cannot_change():
+    old = parse_config({"server": {"socket_path": "/run/a.sock"}, "limits": {"max_tokens": 10}})
+    new = parse_config({"server": {"socket_path": "/run/b.sock"}, "limits": {"max_tokens": 20},
+                        "store": {"state_dir": "/elsewhere"}})
+    merged, ignored = diff_for_reload(old, new)
+    assert merged.server.socket_path == "/run/a.sock" and merged.store.state_dir == old.store.state_dir
+    assert merged.limits.max_tokens == 20
+    assert ignored == ["server.socket_path", "store.state_dir"]
+
+
+def _npud(*args):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "npud", *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_check_config_command(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    good = tmp_path / "good.toml"
+    good.write_text('[[models]]\nname = "m"\ncheckpoint_dir = "ckpt"\n')
+    done = _npud("--check-config", "--config", str(good))
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[thermal]\nhold_above_c = "hot"\n')
+    done = _npud("--check-config", "--config", str(bad))
+    assert done.returncode == 2 and "thermal.hold_above_c" in done.stderr
+    missing = tmp_path / "missing.toml"
+    missing.write_text('[[models]]\nname = "m"\ncheckpoint_dir = "nowhere"\n')
+    done = _npud("--check-config", "--config", str(missing))
+    assert done.returncode == 2 and "models[m].checkpoint_dir" in done.stderr and "not a directory" in done.stderr
+
+
+def test_a_second_daemon_on_the_same_socket_refuses_to_start(tmp_path):
+    import socket
+
+    path = str(tmp_path / "s.sock")
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(path)
+    live.listen()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[server]\nsocket_path = "{path}"\n[store]\nstate_dir = "{tmp_path / "state"}"\n'
+                   '[thermal]\nenabled = false\n[errors]\nenabled = false\n')
+    try:
+        done = _npud("--config", str(cfg))
+    finally:
+        live.close()
+    assert done.returncode == 1 and "already listening" in done.stderr
+
+
+def test_logs_are_json_lines_when_not_a_tty_and_filtered_by_level():
+    import io
+    import json
+
+    import structlog
+
+    from npud.config import LoggingConfig
+    from npud.logsetup import setup_logging
+
+    try:
+        out = io.StringIO()  # not a TTY
+        setup_logging(LoggingConfig(level="info", format="auto"), stream=out)
+        with structlog.contextvars.bound_contextvars(conn=7):
+            structlog.get_logger("npud.test").info("ticket_granted", ticket=3)
+        structlog.get_logger("npud.test").debug("too_detailed")
+        [line] = out.getvalue().splitlines()
+        record = json.loads(line)
+        assert record["event"] == "ticket_granted" and record["ticket"] == 3 and record["conn"] == 7
+        assert record["level"] == "info" and record["timestamp"].endswith("Z")
+    finally:
+        structlog.reset_defaults()

@@ -1,0 +1,270 @@
+"""The daemon in this process with a fake engine (tests/test_npud_support.py), for the paths that
+need control over timing or failure: a full store, bad model files, limits, slow readers,
+shutdown deadlines, quarantine across restarts. Real socket and real SQLite throughout."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import trio
+
+import test_npud_support as fakes
+from test_npud_support import make_config, start
+from clients.client import (AsyncClient, BadRequest, DeviceQuarantined, ModelError, NotFound, Overloaded,
+                            PromptTooLong, ShuttingDown, StoreFull, Unsupported)
+from npud import jobs as jobs_module
+from npud.daemon import Daemon
+from npud.tickets import Quarantine
+
+
+@pytest.fixture
+def workdir():
+    d = fakes.short_tempdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+async def connect(daemon) -> AsyncClient:
+    return await AsyncClient.connect(daemon.cfg.server.socket_path)
+
+
+async def wait_state(client, job, states=("done",)):
+    with trio.fail_after(20):
+        while (status := await client.status(job))["state"] not in states:
+            await trio.sleep(0.01)
+    return status
+
+
+async def test_a_full_store_refuses_the_job_clearly_and_the_daemon_carries_on(nursery, workdir):
+    daemon = await start(nursery, make_config(workdir))
+    async with await connect(daemon) as c:
+        done = (await c.submit(["before"], max_tokens=2))["job"]
+        await wait_state(c, done)
+        daemon.store.set_page_limit(daemon.store._conn.execute("PRAGMA page_count").fetchone()[0])
+        with pytest.raises(StoreFull) as info:
+            for i in range(200):  # fill the last free pages, then be refused
+                await c.submit(["x" * 2000] * 8, max_tokens=2)
+        assert "full" in info.value.message
+        assert (await c.status(done))["state"] == "done"
+        assert (await c.hello())["protocol"] == 1
+        daemon.store.set_page_limit(1 << 30)
+        job = (await c.submit(["after"], max_tokens=2))["job"]
+        assert (await wait_state(c, job))["done_prompts"] == 1
+    daemon.request_stop()
+
+
+async def test_bad_model_files_fail_the_job_with_model_error(nursery, workdir):
+    (workdir / "broken").mkdir()
+    (workdir / "broken" / "fake.json").write_text("{ not json")
+    cfg = make_config(workdir, models=[{"name": "fake", "checkpoint_dir": str(workdir / "fake")},
+                                       {"name": "broken", "checkpoint_dir": str(workdir / "broken")}])
+    daemon = await start(nursery, cfg)
+    async with await connect(daemon) as c:
+        job = (await c.submit(["a"], model="broken"))["job"]
+        status = await wait_state(c, job, ("failed",))
+        assert status["error"]["code"] == "model_error" and "broken" in status["error"]["message"]
+        with pytest.raises(ModelError):
+            await c.complete("a", model="broken").wait()
+        [ticket] = (await c.tickets(job=job))["tickets"]
+        assert ticket["outcome"] == "failed" and ticket["reason"] == "model_error"
+        ok = (await c.submit(["a"], max_tokens=3))["job"]  # the other model still serves
+        assert (await wait_state(c, ok))["done_prompts"] == 1
+    daemon.request_stop()
+
+
+async def test_a_prompt_too_long_fails_alone(nursery, workdir):
+    cfg = make_config(workdir, limits={"max_prompt_tokens": 5})
+    daemon = await start(nursery, cfg)
+    async with await connect(daemon) as c:
+        job = (await c.submit(["short one", "one two three four five six", "also short"], max_tokens=3))["job"]
+        await wait_state(c, job)
+        results = (await c.result(job))["results"]
+        assert results[1]["error"]["code"] == "prompt_too_long" and "max_prompt_tokens" in results[1]["error"]["message"]
+        assert results[0]["text"] == fakes.expected_text("short one", 3)
+        assert results[2]["text"] == fakes.expected_text("also short", 3)
+        with pytest.raises(PromptTooLong):
+            await c.complete("one two three four five six", max_tokens=3).wait()
+        with pytest.raises(PromptTooLong):  # the engine's own context check (fake context: 4096)
+            await c.complete("word " * 5, max_tokens=4095).wait()
+    daemon.request_stop()
+
+
+async def test_queued_jobs_per_user_and_connections_are_limited(nursery, workdir):
+    cfg = make_config(workdir, limits={"max_queued_jobs_per_user": 2}, server={"max_connections": 3})
+    daemon = await start(nursery, cfg)
+    daemon.queue.set_thermal(hold=True, abort=False)  # keep jobs queued
+    async with await connect(daemon) as c:
+        await c.submit(["a"])
+        await c.submit(["b"])
+        with pytest.raises(Overloaded, match="max_queued_jobs_per_user"):
+            await c.submit(["c"])
+        others = [await connect(daemon) for _ in range(2)]
+        extra = await connect(daemon)
+        with pytest.raises(Overloaded, match="max_connections"):
+            await extra.hello()
+        for o in others + [extra]:
+            await o.aclose()
+        with trio.fail_after(5):
+            while daemon.server.connections > 1:
+                await trio.sleep(0.01)
+        assert (await c.hello())["limits"]["max_queued_jobs_per_user"] == 2
+    daemon.request_stop()
+
+
+async def test_a_line_that_never_ends_times_out(nursery, workdir):
+    daemon = await start(nursery, make_config(workdir, server={"line_timeout_s": 0.2}))
+    stream = await trio.open_unix_socket(daemon.cfg.server.socket_path)
+    await stream.send_all(b'{"id": 1, "method": "hel')
+    with trio.fail_after(5):
+        data = b""
+        while chunk := await stream.receive_some(4096):
+            data += chunk
+    assert b'"bad_request"' in data and b"did not end" in data
+    await stream.aclose()
+    daemon.request_stop()
+
+
+async def test_a_stream_that_falls_behind_is_cut_off_not_the_job(nursery, workdir, monkeypatch):
+    monkeypatch.setattr(jobs_module, "SUBSCRIBER_BUFFER", 4)
+    tokens = 20_000  # enough events to fill the socket's buffer while the client does not read
+    daemon = await start(nursery, make_config(workdir, knobs={"tokens_per_round": 1, "max_context": 30_000},
+                                              limits={"max_tokens": tokens}))
+    daemon.queue.set_thermal(hold=True, abort=False)
+    async with await connect(daemon) as c:
+        job = (await c.submit(["slow reader"], max_tokens=tokens))["job"]
+        stream = await trio.open_unix_socket(daemon.cfg.server.socket_path)
+        await stream.send_all(b'{"id": 1, "method": "stream", "params": {"job": %d}}\n' % job)
+        await trio.sleep(0.1)  # subscribed; now let the rounds run without reading
+        daemon.queue.set_thermal(hold=False, abort=False)
+        await wait_state(c, job)
+        data = b""
+        with trio.fail_after(5):
+            while b'"ok":false' not in data:
+                data += await stream.receive_some(65536)
+        assert b'"overloaded"' in data and b"fell behind" in data
+        assert len((await c.result(job))["results"][0]["token_ids"]) == tokens
+        await stream.aclose()
+    daemon.request_stop()
+
+
+async def test_sigterm_deadline_abandons_the_round_and_requeues(workdir):
+    cfg = make_config(workdir, knobs={"tokens_per_round": 1, "round_sleep_s": 1.0},
+                      server={"drain_timeout_s": 0.2})
+    async with trio.open_nursery() as nursery:
+        daemon = await start(nursery, cfg)
+        async with await connect(daemon) as c:
+            job = (await c.submit(["a", "b"], max_tokens=5))["job"]
+            with trio.fail_after(5):
+                while daemon.owner.holding is None:
+                    await trio.sleep(0.01)
+            daemon.request_stop()
+            with pytest.raises(ShuttingDown):
+                await c.submit(["late"])
+    again = Daemon(cfg, engine=fakes)  # the store as the next start sees it
+    row = again.store.job(job)
+    assert row["state"] == "queued"
+    [ticket] = again.store.tickets(job_id=job)
+    assert ticket["outcome"] == "preempted" and ticket["reason"] == "shutdown"
+    again.store.close()
+
+
+async def test_quarantine_survives_a_restart_and_blocks_grants(workdir):
+    cfg = make_config(workdir)
+    async with trio.open_nursery() as nursery:
+        daemon = await start(nursery, cfg)
+        async with await connect(daemon) as c:
+            job = (await c.submit(["a"], max_tokens=400))["job"]
+            with trio.fail_after(5):
+                while daemon.owner.holding is None:
+                    await trio.sleep(0.001)
+            with open(workdir / "kmsg", "a") as f:
+                f.write(f"3,1,1,-;{fakes.KMSG_ERROR}\n")
+            with trio.fail_after(5):
+                while daemon.queue.quarantine is None:
+                    await trio.sleep(0.01)
+            await wait_state(c, job, ("queued",))
+        daemon.request_stop()
+    async with trio.open_nursery() as nursery:
+        daemon = await start(nursery, cfg)
+        assert isinstance(daemon.queue.quarantine, Quarantine)
+        async with await connect(daemon) as c:
+            assert (await c.device_status())["quarantine"]["lines"] == [fakes.KMSG_ERROR]
+            with pytest.raises(DeviceQuarantined):
+                await c.complete("x").wait()
+            await trio.sleep(0.2)
+            assert (await c.status(job))["state"] == "queued"
+            assert (await c.device_clear())["cleared"] is True
+            assert (await c.device_clear())["cleared"] is False
+            await wait_state(c, job)
+            [result] = (await c.result(job))["results"]
+            assert result["text"] == fakes.expected_text("a", 400)
+        daemon.request_stop()
+
+
+async def test_stream_and_cancel_of_finished_and_unknown_jobs(nursery, workdir):
+    daemon = await start(nursery, make_config(workdir))
+    async with await connect(daemon) as c:
+        job = (await c.submit(["a"], max_tokens=2))["job"]
+        await wait_state(c, job)
+        stream = c.stream(job)
+        assert [e async for e in stream] == [] and stream.result["state"] == "done"
+        assert (await c.cancel(job))["cancelled"] is False
+        for call in (c.status, c.result, c.cancel):
+            with pytest.raises(NotFound):
+                await call(10_000)
+        with pytest.raises(BadRequest, match="params.state"):
+            await c.jobs(state="finished")
+        assert [j["job"] for j in (await c.jobs(state=["done"]))["jobs"]] == [job]
+        stats = await c.stats()
+        assert stats["jobs"] == {"done": 1} and stats["tickets"] == {"done": 1} and stats["tokens_generated"] == 2
+        models = (await c.models())["models"]
+        assert models[0]["resident"] is True and models[0]["describe"]["fake"] is True
+        assert await c.cache_list() == {"models": []}  # the fake model has no prefix cache
+        with pytest.raises(Unsupported):
+            await c.cache_pin("p", text="some text")
+        with pytest.raises(BadRequest, match="exactly one"):
+            await c.cache_pin("p")
+    daemon.request_stop()
+
+
+async def test_a_preempted_batch_job_continues_in_a_new_ticket(nursery, workdir):
+    daemon = await start(nursery, make_config(workdir, knobs={"tokens_per_round": 1, "round_sleep_s": 0.01}))
+    async with await connect(daemon) as c:
+        batch = (await c.submit(["b0", "b1"], max_tokens=30))["job"]
+        with trio.fail_after(5):
+            while (await c.status(batch))["tokens"] < 3:
+                await trio.sleep(0.005)
+        completion = await c.complete("now", max_tokens=3).wait()
+        assert completion["text"] == fakes.expected_text("now", 3)
+        await wait_state(c, batch)
+        tickets = sorted((await c.tickets(job=batch))["tickets"], key=lambda t: t["ticket"])
+        assert [t["outcome"] for t in tickets] == ["preempted", "done"]
+        assert tickets[0]["reason"] == "interactive_waiting"
+        results = (await c.result(batch))["results"]
+        assert [r["text"] for r in results] == [fakes.expected_text("b0", 30), fakes.expected_text("b1", 30)]
+        assert sum(t["tokens"] for t in tickets) == 60  # the session was kept: nothing redone
+    daemon.request_stop()
+
+
+async def test_a_result_finished_after_an_error_line_is_not_kept(nursery, workdir):
+    knobs = {"tokens_per_round": 1, "round_sleep_s": 0.05}
+    daemon = await start(nursery, make_config(workdir, knobs=knobs))
+    prompts = [f"p{i}" for i in range(4)]
+    async with await connect(daemon) as c:
+        job = (await c.submit(prompts, max_tokens=4))["job"]
+        with trio.fail_after(5):
+            while (await c.status(job))["done_prompts"] < 1:
+                await trio.sleep(0.005)
+        with open(workdir / "kmsg", "a") as f:  # while prompt 1 runs
+            f.write(f"3,1,1,-;{fakes.KMSG_ERROR}\n")
+        await wait_state(c, job, ("queued",))
+        assert daemon.queue.quarantine is not None
+        assert [r["prompt"] for r in (await c.result(job))["results"]] == [0]
+        [faulted] = [t for t in (await c.tickets(job=job))["tickets"] if t["outcome"] == "faulted"]
+        assert faulted["fault_lines"] == [fakes.KMSG_ERROR]
+        await c.device_clear()
+        await wait_state(c, job)
+        results = (await c.result(job))["results"]
+        assert [r["text"] for r in results] == [fakes.expected_text(p, 4) for p in prompts]
+    daemon.request_stop()

@@ -1,0 +1,149 @@
+"""Guards on fixture files: thermal hysteresis and abort, amdxdna error lines in a kernel log."""
+
+import os
+
+from npud.config import ErrorsConfig, ThermalConfig
+from npud.guards import ErrorCountGuard, ThermalGuard
+from npud.tickets import TicketQueue
+
+
+def _thermal(tmp_path, **kw):
+    zone = tmp_path / "thermal_zone0"
+    zone.mkdir(exist_ok=True)
+    cfg = ThermalConfig(psutil_chips=(), paths=(str(tmp_path / "thermal_zone*" / "temp"),), hold_above_c=90.0,
+                        resume_below_c=80.0, abort_above_c=100.0, **kw)
+    queue = TicketQueue(10, 10.0)
+    return ThermalGuard(cfg, queue), queue, zone / "temp"
+
+
+def _set(path, celsius):
+    path.write_text(f"{int(celsius * 1000)}\n")
+
+
+def test_hold_resume_with_hysteresis_and_abort(tmp_path):
+    guard, q, temp = _thermal(tmp_path)
+    steps = [(50, "ok", False, False), (91, "hold", True, False), (85, "hold", True, False),
+             (79.9, "ok", False, False), (85, "ok", False, False), (101, "abort", True, True),
+             (95, "hold", True, False), (70, "ok", False, False)]
+    for celsius, state, hold, abort in steps:
+        _set(temp, celsius)
+        guard.poll()
+        assert (guard.state, q.thermal_hold, q.thermal_abort) == (state, hold, abort), celsius
+        assert guard.reading_c == celsius
+
+
+def test_the_hottest_sensor_counts_and_bad_files_are_skipped(tmp_path):
+    guard, q, temp = _thermal(tmp_path)
+    other = tmp_path / "thermal_zone1"
+    other.mkdir()
+    _set(temp, 40)
+    _set(other / "temp", 93)
+    broken = tmp_path / "thermal_zone2"
+    broken.mkdir()
+    (broken / "temp").write_text("garbage\n")
+    guard.poll()
+    assert guard.reading_c == 93.0 and q.thermal_hold
+    assert str(broken / "temp") not in guard.sources and len(guard.sources) == 2
+
+
+def test_no_sensor_says_so_once_and_passes(tmp_path, capsys):
+    cfg = ThermalConfig(psutil_chips=("no-such-chip",), paths=(str(tmp_path / "none*"),))
+    q = TicketQueue(10, 10.0)
+    guard = ThermalGuard(cfg, q)
+    guard.poll()
+    guard.poll()
+    assert guard.state == "no_sensor" and not q.thermal_hold
+    assert capsys.readouterr().out.count("guard_thermal_no_sensor") == 1
+
+
+def test_disabled_guard_lifts_its_hold(tmp_path):
+    guard, q, temp = _thermal(tmp_path)
+    _set(temp, 99)
+    guard.poll()
+    assert q.thermal_hold
+    guard.cfg = ThermalConfig(enabled=False)
+    guard.poll()
+    assert guard.state == "disabled" and not q.thermal_hold
+
+
+def test_psutil_chips_are_read(tmp_path, monkeypatch):
+    import psutil
+
+    from collections import namedtuple
+
+    Entry = namedtuple("Entry", "label current high critical")
+    monkeypatch.setattr(psutil, "sensors_temperatures",
+                        lambda: {"k10temp": [Entry("Tctl", 97.0, None, None)], "nvme": [Entry("", 99.0, None, None)]},
+                        raising=False)
+    q = TicketQueue(10, 10.0)
+    guard = ThermalGuard(ThermalConfig(psutil_chips=("k10temp",), paths=()), q)
+    guard.poll()
+    assert guard.reading_c == 97.0 and guard.sources == ["psutil:k10temp/Tctl"] and q.thermal_hold
+
+
+ERROR = "amdxdna 0000:c5:00.1: [drm] *ERROR* aie2_send_mgmt_msg_wait: command timeout"
+
+
+def _kmsg_record(seq, message):
+    return f"3,{seq},{seq * 1000},-;{message}\n"
+
+
+def test_error_count_follows_a_growing_log_from_startup(tmp_path):
+    log = tmp_path / "kmsg"
+    log.write_text(_kmsg_record(1, ERROR))  # before start-up: not counted
+    guard = ErrorCountGuard(ErrorsConfig(source=str(log)))
+    assert guard.open() and guard.poll() == 0
+    with open(log, "a") as f:
+        f.write(_kmsg_record(2, "amdgpu 0000:c4:00.0: [drm] *ERROR* not ours"))
+        f.write(_kmsg_record(3, "amdxdna 0000:c5:00.1: probe ok"))
+        f.write(_kmsg_record(4, ERROR))
+        f.write(_kmsg_record(5, ERROR)[:20])  # half a record: counted once it ends
+    assert guard.poll() == 1
+    assert guard.lines_since(0) == [ERROR]
+    with open(log, "a") as f:
+        f.write(_kmsg_record(5, ERROR)[20:])
+    assert guard.poll() == 2
+    assert guard.lines_since(1) == [ERROR]
+
+
+def test_configured_patterns_and_plain_lines(tmp_path):
+    log = tmp_path / "log"
+    log.write_text("")
+    guard = ErrorCountGuard(ErrorsConfig(source=str(log), patterns=(r"amdxdna.*(timeout|hang)",)))
+    guard.open()
+    with open(log, "a") as f:
+        f.write("amdxdna: firmware hang detected\namdxdna: all good\n")
+    assert guard.poll() == 1 and guard.lines_since(0) == ["amdxdna: firmware hang detected"]
+
+
+def test_a_truncated_log_is_read_from_its_start(tmp_path):
+    log = tmp_path / "kmsg"
+    log.write_text("x" * 1000 + "\n")
+    guard = ErrorCountGuard(ErrorsConfig(source=str(log)))
+    guard.open()
+    log.write_text(_kmsg_record(1, ERROR))
+    assert guard.poll() == 1
+
+
+def test_an_unreadable_source_is_reported_and_passes(tmp_path):
+    guard = ErrorCountGuard(ErrorsConfig(source=str(tmp_path / "missing")))
+    assert guard.open() is False and not guard.available and "missing" in guard.why
+    assert guard.poll() == 0
+
+
+def test_kmsg_style_nonblocking_source(tmp_path):
+    """A FIFO behaves like /dev/kmsg: reads return what is there and then would block."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer_fd = None
+    guard = ErrorCountGuard(ErrorsConfig(source=str(fifo)))
+    try:
+        assert guard.open()
+        writer_fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        os.write(writer_fd, _kmsg_record(1, ERROR).encode())
+        assert guard.poll() == 1
+        assert guard.poll() == 1  # nothing new: no block, no double count
+    finally:
+        guard.close()
+        if writer_fd is not None:
+            os.close(writer_fd)

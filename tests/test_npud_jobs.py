@@ -1,0 +1,79 @@
+"""What a job asks for: submit/complete params into a JobSpec, stored, and handed to the engine."""
+
+import pytest
+
+import test_npud_support as fakes
+from npud.config import LimitsConfig
+from npud.jobspec import JobSpec, parse_spec
+from npud.protocol import ApiError, Params
+
+LIMITS = LimitsConfig(max_tokens=100, max_prompts_per_job=3)
+
+
+def spec(params, single=False):
+    p = Params(params)
+    out = parse_spec(p, limits=LIMITS, models=("m", "n"), default_model="m", single=single)
+    p.finish()
+    return out
+
+
+def test_defaults_and_round_trip():
+    s = spec({"prompts": ["a", "b"]})
+    # the default of 128 tokens is capped by the limit
+    assert (s.model, s.num_prompts, s.max_tokens, s.temperature, s.seed, s.spec_method) == ("m", 2, 100, 0.0, None,
+                                                                                             "auto")
+    full = spec({"model": "n", "chats": [[{"role": "user", "content": "hi"}]], "max_tokens": 7,
+                 "sampling": {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 3}, "stop": ["\n"],
+                 "spec": {"method": "ngram", "k": 2, "fallback_rounds": 0}, "use_prefix_cache": False})
+    assert JobSpec.from_json(full.to_json()) == full
+    assert full.chats == (({"role": "user", "content": "hi"},),)
+
+
+@pytest.mark.parametrize("params, fragment", [
+    ({}, "exactly one of 'prompts' and 'chats'"),
+    ({"prompts": ["a"], "chats": [[{"role": "user", "content": "b"}]]}, "exactly one"),
+    ({"prompts": []}, "at least 1"),
+    ({"prompts": ["a"] * 4}, "at most 3"),
+    ({"prompts": ["a"], "max_tokens": 101}, "params.max_tokens"),
+    ({"chats": [[{"role": "user"}]]}, "params.chats[0][0]"),
+    ({"chats": [[]]}, "params.chats[0]"),
+    ({"prompts": ["a"], "sampling": {"temperature": -1}}, "params.sampling.temperature"),
+    ({"prompts": ["a"], "sampling": {"top_p": 0}}, "params.sampling.top_p"),
+    ({"prompts": ["a"], "sampling": {"tempreature": 1}}, "params.sampling: unknown"),
+    ({"prompts": ["a"], "stop": [""]}, "params.stop[0]"),
+    ({"prompts": ["a"], "spec": {"method": "magic"}}, "params.spec.method"),
+    ({"prompts": ["a"], "spec": {"k": 0}}, "params.spec.k"),
+    ({"prompts": ["a"], "use_prefix_cache": "yes"}, "params.use_prefix_cache"),
+])
+def test_bad_params_name_themselves(params, fragment):
+    with pytest.raises(ApiError) as info:
+        spec(params)
+    assert info.value.code == "bad_request" and fragment in info.value.message, info.value.message
+
+
+def test_unknown_model_is_not_found():
+    with pytest.raises(ApiError) as info:
+        spec({"prompts": ["a"], "model": "x"})
+    assert info.value.code == "not_found"
+
+
+def test_complete_takes_one_prompt_or_one_message_list():
+    assert spec({"prompt": "a"}, single=True).prompts == ("a",)
+    assert spec({"messages": [{"role": "user", "content": "a"}]}, single=True).num_prompts == 1
+    with pytest.raises(ApiError):
+        spec({"prompts": ["a"]}, single=True)
+
+
+def test_engine_request_for_one_prompt():
+    s = spec({"prompts": ["a", "b"], "max_tokens": 5, "stop": ["x"], "spec": {"method": "none"}})
+    req = s.engine_request(fakes, 1)
+    assert (req.prompt, req.messages, req.max_tokens, req.stop, req.spec.method) == ("b", None, 5, ("x",), "none")
+    assert req.sampling.seed is None  # absent: the engine's default
+
+
+def test_engine_request_is_accepted_by_the_real_engine():
+    session = pytest.importorskip("engine.session")
+    s = spec({"chats": [[{"role": "user", "content": "hi"}]], "sampling": {"temperature": 0.5, "seed": 9}})
+    req = s.engine_request(session, 0)
+    assert isinstance(req, session.GenerateRequest) and req.sampling.seed == 9
+    assert spec({"prompts": ["a"]}).engine_request(session, 0).sampling.seed == 0

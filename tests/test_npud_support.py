@@ -1,0 +1,378 @@
+"""A fake session module with the engine.session API, for daemon tests that must not depend on
+model speed: deterministic tokens, a configurable number of tokens per round and sleep per
+round. Daemon processes load it with `[engine] module = "test_npud_support"`; its knobs live in
+`fake.json` in the model's checkpoint dir. Also the harness that runs real daemon processes. No tests here.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    method: str = "auto"
+    k: int = 4
+    fallback_rounds: int = 3
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str | None = None
+    messages: tuple[dict, ...] | None = None
+    max_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    spec: SpecParams = field(default_factory=SpecParams)
+    use_prefix_cache: bool = True
+
+
+class RequestError(ValueError):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    text: str
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    finish_reason: str
+    stats: dict
+
+
+def prompt_text(req: GenerateRequest) -> str:
+    if req.prompt is not None:
+        return req.prompt
+    return "\n".join(f"{m['role']}: {m['content']}" for m in req.messages)
+
+
+def token_id(prompt: str, i: int) -> int:
+    """The i-th generated token for a prompt: a pure function, so results can be predicted."""
+    return (zlib.crc32(prompt.encode()) + 7 * i) % 1000
+
+
+def expected_text(prompt: str, max_tokens: int) -> str:
+    return "".join(f" w{token_id(prompt, i)}" for i in range(max_tokens))
+
+
+ROUNDS_LOCK = threading.Lock()
+ROUNDS: list[tuple[str, int]] = []  # (prompt, tokens so far) after each round, for in-process tests
+
+
+class FakeSession:
+    def __init__(self, model: "FakeServedModel", req: GenerateRequest) -> None:
+        self.model = model
+        self.req = req
+        self.prompt = prompt_text(req)
+        self.ids: list[int] = []
+        self.text = ""
+        self._cancel = False
+        self.finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def cancel(self) -> None:
+        self._cancel = True
+
+    def run_round(self) -> list[TokenEvent]:
+        if self.done:
+            raise RuntimeError("run_round on a finished session")
+        if self._cancel:
+            self.finish_reason = "cancelled"
+            return []
+        if self.model.round_sleep_s:
+            time.sleep(self.model.round_sleep_s)
+        events = []
+        for _ in range(self.model.tokens_per_round):
+            tid = token_id(self.prompt, len(self.ids))
+            self.ids.append(tid)
+            piece = f" w{tid}"
+            self.text += piece
+            events.append(TokenEvent(tid, piece))
+            if any(s in self.text for s in self.req.stop):
+                self.finish_reason = "stop"
+                break
+            if len(self.ids) >= self.req.max_tokens:
+                self.finish_reason = "length"
+                break
+        with ROUNDS_LOCK:
+            ROUNDS.append((self.prompt, len(self.ids)))
+        return events
+
+    def result(self) -> GenerationResult:
+        if not self.done:
+            raise RuntimeError("result before the session is done")
+        return GenerationResult(self.text, tuple(self.ids), self.model.count_prompt_tokens(self.req),
+                                self.finish_reason, {"rounds": len(self.ids), "drafted": 0, "accepted": 0})
+
+
+class FakeServedModel:
+    """Knobs from fake.json: tokens_per_round, round_sleep_s, max_context, nbytes."""
+
+    def __init__(self, name: str, knobs: dict) -> None:
+        self.name = name
+        self.tokens_per_round = int(knobs.get("tokens_per_round", 1))
+        self.round_sleep_s = float(knobs.get("round_sleep_s", 0.0))
+        self.max_context = int(knobs.get("max_context", 4096))
+        self.nbytes = int(knobs.get("nbytes", 1000))
+        self.prefix_cache = None
+
+    @classmethod
+    def load(cls, name: str, checkpoint_dir, draft_dir=None, weight_format: str = "bf16",
+             cache_dir=None) -> "FakeServedModel":
+        path = Path(checkpoint_dir) / "fake.json"
+        try:
+            knobs = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not JSON: {exc}") from None
+        return cls(name, knobs)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "fake": True, "tokens_per_round": self.tokens_per_round}
+
+    def count_prompt_tokens(self, req: GenerateRequest) -> int:
+        return len(prompt_text(req).split())
+
+    def start(self, req: GenerateRequest) -> FakeSession:
+        if self.count_prompt_tokens(req) + req.max_tokens > self.max_context:
+            raise RequestError("prompt_too_long", f"prompt + max_tokens exceed the context of {self.max_context}")
+        return FakeSession(self, req)
+
+
+ServedModel = FakeServedModel
+
+
+def write_fake_checkpoint(directory: Path, **knobs) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "fake.json").write_text(json.dumps(knobs))
+    (directory / "config.json").write_text("{}")
+    return directory
+
+
+# -- real daemon processes ----------------------------------------------------------------------
+
+import os  # noqa: E402
+import signal  # noqa: E402
+import socket as socket_mod  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+
+
+def toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(value)
+
+
+def toml_dumps(cfg: dict) -> str:
+    lines = [f"{k} = {toml_value(v)}" for k, v in cfg.items() if not isinstance(v, (dict, list))]
+    for name, table in cfg.items():
+        if isinstance(table, dict):
+            lines.append(f"[{name}]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in table.items()]
+    for entry in cfg.get("models", []):
+        lines.append("[[models]]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in entry.items()]
+    return "\n".join(lines) + "\n"
+
+
+def short_tempdir() -> Path:
+    """A directory with a short path (a Unix socket path is at most 107 bytes), open to other users."""
+    d = Path(tempfile.mkdtemp(prefix="npud-", dir="/tmp"))
+    d.chmod(0o755)
+    return d
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.02, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+KMSG_ERROR = "amdxdna 0000:c5:00.1: [drm] *ERROR* aie2_send_mgmt_msg_wait: command timeout"
+
+
+class DaemonProc:
+    """One `python -m npud` process with its own socket, state, sensor and kernel-log files."""
+
+    def __init__(self, workdir: Path, models: list[dict], **sections) -> None:
+        self.dir = workdir
+        self.socket = str(workdir / "npud.sock")
+        self.temp_file = workdir / "temp"
+        self.kmsg = workdir / "kmsg"
+        self.config_path = workdir / "npud.toml"
+        self.log_path = workdir / "npud.log"
+        self.set_temp(40.0)
+        self.kmsg.write_text("")
+        self._kmsg_seq = 0
+        self.proc: subprocess.Popen | None = None
+        self.config = {
+            "server": {"socket_path": self.socket, "idle_timeout_s": 120.0, "line_timeout_s": 5.0,
+                       "drain_timeout_s": 10.0},
+            "limits": {"max_line_bytes": 65536},
+            "store": {"state_dir": str(workdir / "state")},
+            "scheduler": {"quantum_tokens": 100000, "quantum_ms": 600000.0},
+            "thermal": {"psutil_chips": [], "paths": [str(self.temp_file)], "hold_above_c": 90.0,
+                        "resume_below_c": 85.0, "abort_above_c": 100.0, "poll_interval_s": 0.05},
+            "errors": {"source": str(self.kmsg), "poll_interval_s": 0.05},
+            "logging": {"format": "json", "level": "info"},
+            "models": models,
+        }
+        self.write_config(**sections)
+
+    def write_config(self, **sections) -> None:
+        for name, values in sections.items():
+            if isinstance(values, dict):
+                self.config.setdefault(name, {}).update(values)
+            else:
+                self.config[name] = values
+        self.config_path.write_text(toml_dumps(self.config))
+
+    def start(self, timeout: float = 60.0) -> "DaemonProc":
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]))
+        seen = len(self.logs())  # a restart must not take the last run's readiness for its own
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "npud", "--config", str(self.config_path)],
+                                     stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(self.dir))
+        log.close()
+
+        def ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"npud exited with {self.proc.returncode}:\n{self.log_tail()}")
+            return any(e.get("event") == "daemon_ready" for e in self.logs()[seen:])
+
+        wait_for(ready, timeout, what="npud to be ready")
+        return self
+
+    def client(self, timeout: float = 60.0):
+        from clients.client import Client
+
+        return Client(self.socket, timeout=timeout)
+
+    def raw(self, timeout: float = 10.0) -> socket_mod.socket:
+        s = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM)
+        s.settimeout(timeout)
+        s.connect(self.socket)
+        return s
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def hup(self) -> None:
+        self.proc.send_signal(signal.SIGHUP)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def logs(self) -> list[dict]:
+        out = []
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return out
+        for line in text.splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return out
+
+    def events(self, name: str) -> list[dict]:
+        return [e for e in self.logs() if e.get("event") == name]
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def set_temp(self, celsius: float) -> None:
+        tmp = self.temp_file.with_suffix(".new")
+        tmp.write_text(f"{int(celsius * 1000)}\n")
+        tmp.replace(self.temp_file)  # the guard never reads half a write
+
+    def add_kmsg(self, message: str) -> None:
+        """Append one record in /dev/kmsg's format: priority,sequence,timestamp,flags;message."""
+        self._kmsg_seq += 1
+        with open(self.kmsg, "a") as f:
+            f.write(f"3,{self._kmsg_seq},{int(time.monotonic() * 1e6)},-;{message}\n")
+
+
+# -- the daemon in this process with the fake engine -------------------------------------------
+
+def make_config(workdir, *, knobs=None, models=None, **sections):
+    """A DaemonConfig for an in-process daemon on the fake model in `workdir` (thermal guard off)."""
+    from npud.config import parse_config
+
+    write_fake_checkpoint(workdir / "fake", **(knobs or {"tokens_per_round": 2}))
+    (workdir / "kmsg").touch()
+    raw = {
+        "server": {"socket_path": str(workdir / "s.sock")},
+        "store": {"state_dir": str(workdir / "state")},
+        "thermal": {"enabled": False},
+        "errors": {"source": str(workdir / "kmsg"), "poll_interval_s": 0.05},
+        "models": models or [{"name": "fake", "checkpoint_dir": str(workdir / "fake")}],
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return parse_config(raw)
+
+
+async def start(nursery, cfg):
+    """Run a Daemon with this module as its engine in `nursery`; returns it once it serves."""
+    from npud.daemon import Daemon
+
+    return await nursery.start(Daemon(cfg, engine=sys.modules[__name__]).run)
+
+
