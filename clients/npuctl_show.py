@@ -1,0 +1,301 @@
+"""The npuctl commands that read or change one thing: jobs, status, result, cancel, tickets,
+device, cache, models, stats."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from clients.client import Client, ConnectionLost, NotRunning, NpudError, PermissionDenied
+from clients.npuctl_common import (EXIT_DAEMON, EXIT_OK, UsageError, connect, emit_json, is_tty, open_output,
+                                   user_name)
+from clients.termout import fmt_bytes, fmt_duration, fmt_rate, fmt_time, print_fields, print_table
+
+
+# -- jobs, status, result, cancel ----------------------------------------------------------------
+
+def _prompts(status: dict) -> str:
+    return f"{status.get('done_prompts', 0)}/{status.get('num_prompts', 0)}"
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    with connect(args) as c:
+        reply = c.jobs(args.state or None, all_users=args.all_users or None, limit=args.limit, before=args.before)
+    if args.json:
+        emit_json(reply)
+        return EXIT_OK
+    rows = [[j["job"], user_name(j.get("owner_uid")), j["state"], j.get("priority"), j.get("model"), _prompts(j),
+             j.get("tokens"), fmt_time(j.get("created_at")), fmt_time(j.get("finished_at")),
+             (j.get("error") or {}).get("message")] for j in reply["jobs"]]
+    print_table(sys.stdout, ["job", "user", "state", "priority", "model", "prompts", "tokens", "created",
+                             "finished", "error"], rows, tty=is_tty(sys.stdout))
+    return EXIT_OK
+
+
+def _status_fields(s: dict) -> list[tuple[str, Any]]:
+    error = s.get("error")
+    return [
+        ("job", s["job"]), ("user", user_name(s.get("owner_uid"))), ("state", s["state"]),
+        ("priority", s.get("priority")), ("model", s.get("model")), ("prompts", _prompts(s)),
+        ("tokens", s.get("tokens")), ("tickets", s.get("tickets")), ("queue position", s.get("queue_position")),
+        ("created", fmt_time(s.get("created_at"))), ("started", fmt_time(s.get("started_at"))),
+        ("finished", fmt_time(s.get("finished_at"))), ("cancel requested", s.get("cancel_requested")),
+        ("error", None if not error else f"{error.get('message')} ({error.get('code')})"),
+    ]
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with connect(args) as c:
+        status = c.status(args.job)
+    if args.json:
+        emit_json(status)
+    else:
+        print_fields(sys.stdout, _status_fields(status))
+    return EXIT_OK
+
+
+def cmd_result(args: argparse.Namespace) -> int:
+    out = open_output(args.output) if args.output else None
+    try:
+        with connect(args) as c:
+            reply = c.result(args.job, prompts=args.prompt or None)
+        if out is not None:
+            for r in reply["results"]:
+                out.write(json.dumps(r, ensure_ascii=False) + "\n")
+        elif args.json:
+            emit_json(reply)
+        else:
+            for r in reply["results"]:
+                if "error" in r:
+                    sys.stdout.write(f"--- prompt {r['prompt']}: error: {r['error'].get('message')} "
+                                     f"({r['error'].get('code')})\n")
+                    continue
+                stats = r.get("stats") or {}
+                sys.stdout.write(
+                    f"--- prompt {r['prompt']}: {r.get('finish_reason')}, {len(r.get('token_ids') or ())} tokens, "
+                    f"acceptance {fmt_rate(int(stats.get('accepted') or 0), int(stats.get('drafted') or 0))}\n")
+                text = r.get("text", "")
+                sys.stdout.write(text + ("" if text.endswith("\n") else "\n"))
+            if not reply["results"]:
+                sys.stderr.write(f"job {args.job} is {reply['state']} and has no results yet\n")
+    finally:
+        if out is not None and out is not sys.stdout:
+            out.close()
+    return EXIT_OK
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    code = EXIT_OK
+    replies = []
+    with connect(args) as c:
+        for job in args.jobs:
+            try:
+                reply = c.cancel(job)
+            except (NotRunning, PermissionDenied, ConnectionLost):
+                raise
+            except NpudError as exc:
+                sys.stderr.write(f"error: {exc.message}\n")
+                code = EXIT_DAEMON
+                continue
+            replies.append(reply)
+            if not args.json:
+                if reply.get("cancelled"):
+                    more = " (it stops at the next round boundary)" if reply.get("state") == "running" else ""
+                    sys.stdout.write(f"job {job}: cancelled{more}\n")
+                else:
+                    sys.stdout.write(f"job {job}: had already ended ({reply.get('state')})\n")
+    if args.json:
+        emit_json({"jobs": replies})
+    return code
+
+
+# -- tickets ---------------------------------------------------------------------------------------
+
+def _ticket_owners(c: Client, tickets: list[dict]) -> dict[int, int | None]:
+    """Job -> owner uid for the tickets' jobs (from the ticket when the daemon sends it)."""
+    owners: dict[int, int | None] = {}
+    for t in tickets:
+        job = t["job"]
+        if "owner_uid" in t:
+            owners[job] = t["owner_uid"]
+        elif job not in owners:
+            try:
+                owners[job] = c.status(job).get("owner_uid")
+            except (NotRunning, PermissionDenied, ConnectionLost):
+                raise
+            except NpudError:  # pruned, or not ours to read
+                owners[job] = None
+    return owners
+
+
+def _wait_s(t: dict) -> float | None:
+    if t.get("granted_at") is not None and t.get("queued_at") is not None:
+        return t["granted_at"] - t["queued_at"]
+    if t.get("state") == "queued" and t.get("queued_at") is not None:
+        return time.time() - t["queued_at"]
+    return None
+
+
+def ticket_row(t: dict, owner: int | None) -> list[Any]:
+    before, after = t.get("errors_at_grant"), t.get("errors_at_release")
+    errors = "-" if before is None else f"{before}->{'-' if after is None else after}"
+    outcome = t.get("outcome") or t.get("state")
+    if t.get("reason") and t.get("outcome") not in (None, "done"):
+        outcome = f"{outcome}:{t['reason']}"
+    temp = t.get("thermal_c")
+    return [t["ticket"], t["job"], user_name(owner), t.get("priority"), fmt_time(t.get("queued_at")),
+            fmt_time(t.get("granted_at")), fmt_time(t.get("released_at")), fmt_duration(_wait_s(t)), outcome,
+            "-" if temp is None else f"{temp:.1f}C", errors, t.get("tokens"),
+            fmt_rate(int(t.get("accepted") or 0), int(t.get("drafted") or 0))]
+
+
+TICKET_HEADERS = ["ticket", "job", "user", "priority", "queued", "granted", "released", "wait", "outcome", "temp",
+                  "errors", "tokens", "accept"]
+
+
+def cmd_tickets(args: argparse.Namespace) -> int:
+    with connect(args) as c:
+        reply = c.tickets(job=args.job, state=args.state, outcome=args.outcome, since=args.since, until=args.until,
+                          limit=args.limit)
+        if args.json:
+            emit_json(reply)
+            return EXIT_OK
+        owners = _ticket_owners(c, reply["tickets"])
+    rows = [ticket_row(t, owners.get(t["job"])) for t in reply["tickets"]]
+    print_table(sys.stdout, TICKET_HEADERS, rows, tty=is_tty(sys.stdout))
+    return EXIT_OK
+
+
+# -- device, cache, models, stats --------------------------------------------------------------------
+
+def _quarantine(q: dict | None) -> str:
+    if not q:
+        return "none"
+    return (f"since {fmt_time(q.get('since'))}, ticket {q.get('ticket')} of job {q.get('job')}: "
+            f"{q.get('reason')}")
+
+
+def cmd_device(args: argparse.Namespace) -> int:
+    with connect(args) as c:
+        if args.action == "clear":
+            reply = c.device_clear()
+            if args.json:
+                emit_json(reply)
+            elif reply.get("cleared"):
+                sys.stdout.write("quarantine lifted; queued work continues\n")
+            else:
+                sys.stdout.write("the device was not quarantined\n")
+            return EXIT_OK
+        d = c.device_status()
+    if args.json:
+        emit_json(d)
+        return EXIT_OK
+    thermal = d.get("thermal") or {}
+    reading = thermal.get("reading_c")
+    errors = d.get("errors") or {}
+    print_fields(sys.stdout, [
+        ("backend", d.get("kind")), ("reason", d.get("reason")), ("nodes", d.get("nodes")),
+        ("driver", d.get("driver")), ("xrt", d.get("xrt")),
+        ("thermal", f"{thermal.get('state')}" + ("" if reading is None else f", {reading:.1f}C")),
+        ("errors", f"{errors.get('count')} (from {errors.get('source')})"),
+        ("quarantine", _quarantine(d.get("quarantine"))),
+    ])
+    for line in (d.get("quarantine") or {}).get("lines") or ():
+        sys.stdout.write(f"  {line}\n")
+    return EXIT_OK
+
+
+_ENTRY_FIRST = ("key", "name", "pins", "tokens", "num_tokens", "nbytes", "bytes", "on_disk", "hits", "last_used")
+
+
+def _entry_columns(entries: list[dict]) -> list[str]:
+    keys: list[str] = [k for k in _ENTRY_FIRST if any(k in e for e in entries)]
+    for e in entries:
+        keys += [k for k, v in e.items() if k not in keys and not isinstance(v, dict)]
+    return keys
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    text = _pin_text(args) if args.action == "pin" else None
+    with connect(args) as c:
+        if args.action == "ls":
+            reply = c.cache_list(args.model)
+        elif args.action == "pin":
+            reply = c.cache_pin(args.name, text, model=args.model)
+        else:
+            reply = c.cache_drop(args.key, model=args.model)
+    if args.json:
+        emit_json(reply)
+        return EXIT_OK
+    tty = is_tty(sys.stdout)
+    if args.action == "ls":
+        if not reply["models"]:
+            sys.stderr.write("no resident model has a prefix cache\n")
+        for m in reply["models"]:
+            stats = m.get("stats") or {}
+            sys.stdout.write(f"model {m['model']}: " + ", ".join(f"{k} {v}" for k, v in stats.items()) + "\n")
+            cols = _entry_columns(m.get("entries") or [])
+            print_table(sys.stdout, cols, [[e.get(k) for k in cols] for e in m.get("entries") or []], tty=tty)
+    elif args.action == "pin":
+        entry = reply.get("entry") or {}
+        sys.stdout.write(f"pinned {args.name!r} in model {reply.get('model')}\n")
+        print_fields(sys.stdout, [(k, v) for k, v in entry.items() if not isinstance(v, dict)])
+    else:
+        sys.stdout.write(f"dropped {args.key} from model {reply.get('model')}\n")
+    return EXIT_OK
+
+
+def _pin_text(args: argparse.Namespace) -> str:
+    if (args.text is None) == (args.file is None):
+        raise UsageError("cache pin: give the prefix as TEXT or with --file (- for stdin), not both")
+    if args.text is not None:
+        return args.text
+    if args.file == "-":
+        return sys.stdin.read()
+    try:
+        with open(args.file, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read {args.file}: {exc.strerror}") from None
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    with connect(args) as c:
+        reply = c.models()
+        default = c.hello("npuctl").get("default_model")
+    if args.json:
+        emit_json(reply)
+        return EXIT_OK
+    rows = [[m["name"] + (" (default)" if m["name"] == default else ""), m.get("resident"), m.get("weight_format"),
+             fmt_bytes(m.get("nbytes")), m.get("max_context"), m.get("checkpoint_dir"), m.get("draft_dir")]
+            for m in reply["models"]]
+    print_table(sys.stdout, ["model", "resident", "format", "size", "context", "checkpoint", "draft"], rows,
+                tty=is_tty(sys.stdout))
+    return EXIT_OK
+
+
+def _counts(d: dict | None) -> str:
+    return ", ".join(f"{k} {v}" for k, v in (d or {}).items()) or "none"
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with connect(args) as c:
+        s = c.stats()
+    if args.json:
+        emit_json(s)
+        return EXIT_OK
+    granted = s.get("granted")
+    queue = s.get("queue") or {}
+    print_fields(sys.stdout, [
+        ("version", s.get("version")), ("uptime", fmt_duration(s.get("uptime_s"))),
+        ("connections", s.get("connections")), ("jobs", _counts(s.get("jobs"))),
+        ("tickets", _counts(s.get("tickets"))), ("tokens generated", s.get("tokens_generated")),
+        ("queue", f"{queue.get('interactive', 0)} interactive, {queue.get('batch', 0)} batch"),
+        ("holding the device", "nobody" if not granted else
+         f"ticket {granted.get('ticket')} of job {granted.get('job')} ({granted.get('priority')})"),
+        ("quarantined", s.get("quarantined")),
+    ])
+    return EXIT_OK
