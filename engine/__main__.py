@@ -1,0 +1,62 @@
+"""Development CLI: stream a generation from a checkpoint directory, no daemon.
+
+    python -m engine CHECKPOINT_DIR "def fib(n):" --max-tokens 64 [--draft DIR] [--spec ngram]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import structlog
+
+from engine.sampling import SamplingConfig
+from engine.session import GenerateRequest, ServedModel, SpecParams
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine", description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint", help="a Hugging Face-style checkpoint directory")
+    ap.add_argument("prompt", help="the prompt text (with --chat: the user message)")
+    ap.add_argument("--chat", action="store_true", help="render the prompt through the chat template")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    ap.add_argument("--format", default="bf16", choices=["fp32", "bf16", "int8"], help="host weight format")
+    ap.add_argument("--draft", help="a draft model checkpoint directory (same tokenizer)")
+    ap.add_argument("--spec", default="auto", choices=["auto", "none", "ngram", "draft"])
+    ap.add_argument("--k", type=int, default=4, help="tokens drafted per round")
+    ap.add_argument("--stats", action="store_true", help="print the run's statistics as JSON to stderr")
+    args = ap.parse_args(argv)
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout is the text
+    try:
+        served = ServedModel.load("cli", args.checkpoint, args.draft, args.format)
+        req = GenerateRequest(
+            prompt=None if args.chat else args.prompt,
+            messages=({"role": "user", "content": args.prompt},) if args.chat else None,
+            max_tokens=args.max_tokens,
+            sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed),
+            stop=tuple(args.stop),
+            spec=SpecParams(method=args.spec, k=args.k),
+        )
+        session = served.start(req)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    while not session.done:
+        for event in session.run_round():
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    if args.stats:
+        result = session.result()
+        print(json.dumps({"finish_reason": result.finish_reason, **result.stats}, default=str), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

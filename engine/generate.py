@@ -1,0 +1,183 @@
+"""Generation as a stream of (token id, text delta): prompt in, text out, a round at a time.
+
+Wraps the decode loops of engine/speculative.py with what a user sees: the prompt's
+prefill, incremental detokenisation that never splits a UTF-8 character, stop tokens and
+stop strings (text held back while it could still be the start of a stop string), and a
+finish reason. The rounds are a generator so that a caller (the daemon's device-owner
+task) can run one round at a time and check for cancellation in between.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from engine.config import ConfigError
+from engine.sampling import Sampler, SamplingConfig
+from engine.speculative import DecodeStats, SpeculativeConfig, plain_decode, speculative_decode
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # an EOS token or a stop string
+    LENGTH = "length"  # max_new_tokens reached
+    CANCELLED = "cancelled"
+
+
+@dataclass(slots=True, frozen=True)
+class TokenEvent:
+    token_id: int | None  # None: text released at the end of the run, no new token
+    text: str  # the text this token released (may be empty, or hold text of earlier tokens)
+
+
+@dataclass(slots=True, frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            raise ConfigError(f"GenerationConfig.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigError(f"GenerationConfig.stop must hold non-empty strings, got {self.stop!r}")
+
+
+class Generation:
+    """One prompt's generation over a `Forward` that holds a prefix of the prompt (often none).
+
+    Iterate `rounds()`; each item is the list of `TokenEvent`s one engine round released.
+    Afterwards `text`, `token_ids`, `finish_reason` and `stats` describe the run.
+    """
+
+    def __init__(
+        self,
+        forward,
+        tokenizer,
+        prompt_ids: Sequence[int],
+        config: GenerationConfig = GenerationConfig(),
+        head=None,
+        spec: SpeculativeConfig | None = None,
+    ):
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: nothing to continue from")
+        held = forward.positions_held
+        if held >= len(prompt_ids):
+            raise ValueError(f"the forward holds {held} positions, the prompt has only {len(prompt_ids)}")
+        self.forward = forward
+        self.tokenizer = tokenizer
+        self.prompt_ids = list(prompt_ids)
+        self.config = config
+        self.head = head
+        self.spec = spec if spec is not None else SpeculativeConfig()
+        self.stats = DecodeStats()
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: FinishReason | None = None
+        self.num_cached_tokens = held
+        self._decoder = tokenizer.decoder()
+        self._pending = ""  # decoded text not yet released (could begin a stop string)
+        self._events: list[TokenEvent] = []
+        self._cancelled = False
+        self._stopped_by_string = False
+        self._eos = frozenset(tokenizer.eos_token_ids) | frozenset(config.stop_token_ids)
+
+    def cancel(self) -> None:
+        """The next round boundary ends the run with finish reason `cancelled`."""
+        self._cancelled = True
+
+    def rounds(self) -> Iterator[list[TokenEvent]]:
+        """Prefill (first round), then one decode round per item."""
+        held = self.forward.positions_held
+        if held < len(self.prompt_ids) - 1:
+            self.forward.prefill(self.prompt_ids[held:-1])
+        if self._cancelled:
+            self.finish_reason = FinishReason.CANCELLED
+            return
+        yield []
+        sampler = Sampler(self.config.sampling)
+        common = dict(
+            max_new_tokens=self.config.max_new_tokens,
+            sampler=sampler,
+            on_token=self._on_token,
+            stats=self.stats,
+            eos_ids=self._eos,
+        )
+        if self.head is None:
+            loop = plain_decode(self.forward, self.prompt_ids, **common)
+        else:
+            loop = speculative_decode(self.forward, self.head, self.prompt_ids, config=self.spec, **common)
+        for _ in loop:
+            if self._cancelled and self.finish_reason is None:
+                self.finish_reason = FinishReason.CANCELLED
+            if self.finish_reason is not None:
+                break
+            yield self._take_events()
+        if self.finish_reason is None:
+            last = self.token_ids[-1] if self.token_ids else None
+            self.finish_reason = FinishReason.STOP if last in self._eos else FinishReason.LENGTH
+        if not self._stopped_by_string:
+            self._release_tail(self._pending + self._decoder.flush())
+        yield self._take_events()
+
+    def _on_token(self, token: int) -> bool:
+        self.token_ids.append(token)
+        if token in self._eos:
+            self._events.append(TokenEvent(token, ""))  # an EOS id is not shown as text
+            return True  # the loop stops after an EOS id by itself
+        self._pending += self._decoder.push(token)
+        cut = _find_stop(self._pending, self.config.stop)
+        if cut is not None:
+            self._release(token, self._pending[:cut])
+            self._pending = ""
+            self._stopped_by_string = True
+            self.finish_reason = FinishReason.STOP
+            return False
+        keep = _longest_stop_prefix_suffix(self._pending, self.config.stop)
+        self._release(token, self._pending[: len(self._pending) - keep])
+        self._pending = self._pending[len(self._pending) - keep :]
+        return True
+
+    def _release(self, token: int, text: str) -> None:
+        self.text += text
+        self._events.append(TokenEvent(token, text))
+
+    def _release_tail(self, text: str) -> None:
+        """Text held back until the end (a possible stop-string start, an unfinished character)."""
+        self._pending = ""
+        if not text:
+            return
+        self.text += text
+        if self._events:
+            last = self._events[-1]
+            self._events[-1] = TokenEvent(last.token_id, last.text + text)
+        else:
+            self._events.append(TokenEvent(None, text))
+
+    def _take_events(self) -> list[TokenEvent]:
+        out, self._events = self._events, []
+        return out
+
+    def run(self) -> str:
+        """Run to the end; returns the text."""
+        for _ in self.rounds():
+            pass
+        return self.text
+
+
+def _find_stop(text: str, stops: Sequence[str]) -> int | None:
+    """The index where the earliest stop string starts in text, or None."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _longest_stop_prefix_suffix(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of text that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

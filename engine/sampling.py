@@ -1,0 +1,124 @@
+"""Token choice: greedy or seeded sampling, and the speculative accept/resample rule.
+
+One `Sampler` per job. Plain decode calls `choose(logits)` per token; the speculative loop
+calls `judge(draft, q, logits)` per drafted position and `choose` for the bonus token after a
+fully accepted chain. With temperature 0 both are argmax, so speculation is byte-equal to
+plain greedy decode; with temperature > 0 the rule of Leviathan et al. / Chen et al. makes
+every emitted token distributed exactly as plain sampling would (not byte-equal: the random
+stream is consumed differently).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.config import ConfigError
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingConfig:
+    """temperature 0 is greedy (first index of the maximum, as the backends' argmax);
+    top_k 0 and top_p 1.0 switch those filters off; seed fixes the job's random stream."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (_is_number(self.temperature) and self.temperature >= 0.0):
+            raise ConfigError(f"SamplingConfig.temperature must be a number >= 0, got {self.temperature!r}")
+        if not (_is_int(self.top_k) and self.top_k >= 0):
+            raise ConfigError(f"SamplingConfig.top_k must be an integer >= 0, got {self.top_k!r}")
+        if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"SamplingConfig.top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not (_is_int(self.seed) and self.seed >= 0):
+            raise ConfigError(f"SamplingConfig.seed must be an integer >= 0, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)
+
+
+class Sampler:
+    """Chooses tokens from logits under one `SamplingConfig`, with its own seeded stream."""
+
+    def __init__(self, config: SamplingConfig = SamplingConfig()) -> None:
+        self.config = config
+        self.rng = np.random.default_rng(config.seed)
+
+    def probs(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution a token is drawn from: [V] float64 summing to 1.
+
+        Greedy is the one-hot of the argmax. Otherwise softmax(logits / T), restricted to the
+        top_k largest and then to the smallest set whose mass reaches top_p, renormalised.
+        """
+        logits = np.asarray(logits)
+        if self.config.greedy:
+            p = np.zeros(logits.shape[-1], dtype=np.float64)
+            p[int(np.argmax(logits))] = 1.0
+            return p
+        z = logits.astype(np.float64) / self.config.temperature
+        z -= z.max()
+        p = np.exp(z)
+        if 0 < self.config.top_k < p.size:
+            # ties at the k-th value are all kept: which of equal tokens to drop is arbitrary
+            kth = np.partition(p, -self.config.top_k)[-self.config.top_k]
+            p[p < kth] = 0.0
+        p /= p.sum()
+        if self.config.top_p < 1.0:
+            order = np.argsort(-p, kind="stable")
+            mass_before = np.cumsum(p[order]) - p[order]
+            p[order[mass_before >= self.config.top_p]] = 0.0
+            p /= p.sum()
+        return p
+
+    def choose(self, logits: np.ndarray) -> int:
+        """The next token: argmax when greedy, else one draw from `probs(logits)`."""
+        if self.config.greedy:
+            return int(np.argmax(logits))
+        return self.draw(self.probs(logits))
+
+    def judge(self, draft: int, q: np.ndarray | None, logits: np.ndarray) -> int | None:
+        """Verify one drafted token against the base's logits at its position.
+
+        q is the drafter's distribution [V] the draft was drawn from, or None for a
+        deterministic drafter (q is then the one-hot of the draft). Returns None when the
+        draft is accepted, else the token to emit in its place (after which the round stops).
+        """
+        if self.config.greedy:
+            choice = int(np.argmax(logits))
+            return None if choice == draft else choice
+        p = self.probs(logits)
+        q_draft = 1.0 if q is None else float(q[draft])
+        # accept with probability min(1, p/q): the accepted mass at each token is min(p, q)
+        if q_draft > 0.0 and self.rng.random() * q_draft < p[draft]:
+            return None
+        # on reject draw from the normalised residual max(0, p - q): min(p, q) + residual = p
+        residual = p.copy()
+        if q is None:
+            residual[draft] = 0.0
+        else:
+            residual = np.maximum(residual - q, 0.0)
+        if residual.sum() <= 0.0:  # p == q up to rounding: a reject had probability ~0
+            residual = p
+        return self.draw(residual)
+
+    def draw(self, weights: np.ndarray) -> int:
+        """One index drawn with probability proportional to weights [V] (>= 0, not all 0)."""
+        cdf = np.cumsum(weights)
+        # side="right" never lands on a zero-weight token: cdf does not rise there
+        i = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+        if i >= weights.size:  # u * total rounded up to total: the last token with weight
+            i = int(np.flatnonzero(weights)[-1])
+        return i

@@ -1,0 +1,523 @@
+"""Speculative decoding: the draft/verify/commit loop, plain decode, and their stats.
+
+A round starts with t1, the base's own choice for the next position, not yet run. Every token
+the loop emits has been run through the base before the consumer sees it, so after any round
+the base holds exactly prompt + emitted positions: the state a plain decode of the same tokens
+leaves (the next job can continue from it).
+
+- one-pass round (a head that does not read the hidden after t1): [t1, d1..dk] is verified as
+  one batch of k + 1 rows; draft i is checked against row i; t1 plus the accepted drafts are
+  committed (take + 1 rows) and the next t1 is the base's choice in row take.
+- two-pass round (a head that reads the hidden after t1, MTP-style): t1 through `step`, the
+  head reads its row and drafts; d1 is judged on the step's logits before any batch runs, and
+  only if it is accepted are d1..dk verified in one batch (draft i against row i - 1).
+- plain-step round: t1 through `step`. Taken when the head proposes nothing, when the budget
+  leaves no room for a draft, on a one-row base, and after the break-even fallback.
+
+Rejected rows are rolled back by `truncate`, never by snapshots.
+
+Break-even fallback: each speculative round is timed (draft + passes) against the median
+plain step; once the last `fallback_rounds` rounds together yielded fewer tokens than plain
+steps would have in that time, the job continues with plain-step rounds (optionally
+re-probing later). Those are the rounds plain decode runs, so the output does not change.
+"""
+
+from __future__ import annotations
+
+import enum
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from engine.config import ConfigError
+from engine.drafters import NO_DRAFT, Draft, DraftHead
+from engine.sampling import Sampler
+
+
+class Base(Protocol):
+    """The target model as the loop drives it (engine.forward.Forward implements it). Heads
+    that read layer taps also call its set_layer_taps(layer_ids, sink)."""
+
+    @property
+    def positions_held(self) -> int: ...
+
+    def step(self, token: int, pos: int) -> np.ndarray:
+        """Run one token at pos == positions_held -> logits [V]; appends one position."""
+
+    def step_batch_all(self, tokens: Sequence[int], start_pos: int) -> np.ndarray:
+        """Run M tokens from start_pos == positions_held -> logits [M, V]; appends M positions."""
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions."""
+
+    def max_batch_rows(self) -> int: ...
+
+    def last_hidden_rows(self) -> np.ndarray:
+        """[M, D] final-normed hidden rows of the last pass."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class RoundKind(enum.Enum):
+    ONE_PASS = "one_pass"
+    TWO_PASS = "two_pass"
+    STEP = "step"
+
+
+class FinishReason(enum.Enum):
+    EOS = "eos"
+    MAX_TOKENS = "max_tokens"
+    STOPPED = "stopped"  # the consumer returned False
+
+
+class FallbackReason(enum.Enum):
+    BELOW_BREAK_EVEN = "below_break_even"
+    HEAD_ERROR = "head_error"
+
+
+@dataclass(slots=True, frozen=True)
+class SpeculativeConfig:
+    """Up to k drafts per round. adapt_k: after a round with a reject the next drafts number
+    take + 1 (what the head just got right, and one more), after a fully accepted round twice
+    as many, never more than k; a losing streak then costs small batches. Fall back to plain
+    steps once `fallback_rounds` consecutive rounds, taken together, were below break-even (0
+    never falls back); speculate again after `reprobe_after` plain tokens (None: stay on plain
+    decode for the rest of the job)."""
+
+    k: int = 7
+    adapt_k: bool = True
+    fallback_rounds: int = 3
+    reprobe_after: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (_is_int(self.k) and self.k >= 1):
+            raise ConfigError(f"SpeculativeConfig.k must be an integer >= 1, got {self.k!r}")
+        if not isinstance(self.adapt_k, bool):
+            raise ConfigError(f"SpeculativeConfig.adapt_k must be a bool, got {self.adapt_k!r}")
+        if not (_is_int(self.fallback_rounds) and self.fallback_rounds >= 0):
+            raise ConfigError(
+                f"SpeculativeConfig.fallback_rounds must be an integer >= 0, got {self.fallback_rounds!r}"
+            )
+        if self.reprobe_after is not None and not (_is_int(self.reprobe_after) and self.reprobe_after >= 1):
+            raise ConfigError(
+                f"SpeculativeConfig.reprobe_after must be None or an integer >= 1, got {self.reprobe_after!r}"
+            )
+
+
+@dataclass(slots=True, frozen=True)
+class Fallback:
+    """One switch to plain decoding: when, why, and the figures that decided it."""
+
+    round: int  # the speculative round after which the job fell back (1-based)
+    emitted: int  # tokens emitted at that moment
+    reason: FallbackReason
+    message: str
+    acceptance: float  # accepted / drafted over the rounds that decided it (the job's, on a head error)
+    break_even_acceptance: float | None  # what those rounds needed to match plain decode
+    cost_ratio: float | None  # their mean cost (draft + passes) in plain steps
+    step_seconds: float | None  # the mean plain step they were measured against
+
+    def as_dict(self) -> dict:
+        return {
+            "round": self.round,
+            "emitted": self.emitted,
+            "reason": self.reason.value,
+            "message": self.message,
+            "acceptance": self.acceptance,
+            "break_even_acceptance": self.break_even_acceptance,
+            "cost_ratio": self.cost_ratio,
+            "step_seconds": self.step_seconds,
+        }
+
+
+@dataclass(slots=True)
+class DecodeStats:
+    """Counters of one run; filled in by the loop as it goes, final when it returns."""
+
+    emitted: int = 0
+    rounds: int = 0  # rounds that verified a draft
+    plain_steps: int = 0  # rounds that ran t1 alone
+    drafted: int = 0
+    accepted: int = 0
+    base_steps: int = 0  # one-row passes for emitted tokens (the prompt's last token excluded)
+    base_batches: int = 0
+    batch_rows: int = 0
+    step_samples: list[float] = field(default_factory=list)  # every step, the prompt's last token included
+    verify_samples: list[float] = field(default_factory=list)  # every verify batch
+    draft_seconds_total: float = 0.0
+    seconds: float = 0.0  # wall time from the prompt's last token to the latest round
+    finish: FinishReason | None = None
+    fallbacks: list[Fallback] = field(default_factory=list)
+    reprobes: int = 0
+
+    @property
+    def base_passes(self) -> int:
+        return self.base_steps + self.base_batches
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def passes_per_token(self) -> float:
+        return self.base_passes / self.emitted if self.emitted else 0.0
+
+    @property
+    def step_seconds(self) -> float | None:
+        """The median plain step: a machine shared with other work makes the mean an outlier's."""
+        return statistics.median(self.step_samples) if self.step_samples else None
+
+    @property
+    def verify_step_ratio(self) -> float | None:
+        """Median verify batch time over median plain step time."""
+        if not self.verify_samples or not self.step_samples:
+            return None
+        return statistics.median(self.verify_samples) / self.step_seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.emitted / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def fell_back(self) -> bool:
+        return bool(self.fallbacks)
+
+    def as_dict(self) -> dict:
+        """The stats as a generation result carries them (JSON types only)."""
+        return {
+            "emitted": self.emitted,
+            "rounds": self.rounds,
+            "plain_steps": self.plain_steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "base_passes": self.base_passes,
+            "base_steps": self.base_steps,
+            "base_batches": self.base_batches,
+            "passes_per_token": self.passes_per_token,
+            "step_seconds": self.step_seconds,
+            "verify_step_ratio": self.verify_step_ratio,
+            "tokens_per_second": self.tokens_per_second,
+            "seconds": self.seconds,
+            "finish": None if self.finish is None else self.finish.value,
+            "fell_back": self.fell_back,
+            "fallbacks": [f.as_dict() for f in self.fallbacks],
+            "reprobes": self.reprobes,
+        }
+
+
+@dataclass(slots=True, frozen=True)
+class RoundEvent:
+    """What one round did; the generator yields one per round."""
+
+    kind: RoundKind
+    tokens: tuple[int, ...]  # emitted (and committed) this round, in order
+    drafted: int
+    accepted: int
+
+
+OnToken = Callable[[int], "bool | None"]
+
+
+def speculative_decode(
+    base: Base,
+    head: DraftHead | None,
+    prompt: Sequence[int],
+    *,
+    max_new_tokens: int,
+    sampler: Sampler,
+    on_token: OnToken,
+    stats: DecodeStats,
+    config: SpeculativeConfig = SpeculativeConfig(),
+    eos_ids: frozenset[int] = frozenset(),
+    clock: Callable[[], float] = time.perf_counter,
+) -> Iterator[RoundEvent]:
+    """Decode up to max_new_tokens after prompt, speculating with head; yields after each round.
+
+    The base must hold prompt[:-1]: the loop runs the prompt's last token itself through a plain
+    step, which gives the first logits and times the plain step the break-even rule compares
+    against. on_token(token) is called for each emitted token once it is committed; returning
+    False stops the run there. The run also stops after an EOS id (emitted) or max_new_tokens.
+    With a greedy sampler the tokens, positions and state equal plain_decode's whatever the
+    head proposes. Raises ValueError when the base does not hold prompt[:-1].
+    """
+    _check_start(base, prompt, max_new_tokens)
+    tokens = list(prompt)  # the committed stream, prompt + emitted: the base holds all of it
+    passes = _Passes(base, stats, clock)
+    emit = _Emitter(tokens, len(prompt) + max_new_tokens, on_token, eos_ids, stats)
+    breakeven = _BreakEven(config, stats)
+    two_pass = head is not None and head.needs_last_hidden()
+    speculating, reprobe_at = head is not None, None
+    k_next = config.k  # drafts asked for next round, before the batch and budget limits
+
+    started = clock()
+    t1 = sampler.choose(passes.step(prompt[-1], len(prompt) - 1, counted=False))
+    while not emit.done:
+        pos = len(tokens)  # t1's position
+        if not speculating and reprobe_at is not None and stats.emitted >= reprobe_at:
+            speculating, reprobe_at, k_next = True, None, config.k
+            stats.reprobes += 1
+        left = max_new_tokens - stats.emitted - 1  # tokens the run may emit after t1
+        # t1 takes a batch row in the one-pass round; in the two-pass round it runs alone
+        k = min(k_next, base.max_batch_rows() - (0 if two_pass else 1), left) if speculating else 0
+        draft, spent, problem = NO_DRAFT, 0.0, None
+        if k > 0 and not two_pass:
+            draft, spent, problem = _draft(head, tokens + [t1], k, passes.vocab, stats, clock)
+
+        if draft.tokens:
+            # one-pass round: [t1, d1..dk] as one batch of k + 1 rows, draft i against row i
+            verify = passes.batch([t1, *draft.tokens], pos)
+            spent += passes.last_seconds
+            take, next_t1 = _accept(sampler, draft, verify, first=0)
+            kept = emit([t1, *draft.tokens[:take]])  # take + 1 unless the run stops inside
+            base.truncate(pos + kept)
+            head.commit_rows([t1, *draft.tokens], None, kept)
+            kind = RoundKind.ONE_PASS
+        else:
+            # t1 through a plain step: the whole round, or the first pass of a two-pass round
+            logits = passes.step(t1, pos)
+            spent += passes.last_seconds
+            emit([t1])
+            if head is not None:
+                head.commit_rows([t1], base.last_hidden_rows() if two_pass else None, 1)
+            if two_pass and k > 0 and not emit.done:
+                draft, draft_seconds, problem = _draft(head, tokens, k, passes.vocab, stats, clock)
+                spent += draft_seconds
+            kind, take = (RoundKind.TWO_PASS if draft.tokens else RoundKind.STEP), 0
+            # d1 is judged on the step's logits: a wrong d1 costs no batch
+            next_t1 = sampler.judge(draft.tokens[0], _q(draft, 0), logits) if draft.tokens else None
+            if draft.tokens and next_t1 is None:
+                # d1 kept: d1..dk as one batch of k rows, draft i against row i - 1
+                verify = passes.batch(draft.tokens, pos + 1)
+                rows = base.last_hidden_rows()
+                spent += passes.last_seconds
+                take, next_t1 = _accept(sampler, draft, verify, first=1)
+                kept = emit(draft.tokens[:take])
+                base.truncate(pos + 1 + kept)
+                head.commit_rows(draft.tokens, rows, kept)
+            elif not draft.tokens and not emit.done:
+                next_t1 = sampler.choose(logits)
+        t1 = next_t1
+
+        fallback = None
+        if kind is RoundKind.STEP:
+            stats.plain_steps += 1
+        else:
+            stats.rounds += 1
+            stats.drafted += len(draft.tokens)
+            stats.accepted += take
+            if config.adapt_k:
+                k_next = min(config.k, 2 * k_next) if take == len(draft.tokens) else take + 1
+            fallback = breakeven.judge(spent, take + 1, len(draft.tokens), take)
+        if problem is not None:
+            fallback = breakeven.head_error(problem)
+        if fallback is not None:
+            stats.fallbacks.append(fallback)
+            speculating = False
+            if config.reprobe_after is not None:
+                reprobe_at = stats.emitted + config.reprobe_after
+        stats.seconds = clock() - started
+        yield RoundEvent(kind, tuple(tokens[pos:]), len(draft.tokens), take)
+
+
+def plain_decode(
+    base: Base,
+    prompt: Sequence[int],
+    *,
+    max_new_tokens: int,
+    sampler: Sampler,
+    on_token: OnToken,
+    stats: DecodeStats,
+    eos_ids: frozenset[int] = frozenset(),
+    clock: Callable[[], float] = time.perf_counter,
+) -> Iterator[RoundEvent]:
+    """One step per token: the reference the speculative loop must equal; yields per token.
+
+    Same contract as speculative_decode: the base holds prompt[:-1], every emitted token has
+    been run when on_token sees it, and the run stops on False, an EOS id or max_new_tokens.
+    Raises ValueError when the base does not hold prompt[:-1].
+    """
+    _check_start(base, prompt, max_new_tokens)
+    tokens = list(prompt)
+    passes = _Passes(base, stats, clock)
+    emit = _Emitter(tokens, len(prompt) + max_new_tokens, on_token, eos_ids, stats)
+    started = clock()
+    logits = passes.step(prompt[-1], len(prompt) - 1, counted=False)
+    while not emit.done:
+        token = sampler.choose(logits)
+        logits = passes.step(token, len(tokens))
+        emit([token])
+        stats.plain_steps += 1
+        stats.seconds = clock() - started
+        yield RoundEvent(RoundKind.STEP, (token,), 0, 0)
+
+
+def _accept(sampler: Sampler, draft: Draft, verify: np.ndarray, first: int) -> tuple[int, int]:
+    """Judge draft.tokens[first:] against verify rows (draft i against row i - first).
+
+    Returns (take, next_t1): the number of drafts kept in a row from the start, and the base's
+    token for the position after them, the replacement at the first reject or, when every
+    draft is kept, the bonus choice from the row after the last one.
+    """
+    for i in range(first, len(draft.tokens)):
+        replacement = sampler.judge(draft.tokens[i], _q(draft, i), verify[i - first])
+        if replacement is not None:
+            return i, replacement
+    return len(draft.tokens), sampler.choose(verify[len(draft.tokens) - first])
+
+
+def _q(draft: Draft, i: int) -> np.ndarray | None:
+    return None if draft.probs is None else draft.probs[i]
+
+
+def _draft(
+    head: DraftHead, context: list[int], k: int, vocab: int, stats: DecodeStats, clock
+) -> tuple[Draft, float, str | None]:
+    """Ask the head for up to k tokens: (draft, seconds, why it failed or None)."""
+    started = clock()
+    draft = head.draft(context, k)
+    seconds = clock() - started
+    stats.draft_seconds_total += seconds
+    if not draft.tokens:
+        return NO_DRAFT, seconds, head.error()
+    bad = [t for t in draft.tokens if not (0 <= t < vocab)]
+    if bad:
+        return NO_DRAFT, seconds, f"drafted token {bad[0]} is outside the base's vocabulary of {vocab}"
+    if draft.probs is not None and draft.probs.shape != (len(draft.tokens), vocab):
+        return NO_DRAFT, seconds, (
+            f"draft distribution has shape {draft.probs.shape}, expected ({len(draft.tokens)}, {vocab})"
+        )
+    if len(draft.tokens) > k:
+        probs = None if draft.probs is None else draft.probs[:k]
+        draft = Draft(tuple(draft.tokens[:k]), probs)
+    return draft, seconds, None
+
+
+def _check_start(base: Base, prompt: Sequence[int], max_new_tokens: int) -> None:
+    if len(prompt) == 0:
+        raise ValueError("decoding needs a prompt of at least one token")
+    if not (_is_int(max_new_tokens) and max_new_tokens >= 0):
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if base.positions_held != len(prompt) - 1:
+        raise ValueError(
+            f"decoding needs the base to hold the prompt but its last token: prompt of "
+            f"{len(prompt)} tokens, base holds {base.positions_held} positions"
+        )
+
+
+class _Passes:
+    """Runs the base's passes and counts and times them into the stats."""
+
+    def __init__(self, base: Base, stats: DecodeStats, clock: Callable[[], float]) -> None:
+        self.base, self.stats, self.clock = base, stats, clock
+        self.vocab = 0  # the logits width, known after the first pass
+        self.last_seconds = 0.0
+
+    def step(self, token: int, pos: int, counted: bool = True) -> np.ndarray:
+        """logits [V] of token at pos; counted=False for the prompt's last token."""
+        started = self.clock()
+        logits = self.base.step(token, pos)
+        self.last_seconds = self.clock() - started
+        self.vocab = logits.shape[-1]
+        self.stats.step_samples.append(self.last_seconds)
+        self.stats.base_steps += counted
+        return logits
+
+    def batch(self, tokens: Sequence[int], pos: int) -> np.ndarray:
+        """logits [M, V] of tokens from pos; a single row goes through step."""
+        if len(tokens) == 1:
+            return self.step(tokens[0], pos)[None]
+        started = self.clock()
+        logits = self.base.step_batch_all(tokens, pos)
+        self.last_seconds = self.clock() - started
+        self.stats.verify_samples.append(self.last_seconds)
+        self.stats.base_batches += 1
+        self.stats.batch_rows += len(tokens)
+        return logits
+
+
+class _Emitter:
+    """Appends emitted tokens to the stream, tells the consumer, and decides when to stop."""
+
+    def __init__(self, tokens: list[int], limit: int, on_token: OnToken, eos_ids, stats) -> None:
+        self.tokens, self.limit, self.on_token = tokens, limit, on_token
+        self.eos_ids, self.stats = eos_ids, stats
+        self.done = len(tokens) >= limit
+        if self.done:
+            stats.finish = FinishReason.MAX_TOKENS
+
+    def __call__(self, seq: Sequence[int]) -> int:
+        """Emit seq in order until the run stops; returns how many were emitted."""
+        for n, token in enumerate(seq, 1):
+            self.tokens.append(token)
+            self.stats.emitted += 1
+            stopped = self.on_token(token) is False
+            if token in self.eos_ids:
+                self.stats.finish = FinishReason.EOS
+            elif stopped:
+                self.stats.finish = FinishReason.STOPPED
+            elif len(self.tokens) >= self.limit:
+                self.stats.finish = FinishReason.MAX_TOKENS
+            if self.stats.finish is not None:
+                self.done = True
+                return n
+        return len(seq)
+
+
+class _BreakEven:
+    """Decides the fallback: the last config.fallback_rounds speculative rounds, taken together,
+    produced fewer tokens than plain steps would have in the time they took (draft + passes).
+    Taking them together keeps one lucky round from hiding a losing streak."""
+
+    def __init__(self, config: SpeculativeConfig, stats: DecodeStats) -> None:
+        self.config, self.stats = config, stats
+        # (seconds, produced, drafted, accepted) of the latest rounds
+        self.window: deque[tuple[float, int, int, int]] = deque(maxlen=max(config.fallback_rounds, 1))
+
+    def judge(self, seconds: float, produced: int, drafted: int, accepted: int) -> Fallback | None:
+        self.window.append((seconds, produced, drafted, accepted))
+        if self.config.fallback_rounds == 0 or len(self.window) < self.config.fallback_rounds:
+            return None
+        step = self.stats.step_seconds
+        spent, produced, drafted, accepted = (sum(x) for x in zip(*self.window))
+        if produced * step >= spent:
+            return None
+        n = len(self.window)
+        cost = spent / n / step  # a round, in plain steps
+        acceptance = accepted / drafted
+        # a round pays off when it yields `cost` tokens: t1 plus cost - 1 accepted drafts
+        needed = (cost - 1.0) / (drafted / n)
+        self.window.clear()
+        return Fallback(
+            round=self.stats.rounds,
+            emitted=self.stats.emitted,
+            reason=FallbackReason.BELOW_BREAK_EVEN,
+            message=(
+                f"{n} consecutive rounds below break-even: acceptance {acceptance:.2f} where "
+                f"{needed:.2f} was needed at a round cost of {cost:.2f} plain steps"
+            ),
+            acceptance=acceptance,
+            break_even_acceptance=needed,
+            cost_ratio=cost,
+            step_seconds=step,
+        )
+
+    def head_error(self, message: str) -> Fallback:
+        self.window.clear()
+        return Fallback(
+            round=self.stats.rounds,
+            emitted=self.stats.emitted,
+            reason=FallbackReason.HEAD_ERROR,
+            message=message,
+            acceptance=self.stats.acceptance_rate,
+            break_even_acceptance=None,
+            cost_ratio=None,
+            step_seconds=self.stats.step_seconds,
+        )

@@ -1,0 +1,170 @@
+"""Generation as the user sees it: text deltas, stop strings, EOS, cancellation, sessions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from checkpoints import build_tiny_checkpoint
+from engine.config import ConfigError
+from engine.forward import Forward
+from engine.generate import FinishReason, Generation, GenerationConfig, _longest_stop_prefix_suffix
+from engine.model import Model
+from engine.prefix_cache import PrefixCache
+from engine.sampling import SamplingConfig
+from engine.state import ModelState
+from engine.session import GenerateRequest, RequestError, ServedModel, SpecParams
+from engine.tokenizer import Tokenizer
+
+PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("gen") / "qwen3", "qwen3")
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return Model.load(ckpt, "fp32")
+
+
+@pytest.fixture(scope="module")
+def tok(ckpt):
+    return Tokenizer.from_dir(ckpt)
+
+
+def plain_tokens(model, ids, n):
+    f = Forward(model)
+    logits = f.prefill(ids)
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = f.step(out[-1], f.positions_held)
+    return out
+
+
+def run(gen):
+    events = [e for batch in gen.rounds() for e in batch]
+    return events
+
+
+def test_greedy_generation_equals_plain_argmax_loop(model, tok):
+    ids = tok.encode(PROMPT)
+    gen = Generation(Forward(model), tok, ids, GenerationConfig(max_new_tokens=24))
+    events = run(gen)
+    assert gen.token_ids == plain_tokens(model, ids, 24)
+    assert gen.finish_reason is FinishReason.LENGTH
+    assert "".join(e.text for e in events) == gen.text == tok.decode(gen.token_ids)
+    assert [e.token_id for e in events if e.token_id is not None] == gen.token_ids
+
+
+def test_stop_string_cuts_text_and_ends_run(model, tok):
+    ids = tok.encode(PROMPT)
+    full = Generation(Forward(model), tok, ids, GenerationConfig(max_new_tokens=24))
+    full.run()
+    # a stop string from the middle of the free-running text
+    stop = full.text[5:8]
+    assert stop and full.text.find(stop) == 5
+    gen = Generation(Forward(model), tok, ids, GenerationConfig(max_new_tokens=24, stop=(stop,)))
+    events = run(gen)
+    assert gen.text == full.text[:5]
+    assert "".join(e.text for e in events) == gen.text
+    assert gen.finish_reason is FinishReason.STOP
+    assert gen.token_ids == full.token_ids[: len(gen.token_ids)]
+    assert gen.forward.positions_held == len(ids) + len(gen.token_ids) - 0  # every emitted token was run
+
+
+def test_text_that_may_start_a_stop_string_is_held_back():
+    assert _longest_stop_prefix_suffix("abc<|e", ("<|end|>",)) == 3
+    assert _longest_stop_prefix_suffix("abc", ("<|end|>",)) == 0
+    assert _longest_stop_prefix_suffix("x#", ("##", "#!")) == 1
+
+
+def test_eos_token_ends_run_without_text(model, tok):
+    ids = tok.encode(PROMPT)
+    free = plain_tokens(model, ids, 12)
+    eos = free[6]
+    gen = Generation(Forward(model), tok, ids, GenerationConfig(max_new_tokens=12, stop_token_ids=(eos,)))
+    run(gen)
+    assert gen.token_ids == free[:7]
+    assert gen.finish_reason is FinishReason.STOP
+    assert gen.text == tok.decode(free[:6])
+
+
+def test_cancel_between_rounds(model, tok):
+    ids = tok.encode(PROMPT)
+    gen = Generation(Forward(model), tok, ids, GenerationConfig(max_new_tokens=50))
+    rounds = gen.rounds()
+    next(rounds)  # prefill
+    next(rounds)
+    gen.cancel()
+    for _ in rounds:
+        pass
+    assert gen.finish_reason is FinishReason.CANCELLED
+    assert len(gen.token_ids) < 50
+
+
+def test_bad_generation_config():
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        GenerationConfig(max_new_tokens=0)
+    with pytest.raises(ConfigError, match="stop"):
+        GenerationConfig(stop=("",))
+
+
+@pytest.fixture(scope="module")
+def served(ckpt):
+    return ServedModel.load("tiny", ckpt, draft_dir=ckpt, weight_format="fp32")
+
+
+def drive(session):
+    events = []
+    while not session.done:
+        events += session.run_round()
+    return events, session.result()
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft"])
+def test_session_output_is_the_same_for_every_speculative_method(served, model, tok, method):
+    req = GenerateRequest(prompt=PROMPT, max_tokens=30, spec=SpecParams(method=method, k=4))
+    events, result = drive(served.start(req))
+    assert list(result.token_ids) == plain_tokens(model, tok.encode(PROMPT), 30)
+    assert "".join(e.text for e in events) == result.text
+    assert result.finish_reason == "length"
+    assert result.prompt_tokens == len(tok.encode(PROMPT))
+
+
+def test_session_chat_messages_use_the_template(served, tok):
+    msgs = ({"role": "user", "content": "hi"},)
+    _, result = drive(served.start(GenerateRequest(messages=msgs, max_tokens=3)))
+    assert result.prompt_tokens == len(tok.encode(tok.apply_chat_template(list(msgs))))
+
+
+def test_session_rejects_what_the_model_cannot_run(served):
+    with pytest.raises(RequestError) as e:
+        served.start(GenerateRequest(prompt="x " * 400, max_tokens=200))
+    assert e.value.code == "prompt_too_long"
+    with pytest.raises(ConfigError):
+        GenerateRequest(prompt="a", messages=({"role": "user", "content": "b"},))
+    with pytest.raises(ConfigError):
+        SpecParams(method="magic")
+
+
+def test_sampled_session_is_reproducible_under_a_seed(served):
+    req = GenerateRequest(prompt=PROMPT, max_tokens=20, sampling=SamplingConfig(temperature=0.8, seed=3))
+    a = drive(served.start(req))[1]
+    b = drive(served.start(req))[1]
+    assert a.token_ids == b.token_ids
+
+
+def test_session_through_prefix_cache_equals_cold(ckpt, model, tok):
+    cache = PrefixCache(model.fingerprint, ModelState.for_config(model.config), block_size=8, max_bytes=1 << 24)
+    served = ServedModel(name="tiny", model=model, tokenizer=tok, prefix_cache=cache)
+    req = GenerateRequest(prompt=PROMPT * 2, max_tokens=16, spec=SpecParams(method="none"))
+    _, cold = drive(served.start(req))
+    s = served.start(req)
+    _, warm = drive(s)
+    assert warm.token_ids == cold.token_ids
+    assert warm.stats["num_cached_tokens"] > 0
+    assert warm.stats["num_cached_tokens"] % 8 == 0
+    assert cache.stats().hits == 1
