@@ -292,11 +292,18 @@ def open_checkpoint(checkpoint_dir) -> dict[str, TensorRef]:
     return refs
 
 
-def checkpoint_fingerprint(checkpoint_dir) -> str:
-    """Returns a sha256 hex digest over config.json and every weight file's header.
+FINGERPRINT_SAMPLES = 64  # data chunks hashed per weight file
+FINGERPRINT_CHUNK = 1 << 16
 
-    Cheap (no tensor data is read): it changes when the config, a tensor's name, dtype,
-    shape or placement, or the header metadata changes. Raises WeightsError.
+
+def checkpoint_fingerprint(checkpoint_dir) -> str:
+    """Returns a sha256 hex digest over config.json, every weight file's header, its size
+    and FINGERPRINT_SAMPLES chunks of its data spread evenly over the file.
+
+    Retrained weights of the same shapes change it (every chunk of a retrained file
+    differs), which keeps a persisted prefix cache or a drafter from being used with a
+    base it was not made for; it reads at most 4 MiB a file. It is not a full content
+    hash: a deliberate edit between the sampled chunks would go unnoticed. Raises WeightsError.
     """
     directory = Path(checkpoint_dir)
     digest = hashlib.sha256()
@@ -313,7 +320,21 @@ def checkpoint_fingerprint(checkpoint_dir) -> str:
         header, _ = _read_header_bytes(path)
         digest.update(b"%s\0%d\0" % (path.name.encode(), len(header)))
         digest.update(header)
+        _hash_samples(digest, path)
     return digest.hexdigest()
+
+
+def _hash_samples(digest, path: Path) -> None:
+    try:
+        size = path.stat().st_size
+        digest.update(b"size\0%d\0" % size)
+        with open(path, "rb") as f:
+            step = max(FINGERPRINT_CHUNK, size // FINGERPRINT_SAMPLES)
+            for offset in range(0, size, step):
+                f.seek(offset)
+                digest.update(f.read(FINGERPRINT_CHUNK))
+    except OSError as exc:
+        raise WeightsError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
 
 def _expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

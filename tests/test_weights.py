@@ -242,7 +242,21 @@ def test_fingerprint(tmp_path):
     second = checkpoint_fingerprint(tmp_path)
     assert second != first
     rewrite_tensor(tmp_path / "model.safetensors", "model.norm.weight", dtype="F16")
-    assert checkpoint_fingerprint(tmp_path) != second
+    third = checkpoint_fingerprint(tmp_path)
+    assert third != second
+
+
+def test_fingerprint_changes_with_retrained_weights_of_the_same_shapes(tmp_path):
+    # same config, names, dtypes and shapes (so the same header): only the data differs
+    save_model(tmp_path / "a", "qwen3", seed=0)
+    save_model(tmp_path / "b", "qwen3", seed=1)
+    assert (tmp_path / "a" / "config.json").read_bytes() == (tmp_path / "b" / "config.json").read_bytes()
+    assert checkpoint_fingerprint(tmp_path / "a") != checkpoint_fingerprint(tmp_path / "b")
+
+
+def test_fingerprint_needs_config(tmp_path):
+    save_model(tmp_path, "qwen3")
+    config = tmp_path / "config.json"
     config.unlink()
     with pytest.raises(WeightsError, match="config.json"):
         checkpoint_fingerprint(tmp_path)
