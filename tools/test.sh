@@ -5,4 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+# the DFlash reference for tests/test_dflash.py, without its benchmark-only pins (pyproject.toml)
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps dflash==0.1.0
 exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,268 @@
+"""The bundled model pair in npud/models: it loads, tokenizes, writes Python, and the draft
+tracks the base closely enough to be worth speculating with.
+
+transformers is the reference here (it is in the test extras); the engine-side test runs the
+same checkpoints through engine/ once engine/forward.py exists. Every threshold below sits
+a margin away from a number measured on the shipped weights (stated beside it), and far
+from what randomly initialised weights give.
+
+Mutants run against copies of npud/models, each failing at least one test here: random
+base weights, random draft weights, base and draft swapped, the base's layer-4 attention
+output projection zeroed, a tokenizer.json cut to 50 merges, the draft exported in fp32,
+the chat template dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import pathlib
+import re
+import struct
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+MODELS_DIR = REPO / "npud" / "models"
+BASE_DIR = MODELS_DIR / "pycode-base"
+DRAFT_DIR = MODELS_DIR / "pycode-draft"
+CHECKPOINT_FILES = {
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+}
+
+# Written for this test, so it is in no training file: held out by construction.
+HELD_OUT = '''\
+import os
+from collections import defaultdict
+
+
+class InventoryError(Exception):
+    """Raised when an item is missing from the inventory."""
+
+
+class Inventory:
+    """Count items by name and remember where each one was stored."""
+
+    def __init__(self, path=None):
+        self.path = path
+        self.counts = defaultdict(int)
+        self.places = {}
+
+    def add(self, name, count=1, place=None):
+        if count <= 0:
+            raise ValueError("count must be positive, not %r" % (count,))
+        self.counts[name] += count
+        if place is not None:
+            self.places[name] = place
+        return self.counts[name]
+
+    def remove(self, name, count=1):
+        if self.counts.get(name, 0) < count:
+            raise InventoryError(name)
+        self.counts[name] -= count
+        if not self.counts[name]:
+            del self.counts[name]
+            self.places.pop(name, None)
+
+    def save(self):
+        with open(self.path, "w", encoding="utf-8") as f:
+            for name in sorted(self.counts):
+                f.write("%s\\t%d\\n" % (name, self.counts[name]))
+'''
+
+# No trailing newline: the pre-tokenizer keeps a newline and the indentation after it in
+# one piece, so a prompt that ends in a bare "\n" asks for a line at column 0.
+GENERATION_PROMPT = '''\
+def read_config(path):
+    """Return a dict of the key = value lines in the file at path."""'''
+
+# Measured on the shipped weights (tools/train_pair.py, seed 1234; npud/models/README.md):
+#   base  teacher-forced loss on HELD_OUT   2.485 nats/token
+#   draft teacher-forced loss on HELD_OUT   2.819 nats/token
+#   draft/base argmax agreement on HELD_OUT 0.723 (224 of 310 rows)
+# Random weights sit at about ln(4096) = 8.3 nats and agree on almost no position; zeroing
+# one output projection of the base (layer 4 attention, or layer 5 MLP) already lifts its
+# loss to 2.71 / 2.68, so the ceilings sit about 0.15 nats above the measurements.
+BASE_MAX_LOSS = 2.65
+DRAFT_MAX_LOSS = 2.95
+MIN_AGREEMENT = 0.60
+# Characters per token on HELD_OUT (measured 3.51); byte-level BPE
+# trained on code merges indentation and keywords, a byte-per-token tokenizer would give 1.
+MIN_CHARS_PER_TOKEN = 3.0
+MAX_BUNDLE_BYTES = 32 * 1024 * 1024
+
+PYTHON_WORDS = {
+    "def", "return", "if", "for", "in", "not", "None", "self", "import", "with", "as", "else",
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(BASE_DIR)
+
+
+def _load(path: pathlib.Path) -> Qwen3ForCausalLM:
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="module")
+def base():
+    return _load(BASE_DIR)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return _load(DRAFT_DIR)
+
+
+@pytest.fixture(scope="module")
+def held_out_ids(tokenizer) -> list[int]:
+    return tokenizer(HELD_OUT, add_special_tokens=False).input_ids
+
+
+@pytest.fixture(scope="module")
+def held_out_logits(base, draft, held_out_ids):
+    """Teacher-forced logits of both models over HELD_OUT: {name: [T, V]}."""
+    inputs = torch.tensor([held_out_ids])
+    with torch.no_grad():
+        return {
+            "base": base(input_ids=inputs).logits[0],
+            "draft": draft(input_ids=inputs).logits[0],
+        }
+
+
+def _loss(logits: torch.Tensor, ids: list[int]) -> float:
+    # row t predicts token t + 1
+    return torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item()
+
+
+def _safetensors_dtypes(path: pathlib.Path) -> set[str]:
+    with path.open("rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    return {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+
+
+@pytest.mark.parametrize("path", [BASE_DIR, DRAFT_DIR], ids=["base", "draft"])
+def test_checkpoint_is_a_small_bf16_qwen3_directory(path):
+    assert {p.name for p in path.iterdir()} >= CHECKPOINT_FILES
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "qwen3"
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    assert config["tie_word_embeddings"] is True
+    assert _safetensors_dtypes(path / "model.safetensors") == {"BF16"}
+    generation = json.loads((path / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == config["eos_token_id"]
+
+
+def test_pair_shares_one_tokenizer_and_shape_and_stays_small():
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (BASE_DIR / name).read_bytes() == (DRAFT_DIR / name).read_bytes(), name
+    base_cfg = json.loads((BASE_DIR / "config.json").read_text())
+    draft_cfg = json.loads((DRAFT_DIR / "config.json").read_text())
+    for key in ("vocab_size", "hidden_size", "eos_token_id", "num_attention_heads", "head_dim"):
+        assert base_cfg[key] == draft_cfg[key], key
+    assert draft_cfg["num_hidden_layers"] < base_cfg["num_hidden_layers"]
+    total = sum(p.stat().st_size for p in MODELS_DIR.rglob("*") if p.is_file())
+    assert total < MAX_BUNDLE_BYTES
+
+
+def test_tokenizer_round_trips_held_out_code(tokenizer, held_out_ids):
+    assert tokenizer.decode(held_out_ids) == HELD_OUT
+    assert len(HELD_OUT) / len(held_out_ids) >= MIN_CHARS_PER_TOKEN
+    # byte-level: text the corpus never showed still round-trips
+    odd = "naïve = 'π ≈ 3.14159'  # 日本語\t\r\n"
+    assert tokenizer.decode(tokenizer(odd, add_special_tokens=False).input_ids) == odd
+
+
+def test_special_tokens_and_chat_template(tokenizer):
+    config = json.loads((BASE_DIR / "config.json").read_text())
+    for text in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        assert len(ids) == 1, text
+    assert tokenizer.eos_token == tokenizer.pad_token == "<|endoftext|>"
+    assert tokenizer.eos_token_id == config["eos_token_id"]
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "print(1)"}], tokenize=False, add_generation_prompt=True
+    )
+    assert rendered == "<|im_start|>user\nprint(1)<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_both_models_predict_held_out_code(held_out_logits, held_out_ids):
+    base_loss = _loss(held_out_logits["base"], held_out_ids)
+    draft_loss = _loss(held_out_logits["draft"], held_out_ids)
+    assert base_loss < BASE_MAX_LOSS
+    assert draft_loss < DRAFT_MAX_LOSS
+    assert base_loss < draft_loss  # the six-layer model is the better one
+
+
+def test_draft_agrees_with_base_teacher_forced(held_out_logits):
+    agree = held_out_logits["base"].argmax(-1) == held_out_logits["draft"].argmax(-1)
+    assert agree.float().mean().item() >= MIN_AGREEMENT
+
+
+def test_greedy_generation_writes_python(base, tokenizer):
+    prompt = tokenizer(GENERATION_PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = base.generate(prompt, max_new_tokens=48, do_sample=False,
+                            pad_token_id=tokenizer.pad_token_id)
+    new = out[0, prompt.shape[1]:].tolist()
+    text = tokenizer.decode(new)
+    # not degenerate: many distinct tokens, no token repeated back to back for long
+    assert len(set(new)) >= 16, text
+    longest_run = max(len(list(run)) for _, run in itertools.groupby(new))
+    assert longest_run <= 4, text
+    # Python-looking: several lines, indented in multiples of four, with Python words in them
+    lines = [line for line in (GENERATION_PROMPT + text).splitlines() if line.strip()]
+    assert len(lines) >= 4, text
+    assert all((len(line) - len(line.lstrip(" "))) % 4 == 0 for line in lines), text
+    assert len(PYTHON_WORDS & set(re.findall(r"[A-Za-z_]+", text))) >= 3, text
+
+
+@pytest.mark.parametrize("which", ["base", "draft"])
+def test_engine_runs_the_bundled_checkpoints_like_transformers(
+    which, request, tokenizer, held_out_ids
+):
+    forward = pytest.importorskip("engine.forward", reason="engine/forward.py has not landed yet")
+    from engine.model import Model
+    from engine.tokenizer import Tokenizer
+
+    path = BASE_DIR if which == "base" else DRAFT_DIR
+    engine_tok = Tokenizer.from_dir(path)
+    assert engine_tok.encode(HELD_OUT) == held_out_ids
+    assert engine_tok.decode(held_out_ids) == HELD_OUT
+    assert engine_tok.vocab_size == len(tokenizer)
+    assert engine_tok.eos_token_ids == (tokenizer.eos_token_id,)
+    assert engine_tok.apply_chat_template([{"role": "user", "content": "print(1)"}]) == (
+        "<|im_start|>user\nprint(1)<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+    reference = request.getfixturevalue(which)
+    prompt = held_out_ids[:48]
+    with torch.no_grad():
+        ref_prompt_logits = reference(input_ids=torch.tensor([prompt])).logits[0, -1].numpy()
+        ref_ids = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id)[0, len(prompt):].tolist()
+
+    engine = forward.Forward(Model.load(path))  # bf16, the format the weights are stored in
+    logits = np.asarray(engine.prefill(prompt), dtype=np.float32)
+    assert logits.shape == ref_prompt_logits.shape
+    # same bf16 weights, fp32 arithmetic in both, only the summation order differs:
+    # measured max |difference| 7.6e-6 (base) and 8.6e-6 (draft) on the last row of a
+    # 200-token prompt, logits of magnitude ~12
+    assert np.max(np.abs(logits - ref_prompt_logits)) < 1e-3
+    generated = []
+    for pos in range(len(prompt), len(prompt) + len(ref_ids)):
+        token = int(np.argmax(logits))
+        generated.append(token)
+        logits = np.asarray(engine.step(token, pos), dtype=np.float32)
+    assert generated == ref_ids

@@ -1,0 +1,116 @@
+"""The README's demo: npud on the bundled model pair, one batch job through npuctl, its
+results, its speculative statistics against plain greedy, and its tickets.
+
+Run through tools/demo.sh (which makes the virtual environment). Everything lives in a
+fresh temporary directory: the daemon's socket, its SQLite store and its log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+MODELS = ROOT / "npud" / "models"
+PROMPTS = ROOT / "tools" / "demo_prompts.jsonl"
+MAX_TOKENS = 48
+
+
+def config(tmp: Path) -> str:
+    return f"""
+default_model = "pycode"
+
+[server]
+socket_path = "{tmp / 'npud.sock'}"
+
+[store]
+state_dir = "{tmp / 'state'}"
+
+[errors]
+source = "{tmp / 'kmsg'}"   # the demo's own (empty) kernel log: /dev/kmsg needs root
+
+[[models]]
+name = "pycode"
+checkpoint_dir = "{MODELS / 'pycode-base'}"
+draft_dir = "{MODELS / 'pycode-draft'}"
+weight_format = "bf16"
+"""
+
+
+def npuctl(*args: str, env: dict) -> str:
+    res = subprocess.run([str(BIN / "npuctl"), *args], env=env, capture_output=True, text=True)
+    if res.returncode != 0:
+        sys.exit(f"demo: npuctl {' '.join(args)} failed ({res.returncode}): {res.stderr.strip()}")
+    return res.stdout
+
+
+def submit(method: str, tmp: Path, env: dict) -> list[dict]:
+    out = tmp / f"results-{method}.jsonl"
+    npuctl("submit", str(PROMPTS), "--wait", "--max-tokens", str(MAX_TOKENS), "--spec", method, "-o", str(out), env=env)
+    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+
+
+def main() -> int:
+    tmp = Path(tempfile.mkdtemp(prefix="npud-demo-"))
+    (tmp / "kmsg").write_text("")
+    (tmp / "npud.toml").write_text(config(tmp))
+    env = dict(os.environ, NPUD_SOCKET=str(tmp / "npud.sock"))
+    log = open(tmp / "npud.log", "w")
+    print(f"demo: starting npud (state, socket and log under {tmp})")
+    daemon = subprocess.Popen(
+        [str(BIN / "npud"), "--config", str(tmp / "npud.toml"), "--log-format", "json"],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp / "npud.sock").exists():
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"demo: npud did not start; its log:\n{(tmp / 'npud.log').read_text()}")
+            time.sleep(0.1)
+        for m in json.loads(npuctl("models", "--json", env=env))["models"]:
+            print(f"demo: model {m['name']}: {m['checkpoint_dir']} (draft {m['draft_dir']}, {m['weight_format']} weights)")
+
+        print(f"demo: npuctl submit --wait {PROMPTS.name} (speculative: the bundled draft model)")
+        spec = submit("draft", tmp, env)
+        print("demo: the same prompts with prompt-lookup drafting, then plain greedy")
+        ngram = submit("ngram", tmp, env)
+        plain = submit("none", tmp, env)
+
+        for r in spec:
+            print(f"\n--- {r['id']} ({r['prompt_tokens']} prompt tokens, {r['finish_reason']}) ---")
+            print(r["text"])
+        print("\n| prompt | method | tok/s | vs plain | drafted | accepted | base passes/token | text == plain |")
+        print("|---|---|---|---|---|---|---|---|")
+        for rows, method in ((spec, "draft model"), (ngram, "prompt lookup"), (plain, "plain greedy")):
+            for r, p in zip(rows, plain):
+                s, ps = r["stats"], p["stats"]
+                print(
+                    f"| {r['id']} | {method} | {s['tokens_per_second']:.1f} | "
+                    f"{s['tokens_per_second'] / ps['tokens_per_second']:.2f}x | {s['drafted']} | {s['accepted']} | "
+                    f"{s['passes_per_token']:.2f} | {'yes' if r['text'] == p['text'] else 'NO'} |"
+                )
+        job = spec[0]["job"]
+        print(f"\ndemo: npuctl tickets --job {job} --json")
+        for t in json.loads(npuctl("tickets", "--job", str(job), "--json", env=env))["tickets"]:
+            print(json.dumps(t, indent=2))
+        return 0
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            code = daemon.wait(timeout=30)
+            print(f"demo: npud stopped (exit {code})")
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            print("demo: npud did not stop within 30 s and was killed")
+        log.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
