@@ -231,6 +231,10 @@ class _Methods:
     def stats(self):
         return self._call("stats")
 
+    def metrics(self, format: str | None = None):
+        """Counters and gauges; format="prometheus" gives {"format", "text"} in the text format."""
+        return self._call("metrics", {"format": format})
+
 
 # -- blocking client -------------------------------------------------------------------------
 

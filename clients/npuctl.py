@@ -239,7 +239,9 @@ def build_parser() -> Parser:
         "checkpoint and draft model.")
     add("stats", cmd_stats, "show daemon counters",
         "Show the daemon's uptime, connections, jobs and tickets by state, tokens generated, the queue and "
-        "who holds the device.")
+        "who holds the device; then, since the daemon started, tickets by outcome, wait-time quantiles per "
+        "class, tokens/s, speculative acceptance, prefix-cache hits, the thermal reading and the amdxdna "
+        "error count.")
     return parser
 
 

@@ -281,6 +281,41 @@ def _counts(d: dict | None) -> str:
     return ", ".join(f"{k} {v}" for k, v in (d or {}).items()) or "none"
 
 
+def _waits(w: dict | None) -> str:
+    if not w or not w.get("count"):
+        return "none yet"
+    return (f"p50 {fmt_duration(w.get('p50'))}, p90 {fmt_duration(w.get('p90'))}, "
+            f"p99 {fmt_duration(w.get('p99'))} (of {w['count']})")
+
+
+def _metrics_fields(m: dict) -> list[tuple[str, Any]]:
+    """The `metrics` object of `stats` (counters since the daemon started, and gauges)."""
+    tickets = m.get("tickets") or {}
+    waits = m.get("wait_s") or {}
+    tokens = m.get("tokens") or {}
+    spec = m.get("speculative") or {}
+    cache = m.get("prefix_cache") or {}
+    thermal = m.get("thermal") or {}
+    errors = m.get("driver_errors") or {}
+    reading = thermal.get("reading_c")
+    hit_rate = cache.get("hit_rate")
+    return [
+        ("since start", f"{tickets.get('granted', 0)} tickets granted; released "
+                        + _counts({k: v for k, v in (tickets.get("released") or {}).items() if v})),
+        ("wait interactive", _waits(waits.get("interactive"))),
+        ("wait batch", _waits(waits.get("batch"))),
+        ("tokens/s", f"{tokens.get('per_second', 0):.1f} over the last {tokens.get('window_s', 0):g}s; "
+                     f"device busy {fmt_duration(tokens.get('device_busy_s'))}"),
+        ("acceptance", f"{fmt_rate(int(spec.get('accepted') or 0), int(spec.get('drafted') or 0))} "
+                       f"({spec.get('accepted', 0)} of {spec.get('drafted', 0)} drafted tokens accepted)"),
+        ("prefix cache", f"{cache.get('hits', 0)} hits, {cache.get('misses', 0)} misses "
+                         f"(hit rate {'-' if hit_rate is None else f'{100 * hit_rate:.0f}%'}), "
+                         f"{cache.get('cached_tokens', 0)} tokens reused"),
+        ("thermal", f"{thermal.get('state')}" + ("" if reading is None else f", {reading:.1f}C")),
+        ("driver errors", f"{errors.get('count')}" + ("" if errors.get("available") else " (kernel log unreadable)")),
+    ]
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     with connect(args) as c:
         s = c.stats()
@@ -297,5 +332,6 @@ def cmd_stats(args: argparse.Namespace) -> int:
         ("holding the device", "nobody" if not granted else
          f"ticket {granted.get('ticket')} of job {granted.get('job')} ({granted.get('priority')})"),
         ("quarantined", s.get("quarantined")),
+        *(_metrics_fields(s["metrics"]) if s.get("metrics") else ()),
     ])
     return EXIT_OK

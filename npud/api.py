@@ -12,6 +12,7 @@ import structlog
 
 from npud import __version__
 from npud.jobspec import parse_spec
+from npud.metrics import render_prometheus
 from npud.protocol import PROTOCOL_VERSION, ApiError, ErrorCode, Params, Request
 from npud.tickets import Outcome, Priority, TicketState
 
@@ -39,7 +40,7 @@ class Api:
             "result": self.result, "status": self.status, "jobs": self.jobs, "cancel": self.cancel,
             "tickets": self.tickets, "cache.list": self.cache_list, "cache.pin": self.cache_pin,
             "cache.drop": self.cache_drop, "device.status": self.device_status, "device.clear": self.device_clear,
-            "models": self.models, "stats": self.stats,
+            "models": self.models, "stats": self.stats, "metrics": self.metrics,
         }
 
     async def __call__(self, peer: "Peer", req: Request, emit: Emit) -> Any:
@@ -259,7 +260,16 @@ class Api:
             "tokens_generated": d.jobs.tokens_generated, "queue": d.queue.counts(),
             "granted": None if granted is None else granted.to_wire(),
             "quarantined": d.queue.quarantine is not None,
+            "metrics": d.metrics_snapshot(),
         }
+
+    async def metrics(self, peer: "Peer", p: Params, emit: Emit) -> dict:
+        fmt = p.str("format", "json", choices=("json", "prometheus"))
+        p.finish()
+        snap = self.d.metrics_snapshot()
+        if fmt == "prometheus":
+            return {"format": "prometheus", "text": render_prometheus(snap)}
+        return snap
 
 
 def _describe_cache(cache: Any) -> dict:

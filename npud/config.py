@@ -165,6 +165,25 @@ class LoggingConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class MetricsConfig:
+    """The `metrics` method's window, and the optional Prometheus text file (node_exporter's
+    textfile collector reads every `*.prom` file of its directory)."""
+
+    textfile_path: str = ""  # "" writes no file
+    textfile_interval_s: float = 15.0
+    rate_window_s: float = 60.0  # tokens per second are measured over this much recent time
+
+    def __post_init__(self) -> None:
+        if self.textfile_path and not self.textfile_path.endswith(".prom"):
+            raise ConfigError("metrics.textfile_path", self.textfile_path,
+                              "must end in .prom (the textfile collector reads only *.prom files)")
+        if self.textfile_path and not self.textfile_path.startswith("/"):
+            raise ConfigError("metrics.textfile_path", self.textfile_path, "must be an absolute path")
+        _positive("metrics.textfile_interval_s", self.textfile_interval_s)
+        _positive("metrics.rate_window_s", self.rate_window_s)
+
+
+@dataclass(slots=True, frozen=True)
 class EngineConfig:
     # The module that provides the session API (ServedModel, GenerateRequest, SamplingParams,
     # SpecParams, RequestError). Only tests point it elsewhere.
@@ -202,6 +221,7 @@ class DaemonConfig:
     thermal: ThermalConfig = field(default_factory=ThermalConfig)
     errors: ErrorsConfig = field(default_factory=ErrorsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     models: tuple[ModelEntry, ...] = ()
     default_model: str | None = None  # None: the first model
@@ -279,7 +299,7 @@ def _build(cls: type, raw: Any, section: str) -> Any:
 _SECTIONS = {
     "server": ServerConfig, "limits": LimitsConfig, "store": StoreConfig, "scheduler": SchedulerConfig,
     "device": DeviceConfig, "thermal": ThermalConfig, "errors": ErrorsConfig, "logging": LoggingConfig,
-    "engine": EngineConfig,
+    "metrics": MetricsConfig, "engine": EngineConfig,
 }
 
 

@@ -6,9 +6,8 @@ owner and the server (which holds one nursery for connections, which hold their 
 
 from __future__ import annotations
 
-import os
+import functools
 import signal
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,28 +23,15 @@ from npud.device import discover
 from npud.guards import ErrorCountGuard, ThermalGuard
 from npud.jobs import JobManager
 from npud.logsetup import setup_logging
+from npud.metrics import Metrics, snapshot
 from npud.registry import ModelRegistry
 from npud.server import Server
 from npud.store import Store
+from npud.systemd import report_status, run_watchdog, sd_notify, watchdog_interval
 from npud.tickets import TicketQueue
 from npud.worker import DeviceOwner
 
 log = structlog.get_logger(__name__)
-
-
-def sd_notify(state: str) -> None:
-    """Tell systemd (Type=notify) about a state change; nothing without $NOTIFY_SOCKET."""
-    addr = os.environ.get("NOTIFY_SOCKET")
-    if not addr:
-        return
-    if addr.startswith("@"):
-        addr = "\0" + addr[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.connect(addr)
-            s.sendall(state.encode())
-    except OSError as exc:
-        log.warning("sd_notify_failed", state=state, error=exc.strerror)
 
 
 class Daemon:
@@ -69,7 +55,9 @@ class Daemon:
             cache_root=Path(cfg.store.state_dir) / "prefix-cache" if cfg.store.persist_prefix_cache else None,
             engine=engine)
         self.jobs = JobManager(cfg, self.store, self.queue)
-        self.owner = DeviceOwner(cfg, self.queue, self.jobs, self.registry, self.thermal, self.errors)
+        self.metrics = Metrics(cfg.metrics, self.queue, lambda: self.jobs.tokens_generated)
+        self.owner = DeviceOwner(cfg, self.queue, self.jobs, self.registry, self.thermal, self.errors,
+                                 self.metrics)
         self.api = Api(self)
         self.server = Server(cfg, self.api)
         self._stop = trio.Event()
@@ -78,19 +66,29 @@ class Daemon:
         """Serve until request_stop() (or SIGTERM/SIGINT with handle_signals); then drain and return."""
         log.info("daemon_starting", version=__version__, device=self.device.kind, device_reason=self.device.reason,
                  models=list(self.registry.names), store=str(self.store.path))
+        watchdog_s = watchdog_interval()
         try:
+            sd_notify("STATUS=recovering queued jobs from the store")
             await self.owner.restore_quarantine()
             await self.jobs.recover()
             async with trio.open_nursery() as nursery:
                 if handle_signals:
                     await nursery.start(self._signals)
+                if watchdog_s is not None:
+                    await nursery.start(run_watchdog, watchdog_s)
                 await nursery.start(self.thermal.run)
                 await nursery.start(self.errors.run)
                 await nursery.start(self.jobs.run_retention)
+                await nursery.start(self.metrics.run, self.metrics_snapshot)
                 await nursery.start(self.owner.run)
                 await nursery.start(self.server.serve)
-                sd_notify("READY=1")
-                log.info("daemon_ready", socket=self.cfg.server.socket_path)
+                # READY=1 once clients can connect and the store is open (Type=notify)
+                status = self.status_line()
+                if sd_notify("READY=1", f"STATUS={status}"):  # a service manager listens: keep it told
+                    await nursery.start(functools.partial(report_status, self.status_line, self.queue.wait_changed,
+                                                          sent=status))
+                log.info("daemon_ready", socket=self.cfg.server.socket_path,
+                         socket_activated=self.server.socket_activated, watchdog_s=watchdog_s)
                 task_status.started(self)
                 await self._stop.wait()
                 await self._drain()
@@ -98,15 +96,34 @@ class Daemon:
         finally:
             self.errors.close()
             self.store.close()
+            self.metrics.remove_textfile()  # a stopped npud exports nothing rather than stale numbers
             log.info("daemon_stopped")
 
     def request_stop(self) -> None:
         self._stop.set()
 
+    def metrics_snapshot(self) -> dict:
+        return snapshot(self)
+
+    def status_line(self) -> str:
+        """One line for systemd's STATUS=: device, quarantine, holder, queue, heat, driver errors."""
+        q = self.queue
+        parts = [f"{'stopping' if self._stop.is_set() else 'serving'} on {self.device.kind}"]
+        if q.quarantine is not None:
+            parts.append(f"QUARANTINED ({q.quarantine.reason})")
+        holder = q.granted
+        parts.append("idle" if holder is None else f"ticket {holder.id} of job {holder.job_id} holds the device")
+        counts = q.counts()
+        parts.append(f"queue {counts['interactive']} interactive, {counts['batch']} batch")
+        reading = self.thermal.reading_c
+        parts.append(f"thermal {self.thermal.state}" + ("" if reading is None else f" {reading:.0f}C"))
+        parts.append(f"{self.errors.count} amdxdna error(s)")
+        return "; ".join(parts)
+
     async def _drain(self) -> None:
         """SIGTERM: stop accepting, let the running round end, release the device; what was
         running stays queued in the store and resumes on the next start."""
-        sd_notify("STOPPING=1")
+        sd_notify("STOPPING=1", "STATUS=stopping: finishing the running round, then releasing the device")
         deadline = self.cfg.server.drain_timeout_s
         log.info("shutdown_started", drain_timeout_s=deadline, holding=None if self.owner.holding is None
                  else self.owner.holding.id)
@@ -131,7 +148,9 @@ class Daemon:
             task_status.started()
             async for signum in signals:
                 if signum == signal.SIGHUP:
+                    sd_notify("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
                     await self.reload()
+                    sd_notify("READY=1", f"STATUS={self.status_line()}")
                 else:
                     log.info("signal_received", signal=signal.Signals(signum).name)
                     self.request_stop()
@@ -156,6 +175,7 @@ class Daemon:
         self.queue.set_quantum(cfg.scheduler.quantum_tokens, cfg.scheduler.quantum_ms)
         self.thermal.cfg = cfg.thermal
         self.errors.reconfigure(cfg.errors)
+        self.metrics.reconfigure(cfg.metrics)
         self.jobs.cfg = self.owner.cfg = self.server.cfg = cfg
         async with self.owner.device_lock:  # a load may be under way in the engine thread
             self.registry.reconfigure(cfg.models, cfg.device.max_resident_bytes, keep=self.owner.models_in_use())

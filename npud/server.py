@@ -25,6 +25,7 @@ from npud.config import DaemonConfig
 from npud.jobs import Caller
 from npud.protocol import (ApiError, ErrorCode, LineReader, LineTooLong, Request, encode, error_reply,
                            event, parse_request, reply)
+from npud.systemd import inherited_listener
 
 log = structlog.get_logger(__name__)
 
@@ -79,8 +80,16 @@ def _refuse_if_live(path: str) -> None:
     raise RuntimeError(f"another npud is already listening on {path}")
 
 
-async def open_listener(cfg: DaemonConfig) -> trio.SocketListener:
-    """Bind the socket with the configured mode and group; raises OSError/RuntimeError with the path."""
+async def open_listener(cfg: DaemonConfig) -> tuple[trio.SocketListener, bool]:
+    """The listening socket and whether it was passed by socket activation (systemd owns its
+    file, mode and group then); else bind server.socket_path with the configured mode and group.
+
+    Raises OSError/RuntimeError naming the path or what was passed.
+    """
+    inherited = inherited_listener()
+    if inherited is not None:
+        sock = trio.socket.from_stdlib_socket(inherited)
+        return trio.SocketListener(sock), True
     server = cfg.server
     path = server.socket_path
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -104,7 +113,7 @@ async def open_listener(cfg: DaemonConfig) -> trio.SocketListener:
     if gid != -1:
         os.chown(path, -1, gid)
     sock.listen(socket.SOMAXCONN)
-    return trio.SocketListener(sock)
+    return trio.SocketListener(sock), False
 
 
 class Connection:
@@ -141,12 +150,20 @@ class Server:
         self._ids = itertools.count(1)
         self._accept_scope: trio.CancelScope | None = None
         self._listener: trio.SocketListener | None = None
+        self.socket_activated = False  # the socket file belongs to npud.socket: never unlinked here
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Listen and serve until cancelled; started() once the socket accepts connections."""
-        self._listener = await open_listener(self.cfg)
-        log.info("socket_listening", path=self.cfg.server.socket_path, mode=oct(self.cfg.server.socket_mode),
-                 group=self.cfg.server.socket_group or None)
+        self._listener, self.socket_activated = await open_listener(self.cfg)
+        if self.socket_activated:
+            path = self._listener.socket.getsockname()
+            log.info("socket_inherited", path=path, socket_path=self.cfg.server.socket_path)
+            if path != self.cfg.server.socket_path:
+                # clients find npud through server.socket_path ($NPUD_SOCKET aside)
+                log.warning("socket_path_mismatch", path=path, socket_path=self.cfg.server.socket_path)
+        else:
+            log.info("socket_listening", path=self.cfg.server.socket_path, mode=oct(self.cfg.server.socket_mode),
+                     group=self.cfg.server.socket_group or None)
         try:
             async with trio.open_nursery() as conns:
                 with trio.CancelScope() as self._accept_scope:
@@ -172,6 +189,8 @@ class Server:
         if self._listener is not None:
             self._listener.socket.close()
             self._listener = None
+            if self.socket_activated:
+                return  # systemd keeps listening and queues connections until npud runs again
             try:
                 os.unlink(self.cfg.server.socket_path)
             except FileNotFoundError:

@@ -19,6 +19,7 @@ import trio
 from npud.config import DaemonConfig
 from npud.guards import ErrorCountGuard, ThermalGuard
 from npud.jobs import Job, JobManager
+from npud.metrics import Metrics
 from npud.protocol import ApiError, ErrorCode
 from npud.registry import ModelRegistry
 from npud.store import StoreError
@@ -56,8 +57,9 @@ def result_body(result: Any) -> dict:
 
 class DeviceOwner:
     def __init__(self, cfg: DaemonConfig, queue: TicketQueue, jobs: JobManager, registry: ModelRegistry,
-                 thermal: ThermalGuard, errors: ErrorCountGuard) -> None:
+                 thermal: ThermalGuard, errors: ErrorCountGuard, metrics: Metrics | None = None) -> None:
         self.cfg = cfg
+        self.metrics = metrics
         self.queue = queue
         self.jobs = jobs
         self.registry = registry
@@ -181,6 +183,8 @@ class DeviceOwner:
     def _account(self, ticket: Ticket, prompt: int, stats: dict) -> None:
         ticket.drafted += int(stats.get("drafted") or 0)
         ticket.accepted += int(stats.get("accepted") or 0)
+        if self.metrics is not None:
+            self.metrics.on_prompt(stats)
         if stats.get("fell_back"):
             log.info("spec_fallback", prompt=prompt, fallbacks=stats.get("fallbacks"))
         cached = stats.get("num_cached_tokens")

@@ -290,7 +290,11 @@ def test_amdxdna_errors_fault_the_ticket_and_quarantine_the_device(daemon, refer
         first_token(daemon, job)
         daemon.add_kmsg("usb 1-1: new high-speed USB device")  # not an amdxdna error
         daemon.add_kmsg(KMSG_ERROR)
-        wait_for(lambda: c.device_status()["quarantine"], 10, what="quarantine")
+        # the quarantine is set before the faulted ticket is released (nothing is granted in
+        # between), so wait for both
+        wait_for(lambda: c.device_status()["quarantine"]
+                 and any(t["outcome"] == "faulted" for t in tickets_of(c, job)),
+                 10, what="quarantine and the faulted ticket")
         faulted = [t for t in tickets_of(c, job) if t["outcome"] == "faulted"]
         assert len(faulted) == 1
         assert faulted[0]["errors_at_release"] == faulted[0]["errors_at_grant"] + 1

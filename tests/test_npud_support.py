@@ -269,13 +269,20 @@ class DaemonProc:
                 self.config[name] = values
         self.config_path.write_text(toml_dumps(self.config))
 
-    def start(self, timeout: float = 60.0) -> "DaemonProc":
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]))
+    def start(self, timeout: float = 60.0, *, env: dict[str, str] | None = None,
+              stderr_path: Path | None = None) -> "DaemonProc":
+        """Start and wait for `daemon_ready`; `env` adds variables, `stderr_path` keeps stderr
+        out of the log (which then has stdout alone)."""
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)]), **(env or {})}
         seen = len(self.logs())  # a restart must not take the last run's readiness for its own
         log = open(self.log_path, "ab")
+        err = open(stderr_path, "ab") if stderr_path is not None else None
         self.proc = subprocess.Popen([sys.executable, "-m", "npud", "--config", str(self.config_path)],
-                                     stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(self.dir))
+                                     stdout=log, stderr=subprocess.STDOUT if err is None else err, env=env,
+                                     cwd=str(self.dir))
         log.close()
+        if err is not None:
+            err.close()
 
         def ready():
             if self.proc.poll() is not None:
