@@ -23,6 +23,7 @@ from engine.sampling import SamplingConfig
 from engine.speculative import SpeculativeConfig
 from engine.state import ModelState
 from engine.tokenizer import Tokenizer
+from kernels import select_backend
 
 SamplingParams = SamplingConfig
 
@@ -97,6 +98,7 @@ class ServedModel:
         self.draft_tokenizer = draft_tokenizer if draft_tokenizer is not None else tokenizer
         self.prefix_cache = prefix_cache
         self.max_context = model.config.max_position_embeddings
+        self.backend_reason = "given by the caller"
 
     @classmethod
     def load(
@@ -108,17 +110,20 @@ class ServedModel:
         cache_dir: str | Path | None = None,
         cache_bytes: int = 1 << 30,
         cache_block: int = 32,
+        backend: str = "auto",
+        xrt_design: str | Path | None = None,
     ) -> "ServedModel":
         """Load base (and draft) and open the prefix cache (persistent under `cache_dir`, if given).
 
         Raises ConfigError, WeightsError, TokenizerError or DraftMismatchError for model
-        files that are not what they claim.
+        files that are not what they claim, and XrtUnavailable when backend "xrt" cannot run.
         """
-        model = Model.load(checkpoint_dir, weight_format)
+        kernels, backend_reason = select_backend(backend, None if xrt_design is None else str(xrt_design))
+        model = Model.load(checkpoint_dir, weight_format, kernels)
         tokenizer = Tokenizer.from_dir(checkpoint_dir)
         draft = draft_tokenizer = None
         if draft_dir is not None:
-            draft = Model.load(draft_dir, weight_format)
+            draft = Model.load(draft_dir, weight_format, kernels)
             draft_tokenizer = Tokenizer.from_dir(draft_dir)
             check_same_tokenizer(tokenizer, draft_tokenizer)
         cache = PrefixCache(
@@ -128,7 +133,9 @@ class ServedModel:
             max_bytes=cache_bytes,
             block_size=cache_block,
         )
-        return cls(name, model, tokenizer, draft, cache, draft_tokenizer)
+        served = cls(name, model, tokenizer, draft, cache, draft_tokenizer)
+        served.backend_reason = backend_reason
+        return served
 
     @property
     def nbytes(self) -> int:
@@ -146,6 +153,7 @@ class ServedModel:
             "weights_bytes": self.nbytes,
             "draft": self.draft is not None,
             "backend": self.model.backend.name,
+            "backend_reason": self.backend_reason,
             "fingerprint": self.model.fingerprint[:16],
         }
 

@@ -30,8 +30,9 @@ import numpy as np
 from kernels.base import LinearWeight, WeightFormat
 
 
-class XrtUnavailable(RuntimeError):
-    """The NPU path cannot run here; the message says what is missing."""
+class XrtUnavailable(ValueError):
+    """The NPU path cannot run here; the message says what is missing (a configuration
+    error from the daemon's point of view: the model was asked for a backend it cannot have)."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -106,10 +106,14 @@ class DeviceConfig:
     accel_dir: str = "/dev/accel"
     sysfs_class_dir: str = "/sys/class/accel"
     max_resident_bytes: int = 0  # models kept loaded (LRU); 0 = half of the physical memory
+    backend: str = "auto"  # auto: the NPU where it can run (device, pyxrt, xrt_design), else the host
+    xrt_design: str = ""  # the NPU GEMM design.json (kernels/xrt.py); "" = none configured
 
     def __post_init__(self) -> None:
         if self.max_resident_bytes < 0:
             raise ConfigError("device.max_resident_bytes", self.max_resident_bytes, "must be >= 0")
+        if self.backend not in ("auto", "host", "xrt"):
+            raise ConfigError("device.backend", self.backend, "must be auto, host or xrt")
 
 
 @dataclass(slots=True, frozen=True)

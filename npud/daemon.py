@@ -53,7 +53,7 @@ class Daemon:
         self.registry = ModelRegistry(
             cfg.models, engine_module=cfg.engine.module, max_resident_bytes=cfg.device.max_resident_bytes,
             cache_root=Path(cfg.store.state_dir) / "prefix-cache" if cfg.store.persist_prefix_cache else None,
-            engine=engine)
+            engine=engine, backend=cfg.device.backend, xrt_design=cfg.device.xrt_design or None)
         self.jobs = JobManager(cfg, self.store, self.queue)
         self.metrics = Metrics(cfg.metrics, self.queue, lambda: self.jobs.tokens_generated)
         self.owner = DeviceOwner(cfg, self.queue, self.jobs, self.registry, self.thermal, self.errors,

@@ -168,3 +168,13 @@ def test_session_through_prefix_cache_equals_cold(ckpt, model, tok):
     assert warm.stats["num_cached_tokens"] > 0
     assert warm.stats["num_cached_tokens"] % 8 == 0
     assert cache.stats().hits == 1
+
+
+def test_served_model_names_its_backend_and_refuses_an_npu_it_cannot_have(ckpt):
+    from kernels.xrt import XrtUnavailable
+
+    served = ServedModel.load("tiny", ckpt, weight_format="fp32")
+    d = served.describe()
+    assert d["backend"] == "host" and d["backend_reason"].startswith("host backend:")
+    with pytest.raises(XrtUnavailable, match="no NPU device node"):
+        ServedModel.load("tiny", ckpt, weight_format="fp32", backend="xrt")

@@ -138,3 +138,11 @@ def test_logs_are_json_lines_when_not_a_tty_and_filtered_by_level():
         assert record["level"] == "info" and record["timestamp"].endswith("Z")
     finally:
         structlog.reset_defaults()
+
+
+def test_device_backend_is_validated():
+    from npud.config import DeviceConfig
+
+    assert DeviceConfig().backend == "auto"
+    with pytest.raises(ConfigError, match="device.backend"):
+        DeviceConfig(backend="gpu")

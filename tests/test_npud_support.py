@@ -143,7 +143,7 @@ class FakeServedModel:
 
     @classmethod
     def load(cls, name: str, checkpoint_dir, draft_dir=None, weight_format: str = "bf16",
-             cache_dir=None) -> "FakeServedModel":
+             cache_dir=None, backend: str = "auto", xrt_design=None) -> "FakeServedModel":
         path = Path(checkpoint_dir) / "fake.json"
         try:
             knobs = json.loads(path.read_text())
