@@ -152,16 +152,23 @@ def _epilogue(out, scale, bias, has_scale, has_bias):
             out[m, n] = v
 
 
+@njit(inline="always")
+def _inv_rms(x, m, eps):
+    # 1 / sqrt(mean(x[m]^2) + eps): squares accumulated in float64 in index order
+    D = x.shape[1]
+    ss = 0.0
+    for d in range(D):
+        v = np.float64(x[m, d])
+        ss += v * v
+    return np.float32(1.0 / math.sqrt(ss / D + eps))
+
+
 @njit(cache=True, fastmath=False, nogil=True)
 def _rms_norm(x, weight, eps, out):
-    # x: [M, D] -> out [M, D]; mean of squares accumulated in float64 in index order
+    # x: [M, D] -> out [M, D]
     M, D = x.shape
     for m in prange(M):
-        ss = 0.0
-        for d in range(D):
-            v = np.float64(x[m, d])
-            ss += v * v
-        inv = np.float32(1.0 / math.sqrt(ss / D + eps))
+        inv = _inv_rms(x, m, eps)
         for d in range(D):
             out[m, d] = weight[d] * (x[m, d] * inv)
 
@@ -611,11 +618,7 @@ def _gated_rms_norm(x, z, weight, eps, out):
     # x, z: [R, D] -> weight * (x / sqrt(mean x^2 + eps)) * silu(z), per row
     R, D = x.shape
     for r in range(R):
-        ss = 0.0
-        for d in range(D):
-            v = np.float64(x[r, d])
-            ss += v * v
-        inv = np.float32(1.0 / math.sqrt(ss / D + eps))
+        inv = _inv_rms(x, r, eps)
         for d in range(D):
             g = z[r, d]
             silu = g / (np.float32(1.0) + np.float32(math.exp(-np.float64(g))))
