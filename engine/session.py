@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import ConfigError
+from engine.dflash import DFlashDraft, DFlashHead
 from engine.drafters import DraftModelHead, PromptLookupHead, check_same_tokenizer
 from engine.forward import Forward
 from engine.generate import Generation, GenerationConfig, TokenEvent
@@ -27,7 +28,7 @@ from kernels import select_backend
 
 SamplingParams = SamplingConfig
 
-SPEC_METHODS = ("auto", "none", "ngram", "draft")
+SPEC_METHODS = ("auto", "none", "ngram", "draft", "dflash")
 
 
 class RequestError(ValueError):
@@ -41,7 +42,7 @@ class RequestError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class SpecParams:
-    method: str = "auto"  # auto: the draft model if the served model has one, else prompt lookup
+    method: str = "auto"  # auto: the draft model, else the DFlash drafter, else prompt lookup
     k: int = 4
     fallback_rounds: int = 3
     reprobe_after: int | None = None
@@ -90,12 +91,14 @@ class ServedModel:
         draft: Model | None = None,
         prefix_cache: PrefixCache | None = None,
         draft_tokenizer: Tokenizer | None = None,
+        dflash: DFlashDraft | None = None,
     ):
         self.name = name
         self.model = model
         self.tokenizer = tokenizer
         self.draft = draft
         self.draft_tokenizer = draft_tokenizer if draft_tokenizer is not None else tokenizer
+        self.dflash = dflash
         self.prefix_cache = prefix_cache
         self.max_context = model.config.max_position_embeddings
         self.backend_reason = "given by the caller"
@@ -107,6 +110,7 @@ class ServedModel:
         checkpoint_dir: str | Path,
         draft_dir: str | Path | None = None,
         weight_format: str = "bf16",
+        dflash_dir: str | Path | None = None,
         cache_dir: str | Path | None = None,
         cache_bytes: int = 1 << 30,
         cache_block: int = 32,
@@ -133,7 +137,8 @@ class ServedModel:
             max_bytes=cache_bytes,
             block_size=cache_block,
         )
-        served = cls(name, model, tokenizer, draft, cache, draft_tokenizer)
+        dflash = DFlashDraft.load(dflash_dir, model, weight_format) if dflash_dir is not None else None
+        served = cls(name, model, tokenizer, draft, cache, draft_tokenizer, dflash)
         served.backend_reason = backend_reason
         return served
 
@@ -152,6 +157,7 @@ class ServedModel:
             "max_context": self.max_context,
             "weights_bytes": self.nbytes,
             "draft": self.draft is not None,
+            "dflash": self.dflash is not None,
             "backend": self.model.backend.name,
             "backend_reason": self.backend_reason,
             "fingerprint": self.model.fingerprint[:16],
@@ -189,11 +195,17 @@ class ServedModel:
     def make_head(self, spec: SpecParams, sampling: SamplingConfig):
         method = spec.method
         if method == "auto":
-            method = "draft" if self.draft is not None else "ngram"
+            # the draft model first: on the bundled pair it keeps more drafts per round than
+            # the DFlash drafter (docs/dflash.md has the measurements)
+            method = "draft" if self.draft is not None else "dflash" if self.dflash is not None else "ngram"
         if method == "none":
             return None
         if method == "ngram":
             return PromptLookupHead()
+        if method == "dflash":
+            if self.dflash is None:
+                raise RequestError("bad_request", f"model {self.name!r} has no DFlash drafter (speculative method 'dflash')")
+            return DFlashHead(self.dflash, sampling)
         if self.draft is None:
             raise RequestError("bad_request", f"model {self.name!r} has no draft model (speculative method 'draft')")
         return DraftModelHead(Forward(self.draft), self.tokenizer, self.draft_tokenizer, sampling)
@@ -209,12 +221,19 @@ class Session:
         self.forward = Forward(served.model)
         self.num_cached_tokens = 0
         spec = req.spec
+        head = served.make_head(spec, req.sampling)
+        # a DFlash head reads the base's tap rows of every committed position, so it sees the
+        # prompt run; a restored prefix would come without those rows (the head would refuse
+        # every draft), so such a session prefills its whole prompt (and still offers it)
+        self._restore_allowed = not isinstance(head, DFlashHead)
+        if isinstance(head, DFlashHead):
+            head.attach(self.forward)
         self.generation = Generation(
             self.forward,
             served.tokenizer,
             prompt_ids,
             GenerationConfig(req.max_tokens, req.sampling, tuple(req.stop)),
-            head=served.make_head(spec, req.sampling),
+            head=head,
             spec=SpeculativeConfig(k=spec.k, fallback_rounds=spec.fallback_rounds, reprobe_after=spec.reprobe_after),
         )
         self._rounds = self.generation.rounds()
@@ -261,7 +280,7 @@ class Session:
         context = self.prompt_ids[:-1]
         if not context:
             return
-        match = cache.lookup(self.prompt_ids)  # serves at most len(prompt) - 1 == len(context)
+        match = cache.lookup(self.prompt_ids) if self._restore_allowed else None  # at most len(context)
         if match is not None:
             f.state.restore(match.snapshot)
             self.num_cached_tokens = match.num_cached_tokens

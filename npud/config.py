@@ -203,6 +203,7 @@ class ModelEntry:
     name: str
     checkpoint_dir: str
     draft_dir: str | None = None
+    dflash_dir: str | None = None  # a DFlash / DFlash 2 block drafter trained on this base
     weight_format: str = "bf16"
 
     def __post_init__(self) -> None:
@@ -328,6 +329,7 @@ def parse_config(raw: dict, base_dir: Path | None = None) -> DaemonConfig:
                 model,
                 checkpoint_dir=str(base_dir / model.checkpoint_dir),
                 draft_dir=None if model.draft_dir is None else str(base_dir / model.draft_dir),
+                dflash_dir=None if model.dflash_dir is None else str(base_dir / model.dflash_dir),
             )
         models.append(model)
     default_model = raw.get("default_model")
@@ -353,7 +355,8 @@ def check_models(cfg: DaemonConfig) -> list[str]:
     """Problems with the model directories that a --check-config should report (no loading)."""
     problems = []
     for m in cfg.models:
-        for label, d in (("checkpoint_dir", m.checkpoint_dir), ("draft_dir", m.draft_dir)):
+        for label, d in (("checkpoint_dir", m.checkpoint_dir), ("draft_dir", m.draft_dir),
+                         ("dflash_dir", m.dflash_dir)):
             if d is None:
                 continue
             p = Path(d)

@@ -150,11 +150,20 @@ def test_session_rejects_what_the_model_cannot_run(served):
         SpecParams(method="magic")
 
 
-def test_sampled_session_is_reproducible_under_a_seed(served):
-    req = GenerateRequest(prompt=PROMPT, max_tokens=20, sampling=SamplingConfig(temperature=0.8, seed=3))
+@pytest.mark.parametrize("method", ["none", "draft", "ngram"])
+def test_sampled_session_is_reproducible_under_a_seed(served, method):
+    # With speculation the break-even fallback is decided on measured timings, and a round
+    # that speculates draws its randomness differently from a plain step: sampled output is
+    # distributed as plain sampling's either way, but its exact tokens repeat only when the
+    # fallback cannot fire (fallback_rounds=0) or nothing speculates.
+    spec = SpecParams(method=method, fallback_rounds=0)
+    req = GenerateRequest(prompt=PROMPT, max_tokens=20, sampling=SamplingConfig(temperature=0.8, seed=3), spec=spec)
     a = drive(served.start(req))[1]
-    b = drive(served.start(req))[1]
+    b = drive(served.start(req))[1]  # the second restores its prefix from the cache
     assert a.token_ids == b.token_ids
+    other = drive(served.start(GenerateRequest(
+        prompt=PROMPT, max_tokens=20, sampling=SamplingConfig(temperature=0.8, seed=4), spec=spec)))[1]
+    assert other.token_ids != a.token_ids
 
 
 def test_session_through_prefix_cache_equals_cold(ckpt, model, tok):
@@ -178,3 +187,42 @@ def test_served_model_names_its_backend_and_refuses_an_npu_it_cannot_have(ckpt):
     assert d["backend"] == "host" and d["backend_reason"].startswith("host backend:")
     with pytest.raises(XrtUnavailable, match="no NPU device node"):
         ServedModel.load("tiny", ckpt, weight_format="fp32", backend="xrt")
+
+
+BUNDLED = __import__("pathlib").Path(__file__).resolve().parent.parent / "npud" / "models"
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return ServedModel.load(
+        "pycode", BUNDLED / "pycode-base", draft_dir=BUNDLED / "pycode-draft",
+        dflash_dir=BUNDLED / "pycode-dflash", weight_format="bf16",
+    )
+
+
+@pytest.mark.parametrize("method", ["draft", "dflash", "ngram"])
+def test_bundled_pair_every_drafter_gives_plain_greedy_text(bundled, method):
+    prompt = "def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n    with open(path) as f:"
+    plain = drive(bundled.start(GenerateRequest(prompt=prompt, max_tokens=40, spec=SpecParams(method="none"))))[1]
+    spec = GenerateRequest(prompt=prompt, max_tokens=40, spec=SpecParams(method=method, k=7, fallback_rounds=0))
+    result = drive(bundled.start(spec))[1]
+    assert result.text == plain.text and result.token_ids == plain.token_ids
+    assert result.stats["drafted"] > 0 and result.stats["accepted"] > 0
+    assert result.stats["fallbacks"] == []  # the head never refused a draft
+
+
+def test_dflash_session_prefills_past_the_prefix_cache(bundled):
+    # a restored prefix has no tap rows for the DFlash head, so its sessions do not restore
+    prompt = "import os\n\n\ndef walk(top):\n    for root, dirs, files in os.walk(top):" * 3
+    req = GenerateRequest(prompt=prompt, max_tokens=8, spec=SpecParams(method="dflash", fallback_rounds=0))
+    drive(bundled.start(req))
+    second = drive(bundled.start(req))[1]
+    assert second.stats["num_cached_tokens"] == 0 and second.stats["fallbacks"] == []
+    plain = drive(bundled.start(GenerateRequest(prompt=prompt, max_tokens=8, spec=SpecParams(method="none"))))[1]
+    assert plain.stats["num_cached_tokens"] > 0  # the same prompt does restore for other methods
+    assert second.token_ids == plain.token_ids
+
+
+def test_dflash_needs_a_drafter(served):
+    with pytest.raises(RequestError, match="no DFlash drafter"):
+        served.start(GenerateRequest(prompt="x", max_tokens=2, spec=SpecParams(method="dflash")))

@@ -142,7 +142,7 @@ class FakeServedModel:
         self.prefix_cache = None
 
     @classmethod
-    def load(cls, name: str, checkpoint_dir, draft_dir=None, weight_format: str = "bf16",
+    def load(cls, name: str, checkpoint_dir, draft_dir=None, dflash_dir=None, weight_format: str = "bf16",
              cache_dir=None, backend: str = "auto", xrt_design=None) -> "FakeServedModel":
         path = Path(checkpoint_dir) / "fake.json"
         try:

@@ -40,6 +40,7 @@ source = "{tmp / 'kmsg'}"   # the demo's own (empty) kernel log: /dev/kmsg needs
 name = "pycode"
 checkpoint_dir = "{MODELS / 'pycode-base'}"
 draft_dir = "{MODELS / 'pycode-draft'}"
+dflash_dir = "{MODELS / 'pycode-dflash'}"
 weight_format = "bf16"
 """
 
@@ -75,11 +76,13 @@ def main() -> int:
                 sys.exit(f"demo: npud did not start; its log:\n{(tmp / 'npud.log').read_text()}")
             time.sleep(0.1)
         for m in json.loads(npuctl("models", "--json", env=env))["models"]:
-            print(f"demo: model {m['name']}: {m['checkpoint_dir']} (draft {m['draft_dir']}, {m['weight_format']} weights)")
+            print(f"demo: model {m['name']}: {m['checkpoint_dir']} ({m['weight_format']} weights)\n"
+                  f"      draft model {m['draft_dir']}\n      DFlash drafter {m['dflash_dir']}")
 
         print(f"demo: npuctl submit --wait {PROMPTS.name} (speculative: the bundled draft model)")
         spec = submit("draft", tmp, env)
-        print("demo: the same prompts with prompt-lookup drafting, then plain greedy")
+        print("demo: the same prompts with the DFlash block drafter, prompt lookup, then plain greedy")
+        dflash = submit("dflash", tmp, env)
         ngram = submit("ngram", tmp, env)
         plain = submit("none", tmp, env)
 
@@ -88,7 +91,7 @@ def main() -> int:
             print(r["text"])
         print("\n| prompt | method | tok/s | vs plain | drafted | accepted | base passes/token | text == plain |")
         print("|---|---|---|---|---|---|---|---|")
-        for rows, method in ((spec, "draft model"), (ngram, "prompt lookup"), (plain, "plain greedy")):
+        for rows, method in ((spec, "draft model"), (dflash, "DFlash"), (ngram, "prompt lookup"), (plain, "plain greedy")):
             for r, p in zip(rows, plain):
                 s, ps = r["stats"], p["stats"]
                 print(
