@@ -8,7 +8,11 @@ every speculative output is compared with plain greedy's, token for token and as
 Both models are random, so acceptance reflects what a random model repeats, not a trained
 model's copying; the ratios (passes per token, fallback loss) are the mechanics.
 
-Run: .venv/bin/python bench/speculative.py [--tokens N] [--quick] [--reps R]
+A second table runs the bundled model pair (npud/models: pycode-base with its draft model
+and its DFlash drafter, all trained here) on code completion, a code edit and docstring
+prose, plain vs prompt lookup vs draft model vs DFlash, through the daemon's session API.
+
+Run: .venv/bin/python bench/speculative.py [--tokens N] [--quick] [--reps R] [--models tiny,large,bundled]
 """
 
 from __future__ import annotations
@@ -99,7 +103,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="tokens per run on the tiny model")
     ap.add_argument("--tokens-large", type=int, default=64, help="tokens per run on the 0.5B model")
     ap.add_argument("--reps", type=int, default=9, help="runs per cell on the tiny model (best of)")
-    ap.add_argument("--models", default="tiny,large", help="which of tiny,large to run")
+    ap.add_argument("--models", default="tiny,large,bundled", help="which of tiny,large,bundled to run")
+    ap.add_argument("--tokens-bundled", type=int, default=96, help="tokens per run on the bundled pair")
     ap.add_argument("--quick", action="store_true", help="a 4-layer 0.5B-wide model, for a smoke run")
     args = ap.parse_args()
     config = SpeculativeConfig()  # the daemon's defaults: k up to 7, fallback after 3 rounds
@@ -141,11 +146,71 @@ def main() -> None:
             f"{r['fallback']:>9} | {('yes' if r['equal'] else 'NO'):>10} |"
         )
     print()
+    if "bundled" in models:
+        bundled_table(args.tokens_bundled, args.reps)
     for model_name, label, r in rows:
         if label == "random tokens":
             loss = 1.0 - r["spec"] / r["plain"]
             verdict = "within" if loss <= 0.05 else "OVER"
             print(f"{model_name}, random tokens: loss vs plain {loss:+.1%} ({verdict} the 5% bound)")
+
+
+BUNDLED_PROMPTS = {
+    "code completion": "class LineCounter:\n    \"\"\"Count the lines of the files it is given.\"\"\"\n\n    def __init__(self):",
+    "code edit": (
+        "def parse_header(line):\n    name, _, value = line.partition(':')\n    name = name.strip().lower()\n"
+        "    value = value.strip()\n    if not name:\n        raise ValueError('empty header name')\n"
+        "    return name, value\n\n\n# The same function, renamed to parse_field:\ndef parse_field(line):"
+    ),
+    "docstring prose": "def merge_intervals(intervals):\n    \"\"\"Merge overlapping intervals.\n\n    The intervals",
+}
+
+
+# (key, spec method, fallback_rounds, label): the "kept" rows switch the break-even fallback
+# off, to show what each drafter would buy where a verify costs what a step costs (the NPU)
+BUNDLED_METHODS = (
+    ("plain", "none", 3, "plain greedy"),
+    ("ngram", "ngram", 3, "prompt lookup"),
+    ("draft", "draft", 3, "draft model"),
+    ("dflash", "dflash", 3, "DFlash"),
+    ("draft-kept", "draft", 0, "draft model, no fallback"),
+    ("dflash-kept", "dflash", 0, "DFlash, no fallback"),
+)
+
+
+def bundled_table(n: int, reps: int) -> None:
+    """plain vs prompt lookup vs draft model vs DFlash on the bundled pair, through sessions."""
+    from engine.session import GenerateRequest, ServedModel, SpecParams
+
+    root = Path(__file__).resolve().parent.parent / "npud" / "models"
+    served = ServedModel.load("pycode", root / "pycode-base", draft_dir=root / "pycode-draft",
+                              dflash_dir=root / "pycode-dflash", weight_format="bf16")
+    print(f"# bundled pair (pycode-base 5.8M, bf16): {n} tokens, k up to 7, best of {reps} per cell\n")
+    print("| prompt | method | tok/s | vs plain | accepted / drafted | tokens per round | base passes/token | byte-equal |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, prompt in BUNDLED_PROMPTS.items():
+        results = {}
+        for _ in range(reps):  # alternate methods, so drift hits them alike
+            for key, method, fallback, _ in BUNDLED_METHODS:
+                req = GenerateRequest(prompt=prompt, max_tokens=n, use_prefix_cache=False,
+                                      spec=SpecParams(method=method, k=7, fallback_rounds=fallback))
+                session = served.start(req)
+                while not session.done:
+                    session.run_round()
+                r = session.result()
+                best = results.get(key)
+                if best is None or r.stats["tokens_per_second"] > best.stats["tokens_per_second"]:
+                    results[key] = r
+        plain = results["plain"]
+        for key, _, _, name in BUNDLED_METHODS:
+            r = results[key]
+            st = r.stats
+            per_round = (st["accepted"] + st["rounds"]) / st["rounds"] if st["rounds"] else 0.0
+            print(f"| {label} | {name} | {st['tokens_per_second']:.0f} | "
+                  f"{st['tokens_per_second'] / plain.stats['tokens_per_second']:.2f}x | "
+                  f"{st['accepted']} / {st['drafted']} | {per_round:.2f} | {st['passes_per_token']:.3f} | "
+                  f"{'yes' if r.text.encode() == plain.text.encode() else 'NO'} |")
+    print()
 
 
 if __name__ == "__main__":
