@@ -120,11 +120,40 @@ def _widen_i8(v):
     return np.float32(v)
 
 
-_GEMMS = {
-    (fmt, parallel): _make_linear(widen, parallel)
-    for fmt, widen in ((WeightFormat.FP32, _widen_f32), (WeightFormat.BF16, _widen_bf16), (WeightFormat.INT8, _widen_i8))
-    for parallel in (False, True)
-}
+def _make_gemv(widen, parallel):
+    """The one-row GEMM (decode steps): the same sum per element as `_make_linear`'s kernel, in
+    the same order, so it gives the same bits (the start-up self-check compares exactly these
+    two paths); it widens each weight inside the multiply-add instead of through a buffer,
+    which one row cannot amortise."""
+
+    @njit(parallel=parallel, cache=True, fastmath=False, nogil=True)
+    def gemv(x, wt, out):
+        # x: [1, K] f32, wt: [tiles, K, TILE] (stored type), out: [1, tiles * TILE] f32
+        K = x.shape[1]
+        tiles = wt.shape[0]
+        k4 = K - K % 4
+        for t in prange(tiles):
+            acc = np.zeros(TILE, np.float32)
+            for k in range(0, k4, 4):
+                x0, x1, x2, x3 = x[0, k], x[0, k + 1], x[0, k + 2], x[0, k + 3]
+                for j in range(TILE):
+                    a = acc[j] + x0 * widen(wt[t, k, j])
+                    a = a + x1 * widen(wt[t, k + 1, j])
+                    a = a + x2 * widen(wt[t, k + 2, j])
+                    acc[j] = a + x3 * widen(wt[t, k + 3, j])
+            for k in range(k4, K):
+                xv = x[0, k]
+                for j in range(TILE):
+                    acc[j] += xv * widen(wt[t, k, j])
+            for j in range(TILE):
+                out[0, t * TILE + j] = acc[j]
+
+    return gemv
+
+
+_WIDEN = ((WeightFormat.FP32, _widen_f32), (WeightFormat.BF16, _widen_bf16), (WeightFormat.INT8, _widen_i8))
+_GEMVS = {(fmt, parallel): _make_gemv(widen, parallel) for fmt, widen in _WIDEN for parallel in (False, True)}
+_GEMMS = {(fmt, parallel): _make_linear(widen, parallel) for fmt, widen in _WIDEN for parallel in (False, True)}
 PARALLEL_MIN_WORK = 1 << 21  # elements of work below which waking a second thread costs more than it saves
 PARALLEL_MIN_WEIGHT = 1 << 20  # weight elements from which a GEMM splits its tiles across threads
 
@@ -307,7 +336,8 @@ class HostBackend:
         padded = np.empty((x.shape[0], w.data.shape[0] * TILE), np.float32)
         # by weight size alone, so a step and a verify of the same layer take the same path
         parallel = self.parallel and w.data.size >= PARALLEL_MIN_WEIGHT
-        _GEMMS[w.fmt, parallel](x, w.data, padded)
+        kernels = _GEMVS if x.shape[0] == 1 else _GEMMS
+        kernels[w.fmt, parallel](x, w.data, padded)
         out = padded[:, : w.out_features]
         has_scale = w.scale is not None
         has_bias = w.bias is not None
