@@ -555,19 +555,23 @@ class _Reader:
         return value
 
 
-def _parse_rope(r: _Reader, head_dim: int, max_position: int) -> RopeSpec:
-    """Reads old (`rope_theta` + `rope_scaling`) and transformers-5 (`rope_parameters`) forms."""
-    params: Any = None
-    field = "rope_parameters"
-    # transformers gives a legacy `rope_scaling` priority over `rope_parameters`
+def _rope_params(r: _Reader) -> tuple[dict, str]:
+    """The RoPE parameter object and the field it came from; `{}` when the config has none.
+
+    transformers gives a legacy `rope_scaling` priority over `rope_parameters`.
+    """
     for name in ("rope_scaling", "rope_parameters"):
         if r.raw.get(name) is not None:
-            params, field = r.raw[name], name
-            break
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
-        raise r.error(field, params, "must be an object")
+            params = r.raw[name]
+            if not isinstance(params, dict):
+                raise r.error(name, params, "must be an object")
+            return params, name
+    return {}, "rope_parameters"
+
+
+def _parse_rope(r: _Reader, head_dim: int, max_position: int) -> RopeSpec:
+    """Reads old (`rope_theta` + `rope_scaling`) and transformers-5 (`rope_parameters`) forms."""
+    params, field = _rope_params(r)
     if any(key in {k.value for k in AttentionKind} for key in params):
         raise r.error(field, params, "RoPE parameters per layer type are not supported")
     sub = _Reader(params, f"{r.source}: {field}")

@@ -23,6 +23,7 @@ from engine.config import (
     RopeSpec,
     _dtype,
     _Reader,
+    _rope_params,
     _special_tokens,
 )
 
@@ -304,16 +305,7 @@ def _qwen3_5(r: _Reader, model_type: str, prefix: str, generation_config: dict |
 def _qwen3_5_rope(r: _Reader, head_dim: int, max_position: int) -> RopeSpec:
     """Qwen3.5's text RoPE. Its multimodal sections (mrope_section) interleave frequencies of
     three position grids; for text all three positions are the token's, so they drop out."""
-    field = "rope_parameters"
-    params: Any = None
-    for name in ("rope_scaling", "rope_parameters"):
-        if r.raw.get(name) is not None:
-            params, field = r.raw[name], name
-            break
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
-        raise r.error(field, params, "must be an object")
+    params, field = _rope_params(r)
     sub = _Reader(params, f"{r.source}: {field}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
