@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from synth import QWEN3_0P5B, build_random_checkpoint
+from synth import GEMMA4_0P4B, QWEN3_0P5B, QWEN3_5_0P4B, build_random_checkpoint, build_transformers_checkpoint
 
 from engine.drafters import PromptLookupHead
 from engine.forward import Forward
@@ -103,7 +103,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="tokens per run on the tiny model")
     ap.add_argument("--tokens-large", type=int, default=64, help="tokens per run on the 0.5B model")
     ap.add_argument("--reps", type=int, default=9, help="runs per cell on the tiny model (best of)")
-    ap.add_argument("--models", default="tiny,large,bundled", help="which of tiny,large,bundled to run")
+    ap.add_argument("--models", default="tiny,large,bundled",
+                    help="which of tiny,large,bundled,gemma4,qwen3_5 to run (the last two: 0.4B random "
+                         "Gemma4- and Qwen3.5-shaped models, bf16, --tokens-large tokens)")
+    ap.add_argument("--reps-large", type=int, default=1, help="runs per cell on the large models (best of)")
     ap.add_argument("--tokens-bundled", type=int, default=96, help="tokens per run on the bundled pair")
     ap.add_argument("--quick", action="store_true", help="a 4-layer 0.5B-wide model, for a smoke run")
     args = ap.parse_args()
@@ -128,11 +131,18 @@ def main() -> None:
         big_dir = build_random_checkpoint(name, big_config)
         big, tok = Model.load(big_dir, "bf16"), Tokenizer.from_dir(big_dir)
         for label, prompt in prompts(tok, big.config.vocab_size).items():
-            rows.append((f"{name} (bf16)", label, measure(big, tok, prompt, args.tokens_large, 1, config)))
+            rows.append((f"{name} (bf16)", label, measure(big, tok, prompt, args.tokens_large, args.reps_large, config)))
+
+    for arch, preset, hybrid_name in (("gemma4", GEMMA4_0P4B, "gemma4-0.4b"), ("qwen3_5", QWEN3_5_0P4B, "qwen3_5-0.4b")):
+        if arch in models:
+            hybrid_dir = build_transformers_checkpoint(hybrid_name, arch, dict(preset))
+            hybrid, tok = Model.load(hybrid_dir, "bf16"), Tokenizer.from_dir(hybrid_dir)
+            for label, prompt in prompts(tok, hybrid.config.vocab_size).items():
+                rows.append((f"{hybrid_name} (bf16)", label, measure(hybrid, tok, prompt, args.tokens_large, args.reps_large, config)))
 
     print(f"\n# bench/speculative.py: prompt lookup (n = 2..4), k up to {config.k} (adapt_k={config.adapt_k}), fallback after "
           f"{config.fallback_rounds} rounds below break-even; greedy; tiny: {args.tokens} tokens, "
-          f"best of {args.reps}; {name}: {args.tokens_large} tokens, one run\n")
+          f"best of {args.reps}; large models: {args.tokens_large} tokens, best of {args.reps_large}\n")
     head = (f"| {'model':<24} | {'prompt':<13} | {'plain tok/s':>11} | {'spec tok/s':>10} | {'speedup':>7} | "
             f"{'accepted':>13} | {'passes/token':>12} | {'verify/step':>11} | {'fallback':>9} | {'byte-equal':>10} |")
     print(head)
