@@ -346,19 +346,10 @@ def real(tmp_path_factory):
 
 
 def _real_run(real, head, prompt, n, k, rows=8):
-    from engine.sampling import Sampler
-    from engine.speculative import DecodeStats, SpeculativeConfig, plain_decode, speculative_decode
+    from decoding import greedy_run
 
     f = real.forward(real.base_model, rows)
-    f.prefill(prompt[:-1])
-    out, stats = [], DecodeStats()
-    common = dict(max_new_tokens=n, sampler=Sampler(), on_token=out.append, stats=stats)
-    if head is None:
-        loop = plain_decode(f, prompt, **common)
-    else:
-        loop = speculative_decode(f, head, prompt, config=SpeculativeConfig(k=k, fallback_rounds=0), **common)
-    for _ in loop:
-        pass
+    out, stats = greedy_run(f, prompt, n, head, k)
     return out, f, stats
 
 

@@ -46,13 +46,12 @@ import torch
 import transformers
 
 from checkpoints import load_reference, write_tokenizer
+from decoding import greedy_run
 from engine.config import AttentionKind, ConfigError, parse_config
 from engine.drafters import DraftModelHead, PromptLookupHead
 from engine.forward import Forward
 from engine.model import Model, rows_equal
 from engine.prefix_cache import PrefixCache
-from engine.sampling import Sampler
-from engine.speculative import DecodeStats, SpeculativeConfig, plain_decode, speculative_decode
 from engine.state import PlaneKind, StateError
 from engine.tokenizer import Tokenizer
 
@@ -463,15 +462,7 @@ def spec_prompt(model):
 def _decode(model, head, k=4):
     prompt = spec_prompt(model)
     f = Forward(model, max_batch_rows=8)
-    f.prefill(prompt[:-1])
-    out, stats = [], DecodeStats()
-    common = dict(max_new_tokens=N_NEW, sampler=Sampler(), on_token=out.append, stats=stats)
-    if head is None:
-        loop = plain_decode(f, prompt, **common)
-    else:
-        loop = speculative_decode(f, head, prompt, config=SpeculativeConfig(k=k, fallback_rounds=0), **common)
-    for _ in loop:
-        pass
+    out, stats = greedy_run(f, prompt, N_NEW, head, k)
     return out, f, stats
 
 

@@ -1,0 +1,21 @@
+"""Greedy decoding over a Forward, plain or speculative, for tests that compare the two."""
+
+from __future__ import annotations
+
+from engine.sampling import Sampler
+from engine.speculative import DecodeStats, SpeculativeConfig, plain_decode, speculative_decode
+
+
+def greedy_run(forward, prompt, n, head=None, k=4):
+    """Prefill prompt[:-1] on `forward`, then decode n tokens greedily (speculating with `head`
+    at up to k drafts, fallback off). Returns (tokens, stats)."""
+    forward.prefill(prompt[:-1])
+    out, stats = [], DecodeStats()
+    common = dict(max_new_tokens=n, sampler=Sampler(), on_token=out.append, stats=stats)
+    if head is None:
+        loop = plain_decode(forward, prompt, **common)
+    else:
+        loop = speculative_decode(forward, head, prompt, config=SpeculativeConfig(k=k, fallback_rounds=0), **common)
+    for _ in loop:
+        pass
+    return out, stats
