@@ -96,7 +96,8 @@ class Generation:
             self.finish_reason = FinishReason.CANCELLED
             return
         yield []
-        sampler = Sampler(self.config.sampling)
+        # ids of a padded vocabulary that the tokenizer cannot decode are never chosen
+        sampler = Sampler(self.config.sampling, self.tokenizer.decodable(self.forward.config.vocab_size))
         common = dict(
             max_new_tokens=self.config.max_new_tokens,
             sampler=sampler,

@@ -13,6 +13,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import structlog
+
 from engine.config import ConfigError
 from engine.dflash import DFlashDraft, DFlashHead
 from engine.drafters import DraftModelHead, PromptLookupHead, check_same_tokenizer
@@ -25,6 +28,8 @@ from engine.speculative import SpeculativeConfig
 from engine.state import ModelState
 from engine.tokenizer import Tokenizer
 from kernels import select_backend
+
+log = structlog.get_logger(__name__)
 
 SamplingParams = SamplingConfig
 
@@ -102,6 +107,12 @@ class ServedModel:
         self.prefix_cache = prefix_cache
         self.max_context = model.config.max_position_embeddings
         self.backend_reason = "given by the caller"
+        # the logit ids the tokenizer decodes (None: all); the generation masks the rest
+        self.allowed = tokenizer.decodable(model.config.vocab_size)
+        if self.allowed is not None:
+            masked = np.flatnonzero(~self.allowed)
+            log.info("vocab_padded", model=name, vocab_size=model.config.vocab_size,
+                     decodable=int(self.allowed.sum()), masked=len(masked), first_masked=int(masked[0]))
 
     @classmethod
     def load(
@@ -205,10 +216,11 @@ class ServedModel:
         if method == "dflash":
             if self.dflash is None:
                 raise RequestError("bad_request", f"model {self.name!r} has no DFlash drafter (speculative method 'dflash')")
-            return DFlashHead(self.dflash, sampling)
+            return DFlashHead(self.dflash, sampling, pick=self.dflash.proposer(sampling, self.allowed))
         if self.draft is None:
             raise RequestError("bad_request", f"model {self.name!r} has no draft model (speculative method 'draft')")
-        return DraftModelHead(Forward(self.draft), self.tokenizer, self.draft_tokenizer, sampling)
+        return DraftModelHead(Forward(self.draft), self.tokenizer, self.draft_tokenizer, sampling,
+                              self.tokenizer.decodable(self.draft.config.vocab_size))
 
 
 class Session:
