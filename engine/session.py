@@ -19,6 +19,7 @@ import structlog
 from engine.config import ConfigError
 from engine.dflash import DFlashDraft, DFlashHead
 from engine.drafters import DraftModelHead, PromptLookupHead, check_same_tokenizer
+from engine.fingerprint import MEMO_FILE, DigestMemo, numerics_key
 from engine.forward import Forward
 from engine.generate import Generation, GenerationConfig, TokenEvent
 from engine.model import Model
@@ -27,7 +28,9 @@ from engine.sampling import SamplingConfig
 from engine.speculative import SpeculativeConfig
 from engine.state import ModelState
 from engine.tokenizer import Tokenizer
+from engine.weights import checkpoint_files
 from kernels import select_backend
+from kernels.base import numerics_identity
 
 log = structlog.get_logger(__name__)
 
@@ -141,8 +144,9 @@ class ServedModel:
             draft = Model.load(draft_dir, weight_format, kernels)
             draft_tokenizer = Tokenizer.from_dir(draft_dir)
             check_same_tokenizer(tokenizer, draft_tokenizer)
+        cache_key = _cache_key(checkpoint_dir, cache_dir, weight_format, kernels)
         cache = PrefixCache(
-            model.fingerprint,
+            cache_key,
             ModelState.for_config(model.config),
             state_dir=cache_dir,
             max_bytes=cache_bytes,
@@ -221,6 +225,17 @@ class ServedModel:
             raise RequestError("bad_request", f"model {self.name!r} has no draft model (speculative method 'draft')")
         return DraftModelHead(Forward(self.draft), self.tokenizer, self.draft_tokenizer, sampling,
                               self.tokenizer.decodable(self.draft.config.vocab_size))
+
+
+def _cache_key(checkpoint_dir, cache_dir, weight_format: str, backend) -> str:
+    """The prefix-cache key of the base (engine/fingerprint.py), its file digests remembered in
+    the cache directory. Raises WeightsError or FingerprintError."""
+    started = time.perf_counter()
+    memo = DigestMemo(None if cache_dir is None else Path(cache_dir) / MEMO_FILE)
+    key = numerics_key(checkpoint_files(checkpoint_dir), memo, weight_format=weight_format, backend=backend)
+    log.info("prefix_cache_key", key=key[:16], weight_format=weight_format, backend=numerics_identity(backend),
+             files_read=memo.files_read, seconds=round(time.perf_counter() - started, 3))
+    return key
 
 
 class Session:

@@ -13,6 +13,22 @@ from typing import Protocol
 
 import numpy as np
 
+NUMERICS_VERSION = 1
+"""The version of the engine's numerics, part of every prefix-cache key (engine/fingerprint.py).
+
+Bump it in any change that can move a single bit of a logit or of a state plane for the same
+weights, format and backend: a kernel's order of operations, rounding or tiling in
+kernels/host.py, an op's formula in engine/forward*.py. A snapshot taken before the bump is
+then never restored after it (it would hold the old kernels' bits)."""
+
+
+def numerics_identity(backend) -> str:
+    """What a backend's numbers depend on besides the weights: its name, its design where it
+    has one, and the path its activations take. A backend says it through `numerics_id()`;
+    one that does not is taken at its word in `Backend` (fp32 activations) under its name."""
+    numerics_id = getattr(backend, "numerics_id", None)
+    return numerics_id() if callable(numerics_id) else f"{backend.name}/activations=fp32"
+
 
 class WeightFormat(enum.Enum):
     """How a linear layer's weight matrix is held in host memory."""
@@ -71,6 +87,8 @@ class Backend(Protocol):
     """Row-wise kernels. Shapes are written [rows, features]; all activations are fp32."""
 
     name: str
+
+    # optional: numerics_id() -> str, the backend's numerics identity (see numerics_identity)
 
     def prepare_linear(self, w: LinearWeight) -> LinearWeight:
         """Re-lay out a loaded [N, K] weight for this backend (done once, at load)."""
