@@ -294,9 +294,12 @@ def open_checkpoint(checkpoint_dir) -> dict[str, TensorRef]:
 
 def checkpoint_files(checkpoint_dir) -> list[Path]:
     """Returns the files a checkpoint's numbers come from: config.json, the shard index when
-    there is one, and every weight file (what engine/fingerprint.py hashes whole). Raises
-    WeightsError when the weight files cannot be found."""
+    there is one, and every weight file (what engine/fingerprint.py hashes whole); a
+    checkpoint that is one file (a .gguf) is its own list. Raises WeightsError when the
+    weight files cannot be found."""
     directory = Path(checkpoint_dir)
+    if directory.is_file():
+        return [directory]
     files, _ = _weight_files(directory)
     index = [directory / INDEX_FILE] if (directory / INDEX_FILE).is_file() else []
     return [directory / "config.json", *index, *files]
