@@ -1,8 +1,17 @@
 """The prefix-cache key (engine/fingerprint.py): whole-file digests remembered by stat, and a
 persisted cache that misses after any change to the numbers and hits after a plain restart.
 
-Mutants and the tests they fail are listed in the report of issue 19 (section 1) and below
-each test's docstring where one test is the one that catches it.
+Mutants run (edit, run this file and tests/test_prefix_cache.py, revert) and what fails:
+  the key without the weight format      test_the_key_names..., persisted[format]
+  the key without the backend            test_the_key_names..., persisted[backend]
+  the key without NUMERICS_VERSION       test_the_key_names..., persisted[numerics_version]
+  the old sampled fingerprint as key     persisted[format], [backend], [numerics_version]
+  memo by path only (stat not compared)  rehashed[new_mtime], rehashed[mtime_set_back], persisted[edit]
+  memo without the ctime                 rehashed[mtime_set_back]
+  only the first 64 KiB hashed           test_digest_is_the_sha256..., persisted[edit]
+  no settle rule / unsettled persisted   test_a_file_changed_just_now_is_not_remembered
+  files under another key kept           persisted[every change], test_prefix_cache's
+                                         test_files_under_another_key_are_dropped_with_one_line
 """
 
 from __future__ import annotations
@@ -272,3 +281,21 @@ def test_a_persisted_cache_misses_after_any_change_to_the_numbers(checkpoint, tm
     monkeypatch.setattr(fingerprint, "SETTLE_NS", 0)
     fresh = _load(ckpt, None, fmt)  # no cache dir: a cold run of the changed model
     assert _run(fresh)[0] == tokens
+
+
+def test_checkpoint_files_are_config_index_and_every_shard(tmp_path):
+    from engine.weights import INDEX_FILE, WeightsError, checkpoint_files
+
+    with pytest.raises(WeightsError):
+        checkpoint_files(tmp_path)
+    _write(tmp_path / "config.json", b"{}")
+    _write(tmp_path / "model.safetensors", b"")
+    assert checkpoint_files(tmp_path) == [tmp_path / "config.json", tmp_path / "model.safetensors"]
+    shards = ["model-00002-of-00002.safetensors", "model-00001-of-00002.safetensors"]
+    for name in shards:
+        _write(tmp_path / name, b"")
+    (tmp_path / INDEX_FILE).write_text(json.dumps({"weight_map": {"a": shards[0], "b": shards[1]}}))
+    assert checkpoint_files(tmp_path) == [tmp_path / "config.json", tmp_path / INDEX_FILE,
+                                          *(tmp_path / n for n in sorted(shards))]
+    gguf = _write(tmp_path / "model.gguf", b"GGUF")
+    assert checkpoint_files(gguf) == [gguf]

@@ -4,6 +4,11 @@ The padded base here has 640 logit rows for a tokenizer of 320 ids, and row 320 
 head is 3x row j: wherever the best real token has a positive logit, a padded id beats it.
 So an unmasked choice emits an id the tokenizer cannot decode almost at once, and a mask
 that is missing anywhere (plain, verify, resample) shows up as a differing or failing run.
+
+Mutants run (edit, run this file, revert) and what fails:
+  greedy verify unmasked (plain masked)   the boundary unit test, every speculative test
+  the first padded id left unmasked       the boundary unit test, every greedy run, sampled[none, ngram]
+  the last decodable id masked            test_tokenizer_names..., test_loading_names_the_padding
 """
 
 from __future__ import annotations
