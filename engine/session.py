@@ -24,7 +24,7 @@ from engine.sampling import SamplingConfig
 from engine.speculative import SpeculativeConfig
 from engine.state import ModelState
 from engine.tokenizer import Tokenizer
-from kernels import select_backend
+from kernels.select import select_backend
 
 SamplingParams = SamplingConfig
 
