@@ -380,7 +380,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    from checkpoints import build_tiny_checkpoint
+    from engine.testing.checkpoints import build_tiny_checkpoint
 
     return Model.load(build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3", "qwen3"), "fp32")
 
