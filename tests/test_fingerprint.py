@@ -28,7 +28,7 @@ from structlog.testing import capture_logs
 from engine import fingerprint
 from engine.fingerprint import MEMO_FILE, DigestMemo, FingerprintError, numerics_key
 from engine.session import GenerateRequest, ServedModel
-from kernels import RowwiseBackend, default_backend
+from kernels.select import RowwiseBackend, default_backend
 from kernels import base as kernels_base
 from kernels.base import numerics_identity
 
@@ -209,7 +209,7 @@ def test_the_npu_backend_names_its_design_not_the_hosts(tmp_path):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from checkpoints import build_tiny_checkpoint
+    from engine.testing.checkpoints import build_tiny_checkpoint
 
     # hidden_size 128: a layer's input RMSNorm weight is 512 bytes in float32
     return build_tiny_checkpoint(tmp_path_factory.mktemp("fp") / "ckpt", model_type="llama", seed=2, hidden_size=128)
@@ -284,7 +284,8 @@ def test_a_persisted_cache_misses_after_any_change_to_the_numbers(checkpoint, tm
 
 
 def test_checkpoint_files_are_config_index_and_every_shard(tmp_path):
-    from engine.weights import INDEX_FILE, WeightsError, checkpoint_files
+    from engine.weights import WeightsError, checkpoint_files
+    from engine.weights.checkpoint import INDEX_FILE
 
     with pytest.raises(WeightsError):
         checkpoint_files(tmp_path)

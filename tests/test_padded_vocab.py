@@ -45,7 +45,7 @@ def _pad_lm_head(directory) -> None:
 @pytest.fixture(scope="module")
 def padded(tmp_path_factory):
     """(base dir, draft-model dir, {variant: DFlash dir}), all of vocab_size 640, tokenizer 320."""
-    from checkpoints import build_tiny_checkpoint
+    from engine.testing.checkpoints import build_tiny_checkpoint
     from test_dflash import Variant, write_random_dflash
 
     root = tmp_path_factory.mktemp("padded")
