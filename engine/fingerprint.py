@@ -3,7 +3,8 @@
 A restored snapshot must hold the bits a cold prefill of the same tokens gives. Those bits
 depend on the whole content of the checkpoint's weight and config files, the weight format
 the host holds them in, the backend (the host kernels, or an NPU GEMM design) with the path
-its activations take, and the engine's kernels (kernels.base.NUMERICS_VERSION). `numerics_key`
+its activations take, the engine's kernels (kernels.base.NUMERICS_VERSION) and the versions
+of numpy, numba and llvmlite that run them. `numerics_key`
 hashes all of them into one string; engine/prefix_cache.py roots every block hash in it and
 writes it into every file, and a snapshot under any other key is never restored.
 
@@ -20,6 +21,7 @@ leave its stat unchanged (git's "racy" case); it is hashed again at the next loa
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import threading
@@ -135,16 +137,32 @@ class DigestMemo:
             self._saved = files
 
 
+TOOLCHAIN = ("numpy", "numba", "llvmlite")  # their versions move bits: SIMD math, code generation
+
+
+def toolchain() -> dict[str, str | None]:
+    """The installed versions of the packages whose code computes the numbers (None: absent)."""
+    out = {}
+    for name in TOOLCHAIN:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def numerics_key(files: Sequence[str | Path], memo: DigestMemo, *, weight_format: WeightFormat | str, backend) -> str:
     """Returns the prefix-cache key of a model: a sha256 hex digest over the whole content of
     each of `files` (its config and weight files, in the order given; a .gguf is one file),
-    the weight format, the backend's numerics identity (kernels.base.numerics_identity) and
-    kernels.base.NUMERICS_VERSION. Saves the memo. Raises FingerprintError."""
+    the weight format, the backend's numerics identity (kernels.base.numerics_identity),
+    kernels.base.NUMERICS_VERSION and the toolchain's versions. Saves the memo. Raises
+    FingerprintError."""
     fmt = weight_format.value if isinstance(weight_format, WeightFormat) else str(weight_format)
     parts = {
         "numerics_version": kernels_base.NUMERICS_VERSION,  # read now: a test (or a reload) may bump it
         "weight_format": fmt,
         "backend": numerics_identity(backend),
+        "toolchain": toolchain(),
         # names, not paths: the same files moved elsewhere hold the same numbers
         "files": [[Path(p).name, memo.digest(p)] for p in files],
     }

@@ -5,6 +5,7 @@ Mutants run (edit, run this file and tests/test_prefix_cache.py, revert) and wha
   the key without the weight format      test_the_key_names..., persisted[format]
   the key without the backend            test_the_key_names..., persisted[backend]
   the key without NUMERICS_VERSION       test_the_key_names..., persisted[numerics_version]
+  the key without the toolchain versions test_the_key_names...
   the old sampled fingerprint as key     persisted[format], [backend], [numerics_version]
   memo by path only (stat not compared)  rehashed[new_mtime], rehashed[mtime_set_back], persisted[edit]
   memo without the ctime                 rehashed[mtime_set_back]
@@ -165,7 +166,7 @@ class _Xrt:
         return f"xrt/design={self.design.identity()}/activations=bf16"
 
 
-def test_the_key_names_format_backend_design_and_numerics_version(tmp_path, fresh_process, monkeypatch):
+def test_the_key_names_format_backend_design_numerics_version_and_toolchain(tmp_path, fresh_process, monkeypatch):
     files = [_write(tmp_path / "config.json", b"{}"), _write(tmp_path / "model.safetensors", b"w" * 512)]
     host = default_backend()
 
@@ -181,9 +182,14 @@ def test_the_key_names_format_backend_design_and_numerics_version(tmp_path, fres
     assert len(keys) == 6
     assert numerics_identity(host) == "host/activations=fp32"
     assert numerics_identity(RowwiseBackend(host)) == "rowwise(host/activations=fp32)"
-    monkeypatch.setattr(kernels_base, "NUMERICS_VERSION", kernels_base.NUMERICS_VERSION + 1)
-    assert key() not in keys | {base}
-    monkeypatch.undo()
+    with monkeypatch.context() as m:
+        m.setattr(kernels_base, "NUMERICS_VERSION", kernels_base.NUMERICS_VERSION + 1)
+        assert key() not in keys
+    real = fingerprint.toolchain()
+    assert real["numpy"] == np.__version__
+    with monkeypatch.context() as m:
+        m.setattr(fingerprint, "toolchain", lambda: real | {"numba": "0.0-other"})
+        assert key() not in keys
     _write(files[0], b"{ }")
     assert key() != base
 
