@@ -116,6 +116,9 @@ class ServedModel:
             masked = np.flatnonzero(~self.allowed)
             log.info("vocab_padded", model=name, vocab_size=model.config.vocab_size,
                      decodable=int(self.allowed.sum()), masked=len(masked), first_masked=int(masked[0]))
+        if tokenizer.vocab_size > model.config.vocab_size:
+            log.warning("vocab_short", model=name, vocab_size=model.config.vocab_size,
+                        tokenizer_ids=tokenizer.vocab_size)
 
     @classmethod
     def load(
@@ -187,6 +190,11 @@ class ServedModel:
         ids = self.tokenizer.encode(text)
         if not ids:
             raise RequestError("bad_request", "the prompt encodes to no tokens")
+        rows = self.model.config.vocab_size
+        if max(ids) >= rows:
+            # a tokenizer with more ids than the embedding has rows: such an id has no embedding
+            raise RequestError("bad_request", f"the prompt holds token id {max(ids)}, past the "
+                                              f"{rows} rows of model {self.name!r}'s embedding")
         return ids
 
     def count_prompt_tokens(self, req: GenerateRequest) -> int:

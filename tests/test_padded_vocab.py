@@ -9,6 +9,7 @@ Mutants run (edit, run this file, revert) and what fails:
   greedy verify unmasked (plain masked)   the boundary unit test, every speculative test
   the first padded id left unmasked       the boundary unit test, every greedy run, sampled[none, ngram]
   the last decodable id masked            test_tokenizer_names..., test_loading_names_the_padding
+  no check of prompt ids past the rows    test_a_prompt_id_past_the_embedding_is_a_bad_request
 """
 
 from __future__ import annotations
@@ -170,3 +171,21 @@ def test_sampled_runs_never_emit_a_padded_id(served, method):
     result = _generate(model, method, SamplingConfig(temperature=1.0, seed=7))
     ended = len(result.token_ids) == N or result.token_ids[-1] in model.tokenizer.eos_token_ids
     assert ended and max(result.token_ids) < TOKENS
+
+
+def test_a_prompt_id_past_the_embedding_is_a_bad_request(tmp_path):
+    """The other way round: a tokenizer with more ids (320) than the embedding has rows (300)."""
+    from engine.session import RequestError
+    from engine.testing.checkpoints import build_tiny_checkpoint, write_tokenizer
+
+    path = build_tiny_checkpoint(tmp_path / "short", seed=1, vocab_size=300, num_hidden_layers=1)
+    write_tokenizer(path, vocab_size=TOKENS)
+    with structlog.testing.capture_logs() as logs:
+        model = ServedModel.load("short", path, weight_format="fp32", backend="host")
+    assert [e["tokenizer_ids"] for e in logs if e["event"] == "vocab_short"] == [TOKENS]
+    tok = model.tokenizer
+    high = next(i for i in range(TOKENS - 1, 300, -1) if tok.encode(tok.decode([i])) == [i])
+    with pytest.raises(RequestError, match=f"token id {high}, past the 300 rows") as err:
+        model.start(GenerateRequest(prompt=tok.decode([high]), max_tokens=4))
+    assert err.value.code == "bad_request"
+    assert model.start(GenerateRequest(prompt="def", max_tokens=4)) is not None
