@@ -53,6 +53,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
+from engine.api import EngineError
 from engine import prefix_store as store
 from engine.state import ModelState, PlaneKind, PlaneSnapshot, StateError, StateSnapshot
 
@@ -61,7 +62,7 @@ log = structlog.get_logger(__name__)
 PINS_FILE = "pins.json"
 
 
-class PrefixCacheError(ValueError):
+class PrefixCacheError(EngineError):
     """A cache operation the caller got wrong (unknown key, bad arguments)."""
 
 
@@ -193,7 +194,7 @@ class PrefixCache:
                     if e.recurrent:
                         served = depth if e.num_tokens == depth and depth <= limit else 0
                     else:
-                        served = min(depth + _common_prefix(e.tokens[depth:limit], tokens[depth:limit]), limit)
+                        served = min(depth + common_prefix(e.tokens[depth:limit], tokens[depth:limit]), limit)
                     if served > 0:
                         found.append((served, e.last_used, e))
                 for served, _, e in sorted(found, key=lambda f: (f[0], f[1]), reverse=True):
@@ -518,9 +519,10 @@ def _as_tokens(tokens: Sequence[int]) -> np.ndarray:
     return a
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b (sequences or 1-D arrays of ints) have in common."""
     n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return int(diff[0]) if len(diff) else n
 
 

@@ -34,7 +34,7 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.config import ConfigError
+from engine.api import SpecParams, is_int
 from engine.drafters import NO_DRAFT, Draft, DraftHead
 from engine.sampling import Sampler
 
@@ -61,17 +61,16 @@ class Base(Protocol):
         """[M, D] final-normed hidden rows of the last pass."""
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 class RoundKind(enum.Enum):
     ONE_PASS = "one_pass"
     TWO_PASS = "two_pass"
     STEP = "step"
 
 
-class FinishReason(enum.Enum):
+class LoopEnd(enum.Enum):
+    """Why the decode loop stopped (stats["finish"]); the user-facing reason is
+    engine.api.LoopEnd, which engine/generate.py derives."""
+
     EOS = "eos"
     MAX_TOKENS = "max_tokens"
     STOPPED = "stopped"  # the consumer returned False
@@ -80,35 +79,6 @@ class FinishReason(enum.Enum):
 class FallbackReason(enum.Enum):
     BELOW_BREAK_EVEN = "below_break_even"
     HEAD_ERROR = "head_error"
-
-
-@dataclass(slots=True, frozen=True)
-class SpeculativeConfig:
-    """Up to k drafts per round. adapt_k: after a round with a reject the next drafts number
-    take + 1 (what the head just got right, and one more), after a fully accepted round twice
-    as many, never more than k; a losing streak then costs small batches. Fall back to plain
-    steps once `fallback_rounds` consecutive rounds, taken together, were below break-even (0
-    never falls back); speculate again after `reprobe_after` plain tokens (None: stay on plain
-    decode for the rest of the job)."""
-
-    k: int = 7
-    adapt_k: bool = True
-    fallback_rounds: int = 3
-    reprobe_after: int | None = None
-
-    def __post_init__(self) -> None:
-        if not (_is_int(self.k) and self.k >= 1):
-            raise ConfigError(f"SpeculativeConfig.k must be an integer >= 1, got {self.k!r}")
-        if not isinstance(self.adapt_k, bool):
-            raise ConfigError(f"SpeculativeConfig.adapt_k must be a bool, got {self.adapt_k!r}")
-        if not (_is_int(self.fallback_rounds) and self.fallback_rounds >= 0):
-            raise ConfigError(
-                f"SpeculativeConfig.fallback_rounds must be an integer >= 0, got {self.fallback_rounds!r}"
-            )
-        if self.reprobe_after is not None and not (_is_int(self.reprobe_after) and self.reprobe_after >= 1):
-            raise ConfigError(
-                f"SpeculativeConfig.reprobe_after must be None or an integer >= 1, got {self.reprobe_after!r}"
-            )
 
 
 @dataclass(slots=True, frozen=True)
@@ -153,7 +123,7 @@ class DecodeStats:
     verify_samples: list[float] = field(default_factory=list)  # every verify batch
     draft_seconds_total: float = 0.0
     seconds: float = 0.0  # wall time from the prompt's last token to the latest round
-    finish: FinishReason | None = None
+    finish: LoopEnd | None = None
     fallbacks: list[Fallback] = field(default_factory=list)
     reprobes: int = 0
 
@@ -235,7 +205,7 @@ def speculative_decode(
     sampler: Sampler,
     on_token: OnToken,
     stats: DecodeStats,
-    config: SpeculativeConfig = SpeculativeConfig(),
+    config: SpecParams = SpecParams(),
     eos_ids: frozenset[int] = frozenset(),
     clock: Callable[[], float] = time.perf_counter,
 ) -> Iterator[RoundEvent]:
@@ -403,7 +373,7 @@ def _draft(
 def _check_start(base: Base, prompt: Sequence[int], max_new_tokens: int) -> None:
     if len(prompt) == 0:
         raise ValueError("decoding needs a prompt of at least one token")
-    if not (_is_int(max_new_tokens) and max_new_tokens >= 0):
+    if not (is_int(max_new_tokens) and max_new_tokens >= 0):
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if base.positions_held != len(prompt) - 1:
         raise ValueError(
@@ -451,7 +421,7 @@ class _Emitter:
         self.eos_ids, self.stats = eos_ids, stats
         self.done = len(tokens) >= limit
         if self.done:
-            stats.finish = FinishReason.MAX_TOKENS
+            stats.finish = LoopEnd.MAX_TOKENS
 
     def __call__(self, seq: Sequence[int]) -> int:
         """Emit seq in order until the run stops; returns how many were emitted."""
@@ -460,11 +430,11 @@ class _Emitter:
             self.stats.emitted += 1
             stopped = self.on_token(token) is False
             if token in self.eos_ids:
-                self.stats.finish = FinishReason.EOS
+                self.stats.finish = LoopEnd.EOS
             elif stopped:
-                self.stats.finish = FinishReason.STOPPED
+                self.stats.finish = LoopEnd.STOPPED
             elif len(self.tokens) >= self.limit:
-                self.stats.finish = FinishReason.MAX_TOKENS
+                self.stats.finish = LoopEnd.MAX_TOKENS
             if self.stats.finish is not None:
                 self.done = True
                 return n
@@ -476,7 +446,7 @@ class _BreakEven:
     produced fewer tokens than plain steps would have in the time they took (draft + passes).
     Taking them together keeps one lucky round from hiding a losing streak."""
 
-    def __init__(self, config: SpeculativeConfig, stats: DecodeStats) -> None:
+    def __init__(self, config: SpecParams, stats: DecodeStats) -> None:
         self.config, self.stats = config, stats
         # (seconds, produced, drafted, accepted) of the latest rounds
         self.window: deque[tuple[float, int, int, int]] = deque(maxlen=max(config.fallback_rounds, 1))

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.api import ModelError
 from engine.config import HYBRID_MODEL_TYPES, ModelConfig
 from kernels.base import LinearWeight, WeightFormat
 
 
-class WeightsError(ValueError):
+class WeightsError(ModelError):
     """A checkpoint file is missing, malformed, or lacks a tensor the model needs."""
 
 

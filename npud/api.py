@@ -3,17 +3,20 @@ job manager, the device owner and the registry."""
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 
+from engine.api import EngineError, ServedModel
 from npud import __version__
-from npud.jobspec import parse_spec
+from npud.jobs import store_api_error
+from npud.jobspec import api_error, parse_spec
 from npud.metrics import render_prometheus
 from npud.protocol import PROTOCOL_VERSION, ApiError, ErrorCode, Params, Request
+from npud.store import StoreError
 from npud.tickets import Outcome, Priority, TicketState
 
 if TYPE_CHECKING:
@@ -35,7 +38,7 @@ def _require_admin(peer: "Peer", method: str) -> None:
 class Api:
     def __init__(self, daemon: "Daemon") -> None:
         self.d = daemon
-        self.methods: dict[str, Callable[["Peer", Params, Emit], Awaitable[Any]]] = {
+        self.methods: dict[str, Callable[["Peer", Params, Emit], Awaitable[object]]] = {
             "hello": self.hello, "submit": self.submit, "complete": self.complete, "stream": self.stream,
             "result": self.result, "status": self.status, "jobs": self.jobs, "cancel": self.cancel,
             "tickets": self.tickets, "cache.list": self.cache_list, "cache.pin": self.cache_pin,
@@ -43,11 +46,14 @@ class Api:
             "models": self.models, "stats": self.stats, "metrics": self.metrics,
         }
 
-    async def __call__(self, peer: "Peer", req: Request, emit: Emit) -> Any:
+    async def __call__(self, peer: "Peer", req: Request, emit: Emit) -> object:
         method = self.methods.get(req.method)
         if method is None:
             raise ApiError(ErrorCode.UNKNOWN_METHOD, f"no method {req.method[:64]!r}; methods: {sorted(self.methods)}")
-        return await method(peer, Params(req.params), emit)
+        try:
+            return await method(peer, Params(req.params), emit)
+        except StoreError as exc:
+            raise store_api_error(exc) from None
 
     # -- session -------------------------------------------------------------------------
 
@@ -172,11 +178,10 @@ class Api:
 
     # -- prefix cache --------------------------------------------------------------------
 
-    def _prefix_cache(self, name: str, served: Any) -> Any:
-        cache = getattr(served, "prefix_cache", None)
-        if cache is None:
+    @staticmethod
+    def _check_cache(name: str, served: ServedModel) -> None:
+        if not served.has_prefix_cache:
             raise ApiError(ErrorCode.UNSUPPORTED, f"model {name!r} has no prefix cache")
-        return cache
 
     async def cache_list(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         model = p.str("model", None)
@@ -186,9 +191,9 @@ class Api:
         out = []
         for name in names:
             served = registry.resident(name)
-            if served is None or getattr(served, "prefix_cache", None) is None:
+            if served is None or not served.has_prefix_cache:
                 continue
-            out.append({"model": name, **await self.d.owner.engine_call(_describe_cache, served.prefix_cache)})
+            out.append({"model": name, **await self.d.owner.engine_call(served.cache_info)})
         return {"models": out}
 
     async def cache_pin(self, peer: "Peer", p: Params, emit: Emit) -> dict:
@@ -205,14 +210,13 @@ class Api:
         registry, owner = self.d.registry, self.d.owner
         registry.entry(model)
         served = await owner.engine_call(registry.get, model, keep=owner.models_in_use())
-        cache = self._prefix_cache(model, served)
+        self._check_cache(model, served)
         try:
-            entry = await owner.engine_call(_pin, registry.engine(), served, cache, name, key, text)
-        except ValueError as exc:  # PrefixCacheError: no such key; RequestError / ConfigError for the text
-            code = getattr(exc, "code", ErrorCode.NOT_FOUND if key is not None else ErrorCode.BAD_REQUEST)
-            raise ApiError(code, str(exc)) from None
-        log.info("cache_pinned", model=model, name=name, key=entry["key"])
-        return {"model": model, "entry": entry}
+            pinned = await owner.engine_call(functools.partial(served.cache_pin, name, key=key, text=text))
+        except EngineError as exc:  # NotFound: no such key; RequestError: the text cannot be pinned
+            raise api_error(exc) from None
+        log.info("cache_pinned", model=model, name=name, key=pinned)
+        return {"model": model, "entry": {"name": name, "key": pinned}}
 
     async def cache_drop(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         _require_admin(peer, "cache.drop")
@@ -223,8 +227,8 @@ class Api:
         served = self.d.registry.resident(model)
         if served is None:
             raise ApiError(ErrorCode.NOT_FOUND, f"model {model!r} is not loaded, so its cache has no entry {key!r}")
-        cache = self._prefix_cache(model, served)
-        if not await self.d.owner.engine_call(cache.drop, key):
+        self._check_cache(model, served)
+        if not await self.d.owner.engine_call(served.cache_drop, key):
             raise ApiError(ErrorCode.NOT_FOUND, f"no cache entry {key!r} in model {model!r}")
         log.info("cache_dropped", model=model, key=key)
         return {"model": model, "dropped": True}
@@ -270,30 +274,3 @@ class Api:
         if fmt == "prometheus":
             return {"format": "prometheus", "text": render_prometheus(snap)}
         return snap
-
-
-def _describe_cache(cache: Any) -> dict:
-    """Stats, pins and (where the cache lists them) entries; blocking, in the engine thread."""
-    stats = cache.stats()
-    out = {"stats": dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats),
-           "pins": cache.pins() if hasattr(cache, "pins") else {}}
-    if hasattr(cache, "entries"):
-        out["entries"] = cache.entries()
-    return out
-
-
-def _pin(engine: Any, served: Any, cache: Any, name: str, key: str | None, text: str | None) -> dict:
-    """Pin an existing entry, or compute the prefix of `text` through a one-token session and pin
-    that. Blocking, in the engine thread; raises ValueError subclasses for what cannot be pinned."""
-    if text is not None:
-        request = engine.GenerateRequest(prompt=text, max_tokens=1, use_prefix_cache=True)
-        session = served.start(request)  # its prefill stores the prompt's full blocks in the cache
-        while not session.done:
-            session.run_round()
-        match = cache.lookup(served.prompt_ids(request))
-        if match is None:
-            raise ValueError(f"the text is shorter than one cache block ({getattr(cache, 'block_size', '?')} "
-                             "tokens), so there is no prefix to pin")
-        key = match.key
-    cache.pin(name, key)
-    return {"name": name, "key": key}

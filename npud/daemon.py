@@ -11,14 +11,14 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import structlog
 import trio
 
+from engine.api import ModelLoader, load_model
 from npud import __version__
 from npud.api import Api
-from npud.config import ConfigError, DaemonConfig, diff_for_reload, load_config
+from npud.config import DaemonConfigError, DaemonConfig, diff_for_reload, load_config
 from npud.device import discover
 from npud.guards import ErrorCountGuard, ThermalGuard
 from npud.jobs import JobManager
@@ -35,11 +35,11 @@ log = structlog.get_logger(__name__)
 
 
 class Daemon:
-    """One running npud. `engine` replaces the configured session module (tests inject fakes)."""
+    """One running npud; its models come from `loader` (the engine's; tests pass a fake engine's)."""
 
     def __init__(self, cfg: DaemonConfig, *, config_path: Path | None = None,
                  overrides: Callable[[DaemonConfig], DaemonConfig] = lambda c: c,
-                 engine: ModuleType | None = None) -> None:
+                 loader: ModelLoader = load_model) -> None:
         self.cfg = cfg
         self.config_path = config_path
         self.overrides = overrides
@@ -51,9 +51,9 @@ class Daemon:
         self.thermal = ThermalGuard(cfg.thermal, self.queue)
         self.errors = ErrorCountGuard(cfg.errors)
         self.registry = ModelRegistry(
-            cfg.models, engine_module=cfg.engine.module, max_resident_bytes=cfg.device.max_resident_bytes,
+            cfg.models, max_resident_bytes=cfg.device.max_resident_bytes,
             cache_root=Path(cfg.store.state_dir) / "prefix-cache" if cfg.store.persist_prefix_cache else None,
-            engine=engine, backend=cfg.device.backend, xrt_design=cfg.device.xrt_design or None)
+            loader=loader, backend=cfg.device.backend, xrt_design=cfg.device.xrt_design or None)
         self.jobs = JobManager(cfg, self.store, self.queue)
         self.metrics = Metrics(cfg.metrics, self.queue, lambda: self.jobs.tokens_generated)
         self.owner = DeviceOwner(cfg, self.queue, self.jobs, self.registry, self.thermal, self.errors,
@@ -162,7 +162,7 @@ class Daemon:
             return
         try:
             new = self.overrides(load_config(self.config_path))
-        except ConfigError as exc:
+        except DaemonConfigError as exc:
             log.error("config_reload_failed", error=str(exc))
             return
         cfg, ignored = diff_for_reload(self.cfg, new)

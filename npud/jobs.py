@@ -10,21 +10,33 @@ from __future__ import annotations
 import enum
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TypeVar
 
 import structlog
 import trio
 
+from engine.api import Session
 from npud.config import DaemonConfig
 from npud.jobspec import JobSpec
 from npud.protocol import ApiError, ErrorCode
-from npud.store import Store, StoreError
+from npud.store import Store, StoreCode, StoreError
 from npud.tickets import Outcome, Priority, Ticket, TicketQueue, TicketState, YieldReason
 
 log = structlog.get_logger(__name__)
 
+T = TypeVar("T")
 SUBSCRIBER_BUFFER = 4096  # events a slow client may fall behind before its stream is ended
+
+
+STORE_CODES = {StoreCode.FULL: ErrorCode.STORE_FULL, StoreCode.READONLY: ErrorCode.STORE_READONLY,
+               StoreCode.ERROR: ErrorCode.STORE_ERROR}
+
+
+def store_api_error(exc: StoreError) -> ApiError:
+    """The protocol error a client sees for a store failure (same code name, same message)."""
+    return ApiError(STORE_CODES[exc.code], exc.message)
 
 
 class JobState(enum.Enum):
@@ -73,7 +85,7 @@ class Job:
     error: ApiError | None = None
     cancel_requested: bool = False
     ticket: Ticket | None = None
-    session: Any = None  # the engine session of `session_prompt`, kept across preemption
+    session: Session | None = None  # the engine session of `session_prompt`, kept across preemption
     session_prompt: int | None = None
     subscribers: list[Subscriber] = field(default_factory=list)
     finished: trio.Event = field(default_factory=trio.Event)
@@ -105,7 +117,7 @@ class JobManager:
         self._db_limiter = trio.CapacityLimiter(1)  # the store's connection is used by one thread at a time
         queue.observers.append(self._on_ticket_change)
 
-    async def db(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def db(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         """Run a store call in a worker thread (SQLite commits fsync; the event loop must not wait)."""
         return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=self._db_limiter)
 
@@ -297,7 +309,7 @@ class JobManager:
         """Store the job's state (and the ticket that changed it) in one commit."""
         try:
             await self.db(self.store.set_job_state, job.id, job.state.value, started_at=job.started_at,
-                          finished_at=job.finished_at, error=job.error,
+                          finished_at=job.finished_at, error=None if job.error is None else job.error.to_wire(),
                           ticket=None if ticket is None else ticket.to_wire())
         except StoreError as exc:
             # Nothing more can be done here: the store keeps the last state it could write, and
