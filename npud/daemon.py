@@ -29,7 +29,7 @@ from npud.server import Server
 from npud.store import Store
 from npud.systemd import report_status, run_watchdog, sd_notify, watchdog_interval
 from npud.tickets import TicketQueue
-from npud.worker import DeviceOwner
+from npud.device_owner import DeviceOwner
 
 log = structlog.get_logger(__name__)
 
@@ -58,7 +58,10 @@ class Daemon:
         self.metrics = Metrics(cfg.metrics, self.queue, lambda: self.jobs.tokens_generated)
         self.owner = DeviceOwner(cfg, self.queue, self.jobs, self.registry, self.thermal, self.errors,
                                  self.metrics)
-        self.api = Api(self)
+        self.api = Api(cfg, jobs=self.jobs, queue=self.queue, registry=self.registry, owner=self.owner,
+                       device=self.device, thermal=self.thermal, errors=self.errors,
+                       snapshot=self.metrics_snapshot, connections=lambda: self.server.connections,
+                       started_mono=self.started_mono)
         self.server = Server(cfg, self.api)
         self._stop = trio.Event()
 
@@ -103,7 +106,8 @@ class Daemon:
         self._stop.set()
 
     def metrics_snapshot(self) -> dict:
-        return snapshot(self)
+        return snapshot(self.metrics, self.queue, device_kind=self.device.kind, jobs=self.jobs.live_states(),
+                        connections=self.server.connections, thermal=self.thermal, errors=self.errors)
 
     def status_line(self) -> str:
         """One line for systemd's STATUS=: device, quarantine, holder, queue, heat, driver errors."""
@@ -176,6 +180,6 @@ class Daemon:
         self.thermal.cfg = cfg.thermal
         self.errors.reconfigure(cfg.errors)
         self.metrics.reconfigure(cfg.metrics)
-        self.jobs.cfg = self.owner.cfg = self.server.cfg = cfg
+        self.jobs.cfg = self.owner.cfg = self.server.cfg = self.api.cfg = cfg
         async with self.owner.device_lock:  # a load may be under way in the engine thread
             self.registry.reconfigure(cfg.models, cfg.device.max_resident_bytes, keep=self.owner.models_in_use())

@@ -1,7 +1,7 @@
 """Jobs: accepted work, its durable record, its queue ticket and the clients that follow it.
 
 A job is written to the store before anyone is told it exists; it then holds exactly one
-queued or granted ticket until it ends. The device owner (npud/worker.py) reports what it
+queued or granted ticket until it ends. The device owner (npud/device_owner.py) reports what it
 did through the `on_*` methods; clients read and cancel through the rest.
 """
 
@@ -87,6 +87,7 @@ class Job:
     ticket: Ticket | None = None
     session: Session | None = None  # the engine session of `session_prompt`, kept across preemption
     session_prompt: int | None = None
+    last_result: dict | None = None  # the result last committed, as the store holds it
     subscribers: list[Subscriber] = field(default_factory=list)
     finished: trio.Event = field(default_factory=trio.Event)
 
@@ -262,6 +263,7 @@ class JobManager:
     async def commit_result(self, job: Job, prompt: int, body: dict, tokens: int) -> None:
         """Record one finished prompt; raises StoreError when it could not be written."""
         await self.db(self.store.add_result, job.id, prompt, body, tokens)
+        job.last_result = {"prompt": prompt, **body}
         job.done_prompts.add(prompt)
         self.publish(job, "progress", {"prompt": prompt, "finish_reason": body.get("finish_reason"),
                                        "error": body.get("error"), "done_prompts": len(job.done_prompts),
@@ -318,6 +320,31 @@ class JobManager:
                       code=exc.code, message=exc.message)
 
     # -- queries -------------------------------------------------------------------------
+
+    @staticmethod
+    def result(job: Job) -> dict | None:
+        """The result last committed for the job ({"prompt": i, ...body} as `results` returns
+        it), or None before its first; `complete` answers with it, its job has one prompt."""
+        return job.last_result
+
+    async def counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(jobs by state, tickets by state) in the store's history."""
+        return await self.db(self.store.job_counts), await self.db(self.store.ticket_counts)
+
+    def live_states(self) -> dict[str, int]:
+        """Unfinished jobs by state (queued and running always present)."""
+        states = {"queued": 0, "running": 0}
+        for job in self.active.values():
+            states[job.state.value] = states.get(job.state.value, 0) + 1
+        return states
+
+    async def device_state(self, key: str) -> object:
+        """The device state recorded under `key` (a JSON value), or None."""
+        return await self.db(self.store.get_state, key)
+
+    async def set_device_state(self, key: str, value: object) -> None:
+        """Record device state (None clears it); raises StoreError when it cannot be written."""
+        await self.db(self.store.set_state, key, value)
 
     async def tickets(self, caller: Caller, *, job_id: int | None, state: str | None, outcome: str | None,
                       since: float | None, until: float | None, limit: int) -> list[dict]:

@@ -225,10 +225,10 @@ class DeviceOwner:
         return True
 
     async def _save_quarantine(self, value: dict | None) -> None:
-        await self.jobs.db(self.jobs.store.set_state, QUARANTINE_KEY, value)
+        await self.jobs.set_device_state(QUARANTINE_KEY, value)
 
     async def restore_quarantine(self) -> None:
-        value = await self.jobs.db(self.jobs.store.get_state, QUARANTINE_KEY)
+        value = await self.jobs.device_state(QUARANTINE_KEY)
         if value is not None:
             self.queue.set_quarantine(Quarantine(value["since"], value["reason"], value["ticket"], value["job"],
                                                  tuple(value["lines"])))
