@@ -113,7 +113,7 @@ def main() -> None:
     args = ap.parse_args()
     config = SpecParams(k=7)  # k up to 7 (this bench's choice), fallback after 3 rounds (the default)
 
-    from checkpoints import build_tiny_checkpoint
+    from engine.testing.checkpoints import build_tiny_checkpoint
 
     rows = []
     models = args.models.split(",")

@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from engine.api import ConfigError, ModelError, SamplingParams
-from engine.prefix_cache import common_prefix
+from engine.prefix_match import common_prefix
 from engine.sampling import Sampler
 
 

@@ -34,7 +34,7 @@ from engine.model import Model
 from engine.prefix_cache import PrefixCache, PrefixCacheError
 from engine.state import ModelState
 from engine.tokenizer import Tokenizer, TokenizerError
-from kernels import select_backend
+from kernels.select import select_backend
 from kernels.xrt import XrtUnavailable
 
 
@@ -287,18 +287,9 @@ class ModelSession:
 
         The decode loop runs the prompt's last token itself, so the state covers prompt[:-1].
         """
-        cache, f = self._cache, self.forward
-        context = self.prompt_ids[:-1]
-        if not context:
-            return
-        match = cache.lookup(self.prompt_ids) if self._restore_allowed else None  # at most len(context)
-        if match is not None:
-            f.state.restore(match.snapshot)
-            self.num_cached_tokens = match.num_cached_tokens
-        boundary = cache.insert_boundary(len(context))
-        if f.positions_held < boundary:
-            f.prefill(context[f.positions_held : boundary])
-            cache.insert(context[:boundary], f.state.snapshot())
+        done = self._cache.prefill(self.forward, self.prompt_ids, rest=False, restore=self._restore_allowed)
+        if done.match is not None:
+            self.num_cached_tokens = done.match.num_cached_tokens
 
     def result(self) -> GenerationResult:
         """The finished generation; raises RuntimeError before `done`."""

@@ -5,8 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from checkpoints import build_tiny_checkpoint
-
 from engine.api import (
     ConfigError,
     FinishReason,
@@ -23,6 +21,7 @@ from engine.model import Model
 from engine.prefix_cache import PrefixCache
 from engine.session import LoadedModel
 from engine.state import ModelState
+from engine.testing.checkpoints import build_tiny_checkpoint
 from engine.tokenizer import Tokenizer
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
