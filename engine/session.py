@@ -142,20 +142,20 @@ class LoadedModel:
             raise RequestError("the prompt encodes to no tokens")
         return ids
 
-    def count_prompt_tokens(self, req: GenerateRequest) -> int:
+    def count_prompt_tokens(self, request: GenerateRequest) -> int:
         """The prompt's length in tokens; raises RequestError as prompt_ids."""
-        return len(self.prompt_ids(req))
+        return len(self.prompt_ids(request))
 
-    def start(self, req: GenerateRequest) -> "ModelSession":
-        """A session for `req`; raises RequestError when the prompt cannot run on this model
+    def start(self, request: GenerateRequest) -> "ModelSession":
+        """A session for `request`; raises RequestError when the prompt cannot run on this model
         (PromptTooLong when it does not fit the context with max_tokens)."""
-        ids = self.prompt_ids(req)
-        max_tokens = req.params.max_tokens
+        ids = self.prompt_ids(request)
+        max_tokens = request.params.max_tokens
         if len(ids) + max_tokens > self.max_context:
             raise PromptTooLong(
                 f"prompt of {len(ids)} tokens plus max_tokens {max_tokens} exceeds the context of {self.max_context}"
             )
-        return ModelSession(self, req, ids)
+        return ModelSession(self, request, ids)
 
     def make_head(self, spec: SpecParams, sampling: SamplingParams):
         """The draft head of `spec.method` (None for "none"); raises RequestError for a method

@@ -97,12 +97,12 @@ async def test_a_prompt_too_long_fails_alone(nursery, workdir):
 class PickyModel(fakes.FakeServedModel):
     """Rejects the prompt "reject" as the engine does bad input, and fails on "bug" as an engine bug would."""
 
-    def start(self, req):
-        if req.prompt == "reject":
+    def start(self, request):
+        if request.prompt == "reject":
             raise RequestError("this model cannot run that")
-        if req.prompt == "bug":
+        if request.prompt == "bug":
             raise ValueError("a bug in the engine")  # a ValueError, but not an EngineError
-        return super().start(req)
+        return super().start(request)
 
 
 def picky_loader(name, checkpoint_dir, **kwargs):

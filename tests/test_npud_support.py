@@ -108,13 +108,13 @@ class FakeServedModel:
     def describe(self) -> dict:
         return {"name": self.name, "fake": True, "tokens_per_round": self.tokens_per_round}
 
-    def count_prompt_tokens(self, req: GenerateRequest) -> int:
-        return len(prompt_text(req).split())
+    def count_prompt_tokens(self, request: GenerateRequest) -> int:
+        return len(prompt_text(request).split())
 
-    def start(self, req: GenerateRequest) -> FakeSession:
-        if self.count_prompt_tokens(req) + req.params.max_tokens > self.max_context:
+    def start(self, request: GenerateRequest) -> FakeSession:
+        if self.count_prompt_tokens(request) + request.params.max_tokens > self.max_context:
             raise PromptTooLong(f"prompt + max_tokens exceed the context of {self.max_context}")
-        return FakeSession(self, req)
+        return FakeSession(self, request)
 
     @property
     def has_prefix_cache(self) -> bool:
