@@ -7,8 +7,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from engine.api import ConfigError, is_int, is_number
 from engine.config import ModelConfig, parse_config
 from engine.drafters import DraftMismatchError
@@ -193,5 +191,3 @@ def check_against_base(cfg: DFlashConfig, base: ModelConfig) -> None:
             raise DraftMismatchError(
                 f"the DFlash draft taps base layer {i}, but the base has {base.num_layers} layers (0..{base.num_layers - 1})"
             )
-
-
