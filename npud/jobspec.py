@@ -12,10 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from engine.api import (
-    DEFAULT_FALLBACK_ROUNDS,
     DEFAULT_MAX_TOKENS,
-    DEFAULT_SPEC_K,
-    DEFAULT_SPEC_METHOD,
     SPEC_METHODS,
     ConfigError,
     EngineCode,
@@ -107,6 +104,11 @@ def _from_json(cls: type, raw: dict) -> object:
     return cls(**kwargs)
 
 
+def _given(**values: object) -> dict:
+    """The values that are not None (the parameters a request gave)."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
 def _messages(p: Params, name: str, value: object) -> tuple[dict, ...]:
     if not isinstance(value, list) or not value:
         raise p.bad(name, "expected a non-empty list of messages")
@@ -145,29 +147,25 @@ def parse_spec(p: Params, *, limits: LimitsConfig, models: tuple[str, ...], defa
         raw = p.list("chats", min_items=1, max_items=limits.max_prompts_per_job)
         chats = tuple(_messages(p, f"chats[{i}]", c) for i, c in enumerate(raw))
     max_tokens = p.int("max_tokens", min(DEFAULT_MAX_TOKENS, limits.max_tokens), min=1, max=limits.max_tokens)
+    # a parameter the request leaves out is left out here too: its default is the engine's
     sampling = p.obj("sampling")
-    sampling_kwargs = {
-        "temperature": sampling.number("temperature", 0.0, min=0.0, max=100.0),
-        "top_k": sampling.int("top_k", 0, min=0, max=1 << 20),
-        "top_p": sampling.number("top_p", 1.0, min=0.0, max=1.0, min_exclusive=True),
-    }
-    seed = sampling.int("seed", None, min=0, max=(1 << 63) - 1)
-    if seed is not None:  # absent: the engine's default stream
-        sampling_kwargs["seed"] = seed
+    sampling_kwargs = _given(temperature=sampling.number("temperature", None, min=0.0, max=100.0),
+                             top_k=sampling.int("top_k", None, min=0, max=1 << 20),
+                             top_p=sampling.number("top_p", None, min=0.0, max=1.0, min_exclusive=True),
+                             seed=sampling.int("seed", None, min=0, max=(1 << 63) - 1))
     sampling.finish()
     stop = tuple(p.str_list("stop", [], max_items=MAX_STOP, nonempty_items=True))
     if any(len(s) > MAX_STOP_CHARS for s in stop):
         raise p.bad("stop", f"a stop string is longer than {MAX_STOP_CHARS} characters")
     spec = p.obj("spec")
-    method = spec.str("method", DEFAULT_SPEC_METHOD, choices=SPEC_METHODS)
-    k = spec.int("k", DEFAULT_SPEC_K, min=1, max=MAX_SPEC_K)
-    fallback = spec.int("fallback_rounds", DEFAULT_FALLBACK_ROUNDS, min=0, max=1 << 20)
+    spec_kwargs = _given(method=spec.str("method", None, choices=SPEC_METHODS),
+                         k=spec.int("k", None, min=1, max=MAX_SPEC_K),
+                         fallback_rounds=spec.int("fallback_rounds", None, min=0, max=1 << 20))
     spec.finish()
-    use_prefix_cache = p.bool("use_prefix_cache", True)
     try:
         params = GenerationParams(max_tokens=max_tokens, sampling=SamplingParams(**sampling_kwargs), stop=stop,
-                                  spec=SpecParams(method=method, k=k, fallback_rounds=fallback),
-                                  use_prefix_cache=use_prefix_cache)
+                                  spec=SpecParams(**spec_kwargs),
+                                  **_given(use_prefix_cache=p.bool("use_prefix_cache", None)))
     except ConfigError as exc:  # the checks above are the wire's; these are the engine's own
         raise ApiError(ErrorCode.BAD_REQUEST, f"params: {exc.message}") from None
     return JobSpec(model=model, prompts=prompts, chats=chats, params=params)
