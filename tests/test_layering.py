@@ -5,6 +5,7 @@ the real tree and shown to fail on a fixture tree with each kind of violation pl
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -144,3 +145,11 @@ def test_a_planted_violation_fails_the_check(tmp_path, rel, planted, rule):
     found = violations(_tree(tmp_path, (rel, planted)))
     assert len(found) >= 1 and all(f.startswith(rel + ":") for f in found), found
     assert any(rule in f for f in found), found
+
+
+def test_importing_the_daemon_loads_no_engine_beyond_its_api_and_no_numpy():
+    # at run time, transitively: what the AST walk checks one import at a time
+    code = ("import sys, npud.main, npud.daemon\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('engine', 'kernels', 'numpy', 'numba')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120, check=True)
+    assert out.stdout.split() == ["['engine',", "'engine.api']"]
