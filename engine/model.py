@@ -40,10 +40,7 @@ class Model:
         if isinstance(fmt, str):
             fmt = WeightFormat.parse(fmt)
         config = load_config(checkpoint_dir)
-        weights = load_weights(config, checkpoint_dir, fmt.storage)
-        if fmt is not fmt.storage:  # the same data, another kernel (INT8_Q8: q8 activation blocks)
-            weights = _relabel(weights, fmt)
-        return cls(config, weights, backend)
+        return cls(config, load_weights(config, checkpoint_dir, fmt), backend)
 
     @property
     def nbytes(self) -> int:
@@ -62,21 +59,12 @@ class Model:
 
 def _prepare(weights: ModelWeights, backend: Backend) -> ModelWeights:
     """Lay every linear out for the backend once; a tied head stays one object."""
-    return _map_linears(weights, backend.prepare_linear)
-
-
-def _relabel(weights: ModelWeights, fmt: WeightFormat) -> ModelWeights:
-    """The same weights, every linear marked `fmt` (a format that shares their storage)."""
-    return _map_linears(weights, lambda w: dataclasses.replace(w, fmt=fmt))
-
-
-def _map_linears(weights: ModelWeights, fn) -> ModelWeights:
     seen: dict[int, LinearWeight] = {}
 
     def prep(obj):
         if isinstance(obj, LinearWeight):
             if id(obj) not in seen:
-                seen[id(obj)] = fn(obj)
+                seen[id(obj)] = backend.prepare_linear(obj)
             return seen[id(obj)]
         if isinstance(obj, list):
             return [prep(item) for item in obj]
