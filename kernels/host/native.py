@@ -15,9 +15,10 @@ Threads: a persistent pool inside the library (workers spin briefly, then sleep)
 call's output tiles split into contiguous ranges, one per thread; k is never split, so the
 bits do not depend on the number of threads. ctypes releases the GIL for the call.
 
-Build: on first use, or ahead of time with `python -m kernels.host.native` (the README's
-install step). The shared object is named by a digest of the source and flags, in
-cache_dir(); a build writes a temporary file and renames it, so concurrent starts are safe.
+Build: on first use, or ahead of time with `python -m kernels.host` (tools/test.sh and
+tools/demo.sh do so after installing). The shared object is named by a digest of the source
+and flags, in cache_dir(); a build writes a temporary file and renames it, so concurrent
+starts are safe.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -195,7 +195,3 @@ def embed(fmt: int, w: np.ndarray, k: int, d: int, tokens: np.ndarray, scale: np
     library().npud_embed(fmt, w.ctypes.data, k, d, tokens.ctypes.data, tokens.shape[0], _ptr(scale), out.ctypes.data)
     return out
 
-
-if __name__ == "__main__":
-    print(build(), best_isa())
-    sys.exit(0)
