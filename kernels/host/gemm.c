@@ -22,7 +22,7 @@
 
 #define TILE 64
 #define QB 32           /* activation quantization block (llama.cpp's q8_0 block) */
-#define KC 256          /* k rows per chunk when several row blocks share a weight tile */
+#define KC 256          /* k rows per chunk when several row blocks share a weight tile (q8) */
 #define MAXR 6          /* rows held in registers at once (AVX-512 float: 6 x 4 accumulators) */
 #define MAXR_Q8 3       /* q8: an int32 and a float accumulator per column vector */
 #define PF_BYTES 1024   /* software prefetch distance in the weight stream */
@@ -34,7 +34,9 @@ enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_VNNI = 3 };
 typedef struct {
     int fmt;
     long M, K;               /* K: the float path's k; for q8 the padded Kp (multiple of QB) */
-    const float *x;          /* [M, K] */
+    const float *x;          /* [K, M]: the activations transposed, so a row block's values at one k
+                                are adjacent (rows of x lie a multiple of 4 KiB apart, which maps
+                                them onto the same L1 sets) */
     const void *w;           /* float path [ntiles, K, TILE]; q8 [ntiles, Kp/4, TILE, 4] uint8 (w + 128) */
     long ntiles, N;
     const float *scale;      /* [N] or NULL */
@@ -93,7 +95,7 @@ static inline __attribute__((always_inline)) void gen_float_block(int fmt, const
     for (long k = k0; k < k1; k++) {
         for (int c = 0; c < TILE; c++) wv[c] = widen1(fmt, wt, k * TILE + c);
         for (long r = 0; r < R; r++) {
-            const float xv = j->x[(r0 + r) * K + k];
+            const float xv = j->x[k * j->M + r0 + r];
             for (int c = 0; c < TILE; c++) acc[r][c] = fmaf(xv, wv[c], acc[r][c]);
         }
     }
@@ -136,7 +138,9 @@ static inline __attribute__((always_inline)) void gen_q8_block(const job_t *j, l
         const int maxr = q8 ? MAXR_Q8 : (MAXR_F);                                                    \
         const long nblocks = (j->M + maxr - 1) / maxr;                                               \
         const long steps = q8 ? j->K / QB : j->K;                                                    \
-        const long chunk = nblocks == 1 ? steps : (q8 ? KC / QB : KC);                               \
+        /* float: the chunk of x for all rows (kc * M * 4 bytes) and of the tile stay in L1 */        \
+        const long kc = j->M <= 16 ? 256 : j->M <= 32 ? 128 : 64;                                    \
+        const long chunk = nblocks == 1 ? steps : (q8 ? KC / QB : kc);                               \
         for (long s0 = 0; s0 < steps; s0 += chunk) {                                                 \
             const long s1 = s0 + chunk < steps ? s0 + chunk : steps;                                 \
             for (long i = 0; i < nblocks; i++) {                                                     \
@@ -185,7 +189,8 @@ static inline __attribute__((always_inline)) T512 void avx512_rows(int fmt, cons
     const long ldo = j->ntiles * TILE, K = j->K;
     const size_t es = elem_size(fmt);
     const char *wt = (const char *)j->w + (size_t)t * K * TILE * es;
-    const float *x = j->x + r0 * K;
+    const float *x = j->x + r0;
+    const long M = j->M;
     float *o = j->out + r0 * ldo + t * TILE;
     __m512 acc[MAXR][4];
     for (int r = 0; r < R; r++)
@@ -201,7 +206,7 @@ static inline __attribute__((always_inline)) T512 void avx512_rows(int fmt, cons
         const __m512 w0 = widen16(fmt, wt, k * TILE), w1 = widen16(fmt, wt, k * TILE + 16);
         const __m512 w2 = widen16(fmt, wt, k * TILE + 32), w3 = widen16(fmt, wt, k * TILE + 48);
         for (int r = 0; r < R; r++) {
-            const __m512 xb = _mm512_set1_ps(x[r * K + k]);
+            const __m512 xb = _mm512_set1_ps(x[k * M + r]);
             acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
             acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
             acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
@@ -424,12 +429,22 @@ int npud_set_isa(int isa) {
     return isa_used;
 }
 
-/* out[M, ntiles*TILE] = x[M, K] @ W.T, W float/bf16/int8 tiles [ntiles, K, TILE]; scale, bias [N] or NULL. */
-void npud_gemm(int fmt, const float *x, long M, long K, const void *w, long ntiles, long N, const float *scale,
-               const float *bias, float *out, int threads) {
+/* out[M, ntiles*TILE] = x[M, K] @ W.T, W float/bf16/int8 tiles [ntiles, K, TILE]; scale, bias [N] or NULL.
+ * Returns -1 when the transposed copy of x cannot be allocated, else 0. */
+int npud_gemm(int fmt, const float *x, long M, long K, const void *w, long ntiles, long N, const float *scale,
+              const float *bias, float *out, int threads) {
     if (isa_used < 0) npud_set_isa(-1);
-    job_t j = {fmt, M, K, x, w, ntiles, N, scale, bias, out, NULL, NULL, NULL};
+    float *xt = NULL;
+    if (M > 1) {
+        xt = malloc((size_t)M * K * sizeof(float));
+        if (!xt) return -1;
+        for (long m = 0; m < M; m++)
+            for (long k = 0; k < K; k++) xt[k * M + m] = x[m * K + k];
+    }
+    job_t j = {fmt, M, K, xt ? xt : x, w, ntiles, N, scale, bias, out, NULL, NULL, NULL};
     dispatch(&j, threads);
+    free(xt);
+    return 0;
 }
 
 /* Quantize rows of x [M, K] in blocks of QB (zero-padded to Kp): xq [M, Kp], xs and xsum [M, Kp/QB].

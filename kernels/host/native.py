@@ -113,7 +113,7 @@ def library() -> ctypes.CDLL:
             lib.npud_set_isa.argtypes = [_I]
             lib.npud_set_isa.restype = _I
             lib.npud_gemm.argtypes = [_I, _P, _L, _L, _P, _L, _L, _P, _P, _P, _I]
-            lib.npud_gemm.restype = None
+            lib.npud_gemm.restype = _I
             lib.npud_linear_q8.argtypes = [_P, _L, _L, _L, _P, _L, _L, _P, _P, _P, _I]
             lib.npud_linear_q8.restype = _I
             lib.npud_embed.argtypes = [_I, _P, _L, _L, _P, _L, _P, _P]
@@ -167,12 +167,15 @@ def _ptr(a: np.ndarray | None) -> int | None:
 
 def gemm(fmt: int, x: np.ndarray, w: np.ndarray, n: int, scale: np.ndarray | None, bias: np.ndarray | None,
          parallel: bool) -> np.ndarray:
-    """x: [M, K] f32, w: tiles [T, K, TILE] -> [M, T * TILE] f32 (columns >= n are padding)."""
+    """x: [M, K] f32, w: tiles [T, K, TILE] -> [M, T * TILE] f32 (columns >= n are padding).
+
+    Raises MemoryError when the transposed copy of x cannot be allocated."""
     m, k = x.shape
     tiles = w.shape[0]
     out = np.empty((m, tiles * TILE), np.float32)
-    library().npud_gemm(fmt, x.ctypes.data, m, k, w.ctypes.data, tiles, n, _ptr(scale), _ptr(bias),
-                        out.ctypes.data, threads() if parallel else 1)
+    if library().npud_gemm(fmt, x.ctypes.data, m, k, w.ctypes.data, tiles, n, _ptr(scale), _ptr(bias),
+                           out.ctypes.data, threads() if parallel else 1) != 0:
+        raise MemoryError(f"no memory for a transposed copy of a [{m}, {k}] activation")
     return out
 
 
