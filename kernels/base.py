@@ -14,6 +14,13 @@ from typing import Protocol
 import numpy as np
 
 
+# The version of the engine's numerics: a kernel change that changes any bit of any output
+# bumps it, so that nothing computed by the old kernels (a persisted prefix-cache snapshot,
+# say) is taken for the new ones' result. 1: the numba GEMMs (separate multiply and add);
+# 2: the C GEMMs (one FMA per k; int8-q8's integer blocks).
+NUMERICS_VERSION = 2
+
+
 class WeightFormat(enum.Enum):
     """How a linear layer's weight matrix is held in host memory, and which arithmetic multiplies it.
 

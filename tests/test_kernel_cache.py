@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints import build_tiny_checkpoint
+from engine.testing.checkpoints import build_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,7 +18,7 @@ check.py the self-check that proves the property on this machine at start-up.
 from kernels.host import cache as _cache  # noqa: F401  (first: it points numba at the cache directory)
 from kernels.host import native
 from kernels.host.backend import PARALLEL_MIN_WORK, HostBackend
-from kernels.host.check import check_batch_invariance
+from kernels.host.check import CHECK_ROWS, check_batch_invariance
 from kernels.host.formats import KERNELS, pack_q8, pack_tiles, register
 from kernels.host.native import QB, TILE
 
@@ -28,5 +28,5 @@ def num_threads() -> int:
     return native.threads()
 
 
-__all__ = ["HostBackend", "KERNELS", "PARALLEL_MIN_WORK", "QB", "TILE", "check_batch_invariance",
+__all__ = ["CHECK_ROWS", "HostBackend", "KERNELS", "PARALLEL_MIN_WORK", "QB", "TILE", "check_batch_invariance",
            "num_threads", "pack_q8", "pack_tiles", "register"]
