@@ -8,6 +8,10 @@ formats, say) is checked for batch invariance the moment it is registered:
     from kernels.host.formats import register
     register(WeightFormat.Q4_K, MyQ4KKernel())
 
+The module that registers must be imported by kernels/host/__init__.py, so that every format
+is registered before the start-up self-check runs (tests/test_kernels.py checks that the
+registered formats are exactly WeightFormat's members).
+
 Registered here:
 - FP32 / BF16 / INT8 against fp32 activations: column tiles [ceil(N / 64), K, 64], each weight
   widened to fp32 in registers, one FMA per k (gemm.c's float path).
