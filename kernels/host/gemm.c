@@ -27,6 +27,10 @@
 #define MAXR_Q8 3       /* q8: an int32 and a float accumulator per column vector */
 #define PF_BYTES 1024   /* software prefetch distance in the weight stream */
 #define MAX_THREADS 64
+/* pause instructions (tens of microseconds) a worker spins for the next call before it sleeps:
+ * enough to bridge the Python between the GEMMs of a layer, short enough not to hold a core
+ * that the machine's other processes (or numba's threads) want */
+#define SPIN_WAIT 2000
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2, FMT_Q8 = 3 };
 enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_VNNI = 3 };
@@ -344,7 +348,7 @@ static void *worker(void *arg) {
     for (;;) {
         uint16_t call;
         int spins = 0;
-        while ((call = CALL_OF(atomic_load_explicit(&pool.claim, memory_order_acquire))) == seen && spins < 50000) {
+        while ((call = CALL_OF(atomic_load_explicit(&pool.claim, memory_order_acquire))) == seen && spins < SPIN_WAIT) {
             _mm_pause();
             spins++;
         }
@@ -385,7 +389,7 @@ static void dispatch(const job_t *j, int threads) {
         return;
     }
     /* chunks: a few per thread, so a late or slow thread leaves work the others pick up */
-    const long chunk = j->ntiles / (threads * 4);
+    const long chunk = j->ntiles / (threads * 8);
     pool.chunk = chunk < 1 ? 1 : chunk;
     pool.active = threads - 1;
     pool.job = j;
