@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -91,8 +92,10 @@ def build(directory: Path | None = None) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    # an upgrade leaves the old version behind: drop versions not rebuilt for a day (not at
+    # once: two checkouts of different versions sharing the cache would rebuild in turn)
     for stale in path.parent.glob("npud_gemm-*.so"):
-        if stale != path:
+        if stale != path and time.time() - stale.stat().st_mtime > 86400:
             stale.unlink(missing_ok=True)
     log.info("host_kernels_built", path=str(path))
     return path
