@@ -22,8 +22,10 @@ import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 
+from engine.api import ModelError
 
-class TokenizerError(ValueError):
+
+class TokenizerError(ModelError):
     """A tokenizer file is missing or malformed, or a chat cannot be rendered."""
 
 

@@ -28,7 +28,8 @@ from structlog.testing import capture_logs
 
 from engine import fingerprint
 from engine.fingerprint import MEMO_FILE, DigestMemo, FingerprintError, numerics_key
-from engine.session import GenerateRequest, ServedModel
+from engine.api import GenerateRequest, GenerationParams
+from engine.session import LoadedModel as ServedModel
 from kernels.select import RowwiseBackend, default_backend
 from kernels import base as kernels_base
 from kernels.base import numerics_identity
@@ -227,7 +228,7 @@ def _load(path, cache_dir, fmt="fp32"):
 
 def _run(served):
     """(token ids, tokens restored from the cache) of one greedy run; the cache is flushed."""
-    session = served.start(GenerateRequest(prompt=PROMPT, max_tokens=12))
+    session = served.start(GenerateRequest(prompt=PROMPT, params=GenerationParams(max_tokens=12)))
     while not session.done:
         session.run_round()
     served.prefix_cache.flush()

@@ -20,9 +20,10 @@ import structlog
 
 from engine.drafters import HeadWeights, HiddenStateHead, PromptLookupHead
 from engine.forward import Forward
-from engine.generate import Generation, GenerationConfig
-from engine.sampling import Sampler, SamplingConfig
-from engine.session import GenerateRequest, ServedModel, SpecParams
+from engine.api import GenerateRequest, GenerationParams, RequestError, SamplingParams, SpecParams
+from engine.generate import Generation
+from engine.sampling import Sampler
+from engine.session import LoadedModel as ServedModel
 from engine.tokenizer import Tokenizer
 
 TOKENS = 320  # ids the tokenizer decodes
@@ -78,7 +79,7 @@ def test_tokenizer_names_the_ids_it_decodes(padded):
 def test_sampler_masks_exactly_the_ids_past_the_tokenizer():
     allowed = np.arange(8) < 5
     for greedy in (True, False):
-        sampler = Sampler(SamplingConfig(temperature=0.0 if greedy else 1.0, seed=1), allowed)
+        sampler = Sampler(SamplingParams(temperature=0.0 if greedy else 1.0, seed=1), allowed)
         boundary = np.zeros(8, np.float32)
         boundary[5] = 50.0  # the first padded id: masked
         boundary[2] = 1.0
@@ -102,7 +103,7 @@ def test_without_the_mask_the_padded_base_would_emit_a_padded_id(served):
     ids = model.tokenizer.encode(PROMPT)
     logits = f.prefill(ids)
     assert int(np.argmax(logits)) >= TOKENS
-    assert Sampler(SamplingConfig(), model.allowed).choose(logits) < TOKENS
+    assert Sampler(SamplingParams(), model.allowed).choose(logits) < TOKENS
 
 
 def test_loading_names_the_padding(padded):
@@ -114,9 +115,10 @@ def test_loading_names_the_padding(padded):
         ROWS, TOKENS, ROWS - TOKENS, TOKENS)
 
 
-def _generate(served_model, method, sampling=SamplingConfig(), k=4):
-    req = GenerateRequest(prompt=PROMPT, max_tokens=N, sampling=sampling, spec=SpecParams(method=method, k=k),
-                          use_prefix_cache=False)
+def _generate(served_model, method, sampling=SamplingParams(), k=4):
+    params = GenerationParams(max_tokens=N, sampling=sampling, spec=SpecParams(method=method, k=k),
+                              use_prefix_cache=False)
+    req = GenerateRequest(prompt=PROMPT, params=params)
     session = served_model.start(req)
     while not session.done:
         session.run_round()
@@ -148,7 +150,7 @@ def test_other_drafters_equal_plain_to_the_end(served, kind):
     def run(head_for):
         f = Forward(model.model)
         head = head_for(f)
-        gen = Generation(f, tok, ids, GenerationConfig(max_new_tokens=N), head=head)
+        gen = Generation(f, tok, ids, GenerationParams(max_tokens=N), head=head)
         return gen.run(), gen.token_ids, gen.stats
 
     text, plain, _ = run(lambda f: None)
@@ -168,14 +170,13 @@ def test_other_drafters_equal_plain_to_the_end(served, kind):
 @pytest.mark.parametrize("method", ["none", "ngram", "dflash"])
 def test_sampled_runs_never_emit_a_padded_id(served, method):
     model = served[next(iter(served))]
-    result = _generate(model, method, SamplingConfig(temperature=1.0, seed=7))
+    result = _generate(model, method, SamplingParams(temperature=1.0, seed=7))
     ended = len(result.token_ids) == N or result.token_ids[-1] in model.tokenizer.eos_token_ids
     assert ended and max(result.token_ids) < TOKENS
 
 
 def test_a_prompt_id_past_the_embedding_is_a_bad_request(tmp_path):
     """The other way round: a tokenizer with more ids (320) than the embedding has rows (300)."""
-    from engine.session import RequestError
     from engine.testing.checkpoints import build_tiny_checkpoint, write_tokenizer
 
     path = build_tiny_checkpoint(tmp_path / "short", seed=1, vocab_size=300, num_hidden_layers=1)
@@ -186,6 +187,6 @@ def test_a_prompt_id_past_the_embedding_is_a_bad_request(tmp_path):
     tok = model.tokenizer
     high = next(i for i in range(TOKENS - 1, 300, -1) if tok.encode(tok.decode([i])) == [i])
     with pytest.raises(RequestError, match=f"token id {high}, past the 300 rows") as err:
-        model.start(GenerateRequest(prompt=tok.decode([high]), max_tokens=4))
+        model.start(GenerateRequest(prompt=tok.decode([high]), params=GenerationParams(max_tokens=4)))
     assert err.value.code == "bad_request"
-    assert model.start(GenerateRequest(prompt="def", max_tokens=4)) is not None
+    assert model.start(GenerateRequest(prompt="def", params=GenerationParams(max_tokens=4))) is not None
