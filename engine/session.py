@@ -201,19 +201,6 @@ class LoadedModel:
         return DraftModelHead(Forward(self.draft), self.tokenizer, self.draft_tokenizer, sampling,
                               self.tokenizer.decodable(self.draft.config.vocab_size))
 
-
-def _cache_key(checkpoint_dir, cache_dir, weight_format: str, backend) -> str:
-    """The prefix-cache key of the base (engine/fingerprint.py), its file digests remembered in
-    the cache directory. Raises WeightsError or FingerprintError."""
-    started = time.perf_counter()
-    memo = DigestMemo(None if cache_dir is None else Path(cache_dir) / MEMO_FILE)
-    key = numerics_key(checkpoint_files(checkpoint_dir), memo, weight_format=weight_format, backend=backend)
-    log.info("prefix_cache_key", key=key[:16], weight_format=weight_format, backend=numerics_identity(backend),
-             files_read=memo.files_read, seconds=round(time.perf_counter() - started, 3))
-    return key
-
-    # -- the prefix cache, as the daemon's cache.* methods see it ----------------------------
-
     @property
     def has_prefix_cache(self) -> bool:
         return self.prefix_cache is not None
@@ -260,6 +247,19 @@ def _cache_key(checkpoint_dir, cache_dir, weight_format: str, backend) -> str:
         if self.prefix_cache is None:
             raise RuntimeError(f"model {self.name!r} has no prefix cache")  # callers check has_prefix_cache
         return self.prefix_cache
+
+
+def _cache_key(checkpoint_dir, cache_dir, weight_format: str, backend) -> str:
+    """The prefix-cache key of the base (engine/fingerprint.py), its file digests remembered in
+    the cache directory. Raises WeightsError or FingerprintError."""
+    started = time.perf_counter()
+    memo = DigestMemo(None if cache_dir is None else Path(cache_dir) / MEMO_FILE)
+    key = numerics_key(checkpoint_files(checkpoint_dir), memo, weight_format=weight_format, backend=backend)
+    log.info("prefix_cache_key", key=key[:16], weight_format=weight_format, backend=numerics_identity(backend),
+             files_read=memo.files_read, seconds=round(time.perf_counter() - started, 3))
+    return key
+
+    # -- the prefix cache, as the daemon's cache.* methods see it ----------------------------
 
 
 class ModelSession:
