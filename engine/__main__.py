@@ -29,13 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", default="bf16", choices=["fp32", "bf16", "int8"], help="host weight format")
     ap.add_argument("--draft", help="a draft model checkpoint directory (same tokenizer)")
     ap.add_argument("--dflash", help="a DFlash drafter checkpoint directory trained on this base")
-    ap.add_argument("--spec", default="auto", choices=["auto", "none", "ngram", "draft", "dflash"])
+    ap.add_argument("--assistant", help="a Gemma 4 assistant (gemma4_assistant) checkpoint directory for this base")
+    ap.add_argument("--spec", default="auto", choices=["auto", "none", "ngram", "draft", "dflash", "assistant"])
     ap.add_argument("--k", type=int, default=4, help="tokens drafted per round")
     ap.add_argument("--stats", action="store_true", help="print the run's statistics as JSON to stderr")
     args = ap.parse_args(argv)
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout is the text
     try:
-        served = ServedModel.load("cli", args.checkpoint, args.draft, args.format, dflash_dir=args.dflash)
+        served = ServedModel.load("cli", args.checkpoint, args.draft, args.format, dflash_dir=args.dflash,
+                                  assistant_dir=args.assistant)
         req = GenerateRequest(
             prompt=None if args.chat else args.prompt,
             messages=({"role": "user", "content": args.prompt},) if args.chat else None,

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.assistant import Assistant, AssistantHead
 from engine.config import ConfigError
 from engine.dflash import DFlashDraft, DFlashHead
 from engine.drafters import DraftModelHead, PromptLookupHead, check_same_tokenizer
@@ -28,7 +29,7 @@ from kernels import select_backend
 
 SamplingParams = SamplingConfig
 
-SPEC_METHODS = ("auto", "none", "ngram", "draft", "dflash")
+SPEC_METHODS = ("auto", "none", "ngram", "draft", "dflash", "assistant")
 
 
 class RequestError(ValueError):
@@ -42,7 +43,7 @@ class RequestError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class SpecParams:
-    method: str = "auto"  # auto: the draft model, else the DFlash drafter, else prompt lookup
+    method: str = "auto"  # auto: the draft model, else the DFlash drafter, else the assistant, else prompt lookup
     k: int = 4
     fallback_rounds: int = 3
     reprobe_after: int | None = None
@@ -92,6 +93,7 @@ class ServedModel:
         prefix_cache: PrefixCache | None = None,
         draft_tokenizer: Tokenizer | None = None,
         dflash: DFlashDraft | None = None,
+        assistant: Assistant | None = None,
     ):
         self.name = name
         self.model = model
@@ -99,6 +101,7 @@ class ServedModel:
         self.draft = draft
         self.draft_tokenizer = draft_tokenizer if draft_tokenizer is not None else tokenizer
         self.dflash = dflash
+        self.assistant = assistant
         self.prefix_cache = prefix_cache
         self.max_context = model.config.max_position_embeddings
         self.backend_reason = "given by the caller"
@@ -116,11 +119,13 @@ class ServedModel:
         cache_block: int = 32,
         backend: str = "auto",
         xrt_design: str | Path | None = None,
+        assistant_dir: str | Path | None = None,
     ) -> "ServedModel":
         """Load base (and draft) and open the prefix cache (persistent under `cache_dir`, if given).
 
         Raises ConfigError, WeightsError, TokenizerError or DraftMismatchError for model
-        files that are not what they claim, and XrtUnavailable when backend "xrt" cannot run.
+        files that are not what they claim, AssistantMismatchError for a Gemma 4 assistant made
+        for another base, and XrtUnavailable when backend "xrt" cannot run.
         """
         kernels, backend_reason = select_backend(backend, None if xrt_design is None else str(xrt_design))
         model = Model.load(checkpoint_dir, weight_format, kernels)
@@ -138,13 +143,15 @@ class ServedModel:
             block_size=cache_block,
         )
         dflash = DFlashDraft.load(dflash_dir, model, weight_format) if dflash_dir is not None else None
-        served = cls(name, model, tokenizer, draft, cache, draft_tokenizer, dflash)
+        assistant = Assistant.load(assistant_dir, model, weight_format) if assistant_dir is not None else None
+        served = cls(name, model, tokenizer, draft, cache, draft_tokenizer, dflash, assistant)
         served.backend_reason = backend_reason
         return served
 
     @property
     def nbytes(self) -> int:
-        return self.model.nbytes + (self.draft.nbytes if self.draft is not None else 0)
+        extra = sum(m.nbytes for m in (self.draft, self.assistant) if m is not None)
+        return self.model.nbytes + extra
 
     def describe(self) -> dict:
         cfg = self.model.config
@@ -158,6 +165,7 @@ class ServedModel:
             "weights_bytes": self.nbytes,
             "draft": self.draft is not None,
             "dflash": self.dflash is not None,
+            "assistant": self.assistant is not None,
             "backend": self.model.backend.name,
             "backend_reason": self.backend_reason,
             "fingerprint": self.model.fingerprint[:16],
@@ -197,7 +205,8 @@ class ServedModel:
         if method == "auto":
             # the draft model first: on the bundled pair it keeps more drafts per round than
             # the DFlash drafter (docs/dflash.md has the measurements)
-            method = "draft" if self.draft is not None else "dflash" if self.dflash is not None else "ngram"
+            method = ("draft" if self.draft is not None else "dflash" if self.dflash is not None
+                      else "assistant" if self.assistant is not None else "ngram")
         if method == "none":
             return None
         if method == "ngram":
@@ -206,6 +215,10 @@ class ServedModel:
             if self.dflash is None:
                 raise RequestError("bad_request", f"model {self.name!r} has no DFlash drafter (speculative method 'dflash')")
             return DFlashHead(self.dflash, sampling)
+        if method == "assistant":
+            if self.assistant is None:
+                raise RequestError("bad_request", f"model {self.name!r} has no assistant drafter (speculative method 'assistant')")
+            return AssistantHead(self.assistant)
         if self.draft is None:
             raise RequestError("bad_request", f"model {self.name!r} has no draft model (speculative method 'draft')")
         return DraftModelHead(Forward(self.draft), self.tokenizer, self.draft_tokenizer, sampling)
@@ -226,7 +239,7 @@ class Session:
         # prompt run; a restored prefix would come without those rows (the head would refuse
         # every draft), so such a session prefills its whole prompt (and still offers it)
         self._restore_allowed = not isinstance(head, DFlashHead)
-        if isinstance(head, DFlashHead):
+        if isinstance(head, (DFlashHead, AssistantHead)):
             head.attach(self.forward)
         self.generation = Generation(
             self.forward,

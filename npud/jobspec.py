@@ -13,7 +13,7 @@ from typing import Any
 from npud.config import LimitsConfig
 from npud.protocol import ApiError, ErrorCode, Params
 
-SPEC_METHODS = ("auto", "none", "ngram", "draft", "dflash")
+SPEC_METHODS = ("auto", "none", "ngram", "draft", "dflash", "assistant")
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 1024

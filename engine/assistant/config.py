@@ -120,6 +120,9 @@ def parse_assistant_config(raw: Any, source: str = "config.json") -> AssistantCo
             f"{source}: text_config.num_kv_shared_layers = {shared!r}: every layer of an assistant reads the "
             f"base's KV, so it must be num_hidden_layers ({layers!r})"
         )
+    if text.get("hidden_size_per_layer_input"):
+        raise ConfigError(f"{source}: text_config.hidden_size_per_layer_input = "
+                          f"{text['hidden_size_per_layer_input']!r}: must be 0 for an assistant (no per-layer inputs)")
     for name in ("enable_moe_block", "use_double_wide_mlp"):
         if text.get(name):
             raise ConfigError(f"{source}: text_config.{name} = {text[name]!r}: must be false for an assistant")

@@ -80,28 +80,33 @@ class BaseKV:
         return out
 
 
+def check_base(config: AssistantConfig, base: ModelConfig) -> BaseKV:
+    """The planes the assistant reads in `base`; raises AssistantMismatchError when it cannot
+    draft for it (not Gemma 4, another vocabulary or width, KV heads of another shape)."""
+    if base.model_type not in _GEMMA4:
+        raise AssistantMismatchError(f"a Gemma 4 assistant drafts for a Gemma 4 base, not {base.model_type!r}")
+    if config.vocab_size != base.vocab_size:
+        raise AssistantMismatchError(
+            f"the assistant's vocabulary has {config.vocab_size} tokens, the base's {base.vocab_size}"
+        )
+    if config.backbone_hidden_size != base.hidden_size:
+        raise AssistantMismatchError(
+            f"the assistant was built for a base of hidden size {config.backbone_hidden_size}, "
+            f"this base has {base.hidden_size}"
+        )
+    return BaseKV.for_base(base, config)
+
+
 class Assistant:
     """A loaded assistant bound to the base it drafts for (weights laid out for its backend)."""
 
     def __init__(self, config: AssistantConfig, weights: AssistantWeights, base: Model):
-        bc = base.config
-        if bc.model_type not in _GEMMA4:
-            raise AssistantMismatchError(f"a Gemma 4 assistant drafts for a Gemma 4 base, not {bc.model_type!r}")
-        if config.vocab_size != bc.vocab_size:
-            raise AssistantMismatchError(
-                f"the assistant's vocabulary has {config.vocab_size} tokens, the base's {bc.vocab_size}"
-            )
-        if config.backbone_hidden_size != bc.hidden_size:
-            raise AssistantMismatchError(
-                f"the assistant was built for a base of hidden size {config.backbone_hidden_size}, "
-                f"this base has {bc.hidden_size}"
-            )
+        self.kv = check_base(config, base.config)
         self.config = config
         self.base = base
         self.backend = base.backend
         self.weights = prepare(weights, self.backend)
         self.fingerprint = weights.fingerprint
-        self.kv = BaseKV.for_base(bc, config)
         cache: dict = {}
         self.inv_freq = [cache.setdefault(spec.rope, spec.rope.inv_freq()) for spec in config.text.layers]
 
@@ -111,6 +116,7 @@ class Assistant:
         if isinstance(fmt, str):
             fmt = WeightFormat.parse(fmt)
         config = load_assistant_config(checkpoint_dir)
+        check_base(config, base.config)  # before reading any tensor: a mismatch is named as one
         return cls(config, load_assistant_weights(config, checkpoint_dir, fmt), base)
 
     @property
