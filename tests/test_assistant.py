@@ -305,3 +305,14 @@ def test_reset_serves_a_second_job(base, assistants):
         head.attach(f)
         got, stats = greedy_run(f, PROMPT, 12, head=head, k=4)
         assert got == _plain(base, 12) and not stats.fallbacks
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+def test_the_ordered_head_gathers_the_rows_the_kernels_would(ckpts, base, fmt):
+    from engine.assistant.weights import gather_rows
+
+    a = Assistant.load(ckpts["ordered"], base, fmt)
+    assert a.weights.lm_head.layout == "rows"  # kept unprepared: only rows of it are read
+    ids = np.array([0, 5, 319, 17, 5], np.int64)
+    want = base.backend.embed(base.backend.prepare_linear(a.weights.lm_head), ids)
+    assert np.array_equal(gather_rows(a.weights.lm_head, ids).view(np.uint32), want.view(np.uint32))

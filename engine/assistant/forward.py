@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.assistant.config import AssistantConfig, load_assistant_config
-from engine.assistant.weights import AssistantWeights, load_assistant_weights, prepare
+from engine.assistant.weights import AssistantWeights, gather_rows, load_assistant_weights, prepare
 from engine.config import AttentionKind, ModelConfig
 from engine.model import Model
 from engine.state import ModelState, PlaneKind
@@ -105,7 +105,7 @@ class Assistant:
         self.config = config
         self.base = base
         self.backend = base.backend
-        self.weights = prepare(weights, self.backend)
+        self.weights = prepare(weights, self.backend, keep_rows=config.use_ordered_embeddings)
         self.fingerprint = weights.fingerprint
         cache: dict = {}
         self.inv_freq = [cache.setdefault(spec.rope, spec.rope.inv_freq()) for spec in config.text.layers]
@@ -180,9 +180,9 @@ def _ordered_logits(a: Assistant, h: np.ndarray) -> np.ndarray:
     """The masked embedder: h [1, D] -> logits [V], real only on the top-k centroids' tokens."""
     b, w, cfg = a.backend, a.weights, a.config
     centroid_logits = b.linear(h, w.centroids)[0]  # [C]
-    top = np.argsort(-centroid_logits, kind="stable")[: cfg.centroid_top_k]
+    top = np.argpartition(-centroid_logits, cfg.centroid_top_k - 1)[: cfg.centroid_top_k]  # the set; order is moot
     ids = w.token_ordering[top].reshape(-1)  # canonical ids of the selected clusters' tokens
-    rows = b.embed(w.lm_head, ids)  # [top_k * V / C, D], the head's rows of those tokens
+    rows = gather_rows(w.lm_head, ids)  # [top_k * V / C, D], the head's rows of those tokens
     selected = rows @ h[0]
     logits = np.full(cfg.vocab_size, selected.min() - np.float32(1.0), np.float32)
     logits[ids] = selected

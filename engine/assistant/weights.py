@@ -138,9 +138,15 @@ def _token_ordering(cfg: AssistantConfig, refs, directory: Path) -> np.ndarray:
     return ordering.reshape(cfg.num_centroids, cfg.tokens_per_centroid)
 
 
-def prepare(weights: AssistantWeights, backend: Backend) -> AssistantWeights:
-    """The weights with every linear laid out for `backend` once (a tied head stays one object)."""
+def prepare(weights: AssistantWeights, backend: Backend, keep_rows: bool = False) -> AssistantWeights:
+    """The weights with every linear laid out for `backend` once (a tied head stays one object).
+
+    keep_rows leaves lm_head in its [V, D] rows: the ordered-embedding path only gathers rows
+    of it (gather_rows), which a tiled layout makes a strided walk over the whole table.
+    """
     seen: dict[int, LinearWeight] = {}
+    if keep_rows:
+        seen[id(weights.lm_head)] = weights.lm_head
 
     def prep(obj):
         if isinstance(obj, LinearWeight):
@@ -154,3 +160,14 @@ def prepare(weights: AssistantWeights, backend: Backend) -> AssistantWeights:
         return obj
 
     return prep(weights)
+
+
+def gather_rows(w: LinearWeight, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` of a rows-layout weight, widened to float32 exactly as the kernels widen
+    them (bf16 bits shifted into place, int8 times its row's scale): [len(ids), K]."""
+    data = w.data[ids]
+    if w.fmt is WeightFormat.BF16:
+        return (data.astype(np.uint32) << 16).view(np.float32)
+    if w.fmt is WeightFormat.INT8:
+        return data.astype(np.float32) * w.scale[ids][:, None]
+    return np.asarray(data, np.float32)
