@@ -49,6 +49,9 @@ def ckpts(tmp_path_factory):
         "plain": build_assistant(root / "plain", seed=3),
         "ordered": build_assistant(root / "ordered", seed=4, ordered=True),
         "plain_bf16": build_assistant(root / "plain_bf16", seed=5, dtype=torch.bfloat16),
+        # a second pair: a base without KV sharing (the planes read are layers 4 and 5), bf16
+        "base2": build_base(root / "base2", seed=9, dtype=torch.bfloat16, num_kv_shared_layers=0),
+        "second": build_assistant(root / "second", seed=11, ordered=True, dtype=torch.bfloat16),
     }
 
 
@@ -209,17 +212,28 @@ def _plain(base, n):
     return greedy_run(Forward(base), PROMPT, n)[0]
 
 
+@pytest.fixture(scope="module")
+def second_pair(ckpts):
+    base2 = Model.load(ckpts["base2"], "bf16")
+    return base2, Assistant.load(ckpts["second"], base2, "bf16")
+
+
+def test_the_second_pair_reads_layers_4_and_5(second_pair):
+    assert dict(second_pair[1].kv.layers) == {AttentionKind.SLIDING: 4, AttentionKind.FULL: 5}
+
+
 @pytest.mark.parametrize("two_pass", [False, True], ids=["one_pass", "two_pass"])
 @pytest.mark.parametrize("k", range(1, 9))
-def test_speculative_greedy_equals_plain(base, assistants, two_pass, k):
+def test_speculative_greedy_equals_plain(base, assistants, second_pair, two_pass, k):
     n = 24
-    want = _plain(base, n)
-    for name in ("plain", "ordered"):
-        f = Forward(base)
-        head = AssistantHead(assistants[name], two_pass=two_pass)
+    pairs = [(base, assistants["plain"]), (base, assistants["ordered"]), second_pair]
+    for model, assistant in pairs:
+        want = _plain(model, n)
+        f = Forward(model)
+        head = AssistantHead(assistant, two_pass=two_pass)
         head.attach(f)
         got, stats = greedy_run(f, PROMPT, n, head=head, k=k)
-        assert got == want, (name, k)
+        assert got == want, k
         assert f.positions_held == len(PROMPT) + n  # every emitted token was run, nothing more
         assert not stats.fallbacks
         assert stats.drafted > 0
@@ -316,3 +330,21 @@ def test_the_ordered_head_gathers_the_rows_the_kernels_would(ckpts, base, fmt):
     ids = np.array([0, 5, 319, 17, 5], np.int64)
     want = base.backend.embed(base.backend.prepare_linear(a.weights.lm_head), ids)
     assert np.array_equal(gather_rows(a.weights.lm_head, ids).view(np.uint32), want.view(np.uint32))
+
+
+def test_the_break_even_fallback_keeps_plain_decodes_output(base, assistants):
+    from engine.sampling import Sampler
+    from engine.speculative import DecodeStats, FallbackReason, SpeculativeConfig, speculative_decode
+
+    f = Forward(base)
+    f.prefill(PROMPT[:-1])
+    head = AssistantHead(assistants["plain"])
+    head.attach(f)
+    out, stats = [], DecodeStats()
+    loop = speculative_decode(f, head, PROMPT, max_new_tokens=24, sampler=Sampler(), on_token=out.append, stats=stats,
+                              config=SpeculativeConfig(k=4, fallback_rounds=2))
+    for _ in loop:
+        pass
+    assert out == _plain(base, 24)
+    # whether the random assistant's rounds lose is a timing; if they fell back, it was for that
+    assert all(fb.reason is FallbackReason.BELOW_BREAK_EVEN for fb in stats.fallbacks)
