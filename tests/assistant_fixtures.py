@@ -52,7 +52,7 @@ def _spread(model, gen) -> None:
 
 def build_base(out_dir, seed: int = 0, dtype=torch.float32, **overrides):
     """Save a random Gemma 4 text model (tests/test_hybrid_models.py's shape); returns the directory."""
-    from checkpoints import write_tokenizer
+    from engine.testing.checkpoints import write_tokenizer
 
     config = transformers.Gemma4TextConfig(**{**BASE, **overrides})
     config.initializer_range = 0.15

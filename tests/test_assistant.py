@@ -180,7 +180,7 @@ def test_a_base_it_was_not_made_for_is_refused(ckpts, base, tmp_path):
 
 
 def test_a_non_gemma4_base_is_refused(ckpts, tmp_path):
-    from checkpoints import build_tiny_checkpoint
+    from engine.testing.checkpoints import build_tiny_checkpoint
 
     qwen = Model.load(build_tiny_checkpoint(tmp_path / "qwen", model_type="qwen3"), "fp32")
     with pytest.raises(AssistantMismatchError, match="Gemma 4 base, not 'qwen3'"):

@@ -23,12 +23,12 @@ from engine.weights import (
     LayerWeights,
     MlpWeights,
     WeightsError,
-    _check_tensors,
-    _convert_matrix,
-    _vector,
     checkpoint_fingerprint,
     open_checkpoint,
 )
+# the checks and conversions every engine checkpoint goes through (package-private helpers)
+from engine.weights.convert import _convert_matrix, _vector
+from engine.weights.load import _check_tensors
 from kernels.base import Backend, LinearWeight, WeightFormat
 
 ORDERING = "masked_embedding.token_ordering"
