@@ -81,3 +81,15 @@ def test_job_spec_and_npuctl_accept_the_method():
     assert spec.spec_method == "assistant"
     args = build_parser().parse_args(["complete", "--spec", "assistant", "hello"])
     assert args.spec == "assistant"
+
+
+def test_a_sampled_request_drafts_without_a_head_error(served):
+    from engine.sampling import SamplingConfig
+
+    session = served.start(GenerateRequest(prompt=PROMPT, max_tokens=16, use_prefix_cache=False,
+                                           sampling=SamplingConfig(temperature=0.8, seed=3),
+                                           spec=SpecParams(method="assistant", k=3, fallback_rounds=0)))
+    while not session.done:
+        session.run_round()
+    r = session.result()
+    assert len(r.token_ids) == 16 and r.stats["drafted"] > 0 and not r.stats["fell_back"]
