@@ -8,7 +8,8 @@ import pytest
 from assistant_fixtures import build_assistant, build_base
 from clients.npuctl import build_parser
 from engine.assistant import AssistantMismatchError
-from engine.session import GenerateRequest, RequestError, ServedModel, SpecParams
+from engine.api import EngineCode, GenerateRequest, GenerationParams, RequestError, SamplingParams, SpecParams
+from engine.session import LoadedModel
 from npud.config import LimitsConfig, check_models, load_config
 from npud.jobspec import parse_spec
 from npud.protocol import Params
@@ -25,12 +26,12 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(dirs):
-    return ServedModel.load("g", dirs["base"], weight_format="fp32", assistant_dir=dirs["assistant"])
+    return LoadedModel.load("g", dirs["base"], weight_format="fp32", assistant_dir=dirs["assistant"])
 
 
 def _run(served, method, k=4, cache=False, prompt=PROMPT):
-    session = served.start(GenerateRequest(prompt=prompt, max_tokens=24, use_prefix_cache=cache,
-                                           spec=SpecParams(method=method, k=k, fallback_rounds=0)))
+    params = GenerationParams(max_tokens=24, use_prefix_cache=cache, spec=SpecParams(method=method, k=k, fallback_rounds=0))
+    session = served.start(GenerateRequest(prompt=prompt, params=params))
     while not session.done:
         session.run_round()
     return session.result()
@@ -56,15 +57,15 @@ def test_auto_picks_the_assistant_and_a_restored_prefix_keeps_it_drafting(served
 
 
 def test_a_model_without_an_assistant_refuses_the_method(dirs):
-    bare = ServedModel.load("g", dirs["base"], weight_format="fp32")
+    bare = LoadedModel.load("g", dirs["base"], weight_format="fp32")
     with pytest.raises(RequestError) as err:
         _run(bare, "assistant")
-    assert err.value.code == "bad_request" and "no assistant drafter" in err.value.message
+    assert err.value.code is EngineCode.BAD_REQUEST and "no assistant drafter" in str(err.value)
 
 
 def test_an_assistant_for_another_base_does_not_load(dirs):
     with pytest.raises(AssistantMismatchError, match="hidden size 48, this base has 64"):
-        ServedModel.load("g", dirs["base"], weight_format="fp32", assistant_dir=dirs["wide"])
+        LoadedModel.load("g", dirs["base"], weight_format="fp32", assistant_dir=dirs["wide"])
 
 
 def test_npud_config_reads_assistant_dir(tmp_path):
@@ -84,11 +85,9 @@ def test_job_spec_and_npuctl_accept_the_method():
 
 
 def test_a_sampled_request_drafts_without_a_head_error(served):
-    from engine.sampling import SamplingConfig
-
-    session = served.start(GenerateRequest(prompt=PROMPT, max_tokens=16, use_prefix_cache=False,
-                                           sampling=SamplingConfig(temperature=0.8, seed=3),
-                                           spec=SpecParams(method="assistant", k=3, fallback_rounds=0)))
+    params = GenerationParams(max_tokens=16, use_prefix_cache=False, sampling=SamplingParams(temperature=0.8, seed=3),
+                              spec=SpecParams(method="assistant", k=3, fallback_rounds=0))
+    session = served.start(GenerateRequest(prompt=PROMPT, params=params))
     while not session.done:
         session.run_round()
     r = session.result()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.api import ModelError
 from engine.assistant.config import AssistantConfig, load_assistant_config
 from engine.assistant.weights import AssistantWeights, gather_rows, load_assistant_weights, prepare
 from engine.config import AttentionKind, ModelConfig
@@ -37,7 +38,7 @@ _GEMMA4 = ("gemma4", "gemma4_text")
 KV = Mapping[AttentionKind, tuple[np.ndarray, np.ndarray]]  # kind -> (keys, values) [T, KVH, Dh]
 
 
-class AssistantMismatchError(ValueError):
+class AssistantMismatchError(ModelError):
     """The assistant cannot draft for this base (vocabulary, width or KV geometry differ)."""
 
 
