@@ -24,7 +24,8 @@ from engine.assistant import Assistant, AssistantHead
 from engine.forward import Forward
 from engine.model import Model
 from engine.sampling import Sampler
-from engine.speculative import DecodeStats, SpeculativeConfig, plain_decode, speculative_decode
+from engine.api import SpecParams
+from engine.speculative import DecodeStats, plain_decode, speculative_decode
 from engine.tokenizer import Tokenizer
 
 # a 4-layer assistant of width 256 for the 0.4B base (backbone 1024): its sliding layers read the
@@ -82,7 +83,7 @@ def _run(model, prompt, n, head=None, k=7):
     out, stats = [], DecodeStats()
     common = dict(max_new_tokens=n, sampler=Sampler(), on_token=out.append, stats=stats)
     loop = (plain_decode(f, prompt, **common) if head is None
-            else speculative_decode(f, head, prompt, config=SpeculativeConfig(k=k, adapt_k=False, fallback_rounds=0),
+            else speculative_decode(f, head, prompt, config=SpecParams(k=k, adapt_k=False, fallback_rounds=0),
                                     **common))
     for _ in loop:
         pass

@@ -74,10 +74,9 @@ class ModelRegistry:
         try:
             served = self._loader(
                 entry.name, entry.checkpoint_dir, draft_dir=entry.draft_dir, dflash_dir=entry.dflash_dir,
-                **({"assistant_dir": entry.assistant_dir} if entry.assistant_dir is not None else {}),
                 weight_format=entry.weight_format,
                 cache_dir=None if self.cache_root is None else self.cache_root / entry.name,
-                backend=self.backend, xrt_design=self.xrt_design)
+                backend=self.backend, xrt_design=self.xrt_design, assistant_dir=entry.assistant_dir)
         except (EngineError, OSError) as exc:  # ConfigError, WeightsError, TokenizerError, missing files
             log.error("model_load_failed", model=name, error=f"{type(exc).__name__}: {exc}")
             raise ApiError(ErrorCode.MODEL_ERROR,

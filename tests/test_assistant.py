@@ -298,7 +298,8 @@ def test_every_draft_is_the_chain_recomputed_from_scratch(base, assistants, two_
 
 def test_a_head_that_is_not_attached_falls_back_with_a_reason(base, assistants):
     from engine.sampling import Sampler
-    from engine.speculative import DecodeStats, SpeculativeConfig, speculative_decode
+    from engine.api import SpecParams as SpeculativeConfig
+    from engine.speculative import DecodeStats, speculative_decode
 
     f = Forward(base)
     f.prefill(PROMPT[:-1])
@@ -334,7 +335,8 @@ def test_the_ordered_head_gathers_the_rows_the_kernels_would(ckpts, base, fmt):
 
 def test_the_break_even_fallback_keeps_plain_decodes_output(base, assistants):
     from engine.sampling import Sampler
-    from engine.speculative import DecodeStats, FallbackReason, SpeculativeConfig, speculative_decode
+    from engine.api import SpecParams as SpeculativeConfig
+    from engine.speculative import DecodeStats, FallbackReason, speculative_decode
 
     f = Forward(base)
     f.prefill(PROMPT[:-1])

@@ -79,7 +79,7 @@ def test_npud_config_reads_assistant_dir(tmp_path):
 def test_job_spec_and_npuctl_accept_the_method():
     p = Params({"prompts": ["x"], "spec": {"method": "assistant", "k": 3}})
     spec = parse_spec(p, limits=LimitsConfig(), models=("g",), default_model="g", single=False)
-    assert spec.spec_method == "assistant"
+    assert spec.params.spec.method == "assistant"
     args = build_parser().parse_args(["complete", "--spec", "assistant", "hello"])
     assert args.spec == "assistant"
 
