@@ -12,7 +12,11 @@ A second table runs the bundled model pair (npud/models: pycode-base with its dr
 and its DFlash drafter, all trained here) on code completion, a code edit and docstring
 prose, plain vs prompt lookup vs draft model vs DFlash, through the daemon's session API.
 
-Run: .venv/bin/python bench/speculative.py [--tokens N] [--quick] [--reps R] [--models tiny,large,bundled]
+A third table (--models ...,assistant; bench/speculative_assistant.py) runs the Gemma 4 assistant
+drafter on the random 0.4B Gemma 4 checkpoint, one-pass and two-pass: base passes per token, the
+draft's cost per round in base steps and the break-even acceptance it implies on this host.
+
+Run: .venv/bin/python bench/speculative.py [--tokens N] [--quick] [--reps R] [--models tiny,large,bundled,assistant]
 """
 
 from __future__ import annotations
@@ -105,8 +109,10 @@ def main() -> None:
     ap.add_argument("--tokens-large", type=int, default=64, help="tokens per run on the 0.5B model")
     ap.add_argument("--reps", type=int, default=9, help="runs per cell on the tiny model (best of)")
     ap.add_argument("--models", default="tiny,large,bundled",
-                    help="which of tiny,large,bundled,gemma4,qwen3_5 to run (the last two: 0.4B random "
-                         "Gemma4- and Qwen3.5-shaped models, bf16, --tokens-large tokens)")
+                    help="which of tiny,large,bundled,gemma4,qwen3_5,assistant to run (gemma4, qwen3_5: 0.4B random "
+                         "Gemma4- and Qwen3.5-shaped models, bf16, --tokens-large tokens; assistant: the Gemma 4 "
+                         "assistant drafter on the 0.4B Gemma4, --tokens-assistant tokens)")
+    ap.add_argument("--tokens-assistant", type=int, default=24, help="tokens per run in the assistant rows")
     ap.add_argument("--reps-large", type=int, default=1, help="runs per cell on the large models (best of)")
     ap.add_argument("--tokens-bundled", type=int, default=96, help="tokens per run on the bundled pair")
     ap.add_argument("--quick", action="store_true", help="a 4-layer 0.5B-wide model, for a smoke run")
@@ -141,13 +147,14 @@ def main() -> None:
             for label, prompt in prompts(tok, hybrid.config.vocab_size).items():
                 rows.append((f"{hybrid_name} (bf16)", label, measure(hybrid, tok, prompt, args.tokens_large, args.reps_large, config)))
 
-    print(f"\n# bench/speculative.py: prompt lookup (n = 2..4), k up to {config.k} (adapt_k={config.adapt_k}), fallback after "
-          f"{config.fallback_rounds} rounds below break-even; greedy; tiny: {args.tokens} tokens, "
-          f"best of {args.reps}; large models: {args.tokens_large} tokens, best of {args.reps_large}\n")
     head = (f"| {'model':<24} | {'prompt':<13} | {'plain tok/s':>11} | {'spec tok/s':>10} | {'speedup':>7} | "
             f"{'accepted':>13} | {'passes/token':>12} | {'verify/step':>11} | {'fallback':>9} | {'byte-equal':>10} |")
-    print(head)
-    print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
+    if rows:
+        print(f"\n# bench/speculative.py: prompt lookup (n = 2..4), k up to {config.k} (adapt_k={config.adapt_k}), "
+              f"fallback after {config.fallback_rounds} rounds below break-even; greedy; tiny: {args.tokens} tokens, "
+              f"best of {args.reps}; large models: {args.tokens_large} tokens, best of {args.reps_large}\n")
+        print(head)
+        print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
     for model_name, label, r in rows:
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-"
         accepted = f"{r['acceptance']:.2f} of {r['drafted']}"
@@ -159,6 +166,10 @@ def main() -> None:
     print()
     if "bundled" in models:
         bundled_table(args.tokens_bundled, args.reps)
+    if "assistant" in models:
+        from speculative_assistant import assistant_table
+
+        assistant_table(args.tokens_assistant)
     for model_name, label, r in rows:
         if label == "random tokens":
             loss = 1.0 - r["spec"] / r["plain"]

@@ -127,9 +127,9 @@ def _generation_options() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass in (0, 1]")
     g.add_argument("--seed", type=int, help="sampling seed, for reproducible sampled output")
     g.add_argument("--stop", action="append", metavar="TEXT", help="stop when TEXT is generated (repeatable)")
-    g.add_argument("--spec", choices=("auto", "none", "ngram", "draft", "dflash"),
-                   help="speculative decoding: auto (default), none, ngram (prompt lookup), draft (draft model) "
-                        "or dflash (the model's DFlash block drafter)")
+    g.add_argument("--spec", choices=("auto", "none", "ngram", "draft", "dflash", "assistant"),
+                   help="speculative decoding: auto (default), none, ngram (prompt lookup), draft (draft model), "
+                        "dflash (the model's DFlash block drafter) or assistant (its Gemma 4 assistant)")
     g.add_argument("--spec-k", type=int, metavar="K", help="tokens drafted per round, 1..16 (default 4)")
     g.add_argument("--no-prefix-cache", action="store_true", help="do not reuse or store cached prompt prefixes")
     return p

@@ -37,13 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", default="bf16", choices=["fp32", "bf16", "int8", "int8-q8"], help="host weight format")
     ap.add_argument("--draft", help="a draft model checkpoint directory (same tokenizer)")
     ap.add_argument("--dflash", help="a DFlash drafter checkpoint directory trained on this base")
+    ap.add_argument("--assistant", help="a Gemma 4 assistant (gemma4_assistant) checkpoint directory for this base")
     ap.add_argument("--spec", default=DEFAULT_SPEC_METHOD, choices=SPEC_METHODS)
     ap.add_argument("--k", type=int, default=DEFAULT_SPEC_K, help="tokens drafted per round")
     ap.add_argument("--stats", action="store_true", help="print the run's statistics as JSON to stderr")
     args = ap.parse_args(argv)
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout is the text
     try:
-        served = LoadedModel.load("cli", args.checkpoint, args.draft, args.format, dflash_dir=args.dflash)
+        served = LoadedModel.load("cli", args.checkpoint, args.draft, args.format, dflash_dir=args.dflash,
+                                   assistant_dir=args.assistant)
         params = GenerationParams(
             max_tokens=args.max_tokens,
             sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),

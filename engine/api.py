@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-SPEC_METHODS = ("auto", "none", "ngram", "draft", "dflash")
-"""The speculative methods: auto (the draft model, else the DFlash drafter, else prompt lookup),
-none (plain decode), ngram (prompt lookup), draft (a smaller model), dflash (a block drafter)."""
+SPEC_METHODS = ("auto", "none", "ngram", "draft", "dflash", "assistant")
+"""The speculative methods: auto (the draft model, else the DFlash drafter, else the Gemma 4
+assistant, else prompt lookup), none (plain decode), ngram (prompt lookup), draft (a smaller
+model), dflash (a block drafter), assistant (a Gemma 4 assistant reading the base's states)."""
 
 DEFAULT_MAX_TOKENS = 128
 DEFAULT_SPEC_METHOD = "auto"
@@ -307,15 +308,15 @@ class ModelLoader(Protocol):
     def __call__(self, name: str, checkpoint_dir: str | Path, *, draft_dir: str | Path | None = None,
                  dflash_dir: str | Path | None = None, weight_format: str = "bf16",
                  cache_dir: str | Path | None = None, backend: str = "auto",
-                 xrt_design: str | Path | None = None) -> ServedModel: ...
+                 xrt_design: str | Path | None = None, assistant_dir: str | Path | None = None) -> ServedModel: ...
 
 
 def load_model(name: str, checkpoint_dir: str | Path, *, draft_dir: str | Path | None = None,
                dflash_dir: str | Path | None = None, weight_format: str = "bf16",
                cache_dir: str | Path | None = None, backend: str = "auto",
-               xrt_design: str | Path | None = None) -> ServedModel:
-    """Load a model from a checkpoint directory (with an optional draft model and DFlash
-    drafter), its prefix cache persistent under `cache_dir` when given, on `backend` ("auto",
+               xrt_design: str | Path | None = None, assistant_dir: str | Path | None = None) -> ServedModel:
+    """Load a model from a checkpoint directory (with an optional draft model, DFlash drafter
+    and Gemma 4 assistant), its prefix cache persistent under `cache_dir` when given, on `backend` ("auto",
     "host" or "xrt"). Blocking. Raises ModelError (or another EngineError) for files that are
     not what they claim, OSError for files that cannot be read."""
     # Imported here, not at the top: the engine proper pulls in numpy and numba, which a
@@ -324,4 +325,4 @@ def load_model(name: str, checkpoint_dir: str | Path, *, draft_dir: str | Path |
 
     return LoadedModel.load(name, checkpoint_dir, draft_dir=draft_dir, dflash_dir=dflash_dir,
                             weight_format=weight_format, cache_dir=cache_dir, backend=backend,
-                            xrt_design=xrt_design)
+                            xrt_design=xrt_design, assistant_dir=assistant_dir)

@@ -29,6 +29,7 @@ from engine.api import (
     SpecParams,
     TokenEvent,
 )
+from engine.assistant import Assistant, AssistantHead
 from engine.dflash import DFlashDraft, DFlashHead
 from engine.drafters import DraftModelHead, PromptLookupHead, check_same_tokenizer
 from engine.fingerprint import MEMO_FILE, DigestMemo, numerics_key
@@ -59,6 +60,7 @@ class LoadedModel:
         prefix_cache: PrefixCache | None = None,
         draft_tokenizer: Tokenizer | None = None,
         dflash: DFlashDraft | None = None,
+        assistant: Assistant | None = None,
     ):
         self.name = name
         self.model = model
@@ -66,6 +68,7 @@ class LoadedModel:
         self.draft = draft
         self.draft_tokenizer = draft_tokenizer if draft_tokenizer is not None else tokenizer
         self.dflash = dflash
+        self.assistant = assistant
         self.prefix_cache = prefix_cache
         self.max_context = model.config.max_position_embeddings
         self.backend_reason = "given by the caller"
@@ -92,12 +95,14 @@ class LoadedModel:
         cache_block: int = 32,
         backend: str = "auto",
         xrt_design: str | Path | None = None,
+        assistant_dir: str | Path | None = None,
     ) -> LoadedModel:
         """Load base (and draft) and open the prefix cache (persistent under `cache_dir`, if given).
 
         Raises ConfigError, WeightsError, TokenizerError or DraftMismatchError (all
         EngineErrors) for model files that are not what they claim, ModelError when backend
-        "xrt" cannot run, OSError for files that cannot be read.
+        "xrt" cannot run, AssistantMismatchError (a ModelError) for a Gemma 4 assistant made for
+        another base, OSError for files that cannot be read.
         """
         try:
             kernels, backend_reason = select_backend(backend, None if xrt_design is None else str(xrt_design))
@@ -119,13 +124,15 @@ class LoadedModel:
             block_size=cache_block,
         )
         dflash = DFlashDraft.load(dflash_dir, model, weight_format) if dflash_dir is not None else None
-        served = cls(name, model, tokenizer, draft, cache, draft_tokenizer, dflash)
+        assistant = Assistant.load(assistant_dir, model, weight_format) if assistant_dir is not None else None
+        served = cls(name, model, tokenizer, draft, cache, draft_tokenizer, dflash, assistant)
         served.backend_reason = backend_reason
         return served
 
     @property
     def nbytes(self) -> int:
-        return self.model.nbytes + (self.draft.nbytes if self.draft is not None else 0)
+        extra = sum(m.nbytes for m in (self.draft, self.assistant) if m is not None)
+        return self.model.nbytes + extra
 
     def describe(self) -> dict:
         cfg = self.model.config
@@ -139,6 +146,7 @@ class LoadedModel:
             "weights_bytes": self.nbytes,
             "draft": self.draft is not None,
             "dflash": self.dflash is not None,
+            "assistant": self.assistant is not None,
             "backend": self.model.backend.name,
             "backend_reason": self.backend_reason,
             "fingerprint": self.model.fingerprint[:16],
@@ -187,7 +195,8 @@ class LoadedModel:
         if method == "auto":
             # the draft model first: on the bundled pair it keeps more drafts per round than
             # the DFlash drafter (docs/dflash.md has the measurements)
-            method = "draft" if self.draft is not None else "dflash" if self.dflash is not None else "ngram"
+            method = ("draft" if self.draft is not None else "dflash" if self.dflash is not None
+                      else "assistant" if self.assistant is not None else "ngram")
         if method == "none":
             return None
         if method == "ngram":
@@ -196,6 +205,10 @@ class LoadedModel:
             if self.dflash is None:
                 raise RequestError(f"model {self.name!r} has no DFlash drafter (speculative method 'dflash')")
             return DFlashHead(self.dflash, sampling, pick=self.dflash.proposer(sampling, self.allowed))
+        if method == "assistant":
+            if self.assistant is None:
+                raise RequestError(f"model {self.name!r} has no assistant drafter (speculative method 'assistant')")
+            return AssistantHead(self.assistant)
         if self.draft is None:
             raise RequestError(f"model {self.name!r} has no draft model (speculative method 'draft')")
         return DraftModelHead(Forward(self.draft), self.tokenizer, self.draft_tokenizer, sampling,
@@ -278,7 +291,7 @@ class ModelSession:
         # prompt run; a restored prefix would come without those rows (the head would refuse
         # every draft), so such a session prefills its whole prompt (and still offers it)
         self._restore_allowed = not isinstance(head, DFlashHead)
-        if isinstance(head, DFlashHead):
+        if isinstance(head, (DFlashHead, AssistantHead)):
             head.attach(self.forward)
         self.generation = Generation(self.forward, served.tokenizer, prompt_ids, params, head=head)
         self._rounds = self.generation.rounds()

@@ -193,6 +193,7 @@ class ModelEntry:
     checkpoint_dir: str
     draft_dir: str | None = None
     dflash_dir: str | None = None  # a DFlash / DFlash 2 block drafter trained on this base
+    assistant_dir: str | None = None  # a Gemma 4 assistant (gemma4_assistant) made for this base
     weight_format: str = "bf16"
 
     def __post_init__(self) -> None:
@@ -318,6 +319,7 @@ def parse_config(raw: dict, base_dir: Path | None = None) -> DaemonConfig:
                 checkpoint_dir=str(base_dir / model.checkpoint_dir),
                 draft_dir=None if model.draft_dir is None else str(base_dir / model.draft_dir),
                 dflash_dir=None if model.dflash_dir is None else str(base_dir / model.dflash_dir),
+                assistant_dir=None if model.assistant_dir is None else str(base_dir / model.assistant_dir),
             )
         models.append(model)
     default_model = raw.get("default_model")
@@ -344,7 +346,7 @@ def check_models(cfg: DaemonConfig) -> list[str]:
     problems = []
     for m in cfg.models:
         for label, d in (("checkpoint_dir", m.checkpoint_dir), ("draft_dir", m.draft_dir),
-                         ("dflash_dir", m.dflash_dir)):
+                         ("dflash_dir", m.dflash_dir), ("assistant_dir", m.assistant_dir)):
             if d is None:
                 continue
             p = Path(d)

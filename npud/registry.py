@@ -25,7 +25,7 @@ log = structlog.get_logger(__name__)
 def estimate_bytes(entry: ModelEntry) -> int:
     """What a model will take once loaded, before loading it: the size of its weight files."""
     total = 0
-    for d in (entry.checkpoint_dir, entry.draft_dir, entry.dflash_dir):
+    for d in (entry.checkpoint_dir, entry.draft_dir, entry.dflash_dir, entry.assistant_dir):
         if d is not None:
             total += sum(p.stat().st_size for p in Path(d).glob("*.safetensors") if p.is_file())
     return total
@@ -76,7 +76,7 @@ class ModelRegistry:
                 entry.name, entry.checkpoint_dir, draft_dir=entry.draft_dir, dflash_dir=entry.dflash_dir,
                 weight_format=entry.weight_format,
                 cache_dir=None if self.cache_root is None else self.cache_root / entry.name,
-                backend=self.backend, xrt_design=self.xrt_design)
+                backend=self.backend, xrt_design=self.xrt_design, assistant_dir=entry.assistant_dir)
         except (EngineError, OSError) as exc:  # ConfigError, WeightsError, TokenizerError, missing files
             log.error("model_load_failed", model=name, error=f"{type(exc).__name__}: {exc}")
             raise ApiError(ErrorCode.MODEL_ERROR,
@@ -120,7 +120,7 @@ class ModelRegistry:
             served = self._resident.get(name)
             out.append({
                 "name": name, "checkpoint_dir": entry.checkpoint_dir, "draft_dir": entry.draft_dir,
-                "dflash_dir": entry.dflash_dir,
+                "dflash_dir": entry.dflash_dir, "assistant_dir": entry.assistant_dir,
                 "weight_format": entry.weight_format, "resident": served is not None,
                 "nbytes": None if served is None else served.nbytes,
                 "max_context": None if served is None else served.max_context,

@@ -134,7 +134,7 @@ class FakeServedModel:
 
 
 def load_model(name: str, checkpoint_dir, *, draft_dir=None, dflash_dir=None, weight_format: str = "bf16",
-               cache_dir=None, backend: str = "auto", xrt_design=None) -> FakeServedModel:
+               cache_dir=None, backend: str = "auto", xrt_design=None, assistant_dir=None) -> FakeServedModel:
     """The fake engine's engine.api.ModelLoader: knobs from <checkpoint_dir>/fake.json.
 
     Raises FileNotFoundError without the file, ModelError when it is not JSON."""
