@@ -470,7 +470,7 @@ class ModelConfig:
 
 
 # read by engine/config_hybrid.py
-HYBRID_MODEL_TYPES = ("gemma4", "gemma4_text", "qwen3_5", "qwen3_5_text")
+HYBRID_MODEL_TYPES = ("gemma4", "gemma4_text", "qwen3_5", "qwen3_5_text", "gemma3", "gemma3_text")
 
 # transformers' defaults for fields a config.json may leave out
 _MODEL_TYPES: dict[str, dict[str, Any]] = {

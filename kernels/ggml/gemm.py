@@ -1,0 +1,136 @@
+"""The host GEMM and row gather for GGML block weights, batch-invariant like kernels/host.py.
+
+The contract is kernels/host.py's: every output element y[m, n] is the float32 sum over
+k = 0, 1, ..., K - 1 of x[m, k] * w[n, k], added in that order with one rounding per
+multiply and per add (no fastmath: no reassociation, no FMA contraction), vector lanes
+across output columns, threads across column tiles. What differs is w[n, k]: it is
+widened from the block form of kernels/ggml/blocks.py inside the kernel, as
+S * q (or S * q - D), the reference dequantization's own operations, so the sum is the
+one a float32 GEMM over `gguf.quants.dequantize`'s weights would add, in the same order.
+
+Layout (done once at load): q tiles [ceil(N / T), K, T] int8 and factor tiles
+[ceil(N / T), K / g, P, T] float32, T = 64 output columns; padded columns hold q = 0 and
+S = D = 0, so they widen to 0 and are cut off after the call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from kernels.base import LinearWeight
+from kernels.ggml.blocks import LAYOUTS, BlockFormat
+
+TILE = 64
+PARALLEL_MIN_WEIGHT = 1 << 20  # weight elements from which a GEMM splits its tiles across threads
+_PACK_ROWS = TILE * 256  # rows unpacked per step while packing, to bound temporaries
+
+
+def _make_gemm(parallel):
+    @njit(parallel=parallel, cache=True, fastmath=False, nogil=True)
+    def gemm(x, q, f, out):
+        # x: [M, K] f32; q: [tiles, K, T] int8; f: [tiles, K / g, P, T] f32 -> out: [M, tiles * T]
+        M, K = x.shape
+        tiles = q.shape[0]
+        groups = f.shape[1]
+        g = K // groups
+        offset = f.shape[2] == 2
+        for t in prange(tiles):
+            acc = np.zeros((M, TILE), np.float32)
+            w = np.empty(TILE, np.float32)
+            for grp in range(groups):
+                for kk in range(g):
+                    k = grp * g + kk
+                    # the weight, widened with the reference's operations (one rounding each)
+                    if offset:
+                        for j in range(TILE):
+                            w[j] = f[t, grp, 0, j] * np.float32(q[t, k, j]) - f[t, grp, 1, j]
+                    else:
+                        for j in range(TILE):
+                            w[j] = f[t, grp, 0, j] * np.float32(q[t, k, j])
+                    for m in range(M):
+                        xv = x[m, k]
+                        for j in range(TILE):
+                            acc[m, j] = acc[m, j] + xv * w[j]
+            base = t * TILE
+            for m in range(M):
+                for j in range(TILE):
+                    out[m, base + j] = acc[m, j]
+
+    return gemm
+
+
+_GEMM = {p: _make_gemm(p) for p in (False, True)}
+
+
+@njit(cache=True, fastmath=False, nogil=True)
+def _gather(q, f, tokens, out):
+    # q: [tiles, D, T] int8, f: [tiles, D / g, P, T], tokens: [M] -> out [M, D]: row v of the [V, D] table
+    M = tokens.shape[0]
+    D = q.shape[1]
+    g = D // f.shape[1]
+    offset = f.shape[2] == 2
+    for m in range(M):
+        t = tokens[m] // TILE
+        j = tokens[m] % TILE
+        for d in range(D):
+            grp = d // g
+            v = f[t, grp, 0, j] * np.float32(q[t, d, j])
+            if offset:
+                v = v - f[t, grp, 1, j]
+            out[m, d] = v
+
+
+def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarray | None = None) -> LinearWeight:
+    """A [N, K] block matrix (raw GGUF rows, [N, row bytes] uint8) laid out in tiles.
+
+    rows: an optional row order (row i of the result is raw row rows[i]), for checkpoints
+    whose rows are stored permuted. Returns a LinearWeight with layout "qtiles". Raises
+    ValueError for a row width that does not hold K weights of `fmt`.
+    """
+    from kernels.ggml.blocks import unpack_matrix
+
+    lay = LAYOUTS[fmt]
+    n = raw.shape[0] if rows is None else len(rows)
+    if k % lay.block_weights:
+        raise ValueError(f"{fmt.value}: a row of {k} weights is not a whole number of {lay.block_weights}-weight blocks")
+    tiles = -(-n // TILE)
+    parts = 2 if lay.has_offset else 1
+    q_tiles = np.zeros((tiles, k, TILE), np.int8)
+    f_tiles = np.zeros((tiles, k // lay.group, parts, TILE), np.float32)
+    for r0 in range(0, n, _PACK_ROWS):
+        r1 = min(n, r0 + _PACK_ROWS)
+        chunk = raw[r0:r1] if rows is None else raw[rows[r0:r1]]
+        q, factors = unpack_matrix(np.asarray(chunk), fmt, k)
+        for i0 in range(r0, r1, TILE):
+            i1 = min(r1, i0 + TILE)
+            t = i0 // TILE
+            q_tiles[t, :, : i1 - i0] = q[i0 - r0 : i1 - r0].T
+            f_tiles[t, :, :, : i1 - i0] = factors[i0 - r0 : i1 - r0].transpose(1, 2, 0)
+    return LinearWeight(fmt=fmt, data=q_tiles, scale=f_tiles, layout="qtiles", out_features=n)
+
+
+def block_linear(x: np.ndarray, w: LinearWeight, parallel: bool) -> np.ndarray:
+    """x: [M, K] float32, w: a "qtiles" LinearWeight -> [M, N] (+ bias)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"linear: x has shape {x.shape}, weight expects [M, {w.in_features}]")
+    padded = np.empty((x.shape[0], w.data.shape[0] * TILE), np.float32)
+    # by weight size alone, so a step and a verify of the same layer take the same path
+    _GEMM[parallel and w.data.size >= PARALLEL_MIN_WEIGHT](x, w.data, w.scale, padded)
+    out = padded[:, : w.out_features]
+    if w.bias is not None:
+        out = out + w.bias  # one add per element, the same for every row
+    return out
+
+
+def block_embed(table: LinearWeight, tokens: np.ndarray) -> np.ndarray:
+    """Rows of a "qtiles" table widened to float32: tokens [M] (in range) -> [M, D]."""
+    out = np.empty((tokens.shape[0], table.in_features), np.float32)
+    _gather(table.data, table.scale, np.ascontiguousarray(tokens, dtype=np.int64), out)
+    return out
+
+
+def dense_weights(w: LinearWeight) -> np.ndarray:
+    """The float32 [N, K] weights of a "qtiles" LinearWeight (for tests and references)."""
+    return block_embed(w, np.arange(w.out_features, dtype=np.int64))
