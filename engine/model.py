@@ -36,9 +36,17 @@ class Model:
         fmt: WeightFormat | str = WeightFormat.BF16,
         backend: Backend | None = None,
     ) -> "Model":
-        """Read config.json and the safetensors weights; raises ConfigError or WeightsError."""
+        """Read config.json and the safetensors weights, or a .gguf file; raises ConfigError or WeightsError."""
         if isinstance(fmt, str):
             fmt = WeightFormat.parse(fmt)
+        from engine.gguf import is_gguf
+
+        if is_gguf(checkpoint_dir):
+            # a GGUF file's weights keep their own types; `fmt` applies to safetensors conversion
+            from engine.gguf.load import load_gguf_model
+
+            config, weights = load_gguf_model(checkpoint_dir)
+            return cls(config, weights, backend)
         config = load_config(checkpoint_dir)
         return cls(config, load_weights(config, checkpoint_dir, fmt), backend)
 

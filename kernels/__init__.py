@@ -36,16 +36,19 @@ class RowwiseBackend:
 def default_backend() -> Backend:
     """The host backend, after its batch-invariance self-check on this machine (run once).
 
-    If any row of an M-row GEMM (M = 1..16) differs in its bits from the one-row call, the
+    If any row of an M-row GEMM (M = 1..16, every weight format, GGUF block formats
+    included) differs in its bits from the one-row call, the
     result is logged and the row-at-a-time wrapper is returned instead.
     """
     global _default
     with _lock:
         if _default is None:
-            from kernels.host import HostBackend, check_batch_invariance, num_threads
+            from kernels.ggml.backend import BlockHostBackend, check_block_invariance
+            from kernels.host import check_batch_invariance, num_threads
 
-            host = HostBackend()
-            failures = check_batch_invariance(host)
+            # HostBackend plus GGUF's block formats; the self-check covers both kinds of weight
+            host = BlockHostBackend()
+            failures = check_batch_invariance(host) + check_block_invariance(host)
             if failures:
                 log.warning("kernel_self_check_failed", backend=host.name, failures=failures, fallback="rowwise")
                 _default = RowwiseBackend(host)
