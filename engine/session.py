@@ -170,6 +170,9 @@ class ServedModel:
         else:
             text = req.prompt
         ids = self.tokenizer.encode(text)
+        bos = self.tokenizer.bos_token_id
+        if req.messages is None and self.tokenizer.add_bos_token and bos is not None and ids[:1] != [bos]:
+            ids = [bos, *ids]  # the vocabulary asks for it (GGUF add_bos_token), as llama.cpp and transformers do
         if not ids:
             raise RequestError("bad_request", "the prompt encodes to no tokens")
         return ids
