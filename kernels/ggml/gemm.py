@@ -60,7 +60,50 @@ def _make_gemm(parallel):
     return gemm
 
 
+def _make_gemv(parallel):
+    """The one-row GEMM (decode steps): the same sum per element in the same order as `gemm`
+    (so the same bits; the self-check compares exactly these two paths), with the group's
+    factors held in registers and each weight widened inside the multiply-add."""
+
+    @njit(parallel=parallel, cache=True, fastmath=False, nogil=True)
+    def gemv(x, q, f, out):
+        # x: [1, K] f32; q: [tiles, K, T] int8; f: [tiles, K / g, P, T] f32 -> out: [1, tiles * T]
+        K = x.shape[1]
+        tiles = q.shape[0]
+        groups = f.shape[1]
+        g = K // groups
+        offset = f.shape[2] == 2
+        for t in prange(tiles):
+            acc = np.zeros(TILE, np.float32)
+            s = np.empty(TILE, np.float32)
+            d = np.zeros(TILE, np.float32)
+            for grp in range(groups):
+                for j in range(TILE):
+                    s[j] = f[t, grp, 0, j]
+                if offset:
+                    for j in range(TILE):
+                        d[j] = f[t, grp, 1, j]
+                k0 = grp * g
+                if offset:
+                    for kk in range(0, g, 2):
+                        x0, x1 = x[0, k0 + kk], x[0, k0 + kk + 1]
+                        for j in range(TILE):
+                            a = acc[j] + x0 * (s[j] * np.float32(q[t, k0 + kk, j]) - d[j])
+                            acc[j] = a + x1 * (s[j] * np.float32(q[t, k0 + kk + 1, j]) - d[j])
+                else:
+                    for kk in range(0, g, 2):
+                        x0, x1 = x[0, k0 + kk], x[0, k0 + kk + 1]
+                        for j in range(TILE):
+                            a = acc[j] + x0 * (s[j] * np.float32(q[t, k0 + kk, j]))
+                            acc[j] = a + x1 * (s[j] * np.float32(q[t, k0 + kk + 1, j]))
+            for j in range(TILE):
+                out[0, t * TILE + j] = acc[j]
+
+    return gemv
+
+
 _GEMM = {p: _make_gemm(p) for p in (False, True)}
+_GEMV = {p: _make_gemv(p) for p in (False, True)}
 
 
 @njit(cache=True, fastmath=False, nogil=True)
@@ -117,7 +160,8 @@ def block_linear(x: np.ndarray, w: LinearWeight, parallel: bool) -> np.ndarray:
         raise ValueError(f"linear: x has shape {x.shape}, weight expects [M, {w.in_features}]")
     padded = np.empty((x.shape[0], w.data.shape[0] * TILE), np.float32)
     # by weight size alone, so a step and a verify of the same layer take the same path
-    _GEMM[parallel and w.data.size >= PARALLEL_MIN_WEIGHT](x, w.data, w.scale, padded)
+    kernels = _GEMV if x.shape[0] == 1 else _GEMM
+    kernels[parallel and w.data.size >= PARALLEL_MIN_WEIGHT](x, w.data, w.scale, padded)
     out = padded[:, : w.out_features]
     if w.bias is not None:
         out = out + w.bias  # one add per element, the same for every row
