@@ -25,6 +25,8 @@ class Model:
         self.backend = backend if backend is not None else default_backend()
         self.weights = _prepare(weights, self.backend)
         self.fingerprint = weights.fingerprint
+        # what the checkpoint file says about itself (GGUF: architecture, quant mix, sizes); {} otherwise
+        self.checkpoint_info: dict = {}
         # one RoPE table per distinct spec (sliding and full layers may differ)
         cache: dict = {}
         self.inv_freq = [cache.setdefault(spec.rope, spec.rope.inv_freq()) for spec in config.layers]
@@ -46,7 +48,11 @@ class Model:
             from engine.gguf.load import load_gguf_model
 
             config, weights = load_gguf_model(checkpoint_dir)
-            return cls(config, weights, backend)
+            model = cls(config, weights, backend)
+            from engine.gguf.describe import describe_gguf
+
+            model.checkpoint_info = describe_gguf(checkpoint_dir)
+            return model
         config = load_config(checkpoint_dir)
         return cls(config, load_weights(config, checkpoint_dir, fmt), backend)
 

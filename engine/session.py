@@ -161,6 +161,7 @@ class ServedModel:
             "backend": self.model.backend.name,
             "backend_reason": self.backend_reason,
             "fingerprint": self.model.fingerprint[:16],
+            "checkpoint": {**self.model.checkpoint_info, "resident_bytes": self.model.nbytes},
         }
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:

@@ -79,9 +79,14 @@ def gguf_config_dict(g: GgufFile) -> dict[str, Any]:
         raw.pop("sliding_window", None)  # llama.cpp runs qwen2/qwen3 with full attention
         if model_type == "qwen3":
             raw["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
-    else:  # gemma3_text, llama.cpp's reading: every 6th layer full, scores scaled by head_dim ** -0.5
+    else:  # gemma3_text, llama.cpp's reading: every 6th layer full
         raw["rope_local_base_freq"] = 10_000.0
-        raw["query_pre_attn_scalar"] = raw.get("head_dim", 256)
+        # llama.cpp's gemma3: scores scaled by head_dim ** -0.5, except the 27B (62 layers),
+        # scaled by (hidden / heads) ** -0.5 as its query_pre_attn_scalar says
+        if raw.get("num_hidden_layers") == 62 and raw.get("hidden_size") and raw.get("num_attention_heads"):
+            raw["query_pre_attn_scalar"] = raw["hidden_size"] // raw["num_attention_heads"]
+        else:
+            raw["query_pre_attn_scalar"] = raw.get("head_dim", 256)
         raw["hidden_activation"] = "gelu_pytorch_tanh"
     return raw
 
