@@ -33,25 +33,43 @@ def _make_gemm(parallel):
         M, K = x.shape
         tiles = q.shape[0]
         groups = f.shape[1]
-        g = K // groups
+        g = K // groups  # 16 or 32: a multiple of 4
         offset = f.shape[2] == 2
+        m2 = M - M % 2
         for t in prange(tiles):
             acc = np.zeros((M, TILE), np.float32)
-            w = np.empty(TILE, np.float32)
+            w4 = np.empty((4, TILE), np.float32)
             for grp in range(groups):
-                for kk in range(g):
-                    k = grp * g + kk
-                    # the weight, widened with the reference's operations (one rounding each)
-                    if offset:
+                for k in range(grp * g, (grp + 1) * g, 4):
+                    # four weights of each column, widened with the reference's operations
+                    for i in range(4):
+                        if offset:
+                            for j in range(TILE):
+                                w4[i, j] = f[t, grp, 0, j] * np.float32(q[t, k + i, j]) - f[t, grp, 1, j]
+                        else:
+                            for j in range(TILE):
+                                w4[i, j] = f[t, grp, 0, j] * np.float32(q[t, k + i, j])
+                    # each accumulator still adds x[m, k] * w[k] in increasing k, one rounding per
+                    # multiply and per add; two rows at a time give the core independent chains
+                    for m in range(0, m2, 2):
+                        x0, x1, x2, x3 = x[m, k], x[m, k + 1], x[m, k + 2], x[m, k + 3]
+                        y0, y1, y2, y3 = x[m + 1, k], x[m + 1, k + 1], x[m + 1, k + 2], x[m + 1, k + 3]
                         for j in range(TILE):
-                            w[j] = f[t, grp, 0, j] * np.float32(q[t, k, j]) - f[t, grp, 1, j]
-                    else:
+                            a = acc[m, j] + x0 * w4[0, j]
+                            b = acc[m + 1, j] + y0 * w4[0, j]
+                            a = a + x1 * w4[1, j]
+                            b = b + y1 * w4[1, j]
+                            a = a + x2 * w4[2, j]
+                            b = b + y2 * w4[2, j]
+                            acc[m, j] = a + x3 * w4[3, j]
+                            acc[m + 1, j] = b + y3 * w4[3, j]
+                    for m in range(m2, M):
+                        x0, x1, x2, x3 = x[m, k], x[m, k + 1], x[m, k + 2], x[m, k + 3]
                         for j in range(TILE):
-                            w[j] = f[t, grp, 0, j] * np.float32(q[t, k, j])
-                    for m in range(M):
-                        xv = x[m, k]
-                        for j in range(TILE):
-                            acc[m, j] = acc[m, j] + xv * w[j]
+                            a = acc[m, j] + x0 * w4[0, j]
+                            a = a + x1 * w4[1, j]
+                            a = a + x2 * w4[2, j]
+                            acc[m, j] = a + x3 * w4[3, j]
             base = t * TILE
             for m in range(M):
                 for j in range(TILE):
