@@ -35,6 +35,7 @@ def _make_gemm(parallel):
         groups = f.shape[1]
         g = K // groups  # 16 or 32: a multiple of 4
         offset = f.shape[2] == 2
+        m4 = M - M % 4
         m2 = M - M % 2
         for t in prange(tiles):
             acc = np.zeros((M, TILE), np.float32)
@@ -50,8 +51,19 @@ def _make_gemm(parallel):
                             for j in range(TILE):
                                 w4[i, j] = f[t, grp, 0, j] * np.float32(q[t, k + i, j])
                     # each accumulator still adds x[m, k] * w[k] in increasing k, one rounding per
-                    # multiply and per add; two rows at a time give the core independent chains
-                    for m in range(0, m2, 2):
+                    # multiply and per add; four (then two) rows at a time share each weight load
+                    for m in range(0, m4, 4):
+                        x0, x1, x2, x3 = x[m, k], x[m, k + 1], x[m, k + 2], x[m, k + 3]
+                        y0, y1, y2, y3 = x[m + 1, k], x[m + 1, k + 1], x[m + 1, k + 2], x[m + 1, k + 3]
+                        u0, u1, u2, u3 = x[m + 2, k], x[m + 2, k + 1], x[m + 2, k + 2], x[m + 2, k + 3]
+                        v0, v1, v2, v3 = x[m + 3, k], x[m + 3, k + 1], x[m + 3, k + 2], x[m + 3, k + 3]
+                        for j in range(TILE):
+                            w0, w1, w2, w3 = w4[0, j], w4[1, j], w4[2, j], w4[3, j]
+                            acc[m, j] = (((acc[m, j] + x0 * w0) + x1 * w1) + x2 * w2) + x3 * w3
+                            acc[m + 1, j] = (((acc[m + 1, j] + y0 * w0) + y1 * w1) + y2 * w2) + y3 * w3
+                            acc[m + 2, j] = (((acc[m + 2, j] + u0 * w0) + u1 * w1) + u2 * w2) + u3 * w3
+                            acc[m + 3, j] = (((acc[m + 3, j] + v0 * w0) + v1 * w1) + v2 * w2) + v3 * w3
+                    for m in range(m4, m2, 2):
                         x0, x1, x2, x3 = x[m, k], x[m, k + 1], x[m, k + 2], x[m, k + 3]
                         y0, y1, y2, y3 = x[m + 1, k], x[m + 1, k + 1], x[m + 1, k + 2], x[m + 1, k + 3]
                         for j in range(TILE):
