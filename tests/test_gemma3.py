@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from checkpoints import load_reference, write_tokenizer
+from engine.testing.checkpoints import load_reference, write_tokenizer
 from engine.config import AttentionKind, ConfigError, parse_config
 from engine.forward import Forward
 from engine.model import Model

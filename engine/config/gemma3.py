@@ -12,7 +12,8 @@ its language model (tensors under `model.language_model.`) is served.
 
 from __future__ import annotations
 
-from engine.config import ACTIVATIONS, AttentionKind, LayerSpec, ModelConfig, RopeSpec, _Reader
+from engine.config.reader import _Reader
+from engine.config.specs import ACTIVATIONS, AttentionKind, LayerSpec, ModelConfig, RopeSpec
 
 GEMMA3_MODEL_TYPES = ("gemma3", "gemma3_text")
 
