@@ -119,6 +119,9 @@ def main() -> int:
                 sys.exit(f"demo: npud did not start; its log:\n{(tmp / 'npud.log').read_text()}")
             time.sleep(0.1)
         for m in json.loads(npuctl("models", "--json", env=env))["models"]:
+            if m["checkpoint_dir"].endswith(".gguf"):
+                print(f"demo: model {m['name']}: {m['checkpoint_dir']} (GGUF: its own quant types, kept in block form)")
+                continue
             print(f"demo: model {m['name']}: {m['checkpoint_dir']} ({m['weight_format']} weights)\n"
                   f"      draft model {m['draft_dir']}\n      DFlash drafter {m['dflash_dir']}")
 
