@@ -11,8 +11,6 @@ npud with itself, bit for bit.
 
 from __future__ import annotations
 
-import resource
-
 import numpy as np
 import pytest
 
@@ -115,13 +113,16 @@ def test_every_tensor_dequantizes_bit_identical_to_gguf(path):
 
 
 def test_loads_in_block_form_within_1_3x_the_file(path, model):
+    """Every matrix stays in its block type (the tied embedding/output table included): the
+    weights held are at most 1.3x the file (measured: 1.21x)."""
+    import os
+
     from kernels.ggml.blocks import BlockFormat
 
-    size = ours_file_bytes = __import__("os").path.getsize(path)
-    assert isinstance(model.weights.embed.fmt, BlockFormat) and model.weights.lm_head is model.weights.embed
-    assert model.nbytes <= 1.3 * size, (model.nbytes, ours_file_bytes)
-    # the process as a whole: weights plus the interpreter, numba, torch of other tests
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 > model.nbytes
+    w = model.weights
+    assert w.lm_head is w.embed and w.embed.fmt is BlockFormat.Q8_0
+    assert all(isinstance(lw.mlp.down.fmt, BlockFormat) and isinstance(lw.attn.q.fmt, BlockFormat) for lw in w.layers)
+    assert model.nbytes <= 1.3 * os.path.getsize(path)
 
 
 def test_logits_match_transformers_on_5_prompts_x_64_positions(model, prompt_ids, reference):
