@@ -84,7 +84,7 @@ def npud_engine(path: str, prompt512: list[int], n_decode: int) -> dict:
     from engine.forward import Forward
     from engine.model import Model
 
-    from kernels import default_backend
+    from kernels.select import default_backend
 
     default_backend()  # compiles (or loads) the kernels first, so the RSS delta is the model's
     before = rss_bytes()
