@@ -221,3 +221,27 @@ def test_check_config_reads_gguf_headers(files, tmp_path):
         assert (run.returncode == 0) == ok, run.stderr
         if not ok:
             assert "models[m].checkpoint_dir" in run.stderr
+
+
+def test_chat_template_and_bos_come_from_the_file(tmp_path):
+    template = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}<model>{% endif %}")
+    path = write_tiny_gguf(tmp_path / "chat.gguf", "gemma3", chat_template=template)
+    tok = Tokenizer.from_dir(path)
+    text = tok.apply_chat_template([{"role": "user", "content": "the value"}], add_generation_prompt=True)
+    assert text == "<bos><user>the value<model>"
+    assert tok.add_bos_token and tok.bos_token_id == 2 and tok.eos_token_ids == (1,)
+    assert tok.encode("the value", add_special_tokens=True)[0] == 2 and tok.encode("the value")[0] != 2
+
+
+def test_served_gguf_prompt_starts_with_bos_and_describes_itself(files):
+    from engine.session import GenerateRequest, ServedModel
+
+    served = ServedModel.load("tiny", files["gemma3"], backend="host")
+    ids = served.prompt_ids(GenerateRequest(prompt="the value", max_tokens=4))
+    assert ids[0] == 2 and ids[1:] == served.tokenizer.encode("the value")
+    info = served.describe()["checkpoint"]
+    assert info["architecture"] == "gemma3" and info["resident_bytes"] == served.model.nbytes
+    # a vocabulary that does not ask for BOS (gpt2 here) gets none
+    plain = ServedModel.load("tiny2", files["qwen2"], backend="host")
+    assert plain.prompt_ids(GenerateRequest(prompt="the value", max_tokens=4)) == plain.tokenizer.encode("the value")
