@@ -71,7 +71,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_tiny_gguf(path: Path, arch: str, seed: int = 0, tokenizer: str | None = None, chat_template: str | None = None,
-                    **meta) -> Path:
+                    name: str | None = None, **meta) -> Path:
     """A random arch ("llama", "qwen2", "qwen3", "gemma3") model; returns `path`.
 
     Hidden 256 and MLP 512 so every block type fits a row. `meta` adds or overrides
@@ -104,6 +104,8 @@ def write_tiny_gguf(path: Path, arch: str, seed: int = 0, tokenizer: str | None 
         w.add_bool("tokenizer.ggml.add_bos_token", True)
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    if name is not None:
+        w.add_name(name)
     vocab, hidden, ffn, layers, heads, kv_heads, head_dim = len(tokens), 256, 512, 3, 4, 2, 64
     if arch == "qwen3":
         heads, kv_heads, head_dim = 2, 1, 128  # transformers reads qwen3 GGUFs with its default head_dim

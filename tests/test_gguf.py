@@ -245,3 +245,11 @@ def test_served_gguf_prompt_starts_with_bos_and_describes_itself(files):
     # a vocabulary that does not ask for BOS (gpt2 here) gets none
     plain = ServedModel.load("tiny2", files["qwen2"], backend="host")
     assert plain.prompt_ids(GenerateRequest(prompt="the value", max_tokens=4)) == plain.tokenizer.encode("the value")
+
+
+def test_llama_files_named_mistral_read_as_mistral(tmp_path):
+    from engine.gguf.config import gguf_config
+
+    named = gguf_config(open_gguf(write_tiny_gguf(tmp_path / "m.gguf", "llama", name="Mistral 7B Instruct")))
+    plain = gguf_config(open_gguf(write_tiny_gguf(tmp_path / "l.gguf", "llama", name="Llama 3.2 1B")))
+    assert named.model_type == "mistral" and plain.model_type == "llama"
