@@ -47,11 +47,9 @@ class Model:
             # a GGUF file's weights keep their own types; `fmt` applies to safetensors conversion
             from engine.gguf.load import load_gguf_model
 
-            config, weights = load_gguf_model(checkpoint_dir)
+            config, weights, info = load_gguf_model(checkpoint_dir)
             model = cls(config, weights, backend)
-            from engine.gguf.describe import describe_gguf
-
-            model.checkpoint_info = describe_gguf(checkpoint_dir)
+            model.checkpoint_info = info
             return model
         config = load_config(checkpoint_dir)
         return cls(config, load_weights(config, checkpoint_dir, fmt), backend)

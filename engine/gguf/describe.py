@@ -5,8 +5,9 @@ Returns plain dicts (JSON-able, standard types only), so the daemon never sees a
 
 from __future__ import annotations
 
+from engine.config import ModelConfig
 from engine.gguf.config import gguf_config
-from engine.gguf.reader import open_gguf
+from engine.gguf.reader import GgufFile, open_gguf
 from engine.gguf.weights import check_gguf_tensors, parameter_count, quant_mix
 
 
@@ -17,6 +18,11 @@ def describe_gguf(path) -> dict:
     g = open_gguf(path)
     cfg = gguf_config(g)
     check_gguf_tensors(g, cfg)
+    return describe_file(g, cfg)
+
+
+def describe_file(g: GgufFile, cfg: ModelConfig) -> dict:
+    """describe_gguf's dict for a file already opened and checked."""
     return {
         "format": "gguf",
         "architecture": g.architecture,

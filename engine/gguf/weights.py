@@ -22,7 +22,7 @@ from engine.config import ModelConfig
 from engine.gguf.reader import GgufFile, GgufTensor
 from engine.weights import AttentionWeights, LayerWeights, MlpWeights, ModelWeights, WeightsError, checkpoint_fingerprint
 from kernels.base import LinearWeight, WeightFormat
-from kernels.ggml.blocks import LAYOUTS, BlockFormat
+from kernels.ggml.blocks import BlockFormat
 from kernels.ggml.gemm import pack_block_matrix
 
 BLOCK_TYPES = {fmt.name: fmt for fmt in BlockFormat}  # ggml type name -> BlockFormat
@@ -169,9 +169,6 @@ def quant_mix(g: GgufFile) -> dict[str, int]:
 
 
 def parameter_count(g: GgufFile) -> int:
-    """Weights in the file (a tied output counted once)."""
+    """Weights in the file (a tied output is one tensor, counted once)."""
     return int(sum(np.prod(t.shape) for t in g.tensors.values()))
 
-
-__all__ = ["LAYOUTS", "expected_gguf_tensors", "check_gguf_tensors", "load_gguf_weights", "quant_mix",
-           "parameter_count", "dense_array"]
