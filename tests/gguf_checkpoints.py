@@ -128,6 +128,8 @@ def write_tiny_gguf(path: Path, arch: str, seed: int = 0, tokenizer: str | None 
         full = f"{arch}.{key}"
         if isinstance(value, float):
             w.add_float32(full, value)
+        elif isinstance(value, str):
+            w.add_string(full, value)
         else:
             w.add_uint32(full, value)
     kinds = iter(TYPES * 40)

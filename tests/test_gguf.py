@@ -253,3 +253,14 @@ def test_llama_files_named_mistral_read_as_mistral(tmp_path):
     named = gguf_config(open_gguf(write_tiny_gguf(tmp_path / "m.gguf", "llama", name="Mistral 7B Instruct")))
     plain = gguf_config(open_gguf(write_tiny_gguf(tmp_path / "l.gguf", "llama", name="Llama 3.2 1B")))
     assert named.model_type == "mistral" and plain.model_type == "llama"
+
+
+def test_rope_scaling_metadata(tmp_path):
+    from engine.gguf.config import gguf_config
+
+    linear = write_tiny_gguf(tmp_path / "lin.gguf", "qwen2", **{"rope.scaling.type": "linear", "rope.scaling.factor": 4.0})
+    rope = gguf_config(open_gguf(linear)).layers[0].rope
+    assert rope.scaling == "linear" and rope.factor == 4.0
+    yarn = write_tiny_gguf(tmp_path / "yarn.gguf", "qwen2", **{"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0})
+    with pytest.raises(ConfigError, match="yarn"):
+        gguf_config(open_gguf(yarn))
