@@ -235,16 +235,17 @@ def test_chat_template_and_bos_come_from_the_file(tmp_path):
 
 
 def test_served_gguf_prompt_starts_with_bos_and_describes_itself(files):
-    from engine.session import GenerateRequest, ServedModel
+    from engine.api import GenerateRequest
+    from engine.session import LoadedModel
 
-    served = ServedModel.load("tiny", files["gemma3"], backend="host")
-    ids = served.prompt_ids(GenerateRequest(prompt="the value", max_tokens=4))
+    served = LoadedModel.load("tiny", files["gemma3"], backend="host")
+    ids = served.prompt_ids(GenerateRequest(prompt="the value"))
     assert ids[0] == 2 and ids[1:] == served.tokenizer.encode("the value")
     info = served.describe()["checkpoint"]
     assert info["architecture"] == "gemma3" and info["resident_bytes"] == served.model.nbytes
     # a vocabulary that does not ask for BOS (gpt2 here) gets none
-    plain = ServedModel.load("tiny2", files["qwen2"], backend="host")
-    assert plain.prompt_ids(GenerateRequest(prompt="the value", max_tokens=4)) == plain.tokenizer.encode("the value")
+    plain = LoadedModel.load("tiny2", files["qwen2"], backend="host")
+    assert plain.prompt_ids(GenerateRequest(prompt="the value")) == plain.tokenizer.encode("the value")
 
 
 def test_llama_files_named_mistral_read_as_mistral(tmp_path):

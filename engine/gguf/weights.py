@@ -16,6 +16,8 @@ forward scales by 1 + (stored - 1), computed in float32 as transformers computes
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from engine.config import ModelConfig
@@ -129,7 +131,7 @@ def load_gguf_weights(g: GgufFile, cfg: ModelConfig) -> ModelWeights:
         w = _matrix(t[f"{name}.weight"], rows)
         if has_bias:
             bias = vector(f"{name}.bias")
-            w = LinearWeight(w.fmt, w.data, w.scale, bias if rows is None else bias[rows], w.layout, w.out_features)
+            w = dataclasses.replace(w, bias=bias if rows is None else bias[rows])
         return w
 
     layers = []

@@ -180,7 +180,7 @@ def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarra
             t = i0 // TILE
             q_tiles[t, :, : i1 - i0] = q[i0 - r0 : i1 - r0].T
             f_tiles[t, :, :, : i1 - i0] = factors[i0 - r0 : i1 - r0].transpose(1, 2, 0)
-    return LinearWeight(fmt=fmt, data=q_tiles, scale=f_tiles, layout="qtiles", out_features=n)
+    return LinearWeight(fmt=fmt, data=q_tiles, scale=f_tiles, layout="qtiles", out_features=n, in_features=k)
 
 
 def block_linear(x: np.ndarray, w: LinearWeight, parallel: bool) -> np.ndarray:
