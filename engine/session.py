@@ -310,3 +310,10 @@ class ModelSession:
             finish_reason=g.finish_reason,
             stats=stats,
         )
+
+
+def describe_checkpoint(path) -> dict:
+    """engine.api.describe_checkpoint: a .gguf file's header, checked and described."""
+    from engine.gguf.describe import describe_gguf
+
+    return describe_gguf(path)

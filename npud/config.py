@@ -361,12 +361,12 @@ def check_models(cfg: DaemonConfig) -> list[str]:
 def _check_gguf(name: str, path: str) -> list[str]:
     """A .gguf checkpoint's header read by the engine: an unsupported architecture or tensor
     type is reported here, not on the first request."""
-    from engine.gguf.describe import describe_gguf
+    from engine.api import describe_checkpoint
 
     if not Path(path).is_file():
         return [f"models[{name}].checkpoint_dir = {path!r}: no such GGUF file"]
     try:
-        describe_gguf(path)
+        describe_checkpoint(path)
     except ValueError as exc:  # engine ConfigError / WeightsError
         return [f"models[{name}].checkpoint_dir: {exc}"]
     return []
