@@ -99,15 +99,21 @@ for _ in range(a["repeats"]):
 llm.reset()
 llm.eval(prompt[: a["decode_prompt"]])
 tokens, times = [], []
+def last_logits():
+    # llama-cpp-python 0.3.x keeps no scores without logits_all: read the context's output row
+    # (only the batch's last token asks for logits, so it is row 0)
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
 for _ in range(a["decode"]):
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tok = int(np.argmax(last_logits()))
     tokens.append(tok)
     t = time.perf_counter()
     llm.eval([tok])
     times.append(time.perf_counter() - t)
 times.sort()
+import resource
 print(json.dumps({"prefill_tok_s": len(prompt) / best_prefill, "decode_tok_s": 1.0 / times[len(times) // 2],
-                  "tokens": tokens, "prompt_tokens": len(prompt)}))
+                  "tokens": tokens, "prompt_tokens": len(prompt),
+                  "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
 
 

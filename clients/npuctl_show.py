@@ -269,11 +269,18 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(reply)
         return EXIT_OK
-    rows = [[m["name"] + (" (default)" if m["name"] == default else ""), m.get("resident"), m.get("weight_format"),
-             fmt_bytes(m.get("nbytes")), m.get("max_context"), m.get("checkpoint_dir"), m.get("draft_dir")]
-            for m in reply["models"]]
-    print_table(sys.stdout, ["model", "resident", "format", "size", "context", "checkpoint", "draft"], rows,
-                tty=is_tty(sys.stdout))
+    rows = []
+    for m in reply["models"]:
+        info = (m.get("describe") or {}).get("checkpoint") or {}
+        mix = ", ".join(f"{t} {n}" for t, n in (info.get("quant_mix") or {}).items())
+        params = info.get("parameters")
+        rows.append([m["name"] + (" (default)" if m["name"] == default else ""), m.get("resident"),
+                     mix or m.get("weight_format"), info.get("architecture") or (m.get("describe") or {}).get("model_type"),
+                     f"{params / 1e6:.0f}M" if params else None,
+                     fmt_bytes(info.get("file_bytes")), fmt_bytes(m.get("nbytes")), m.get("max_context"),
+                     m.get("checkpoint_dir"), m.get("draft_dir")])
+    print_table(sys.stdout, ["model", "resident", "format", "arch", "params", "file", "size", "context",
+                             "checkpoint", "draft"], rows, tty=is_tty(sys.stdout))
     return EXIT_OK
 
 

@@ -326,3 +326,13 @@ def load_model(name: str, checkpoint_dir: str | Path, *, draft_dir: str | Path |
     return LoadedModel.load(name, checkpoint_dir, draft_dir=draft_dir, dflash_dir=dflash_dir,
                             weight_format=weight_format, cache_dir=cache_dir, backend=backend,
                             xrt_design=xrt_design, assistant_dir=assistant_dir)
+
+
+def describe_checkpoint(path: str | Path) -> dict:
+    """What a single-file checkpoint (.gguf) is, from its header alone: architecture, model_type,
+    quant_mix, parameters, file_bytes, context_length (standard types only). Blocking. Raises
+    ValueError (the engine's ConfigError / WeightsError) naming an unsupported architecture or
+    a tensor of a type npud cannot run, so `npud --check-config` fails there."""
+    from engine.session import describe_checkpoint as describe  # the engine proper, only when a .gguf is configured
+
+    return describe(path)

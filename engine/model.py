@@ -25,6 +25,8 @@ class Model:
         self.backend = backend if backend is not None else default_backend()
         self.weights = _prepare(weights, self.backend)
         self.fingerprint = weights.fingerprint
+        # what the checkpoint file says about itself (GGUF: architecture, quant mix, sizes); {} otherwise
+        self.checkpoint_info: dict = {}
         # one RoPE table per distinct spec (sliding and full layers may differ)
         cache: dict = {}
         self.inv_freq = [cache.setdefault(spec.rope, spec.rope.inv_freq()) for spec in config.layers]
@@ -36,9 +38,19 @@ class Model:
         fmt: WeightFormat | str = WeightFormat.BF16,
         backend: Backend | None = None,
     ) -> "Model":
-        """Read config.json and the safetensors weights; raises ConfigError or WeightsError."""
+        """Read config.json and the safetensors weights, or a .gguf file; raises ConfigError or WeightsError."""
         if isinstance(fmt, str):
             fmt = WeightFormat.parse(fmt)
+        from engine.gguf import is_gguf
+
+        if is_gguf(checkpoint_dir):
+            # a GGUF file's weights keep their own types; `fmt` applies to safetensors conversion
+            from engine.gguf.load import load_gguf_model
+
+            config, weights, info = load_gguf_model(checkpoint_dir)
+            model = cls(config, weights, backend)
+            model.checkpoint_info = info
+            return model
         config = load_config(checkpoint_dir)
         return cls(config, load_weights(config, checkpoint_dir, fmt), backend)
 

@@ -150,6 +150,7 @@ class LoadedModel:
             "backend": self.model.backend.name,
             "backend_reason": self.backend_reason,
             "fingerprint": self.model.fingerprint[:16],
+            "checkpoint": {**self.model.checkpoint_info, "resident_bytes": self.model.nbytes},
         }
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
@@ -164,6 +165,9 @@ class LoadedModel:
             ids = self.tokenizer.encode(text)
         except TokenizerError as exc:  # a template that fails on these messages: the request's fault
             raise RequestError(str(exc)) from exc
+        bos = self.tokenizer.bos_token_id
+        if req.messages is None and self.tokenizer.add_bos_token and bos is not None and ids[:1] != [bos]:
+            ids = [bos, *ids]  # the vocabulary asks for it (GGUF add_bos_token), as llama.cpp and transformers do
         if not ids:
             raise RequestError("the prompt encodes to no tokens")
         rows = self.model.config.vocab_size
@@ -354,3 +358,10 @@ class ModelSession:
             finish_reason=g.finish_reason,
             stats=stats,
         )
+
+
+def describe_checkpoint(path) -> dict:
+    """engine.api.describe_checkpoint: a .gguf file's header, checked and described."""
+    from engine.gguf.describe import describe_gguf
+
+    return describe_gguf(path)

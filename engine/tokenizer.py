@@ -160,8 +160,11 @@ class Tokenizer:
         extra_special_ids: Iterable[int] = (),
         extra_eos_ids: Iterable[int] = (),
         source: str = "tokenizer",
+        add_bos_token: bool = False,
     ) -> None:
         self._backend = backend
+        # a raw prompt starts with BOS (GGUF vocabularies that say so; a chat template writes its own)
+        self.add_bos_token = add_bos_token
         self._source = source
         self.fingerprint = fingerprint
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
@@ -193,13 +196,24 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, checkpoint_dir) -> "Tokenizer":
-        """Returns the tokenizer of a checkpoint directory.
+        """Returns the tokenizer of a checkpoint directory (or of a .gguf file, engine/gguf/tokenizer.py).
 
         Reads tokenizer.json, tokenizer_config.json (special tokens, chat template),
         chat_template.jinja (where transformers 5 saves the template; it wins) and the
         eos ids of generation_config.json. Raises TokenizerError naming the file.
         """
         directory = Path(checkpoint_dir)
+        from engine.gguf import is_gguf
+
+        if is_gguf(directory):
+            from engine.gguf import open_gguf
+            from engine.gguf.tokenizer import gguf_tokenizer
+            from engine.weights import WeightsError
+
+            try:
+                return gguf_tokenizer(open_gguf(directory))
+            except WeightsError as exc:
+                raise TokenizerError(str(exc)) from None
         tokenizer_path = directory / "tokenizer.json"
         try:
             raw = tokenizer_path.read_bytes()

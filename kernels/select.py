@@ -48,10 +48,12 @@ def default_backend() -> Backend:
     global _default
     with _lock:
         if _default is None:
-            from kernels.host import CHECK_ROWS, HostBackend, check_batch_invariance, num_threads
+            from kernels.ggml.backend import BlockHostBackend, check_block_invariance
+            from kernels.host import CHECK_ROWS, check_batch_invariance, num_threads
 
-            host = HostBackend()
-            failures = check_batch_invariance(host)
+            # HostBackend plus GGUF's block formats; the self-check covers both kinds of weight
+            host = BlockHostBackend()
+            failures = check_batch_invariance(host) + check_block_invariance(host)
             if failures:
                 log.warning("kernel_self_check_failed", backend=host.name, failures=failures, fallback="rowwise")
                 _default = RowwiseBackend(host)

@@ -342,7 +342,8 @@ def load_config(path: Path) -> DaemonConfig:
 
 
 def check_models(cfg: DaemonConfig) -> list[str]:
-    """Problems with the model directories that a --check-config should report (no loading)."""
+    """Problems with the model directories that a --check-config should report (no weights
+    loaded; a .gguf checkpoint's metadata and tensor table are read and checked)."""
     problems = []
     for m in cfg.models:
         for label, d in (("checkpoint_dir", m.checkpoint_dir), ("draft_dir", m.draft_dir),
@@ -350,11 +351,27 @@ def check_models(cfg: DaemonConfig) -> list[str]:
             if d is None:
                 continue
             p = Path(d)
-            if not p.is_dir():
+            if label == "checkpoint_dir" and p.suffix == ".gguf":
+                problems.extend(_check_gguf(m.name, d))
+            elif not p.is_dir():
                 problems.append(f"models[{m.name}].{label} = {d!r}: not a directory")
             elif not (p / "config.json").is_file():
                 problems.append(f"models[{m.name}].{label} = {d!r}: no config.json in it")
     return problems
+
+
+def _check_gguf(name: str, path: str) -> list[str]:
+    """A .gguf checkpoint's header read by the engine: an unsupported architecture or tensor
+    type is reported here, not on the first request."""
+    from engine.api import describe_checkpoint
+
+    if not Path(path).is_file():
+        return [f"models[{name}].checkpoint_dir = {path!r}: no such GGUF file"]
+    try:
+        describe_checkpoint(path)
+    except ValueError as exc:  # engine ConfigError / WeightsError
+        return [f"models[{name}].checkpoint_dir: {exc}"]
+    return []
 
 
 def diff_for_reload(old: DaemonConfig, new: DaemonConfig) -> tuple[DaemonConfig, list[str]]:

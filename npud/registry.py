@@ -26,7 +26,9 @@ def estimate_bytes(entry: ModelEntry) -> int:
     """What a model will take once loaded, before loading it: the size of its weight files."""
     total = 0
     for d in (entry.checkpoint_dir, entry.draft_dir, entry.dflash_dir, entry.assistant_dir):
-        if d is not None:
+        if d is not None and Path(d).is_file():  # a single-file checkpoint (.gguf)
+            total += Path(d).stat().st_size
+        elif d is not None:
             total += sum(p.stat().st_size for p in Path(d).glob("*.safetensors") if p.is_file())
     return total
 

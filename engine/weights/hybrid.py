@@ -23,21 +23,18 @@ from engine.weights.layout import AttentionWeights, LayerWeights, LinearAttentio
 from kernels.base import LinearWeight, WeightFormat
 
 
-def _is_gemma4(cfg: ModelConfig) -> bool:
-    return cfg.model_type in ("gemma4", "gemma4_text")
-
 
 def expected_hybrid_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Returns the tensor names a gemma4 / qwen3_5 model needs with their shapes."""
     d, v, pre = cfg.hidden_size, cfg.vocab_size, cfg.weight_prefix
     out: dict[str, tuple[int, ...]] = {f"{pre}embed_tokens.weight": (v, d), f"{pre}norm.weight": (d,)}
-    gemma = _is_gemma4(cfg)
     ple = cfg.per_layer_input_size
     for spec in cfg.layers:
         p = f"{pre}layers.{spec.index}."
         norms = ["input_layernorm", "post_attention_layernorm"]
-        if gemma:
+        if cfg.sandwich_norms:
             norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        if cfg.layer_scalar:
             out[f"{p}layer_scalar"] = (1,)
         for name in norms:
             out[f"{p}{name}.weight"] = (d,)

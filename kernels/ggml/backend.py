@@ -1,0 +1,78 @@
+"""The host backend with GGML block weights: kernels/host.py's HostBackend plus the block GEMM.
+
+Only linear layers and embedding tables in a BlockFormat take the block path; every
+other weight and operation is HostBackend's, unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kernels.base import LinearWeight
+from kernels.ggml.blocks import LAYOUTS, BlockFormat
+from kernels.ggml.gemm import block_embed, block_linear, pack_block_matrix
+from kernels.host import HostBackend
+
+
+def is_block(w: LinearWeight) -> bool:
+    return isinstance(w.fmt, BlockFormat)
+
+
+class BlockHostBackend(HostBackend):
+    """HostBackend that also runs "qtiles" weights (GGUF quant blocks)."""
+
+    def prepare_linear(self, w: LinearWeight) -> LinearWeight:
+        if is_block(w):
+            if w.layout != "qtiles":
+                raise ValueError(f"host backend cannot use {w.fmt.value} weights in layout {w.layout!r}")
+            return w
+        return super().prepare_linear(w)
+
+    def linear(self, x: np.ndarray, w: LinearWeight) -> np.ndarray:
+        if is_block(w):
+            return block_linear(x, w, self.parallel)
+        return super().linear(x, w)
+
+    def embed(self, table: LinearWeight, tokens: np.ndarray) -> np.ndarray:
+        if not is_block(table):
+            return super().embed(table, tokens)
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        vocab = table.out_features
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
+            bad = int(tokens[(tokens < 0) | (tokens >= vocab)][0])
+            raise ValueError(f"token id {bad} is outside the vocabulary of {vocab}")
+        return block_embed(table, tokens)
+
+
+def random_block_weight(fmt: BlockFormat, n: int, k: int, seed: int = 0) -> LinearWeight:
+    """A [n, k] weight of random blocks with finite scales (for self-checks and tests)."""
+    lay = LAYOUTS[fmt]
+    rng = np.random.default_rng(seed)
+    blocks = n * (k // lay.block_weights)
+    raw = rng.integers(0, 256, size=(blocks, lay.block_bytes), dtype=np.uint8)
+    scales = rng.uniform(-0.05, 0.05, size=(blocks, 2)).astype(np.float16).view(np.uint8)
+    # where each type keeps its f16 scale(s): the first bytes, or Q6_K's last two
+    if fmt is BlockFormat.Q6_K:
+        raw[:, 208:210] = scales[:, 0:2]
+    elif lay.has_offset:
+        raw[:, 0:4] = scales
+    else:
+        raw[:, 0:2] = scales[:, 0:2]
+    return pack_block_matrix(raw.reshape(n, -1), fmt, k)
+
+
+def check_block_invariance(backend, rows: int = 16, k: int = 512, n: int = 136, seed: int = 0) -> list[str]:
+    """Run every block format's GEMM for M = 1..rows and compare row bits with one-row calls.
+
+    Returns failure descriptions (empty when every row of every M matched). N is not a
+    multiple of the tile, so a padded tile is exercised too.
+    """
+    x = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32)
+    failures = []
+    for fmt in BlockFormat:
+        w = backend.prepare_linear(random_block_weight(fmt, n, k, seed))
+        single = np.concatenate([backend.linear(x[i : i + 1], w) for i in range(rows)])
+        for m in range(1, rows + 1):
+            if not np.array_equal(backend.linear(x[:m], w).view(np.uint32), single[:m].view(np.uint32)):
+                failures.append(f"{fmt.value} M={m}")
+    return failures
