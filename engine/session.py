@@ -25,6 +25,7 @@ from engine.speculative import SpeculativeConfig
 from engine.state import ModelState
 from engine.tokenizer import Tokenizer
 from kernels import select_backend
+from kernels.base import DeviceFault  # noqa: F401  (the daemon catches it here: a failed device call)
 
 SamplingParams = SamplingConfig
 
@@ -116,13 +117,15 @@ class ServedModel:
         cache_block: int = 32,
         backend: str = "auto",
         xrt_design: str | Path | None = None,
+        xrt_timeout_ms: int | None = None,
     ) -> "ServedModel":
         """Load base (and draft) and open the prefix cache (persistent under `cache_dir`, if given).
 
         Raises ConfigError, WeightsError, TokenizerError or DraftMismatchError for model
         files that are not what they claim, and XrtUnavailable when backend "xrt" cannot run.
         """
-        kernels, backend_reason = select_backend(backend, None if xrt_design is None else str(xrt_design))
+        kernels, backend_reason = select_backend(backend, None if xrt_design is None else str(xrt_design),
+                                                 xrt_timeout_ms=xrt_timeout_ms)
         model = Model.load(checkpoint_dir, weight_format, kernels)
         tokenizer = Tokenizer.from_dir(checkpoint_dir)
         draft = draft_tokenizer = None
@@ -160,6 +163,8 @@ class ServedModel:
             "dflash": self.dflash is not None,
             "backend": self.model.backend.name,
             "backend_reason": self.backend_reason,
+            # where each GEMM shape runs on an NPU backend: "npu", "npu-rowwise" or why the host
+            "gemm_placement": getattr(self.model.backend, "describe_placement", dict)(),
             "fingerprint": self.model.fingerprint[:16],
         }
 
