@@ -234,8 +234,10 @@ class Api:
     async def device_status(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         p.finish()
         q = self.d.queue.quarantine
+        site, why = self.d.gemm_site()
         return {**self.d.device.to_wire(), "quarantine": None if q is None else q.to_wire(),
-                "thermal": self.d.thermal.to_wire(), "errors": self.d.errors.to_wire()}
+                "thermal": self.d.thermal.to_wire(), "errors": self.d.errors.to_wire(),
+                "gemms": {"site": site, "reason": why}, "other_holders": self.d.other_holders}
 
     async def device_clear(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         _require_admin(peer, "device.clear")

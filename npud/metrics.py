@@ -210,8 +210,10 @@ def snapshot(d: "Daemon") -> dict:
         "queue": q.counts(),
         "holding": None if q.granted is None else {"ticket": q.granted.id, "job": q.granted.job_id,
                                                    "priority": q.granted.priority.label},
-        "thermal": {"state": d.thermal.state, "reading_c": d.thermal.reading_c},
-        "driver_errors": {"count": d.errors.count, "available": d.errors.available},
+        "gemms": d.gemm_site()[0],
+        "thermal": {"state": d.thermal.state, "reading_c": d.thermal.reading_c, "npu_power_w": d.thermal.npu_power_w},
+        "driver_errors": {"count": d.errors.count, "available": d.errors.available,
+                          "pre_hang": d.errors.pre_hang_count},
         "quarantine": {"quarantined": quarantine is not None,
                        "since": None if quarantine is None else quarantine.since,
                        "reason": None if quarantine is None else quarantine.reason},
@@ -308,9 +310,15 @@ def render_prometheus(s: dict) -> str:
     states = list(THERMAL_STATES) + [thermal["state"]] * (thermal["state"] not in THERMAL_STATES)
     t.family("npud_thermal_state", "gauge", "1 for the thermal guard's current state.",
              [({"state": st}, st == thermal["state"]) for st in states])
+    t.family("npud_npu_power_watts", "gauge", "The NPU's power (hwmon amdxdna NPU_power; NaN without the sensor).",
+             thermal["npu_power_w"])
+    t.family("npud_gemms_on_npu", "gauge", "1 while the loaded models' GEMMs run on the NPU, 0 on the host.",
+             s["gemms"] == "npu")
     errors = s["driver_errors"]
     t.family("npud_driver_errors_total", "counter", "amdxdna error lines in the kernel log since start.",
              errors["count"])
+    t.family("npud_driver_prehang_warnings_total", "counter",
+             "amdxdna warnings that come before a hang or a firmware reset, since start.", errors["pre_hang"])
     t.family("npud_driver_errors_available", "gauge", "1 if the kernel log could be read.", errors["available"])
     t.family("npud_device_quarantined", "gauge", "1 while the device is quarantined after a driver error.",
              s["quarantine"]["quarantined"])

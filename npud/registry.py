@@ -35,12 +35,13 @@ def estimate_bytes(entry: ModelEntry) -> int:
 class ModelRegistry:
     def __init__(self, models: tuple[ModelEntry, ...], *, engine_module: str, max_resident_bytes: int,
                  cache_root: Path | None = None, engine: ModuleType | None = None,
-                 backend: str = "auto", xrt_design: str | None = None) -> None:
+                 backend: str = "auto", xrt_design: str | None = None, xrt_timeout_ms: int | None = None) -> None:
         self._entries = {m.name: m for m in models}
         self.cache_root = cache_root  # prefix caches persist under cache_root/<model>; None: memory only
         self._engine_module = engine_module
         self.backend = backend
         self.xrt_design = xrt_design
+        self.xrt_timeout_ms = xrt_timeout_ms
         self._engine = engine
         self.max_resident_bytes = max_resident_bytes
         self._resident: collections.OrderedDict[str, Any] = collections.OrderedDict()
@@ -91,7 +92,7 @@ class ModelRegistry:
                 entry.name, entry.checkpoint_dir, draft_dir=entry.draft_dir, dflash_dir=entry.dflash_dir,
                 weight_format=entry.weight_format,
                 cache_dir=None if self.cache_root is None else self.cache_root / entry.name,
-                backend=self.backend, xrt_design=self.xrt_design)
+                backend=self.backend, xrt_design=self.xrt_design, xrt_timeout_ms=self.xrt_timeout_ms)
         except (ValueError, OSError) as exc:  # ConfigError, WeightsError, TokenizerError, missing files
             log.error("model_load_failed", model=name, error=f"{type(exc).__name__}: {exc}")
             raise ApiError(ErrorCode.MODEL_ERROR,

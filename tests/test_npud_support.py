@@ -143,7 +143,8 @@ class FakeServedModel:
 
     @classmethod
     def load(cls, name: str, checkpoint_dir, draft_dir=None, dflash_dir=None, weight_format: str = "bf16",
-             cache_dir=None, backend: str = "auto", xrt_design=None) -> "FakeServedModel":
+             cache_dir=None, backend: str = "auto", xrt_design=None,
+             xrt_timeout_ms=None) -> "FakeServedModel":
         path = Path(checkpoint_dir) / "fake.json"
         try:
             knobs = json.loads(path.read_text())
@@ -253,7 +254,7 @@ class DaemonProc:
             "limits": {"max_line_bytes": 65536},
             "store": {"state_dir": str(workdir / "state")},
             "scheduler": {"quantum_tokens": 100000, "quantum_ms": 600000.0},
-            "thermal": {"psutil_chips": [], "paths": [str(self.temp_file)], "hold_above_c": 90.0,
+            "thermal": {"psutil_chips": [], "hwmon_dir": "", "paths": [str(self.temp_file)], "hold_above_c": 90.0,
                         "resume_below_c": 85.0, "abort_above_c": 100.0, "poll_interval_s": 0.05},
             "errors": {"source": str(self.kmsg), "poll_interval_s": 0.05},
             "logging": {"format": "json", "level": "info"},
