@@ -40,6 +40,9 @@ class GenerateRequest:
     use_prefix_cache: bool = True
 
 
+from kernels.base import DeviceFault  # noqa: E402,F401  (the engine module names it; the daemon catches it)
+
+
 class RequestError(ValueError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -106,6 +109,11 @@ class FakeSession:
             return []
         if self.model.round_sleep_s:
             time.sleep(self.model.round_sleep_s)
+        fault = self.model.fault_file
+        if (fault is not None and Path(fault).exists() and len(self.ids) >= self.model.fault_at_token
+                and self.model.fault_prompt in (None, self.prompt)):
+            Path(fault).unlink()
+            raise DeviceFault("GEMM K=1024 N=3072 on the NPU ended in ERT_CMD_STATE_TIMEOUT (timeout 5000 ms)")
         events = []
         for _ in range(self.model.tokens_per_round):
             tid = token_id(self.prompt, len(self.ids))
@@ -131,7 +139,9 @@ class FakeSession:
 
 
 class FakeServedModel:
-    """Knobs from fake.json: tokens_per_round, round_sleep_s, max_context, nbytes."""
+    """Knobs from fake.json: tokens_per_round, round_sleep_s, max_context, nbytes, fault_file (a round
+    raises DeviceFault, as a failed NPU run does, once for each time that file is created; fault_prompt
+    and fault_at_token say where)."""
 
     def __init__(self, name: str, knobs: dict) -> None:
         self.name = name
@@ -139,6 +149,9 @@ class FakeServedModel:
         self.round_sleep_s = float(knobs.get("round_sleep_s", 0.0))
         self.max_context = int(knobs.get("max_context", 4096))
         self.nbytes = int(knobs.get("nbytes", 1000))
+        self.fault_file = knobs.get("fault_file")
+        self.fault_prompt = knobs.get("fault_prompt")  # only the prompt with this text faults (None: any)
+        self.fault_at_token = int(knobs.get("fault_at_token", 0))  # after this many of its tokens
         self.prefix_cache = None
 
     @classmethod
