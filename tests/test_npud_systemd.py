@@ -184,6 +184,7 @@ def test_units_sysusers_and_example_config_agree():
     assert service["AmbientCapabilities"] == ["CAP_SYSLOG"] == service["CapabilityBoundingSet"]
     assert service["ProtectKernelLogs"] == ["no"] and "/dev/kmsg r" in service["DeviceAllow"]
     assert "char-accel rw" in service["DeviceAllow"] and service["DevicePolicy"] == ["closed"]
+    assert service["LimitMEMLOCK"] == ["infinity"]  # NPU buffers are pinned memory (xdna-driver README)
     for key, want in (("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"), ("ProtectHome", "yes"),
                       ("PrivateTmp", "yes"), ("PrivateDevices", None), ("MemoryDenyWriteExecute", None)):
         assert service.get(key, [None]) == [want], key
