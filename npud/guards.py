@@ -206,7 +206,7 @@ class ErrorCountGuard:
 
     def _record(self, line: str) -> None:
         record = parse(line)
-        kind = None if record is None else self._matcher.classify(record)
+        kind = self._matcher.classify(record)
         if kind is Kind.ERROR:
             self.count += 1
             self._lines.append((self.count, record.message))

@@ -55,10 +55,9 @@ class Record:
     level: int | None = None
 
 
-def parse(line: str) -> Record | None:
-    """One /dev/kmsg record (or a plain log line); None for a dictionary continuation line."""
-    if line.startswith(" "):
-        return None
+def parse(line: str) -> Record:
+    """One /dev/kmsg record, or a plain log line (a dictionary line " KEY=value" is one too,
+    and never begins with a device prefix)."""
     m = _RECORD.match(line)
     if m is None:
         return Record(line)

@@ -42,8 +42,10 @@ PRE_HANG_WARNINGS = [
 
 # Lines that must not count
 NOT_THE_DRIVER = [
-    # a process named like the driver segfaults: the kernel prints it at info, comm first
+    # a process named like the driver segfaults: the kernel prints comm[pid] first, at info ...
     (6, "amdxdna*ERROR*[4242]: segfault at 0 ip 0000563a1c2d1f20 sp 00007ffd7a3c9e10 error 4 in x[1f20,563a1c2d0000+2000]"),
+    # ... and at emerg when it is pid 1 (a container's init): a kernel record at level 0
+    (0, "amdxdna*ERROR*[1]: segfault at 0 ip 0000563a1c2d1f20 sp 00007ffd7a3c9e10 error 4 in x[1f20,563a1c2d0000+2000]"),
     # another PCI device's DRM error
     (3, "amdgpu 0000:c4:00.0: [drm] *ERROR* [CRTC:80:crtc-0] flip_done timed out"),
     # the driver's own info line
