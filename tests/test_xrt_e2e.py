@@ -71,3 +71,94 @@ def test_a_failed_run_mid_generation_raises_a_device_fault(npu_served):
     with pytest.raises(DeviceFault, match="ERT_CMD_STATE_TIMEOUT"):
         while not session.done:
             session.run_round()
+
+
+# -- through the whole daemon: socket, jobs, tickets, device owner, engine, simulated NPU -----
+
+import shutil  # noqa: E402
+
+import trio  # noqa: E402
+
+import test_npud_support as fakes  # noqa: E402
+from clients.client import AsyncClient, DeviceQuarantined  # noqa: E402
+from npud.config import parse_config  # noqa: E402
+from npud.daemon import Daemon  # noqa: E402
+
+PROMPTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n"]
+
+
+async def _wait_state(c, job, states):
+    with trio.fail_after(120):
+        while (status := await c.status(job))["state"] not in states:
+            await trio.sleep(0.02)
+    return status
+
+
+async def test_the_daemon_serves_through_the_simulated_npu_and_faults_a_failed_run(ckpt, host_served, monkeypatch):
+    sim = fake_pyxrt.install(monkeypatch)
+    monkeypatch.setattr(xrt, "probe", lambda: (True, "simulated accel0 with tests/fake_pyxrt.py"))
+    workdir = fakes.short_tempdir()
+    try:
+        table = fake_pyxrt.write_design_table(workdir / "designs", [(s.K, s.N) for s in gemm_shapes([ckpt], "bf16")])
+        (workdir / "kmsg").touch()
+        cfg = parse_config({
+            "server": {"socket_path": str(workdir / "s.sock")}, "store": {"state_dir": str(workdir / "state")},
+            "thermal": {"enabled": False}, "errors": {"source": str(workdir / "kmsg"), "poll_interval_s": 0.05},
+            "device": {"backend": "xrt", "xrt_design": str(table), "xrt_timeout_ms": 1000},
+            "models": [{"name": "tiny", "checkpoint_dir": str(ckpt), "weight_format": "bf16"}]})
+        want = [drive(host_served.start(GenerateRequest(prompt=p, max_tokens=16))).text for p in PROMPTS]
+        async with trio.open_nursery() as nursery:
+            daemon = await nursery.start(Daemon(cfg).run)
+            async with await AsyncClient.connect(cfg.server.socket_path) as c:
+                job = (await c.submit(PROMPTS, max_tokens=16))["job"]
+                await _wait_state(c, job, ("done",))
+                assert [r["text"] for r in (await c.result(job))["results"]] == want
+                [model] = (await c.models())["models"]
+                assert model["describe"]["backend"] == "xrt-simulator"
+
+                # a run that times out in the middle of the second prompt of the next job (a prompt is
+                # about 250 runs here, the start-up checks 40: the margin is about 100 runs either way)
+                runs_per_prompt = sim.runs // 2
+                sim.inject("timeout", after=runs_per_prompt + runs_per_prompt // 2)
+                job = (await c.submit(PROMPTS, max_tokens=16))["job"]
+                with trio.fail_after(120):
+                    while daemon.queue.quarantine is None:
+                        await trio.sleep(0.02)
+                assert "ERT_CMD_STATE_TIMEOUT" in daemon.queue.quarantine.reason
+                status = await _wait_state(c, job, ("queued",))
+                assert status["done_prompts"] == 1
+                assert [r["prompt"] for r in (await c.result(job))["results"]] == [0]
+                with pytest.raises(DeviceQuarantined):
+                    await c.complete("x", max_tokens=2).wait()
+                assert (await c.device_clear())["cleared"]
+                await _wait_state(c, job, ("done",))
+                assert [r["text"] for r in (await c.result(job))["results"]] == want  # redone from prompt 1
+                outcomes = [(t["outcome"], t["reason"]) for t in daemon.store.tickets(job_id=job)]
+                assert outcomes == [("done", None), ("faulted", "npu_run_failed")]
+            daemon.request_stop()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# -- real hardware -----------------------------------------------------------------------------
+
+import os  # noqa: E402
+
+NPU_DESIGN = os.environ.get("NPUD_XRT_DESIGN")
+NPU_MODEL = os.environ.get("NPUD_NPU_MODEL")  # a bf16 checkpoint whose shapes the design table covers
+
+
+@pytest.mark.npu
+@pytest.mark.skipif(not (NPU_DESIGN and NPU_MODEL and xrt.probe()[0]),
+                    reason="needs an amdxdna NPU, pyxrt, NPUD_XRT_DESIGN=<design.json> and NPUD_NPU_MODEL=<its "
+                           "bf16 checkpoint> (docs/npu.md)")
+def test_npu_speculative_output_equals_plain_output_on_the_device():
+    # on the NPU greedy output need not equal the host's (bf16 activations), but batch
+    # invariance makes every speculative method give the device's own plain greedy text
+    served = ServedModel.load("npu", NPU_MODEL, draft_dir=NPU_MODEL, weight_format="bf16", backend="xrt",
+                              xrt_design=NPU_DESIGN)
+    assert served.describe()["backend"] == "xrt"
+    assert all(p.startswith("npu") for p in served.describe()["gemm_placement"].values())
+    texts = {m: drive(served.start(GenerateRequest(prompt=PROMPT, max_tokens=48, spec=SpecParams(method=m, k=4)))).text
+             for m in ("none", "ngram", "draft")}
+    assert len(set(texts.values())) == 1, texts
