@@ -195,7 +195,12 @@ class XrtBackend:
         key = (int(k), int(n), w.fmt.value)
         runner = self._runner(key)
         if runner is not None:
-            self._weights[id(host_copy.data)] = (runner, runner.upload_weight(w))
+            try:
+                bo = runner.upload_weight(w)
+            except Exception as exc:  # XRT's "failed to allocate BO": most often the memlock limit
+                raise XrtUnavailable(f"cannot place a [{n}, {k}] weight in NPU memory: {exc} (is the memlock "
+                                     "limit unlimited? docs/npu.md)") from exc
+            self._weights[id(host_copy.data)] = (runner, bo)
         return host_copy
 
     def _runner(self, key: tuple[int, int, str]) -> _DesignRunner | None:

@@ -7,6 +7,7 @@ owner and the server (which holds one nursery for connections, which hold their 
 from __future__ import annotations
 
 import functools
+import resource
 import signal
 import time
 from collections.abc import Callable
@@ -117,9 +118,14 @@ class Daemon:
         return gemm_site(self.device, self.cfg.device, loaded)
 
     def check_other_holders(self) -> None:
-        """Warn when another process has the NPU open: npud's queue orders only its own work."""
+        """Warn when another process has the NPU open (npud's queue orders only its own work), and
+        when the locked-memory limit is not unlimited (NPU buffers are pinned)."""
         if self.device.kind != "npu":
             return
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        if soft != resource.RLIM_INFINITY:
+            log.warning("npu_memlock_limited", limit_bytes=soft,
+                        note="NPU buffers are pinned memory; set LimitMEMLOCK=infinity (docs/npu.md)")
         self.other_holders = other_holders(self.device.node)
         if self.other_holders:
             log.warning("npu_shared_with_other_process", node=self.device.node, holders=self.other_holders,

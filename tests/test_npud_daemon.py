@@ -325,9 +325,11 @@ def test_startup_warns_when_another_process_has_the_npu_open(workdir, monkeypatc
         seen = []
         monkeypatch.setattr(daemon_module, "other_holders",
                             lambda node: seen.append(node) or [{"pid": 7, "comm": "flm", "drm_client_ids": ["3"]}])
+        monkeypatch.setattr(daemon_module.resource, "getrlimit", lambda which: (8 << 20, 8 << 20))
         with structlog.testing.capture_logs() as logs:
             d.check_other_holders()
         assert seen == ["/dev/accel/accel0"]
+        assert [e["limit_bytes"] for e in logs if e["event"] == "npu_memlock_limited"] == [8 << 20]
         [warning] = [e for e in logs if e["event"] == "npu_shared_with_other_process"]
         assert warning["holders"][0]["comm"] == "flm" and warning["log_level"] == "warning"
         assert "NPU also open in pid 7" in d.status_line()

@@ -206,6 +206,20 @@ def test_startup_check_catches_a_design_compiled_for_another_layout(tmp_path, si
         xrt.load_backend(table, host, strict=True).prepare_linear(bf16_weight(64, 64))
 
 
+def test_a_weight_the_npu_cannot_hold_says_what_to_check(tmp_path, sim, host, monkeypatch):
+    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
+    backend.prepare_linear(bf16_weight(64, 64))
+    runner = backend._runners[(64, 64, "bf16")]
+
+    def refuse(w):
+        raise RuntimeError("failed to allocate BO: Cannot allocate memory")
+
+    monkeypatch.setattr(runner, "upload_weight", refuse)
+    with pytest.raises(xrt.XrtUnavailable, match=r"cannot place a \[64, 64\] weight in NPU memory: failed to "
+                                                 r"allocate BO.*memlock"):
+        backend.prepare_linear(bf16_weight(64, 64, seed=2))
+
+
 def test_startup_check_catches_an_aborted_run(tmp_path, sim, host):
     backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
     sim.inject("abort", after=1)
