@@ -34,7 +34,7 @@ PROMPT = "def f7(x):\n    return x * 7"  # the tiny test model runs long on it b
 
 def checkpoint(name: str) -> Path:
     if name == "tiny":
-        from checkpoints import build_tiny_checkpoint
+        from engine.testing.checkpoints import build_tiny_checkpoint
 
         out = ROOT / "bench" / "out" / "tiny-qwen3"
         if not (out / "config.json").exists():

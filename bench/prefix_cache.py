@@ -38,37 +38,16 @@ from engine.state import ModelState
 SUFFIX = 32
 
 
-def serve(forward: Forward, cache: PrefixCache, prompt: list[int]):
-    """engine/prefix_cache.py's caller protocol, with the insert deferred past the first token
-    when the boundary is the prompt's end; returns (logits, match, pending insert or None)."""
-    match = cache.lookup(prompt)
-    start, logits, pending = 0, None, None
-    if match is not None:
-        forward.state.restore(match.snapshot)
-        start = match.num_cached_tokens
-    boundary = cache.insert_boundary(len(prompt))
-    if boundary > (match.entry_tokens if match is not None else 0):
-        logits = forward.prefill(prompt[start:boundary])
-        if boundary == len(prompt):
-            pending = lambda: cache.insert(prompt, forward.state.snapshot())  # noqa: E731
-        else:
-            cache.insert(prompt[:boundary], forward.state.snapshot())
-        start = boundary
-    if start < len(prompt):
-        logits = forward.prefill(prompt[start:])
-    return logits, match, pending
-
-
 def timed_serve(forward: Forward, cache: PrefixCache, prompt: list[int]):
     """(TTFT seconds, seconds of the deferred insert, logits, match)."""
     t = time.perf_counter()
-    logits, match, pending = serve(forward, cache, prompt)
-    int(np.argmax(logits))
+    done = cache.prefill(forward, prompt, defer_insert=True)  # the insert waits past the first token
+    int(np.argmax(done.logits))
     ttft = time.perf_counter() - t
     t = time.perf_counter()
-    if pending is not None:
-        pending()
-    return ttft, time.perf_counter() - t, logits, match
+    if done.insert is not None:
+        done.insert()
+    return ttft, time.perf_counter() - t, done.logits, done.match
 
 
 def drop_page_cache(directory: Path) -> None:

@@ -112,7 +112,7 @@ def main() -> None:
     args = ap.parse_args()
     config = SpeculativeConfig()  # the daemon's defaults: k up to 7, fallback after 3 rounds
 
-    from checkpoints import build_tiny_checkpoint
+    from engine.testing.checkpoints import build_tiny_checkpoint
 
     rows = []
     models = args.models.split(",")

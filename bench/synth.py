@@ -7,12 +7,9 @@ MLP 3072, vocabulary 65536, tied embeddings: 0.50B parameters, about 1.0 GB in b
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 OUT = ROOT / "bench" / "out"
 
@@ -43,7 +40,7 @@ def build_random_checkpoint(name: str, config: dict, seed: int = 0, std: float =
     import torch
     from safetensors.torch import save_file
 
-    from checkpoints import write_tokenizer
+    from engine.testing.checkpoints import write_tokenizer
 
     out = OUT / name
     done = out / ".complete"
@@ -115,7 +112,7 @@ def build_transformers_checkpoint(name: str, arch: str, config: dict, seed: int 
     import torch
     import transformers
 
-    from checkpoints import write_tokenizer
+    from engine.testing.checkpoints import write_tokenizer
 
     out = OUT / name
     done = out / ".complete"

@@ -13,7 +13,7 @@ import numpy as np
 
 from engine.config import ModelConfig, load_config
 from engine.weights import ModelWeights, load_weights, weight_arrays
-from kernels import default_backend
+from kernels.select import default_backend
 from kernels.base import Backend, LinearWeight, WeightFormat
 
 

@@ -9,26 +9,11 @@ serves any shorter prefix too (`StateSnapshot.prefix(n)` cuts each plane at its 
 width); one with a recurrent plane holds its state at exactly one position and serves
 that length only.
 
-How the caller (engine/session.py) uses it, so that a restored prompt is bit-identical to
-a cold one:
-
-    match = cache.lookup(prompt)                 # None on a miss
-    start, logits = 0, None
-    if match is not None:
-        forward.state.restore(match.snapshot)
-        start = match.num_cached_tokens          # always < len(prompt)
-    boundary = cache.insert_boundary(len(prompt))
-    if boundary > (match.entry_tokens if match is not None else 0):
-        logits = forward.prefill(prompt[start:boundary])
-        cache.insert(prompt[:boundary], forward.state.snapshot())
-        start = boundary
-    if start < len(prompt):
-        logits = forward.prefill(prompt[start:])
-    # logits: the last prompt row's, as a cold prefill of the whole prompt gives them
-
-When boundary == len(prompt) the snapshot and insert may wait until the first token has
-been sent (the state is still at the boundary until the next step), which keeps the copy
-out of the time to first token.
+`PrefixCache.prefill(forward, prompt)` is the one caller protocol (look up, restore, prefill
+the rest, offer the state at the last block boundary), so that a restored prompt is
+bit-identical to a cold one. Its insert may wait until the first token has been sent
+(`defer_insert`: the state is still at the boundary until the next step), which keeps the
+snapshot copy out of the time to first token.
 
 Memory is bounded by `max_bytes` (LRU). With a `state_dir`, an entry pushed out of memory
 is written to disk (a spill, engine/prefix_store.py) and read back on a hit; `flush()`
@@ -41,7 +26,6 @@ deleted with a log line; a file of another model (fingerprint) is left alone, un
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import json
 import threading
@@ -54,46 +38,12 @@ import numpy as np
 import structlog
 
 from engine import prefix_store as store
+from engine.prefix_match import CachedPrefill, MatchSource, PrefixCacheError, PrefixCacheStats, PrefixMatch
 from engine.state import ModelState, PlaneKind, PlaneSnapshot, StateError, StateSnapshot
 
 log = structlog.get_logger(__name__)
 
 PINS_FILE = "pins.json"
-
-
-class PrefixCacheError(ValueError):
-    """A cache operation the caller got wrong (unknown key, bad arguments)."""
-
-
-class MatchSource(enum.Enum):
-    MEMORY = "memory"
-    DISK = "disk"
-
-
-@dataclass(slots=True, frozen=True)
-class PrefixMatch:
-    """The longest cached prefix of a prompt: restore `snapshot`, then prefill the rest."""
-
-    key: str
-    num_cached_tokens: int  # == snapshot.positions, always < len(prompt)
-    snapshot: StateSnapshot  # arrays are read-only; restoring copies them
-    source: MatchSource
-    entry_tokens: int  # length of the entry it came from: no new entry is needed up to there
-
-
-@dataclass(slots=True, frozen=True)
-class PrefixCacheStats:
-    hits: int
-    misses: int
-    tokens_reused: int
-    bytes_held: int  # snapshot bytes in memory
-    disk_bytes: int  # bytes of this model's files in the state dir
-    entries: int  # indexed entries, in memory or on disk
-    entries_in_memory: int
-    evictions: int  # entries removed by a budget (memory without a state dir, disk with one)
-    spills: int  # entries moved from memory to disk only by the memory budget
-    superseded: int  # entries dropped because a longer KV-only entry serves all their prefixes
-    files_dropped: int  # files found bad and deleted
 
 
 @dataclass(slots=True, eq=False)
@@ -209,6 +159,42 @@ class PrefixCache:
                     return PrefixMatch(e.key, served, snap, source, e.num_tokens)
             self._counts["misses"] += 1
             return None
+
+    def prefill(
+        self, forward, prompt: Sequence[int], *, rest: bool = True, restore: bool = True, defer_insert: bool = False
+    ) -> CachedPrefill:
+        """The caller protocol: restore the longest cached prefix of `prompt` into `forward`,
+        prefill to the last block boundary, offer that state to the cache, prefill the rest.
+
+        `forward` is a fresh engine.forward.Forward (anything with `state`, `positions_held`
+        and `prefill(tokens) -> logits`). With `rest=False` the prompt's last token is left
+        to the caller's decode loop, which also runs whatever follows the boundary (the
+        session does this). With `restore=False` nothing is looked up, but the state is still
+        offered. With `defer_insert`, an insert at the very end of the prompt is returned as
+        `CachedPrefill.insert` instead of run (the state stays there until the next step).
+
+        Returns the match (None on a miss or without restore), the logits of the last
+        prefilled row (None when nothing was prefilled; with `rest` always set, as a lookup
+        leaves a token) and the deferred insert. Raises PrefixCacheError for bad tokens and
+        StateError when a snapshot does not fit `forward`'s state.
+        """
+        end = len(prompt) if rest else len(prompt) - 1
+        if end <= 0:
+            return CachedPrefill(None, None, None)
+        match = self.lookup(prompt) if restore else None  # at most len(prompt) - 1 tokens
+        if match is not None:
+            forward.state.restore(match.snapshot)
+        boundary = self.insert_boundary(end)
+        logits, insert = None, None
+        if forward.positions_held < boundary:
+            logits = forward.prefill(prompt[forward.positions_held : boundary])
+            if defer_insert and boundary == len(prompt):
+                insert = lambda: self.insert(prompt, forward.state.snapshot())  # noqa: E731
+            else:
+                self.insert(prompt[:boundary], forward.state.snapshot())
+        if rest and forward.positions_held < end:
+            logits = forward.prefill(prompt[forward.positions_held : end])
+        return CachedPrefill(match, logits, insert)
 
     def insert(self, tokens: Sequence[int], snapshot: StateSnapshot) -> str | None:
         """Cache `snapshot`, the state after `tokens[:snapshot.positions]`; returns its key.

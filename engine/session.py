@@ -24,8 +24,8 @@ from engine.sampling import SamplingConfig
 from engine.speculative import SpeculativeConfig
 from engine.state import ModelState
 from engine.tokenizer import Tokenizer
-from kernels import select_backend
 from kernels.base import DeviceFault  # noqa: F401  (the daemon catches it here: a failed device call)
+from kernels.select import select_backend
 
 SamplingParams = SamplingConfig
 
@@ -281,18 +281,9 @@ class Session:
 
         The decode loop runs the prompt's last token itself, so the state covers prompt[:-1].
         """
-        cache, f = self._cache, self.forward
-        context = self.prompt_ids[:-1]
-        if not context:
-            return
-        match = cache.lookup(self.prompt_ids) if self._restore_allowed else None  # at most len(context)
-        if match is not None:
-            f.state.restore(match.snapshot)
-            self.num_cached_tokens = match.num_cached_tokens
-        boundary = cache.insert_boundary(len(context))
-        if f.positions_held < boundary:
-            f.prefill(context[f.positions_held : boundary])
-            cache.insert(context[:boundary], f.state.snapshot())
+        done = self._cache.prefill(self.forward, self.prompt_ids, rest=False, restore=self._restore_allowed)
+        if done.match is not None:
+            self.num_cached_tokens = done.match.num_cached_tokens
 
     def result(self) -> GenerationResult:
         if not self._done:

@@ -24,17 +24,23 @@ re-probing later). Those are the rounds plain decode runs, so the output does no
 
 from __future__ import annotations
 
-import enum
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from engine.config import ConfigError
+from engine.decode_stats import (  # re-exported: callers import the run's stats types from here too
+    DecodeStats,
+    Fallback,
+    FallbackReason,
+    FinishReason,
+    RoundEvent,
+    RoundKind,
+)
 from engine.drafters import NO_DRAFT, Draft, DraftHead
 from engine.sampling import Sampler
 
@@ -63,23 +69,6 @@ class Base(Protocol):
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-class RoundKind(enum.Enum):
-    ONE_PASS = "one_pass"
-    TWO_PASS = "two_pass"
-    STEP = "step"
-
-
-class FinishReason(enum.Enum):
-    EOS = "eos"
-    MAX_TOKENS = "max_tokens"
-    STOPPED = "stopped"  # the consumer returned False
-
-
-class FallbackReason(enum.Enum):
-    BELOW_BREAK_EVEN = "below_break_even"
-    HEAD_ERROR = "head_error"
 
 
 @dataclass(slots=True, frozen=True)
@@ -111,118 +100,6 @@ class SpeculativeConfig:
             )
 
 
-@dataclass(slots=True, frozen=True)
-class Fallback:
-    """One switch to plain decoding: when, why, and the figures that decided it."""
-
-    round: int  # the speculative round after which the job fell back (1-based)
-    emitted: int  # tokens emitted at that moment
-    reason: FallbackReason
-    message: str
-    acceptance: float  # accepted / drafted over the rounds that decided it (the job's, on a head error)
-    break_even_acceptance: float | None  # what those rounds needed to match plain decode
-    cost_ratio: float | None  # their mean cost (draft + passes) in plain steps
-    step_seconds: float | None  # the mean plain step they were measured against
-
-    def as_dict(self) -> dict:
-        return {
-            "round": self.round,
-            "emitted": self.emitted,
-            "reason": self.reason.value,
-            "message": self.message,
-            "acceptance": self.acceptance,
-            "break_even_acceptance": self.break_even_acceptance,
-            "cost_ratio": self.cost_ratio,
-            "step_seconds": self.step_seconds,
-        }
-
-
-@dataclass(slots=True)
-class DecodeStats:
-    """Counters of one run; filled in by the loop as it goes, final when it returns."""
-
-    emitted: int = 0
-    rounds: int = 0  # rounds that verified a draft
-    plain_steps: int = 0  # rounds that ran t1 alone
-    drafted: int = 0
-    accepted: int = 0
-    base_steps: int = 0  # one-row passes for emitted tokens (the prompt's last token excluded)
-    base_batches: int = 0
-    batch_rows: int = 0
-    step_samples: list[float] = field(default_factory=list)  # every step, the prompt's last token included
-    verify_samples: list[float] = field(default_factory=list)  # every verify batch
-    draft_seconds_total: float = 0.0
-    seconds: float = 0.0  # wall time from the prompt's last token to the latest round
-    finish: FinishReason | None = None
-    fallbacks: list[Fallback] = field(default_factory=list)
-    reprobes: int = 0
-
-    @property
-    def base_passes(self) -> int:
-        return self.base_steps + self.base_batches
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def passes_per_token(self) -> float:
-        return self.base_passes / self.emitted if self.emitted else 0.0
-
-    @property
-    def step_seconds(self) -> float | None:
-        """The median plain step: a machine shared with other work makes the mean an outlier's."""
-        return statistics.median(self.step_samples) if self.step_samples else None
-
-    @property
-    def verify_step_ratio(self) -> float | None:
-        """Median verify batch time over median plain step time."""
-        if not self.verify_samples or not self.step_samples:
-            return None
-        return statistics.median(self.verify_samples) / self.step_seconds
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.emitted / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def fell_back(self) -> bool:
-        return bool(self.fallbacks)
-
-    def as_dict(self) -> dict:
-        """The stats as a generation result carries them (JSON types only)."""
-        return {
-            "emitted": self.emitted,
-            "rounds": self.rounds,
-            "plain_steps": self.plain_steps,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "acceptance_rate": self.acceptance_rate,
-            "base_passes": self.base_passes,
-            "base_steps": self.base_steps,
-            "base_batches": self.base_batches,
-            "passes_per_token": self.passes_per_token,
-            "step_seconds": self.step_seconds,
-            "verify_step_ratio": self.verify_step_ratio,
-            "tokens_per_second": self.tokens_per_second,
-            "seconds": self.seconds,
-            "finish": None if self.finish is None else self.finish.value,
-            "fell_back": self.fell_back,
-            "fallbacks": [f.as_dict() for f in self.fallbacks],
-            "reprobes": self.reprobes,
-        }
-
-
-@dataclass(slots=True, frozen=True)
-class RoundEvent:
-    """What one round did; the generator yields one per round."""
-
-    kind: RoundKind
-    tokens: tuple[int, ...]  # emitted (and committed) this round, in order
-    drafted: int
-    accepted: int
-
-
 OnToken = Callable[[int], "bool | None"]
 
 
@@ -252,6 +129,7 @@ def speculative_decode(
     tokens = list(prompt)  # the committed stream, prompt + emitted: the base holds all of it
     passes = _Passes(base, stats, clock)
     emit = _Emitter(tokens, len(prompt) + max_new_tokens, on_token, eos_ids, stats)
+    run = _Run(base, head, sampler, passes, emit, tokens, stats, clock)
     breakeven = _BreakEven(config, stats)
     two_pass = head is not None and head.needs_last_hidden()
     speculating, reprobe_at = head is not None, None
@@ -267,64 +145,109 @@ def speculative_decode(
         left = max_new_tokens - stats.emitted - 1  # tokens the run may emit after t1
         # t1 takes a batch row in the one-pass round; in the two-pass round it runs alone
         k = min(k_next, base.max_batch_rows() - (0 if two_pass else 1), left) if speculating else 0
-        draft, spent, problem = NO_DRAFT, 0.0, None
-        if k > 0 and not two_pass:
-            draft, spent, problem = _draft(head, tokens + [t1], k, passes.vocab, stats, clock)
-
-        if draft.tokens:
-            # one-pass round: [t1, d1..dk] as one batch of k + 1 rows, draft i against row i
-            verify = passes.batch([t1, *draft.tokens], pos)
-            spent += passes.last_seconds
-            take, next_t1 = _accept(sampler, draft, verify, first=0)
-            kept = emit([t1, *draft.tokens[:take]])  # take + 1 unless the run stops inside
-            base.truncate(pos + kept)
-            head.commit_rows([t1, *draft.tokens], None, kept)
-            kind = RoundKind.ONE_PASS
-        else:
-            # t1 through a plain step: the whole round, or the first pass of a two-pass round
-            logits = passes.step(t1, pos)
-            spent += passes.last_seconds
-            emit([t1])
-            if head is not None:
-                head.commit_rows([t1], base.last_hidden_rows() if two_pass else None, 1)
-            if two_pass and k > 0 and not emit.done:
-                draft, draft_seconds, problem = _draft(head, tokens, k, passes.vocab, stats, clock)
-                spent += draft_seconds
-            kind, take = (RoundKind.TWO_PASS if draft.tokens else RoundKind.STEP), 0
-            # d1 is judged on the step's logits: a wrong d1 costs no batch
-            next_t1 = sampler.judge(draft.tokens[0], _q(draft, 0), logits) if draft.tokens else None
-            if draft.tokens and next_t1 is None:
-                # d1 kept: d1..dk as one batch of k rows, draft i against row i - 1
-                verify = passes.batch(draft.tokens, pos + 1)
-                rows = base.last_hidden_rows()
-                spent += passes.last_seconds
-                take, next_t1 = _accept(sampler, draft, verify, first=1)
-                kept = emit(draft.tokens[:take])
-                base.truncate(pos + 1 + kept)
-                head.commit_rows(draft.tokens, rows, kept)
-            elif not draft.tokens and not emit.done:
-                next_t1 = sampler.choose(logits)
-        t1 = next_t1
+        done = _two_pass_round(run, t1, pos, k) if two_pass else _one_pass_round(run, t1, pos, k)
+        t1 = done.next_t1
 
         fallback = None
-        if kind is RoundKind.STEP:
+        if done.kind is RoundKind.STEP:
             stats.plain_steps += 1
         else:
             stats.rounds += 1
-            stats.drafted += len(draft.tokens)
-            stats.accepted += take
+            stats.drafted += done.drafted
+            stats.accepted += done.take
             if config.adapt_k:
-                k_next = min(config.k, 2 * k_next) if take == len(draft.tokens) else take + 1
-            fallback = breakeven.judge(spent, take + 1, len(draft.tokens), take)
-        if problem is not None:
-            fallback = breakeven.head_error(problem)
+                k_next = min(config.k, 2 * k_next) if done.take == done.drafted else done.take + 1
+            fallback = breakeven.judge(done.seconds, done.take + 1, done.drafted, done.take)
+        if done.problem is not None:
+            fallback = breakeven.head_error(done.problem)
         if fallback is not None:
             stats.fallbacks.append(fallback)
             speculating = False
             if config.reprobe_after is not None:
                 reprobe_at = stats.emitted + config.reprobe_after
         stats.seconds = clock() - started
-        yield RoundEvent(kind, tuple(tokens[pos:]), len(draft.tokens), take)
+        yield RoundEvent(done.kind, tuple(tokens[pos:]), done.drafted, done.take)
+
+
+@dataclass(slots=True)
+class _Run:
+    """What every round of one run works with."""
+
+    base: Base
+    head: DraftHead | None
+    sampler: Sampler
+    passes: _Passes
+    emit: _Emitter
+    tokens: list[int]  # the committed stream, prompt + emitted: the base holds all of it
+    stats: DecodeStats
+    clock: Callable[[], float]
+
+
+@dataclass(slots=True, frozen=True)
+class _Round:
+    """What one round did, for the loop's counters and its break-even rule."""
+
+    kind: RoundKind
+    next_t1: int | None  # the base's choice for the next position (None: the run stopped in a step)
+    drafted: int
+    take: int  # drafts accepted
+    seconds: float  # draft + passes
+    problem: str | None  # why the head gave no draft, or None
+
+
+def _one_pass_round(run: _Run, t1: int, pos: int, k: int) -> _Round:
+    """[t1, d1..dk] verified as one batch of k + 1 rows, draft i against row i; a plain-step
+    round when k is 0 or the head proposes nothing."""
+    draft, spent, problem = NO_DRAFT, 0.0, None
+    if k > 0:
+        draft, spent, problem = _draft(run.head, run.tokens + [t1], k, run.passes.vocab, run.stats, run.clock)
+    if not draft.tokens:
+        return _step_round(run, t1, pos, spent, problem)
+    verify = run.passes.batch([t1, *draft.tokens], pos)
+    spent += run.passes.last_seconds
+    take, next_t1 = _accept(run.sampler, draft, verify, first=0)
+    kept = run.emit([t1, *draft.tokens[:take]])  # take + 1 unless the run stops inside
+    run.base.truncate(pos + kept)
+    run.head.commit_rows([t1, *draft.tokens], None, kept)
+    return _Round(RoundKind.ONE_PASS, next_t1, len(draft.tokens), take, spent, problem)
+
+
+def _step_round(run: _Run, t1: int, pos: int, spent: float, problem: str | None) -> _Round:
+    """t1 alone through a plain step: the round plain decode runs."""
+    logits = run.passes.step(t1, pos)
+    spent += run.passes.last_seconds
+    run.emit([t1])
+    if run.head is not None:
+        run.head.commit_rows([t1], None, 1)
+    next_t1 = None if run.emit.done else run.sampler.choose(logits)
+    return _Round(RoundKind.STEP, next_t1, 0, 0, spent, problem)
+
+
+def _two_pass_round(run: _Run, t1: int, pos: int, k: int) -> _Round:
+    """t1 through a plain step whose hidden row the head reads to draft d1..dk; d1 is judged on
+    the step's logits (a wrong d1 costs no batch), and only a kept d1 sends d1..dk through one
+    batch of k rows, draft i against row i - 1. A plain-step round when nothing is drafted."""
+    logits = run.passes.step(t1, pos)
+    spent = run.passes.last_seconds
+    run.emit([t1])
+    run.head.commit_rows([t1], run.base.last_hidden_rows(), 1)
+    draft, problem = NO_DRAFT, None
+    if k > 0 and not run.emit.done:
+        draft, draft_seconds, problem = _draft(run.head, run.tokens, k, run.passes.vocab, run.stats, run.clock)
+        spent += draft_seconds
+    if not draft.tokens:
+        next_t1 = None if run.emit.done else run.sampler.choose(logits)
+        return _Round(RoundKind.STEP, next_t1, 0, 0, spent, problem)
+    take, next_t1 = 0, run.sampler.judge(draft.tokens[0], _q(draft, 0), logits)
+    if next_t1 is None:  # d1 kept
+        verify = run.passes.batch(draft.tokens, pos + 1)
+        rows = run.base.last_hidden_rows()
+        spent += run.passes.last_seconds
+        take, next_t1 = _accept(run.sampler, draft, verify, first=1)
+        kept = run.emit(draft.tokens[:take])
+        run.base.truncate(pos + 1 + kept)
+        run.head.commit_rows(draft.tokens, rows, kept)
+    return _Round(RoundKind.TWO_PASS, next_t1, len(draft.tokens), take, spent, problem)
 
 
 def plain_decode(

@@ -324,7 +324,7 @@ class ModelState:
 
     @classmethod
     def for_config(cls, cfg, recurrent_retain: int = 0) -> "ModelState":
-        """Fresh, empty planes for a `ModelConfig` (engine/config.py); recurrent planes keep
+        """Fresh, empty planes for a `ModelConfig` (engine/config/); recurrent planes keep
         `recurrent_retain` positions from earlier passes (RecurrentPlane)."""
         from engine.config import AttentionKind
 

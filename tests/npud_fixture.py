@@ -38,7 +38,7 @@ def tiny_checkpoint(base: Path) -> Path:
     """The qwen3 tiny checkpoint, built once per test session (building imports torch)."""
     global _checkpoint
     if _checkpoint is None or not (_checkpoint / "config.json").is_file():
-        from checkpoints import build_tiny_checkpoint
+        from engine.testing.checkpoints import build_tiny_checkpoint
 
         _checkpoint = build_tiny_checkpoint(base / "tiny-qwen3", "qwen3", max_position_embeddings=MAX_CONTEXT)
     return _checkpoint

@@ -3,16 +3,26 @@ itself needs the mlir-aie and llvm-aie wheels, which are not on the package inde
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-from checkpoints import build_tiny_checkpoint
+from engine.testing.checkpoints import build_tiny_checkpoint
 from kernels.xrt_design import DesignTable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-import build_npu_designs as tool  # noqa: E402
+def _load_tool():
+    """tools/build_npu_designs.py as a module (tools/ is no package)."""
+    path = Path(__file__).resolve().parent.parent / "tools" / "build_npu_designs.py"
+    spec = importlib.util.spec_from_file_location("build_npu_designs", path)
+    module = sys.modules.setdefault("build_npu_designs", importlib.util.module_from_spec(spec))
+    if not hasattr(module, "main"):
+        spec.loader.exec_module(module)  # registered first: its dataclasses look themselves up there
+    return module
+
+
+tool = _load_tool()
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +87,12 @@ def test_main_lists_shapes_and_says_what_is_missing(ckpt, tmp_path, capsys, monk
     for what in ("aiecc.py on PATH", "PEANO_INSTALL_DIR", "an mlir-aie source checkout", "make"):
         assert what in err
     assert not (tmp_path / "design.json").exists()
+
+
+def test_a_dflash_drafter_adds_its_own_shapes_not_a_head():
+    models = Path(__file__).resolve().parent.parent / "npud" / "models"
+    base = tool.gemm_shapes([models / "pycode-base"], "bf16")
+    with_drafter = tool.gemm_shapes([models / "pycode-base"], "bf16", [models / "pycode-dflash"])
+    added = {(s.K, s.N) for s in with_drafter} - {(s.K, s.N) for s in base}
+    assert added and all(not n.endswith("lm_head") for s in with_drafter for n in s.layers if "dflash" in n)
+    assert any(n == "pycode-dflash.fc" for s in with_drafter for n in s.layers)

@@ -46,7 +46,7 @@ from engine.sampling import Sampler, SamplingConfig
 from engine.speculative import DecodeStats, FallbackReason, SpeculativeConfig, plain_decode, speculative_decode
 from engine.weights import WeightsError
 
-# the tiny base of tests/checkpoints.py with five layers, so there are layers to tap
+# the tiny base of engine/testing/checkpoints.py with five layers, so there are layers to tap
 BASE_LAYERS = 5
 GEOMETRY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6)
@@ -180,7 +180,7 @@ def test_missing_config_file_is_a_config_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    from checkpoints import build_tiny_checkpoint
+    from engine.testing.checkpoints import build_tiny_checkpoint
 
     from engine.model import Model
 
@@ -280,7 +280,7 @@ REFERENCE_DRAFTS = {
 def reference(base, tmp_path_factory):
     dflash_model = pytest.importorskip("dflash.model", reason="the reference (pip install --no-deps dflash) is missing")
     import torch
-    from checkpoints import load_reference
+    from engine.testing.checkpoints import load_reference
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("reference")

@@ -317,7 +317,7 @@ def test_head_weights_shapes_are_checked():
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
     pytest.importorskip("engine.forward", reason="engine/forward.py has not landed")
-    from checkpoints import build_tiny_checkpoint
+    from engine.testing.checkpoints import build_tiny_checkpoint
 
     from engine.forward import Forward
     from engine.model import Model
@@ -327,7 +327,7 @@ def real(tmp_path_factory):
     base_dir = build_tiny_checkpoint(root / "base", model_type="qwen3", seed=0)
     draft_dir = build_tiny_checkpoint(root / "draft", model_type="qwen3", seed=1, num_hidden_layers=1)
     other_tok = root / "other_tok"
-    from checkpoints import write_tokenizer
+    from engine.testing.checkpoints import write_tokenizer
 
     write_tokenizer(other_tok, vocab_size=300)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoints import build_tiny_checkpoint, load_reference
+from engine.testing.checkpoints import build_tiny_checkpoint, load_reference
 from engine.forward import Forward
 from engine.model import Model, rows_equal
 from engine.weights import open_checkpoint

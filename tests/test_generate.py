@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from checkpoints import build_tiny_checkpoint
+from engine.testing.checkpoints import build_tiny_checkpoint
 from engine.config import ConfigError
 from engine.forward import Forward
 from engine.generate import FinishReason, Generation, GenerationConfig, _longest_stop_prefix_suffix

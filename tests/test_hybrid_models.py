@@ -1,6 +1,6 @@
 """Gemma 4 and Qwen3.5 (text) on the host engine, against transformers and against itself.
 
-Both tiny checkpoints are built here by transformers (tests/checkpoints.py's pattern: a large
+Both tiny checkpoints are built here by transformers (engine/testing/checkpoints.py's pattern: a large
 init std and spread norms, so that greedy choices are decided by clear margins and a wrong
 norm form shows):
 - gemma4_text: 6 layers, sliding/full alternating (window 8 < the 32-token prompt), two KV
@@ -45,7 +45,7 @@ import pytest
 import torch
 import transformers
 
-from checkpoints import load_reference, write_tokenizer
+from engine.testing.checkpoints import load_reference, write_tokenizer
 from decoding import greedy_run
 from engine.config import AttentionKind, ConfigError, parse_config
 from engine.drafters import DraftModelHead, PromptLookupHead

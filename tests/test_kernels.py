@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import RowwiseBackend, select_backend
+from kernels.select import RowwiseBackend, select_backend
 from kernels.base import LinearWeight, WeightFormat
 from kernels.host import TILE, HostBackend, check_batch_invariance, pack_tiles
 from kernels import xrt

@@ -3,7 +3,7 @@
 import os
 
 from npud.config import DeviceConfig
-from npud.device import discover
+from npud.device import discover, gemm_site, other_holders
 
 
 def _tree(tmp_path, driver="amdxdna", attrs=None):
@@ -55,8 +55,6 @@ def test_real_import_of_pyxrt_reports_its_error(tmp_path):
 
 
 # -- where the GEMMs run, the firmware, other processes on the NPU --------------------------
-
-from npud.device import gemm_site, other_holders  # noqa: E402
 
 
 def test_fw_version_comes_from_sysfs(tmp_path):

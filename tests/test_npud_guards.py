@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+import kmsg_fixtures as fx
 from npud.config import ErrorsConfig, ThermalConfig
 from npud.guards import ErrorCountGuard, ThermalGuard
 from npud.tickets import TicketQueue
@@ -155,8 +156,6 @@ def test_kmsg_style_nonblocking_source(tmp_path):
 
 
 # -- both driver variants, pre-hang warnings, lines that are not the driver's ---------------
-
-import kmsg_fixtures as fx  # noqa: E402
 
 
 def _guard_on(tmp_path, records):

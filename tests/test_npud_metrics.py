@@ -446,8 +446,8 @@ async def test_npuctl_stats_shows_the_metrics(nursery, workdir):
 
 @pytest.mark.slow
 def test_speculation_and_prefix_cache_counts_come_from_the_engine(tmp_path_factory):
-    pytest.importorskip("torch", reason="tests/checkpoints.py builds the tiny model with torch")
-    from checkpoints import build_tiny_checkpoint
+    pytest.importorskip("torch", reason="engine/testing/checkpoints.py builds the tiny model with torch")
+    from engine.testing.checkpoints import build_tiny_checkpoint
 
     model = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
     d = DaemonProc(short_tempdir(), [{"name": "tiny", "checkpoint_dir": str(model), "weight_format": "fp32"}])

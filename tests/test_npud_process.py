@@ -18,7 +18,7 @@ from test_npud_support import KMSG_ERROR, DaemonProc, short_tempdir, wait_for
 
 pytestmark = pytest.mark.slow  # daemon processes and a model load each: tens of seconds in all
 
-checkpoints = pytest.importorskip("checkpoints", reason="tests/checkpoints.py builds the tiny model")
+checkpoints = pytest.importorskip("engine.testing.checkpoints", reason="engine/testing/checkpoints.py builds the tiny model")
 pytest.importorskip("engine.session", reason="the engine's session API is needed to serve the tiny model")
 
 from clients.client import DeviceQuarantined  # noqa: E402

@@ -604,7 +604,7 @@ def test_plain_sampling_has_the_base_distribution_and_the_check_can_fail():
 @pytest.fixture(scope="module")
 def real_model(tmp_path_factory):
     pytest.importorskip("engine.forward", reason="engine/forward.py has not landed")
-    from checkpoints import build_tiny_checkpoint
+    from engine.testing.checkpoints import build_tiny_checkpoint
 
     from engine.model import Model
 

@@ -380,7 +380,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    from checkpoints import build_tiny_checkpoint
+    from engine.testing.checkpoints import build_tiny_checkpoint
 
     return Model.load(build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3", "qwen3"), "fp32")
 
@@ -414,20 +414,9 @@ def test_a_rolled_back_verify_continues_as_a_forward_that_saw_only_the_accepted_
 
 
 def serve(forward: Forward, cache: PrefixCache, prompt):
-    """engine/prefix_cache.py's documented caller protocol; returns (last-row logits, match)."""
-    match = cache.lookup(prompt)
-    start, logits = 0, None
-    if match is not None:
-        forward.state.restore(match.snapshot)
-        start = match.num_cached_tokens
-    boundary = cache.insert_boundary(len(prompt))
-    if boundary > (match.entry_tokens if match is not None else 0):
-        logits = forward.prefill(prompt[start:boundary])
-        cache.insert(prompt[:boundary], forward.state.snapshot())
-        start = boundary
-    if start < len(prompt):
-        logits = forward.prefill(prompt[start:])
-    return logits, match
+    """The cache's caller protocol; returns (last-row logits, match)."""
+    done = cache.prefill(forward, prompt)
+    return done.logits, done.match
 
 
 @pytest.mark.parametrize("which", ["two_width", "qwen3"])
@@ -457,3 +446,37 @@ def test_prefix_cache_restore_then_continue_equals_a_full_prefill(request, tmp_p
     logits, match = serve(Forward(m), reopened, prompt)
     assert match.source is MatchSource.DISK and match.num_cached_tokens == 96
     assert rows_equal(logits, Forward(m).prefill(prompt))
+
+
+def test_prefix_cache_prefill_defers_the_insert_at_the_prompt_end(model):
+    prompt = TOKENS[:64]  # a multiple of the block: the insert boundary is the prompt's end
+    cache = PrefixCache(model.fingerprint, ModelState.for_config(model.config), block_size=16)
+    f = Forward(model)
+    done = cache.prefill(f, prompt, defer_insert=True)
+    assert done.match is None and rows_equal(done.logits, Forward(model).prefill(prompt))
+    assert cache.stats().entries == 0 and done.insert is not None
+    done.insert()
+    assert cache.stats().entries == 1 and cache.lookup(prompt + [7]).num_cached_tokens == 64
+    assert rows_equal(f.step(3, 64), fresh_after(model, prompt).step(3, 64))
+    longer = TOKENS[:90]  # its boundary (80) is not its end: that insert is not deferred
+    late = cache.prefill(Forward(model), longer, defer_insert=True)
+    assert late.insert is None and cache.lookup(longer).num_cached_tokens == 80
+
+
+def test_prefix_cache_prefill_without_the_rest_leaves_the_last_token_to_the_caller(model):
+    prompt = TOKENS[:64]
+    cache = PrefixCache(model.fingerprint, ModelState.for_config(model.config), block_size=16)
+    f = Forward(model)
+    first = cache.prefill(f, prompt, rest=False)  # the boundary of prompt[:-1] is 48
+    assert first.match is None and first.insert is None and f.positions_held == 48
+    assert cache.stats().entries == 1
+    g = Forward(model)
+    again = cache.prefill(g, prompt, rest=False)
+    assert again.match.num_cached_tokens == 48 and again.logits is None and g.positions_held == 48
+    assert cache.stats().entries == 1
+    g.prefill(prompt[48:63])
+    assert rows_equal(g.step(prompt[63], 63), fresh_after(model, prompt[:63]).step(prompt[63], 63))
+    h = Forward(model)
+    blind = cache.prefill(h, prompt, rest=False, restore=False)  # no lookup: prefilled from 0
+    assert blind.match is None and h.positions_held == 48 and cache.stats().hits == 1
+    assert cache.prefill(Forward(model), prompt[:1], rest=False).match is None and cache.stats().misses == 1

@@ -480,7 +480,7 @@ def test_conversion_in_row_blocks_equals_whole_tensor(tmp_path, monkeypatch, fmt
     save_model(tmp_path, "llama", dtype=dtype)
     cfg = load_config(tmp_path)
     whole = load_weights(cfg, tmp_path, fmt)
-    monkeypatch.setattr("engine.weights._CHUNK_ELEMENTS", 200)  # 3 rows of 64 per block, a partial last block
+    monkeypatch.setattr("engine.weights.convert._CHUNK_ELEMENTS", 200)  # 3 rows of 64 per block, a partial last block
     blocks = load_weights(cfg, tmp_path, fmt)
     for (name, a), (_, b) in zip(linears(whole), linears(blocks), strict=True):
         assert np.array_equal(a.data, b.data), name

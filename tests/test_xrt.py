@@ -12,7 +12,8 @@ import pytest
 import structlog
 
 import fake_pyxrt
-from kernels import default_backend, select_backend, xrt
+from kernels import xrt
+from kernels.select import default_backend, select_backend
 from kernels.base import DeviceFault, LinearWeight, WeightFormat
 from kernels.xrt_check import bf16_round, tolerance
 from kernels.xrt_design import DesignError, DesignTable, read_insts

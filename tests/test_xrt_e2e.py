@@ -4,18 +4,35 @@ speculative method. Evidence about the backend's protocol and arithmetic, not ab
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+import os
+import shutil
 from pathlib import Path
 
 import pytest
+import trio
 
 import fake_pyxrt
-from checkpoints import build_tiny_checkpoint
+import test_npud_support as fakes
+from clients.client import AsyncClient, DeviceQuarantined
+from engine.testing.checkpoints import build_tiny_checkpoint
 from engine.session import GenerateRequest, ServedModel, SpecParams
 from kernels import xrt
+from npud.config import parse_config
+from npud.daemon import Daemon
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from build_npu_designs import gemm_shapes  # noqa: E402
+def _load_tool():
+    """tools/build_npu_designs.py as a module (tools/ is no package)."""
+    path = Path(__file__).resolve().parent.parent / "tools" / "build_npu_designs.py"
+    spec = importlib.util.spec_from_file_location("build_npu_designs", path)
+    module = sys.modules.setdefault("build_npu_designs", importlib.util.module_from_spec(spec))
+    if not hasattr(module, "main"):
+        spec.loader.exec_module(module)  # registered first: its dataclasses look themselves up there
+    return module
+
+
+gemm_shapes = _load_tool().gemm_shapes
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
 
@@ -75,15 +92,6 @@ def test_a_failed_run_mid_generation_raises_a_device_fault(npu_served):
 
 # -- through the whole daemon: socket, jobs, tickets, device owner, engine, simulated NPU -----
 
-import shutil  # noqa: E402
-
-import trio  # noqa: E402
-
-import test_npud_support as fakes  # noqa: E402
-from clients.client import AsyncClient, DeviceQuarantined  # noqa: E402
-from npud.config import parse_config  # noqa: E402
-from npud.daemon import Daemon  # noqa: E402
-
 PROMPTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n"]
 
 
@@ -142,7 +150,6 @@ async def test_the_daemon_serves_through_the_simulated_npu_and_faults_a_failed_r
 
 # -- real hardware -----------------------------------------------------------------------------
 
-import os  # noqa: E402
 
 NPU_DESIGN = os.environ.get("NPUD_XRT_DESIGN")
 NPU_MODEL = os.environ.get("NPUD_NPU_MODEL")  # a bf16 checkpoint whose shapes the design table covers

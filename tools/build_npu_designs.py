@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build the NPU GEMM designs a checkpoint needs, and the design table npud reads.
 
-    tools/build_npu_designs.py CHECKPOINT [CHECKPOINT ...] --device npu2 --out DIR
+    tools/build_npu_designs.py CHECKPOINT [CHECKPOINT ...] [--dflash DIR] --device npu2 --out DIR
     tools/build_npu_designs.py CHECKPOINT --list
 
 Lists the distinct (K, N, weight format) of the checkpoints' linear layers (a base, its
@@ -27,10 +27,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kernels.base import LinearWeight, WeightFormat  # noqa: E402
-from kernels.xrt_design import N_AIE_ROWS, SERVED_FORMATS, GemmDesign, tile_rule_errors, write_table  # noqa: E402
+from kernels.base import LinearWeight, WeightFormat
+from kernels.xrt_design import N_AIE_ROWS, SERVED_FORMATS, GemmDesign, tile_rule_errors, write_table
 
 EXAMPLE = "programming_examples/basic/matrix_multiplication/whole_array"
 EXIT_MISSING = 3
@@ -44,24 +42,34 @@ class Shape:
     layers: tuple[str, ...]  # where it occurs, e.g. "layers[0].q_proj"
 
 
-def gemm_shapes(checkpoint_dirs: list[str | Path], weight_format: str = "bf16") -> list[Shape]:
-    """The distinct GEMM shapes of the checkpoints' linear layers, sorted by (K, N).
+def gemm_shapes(checkpoint_dirs: list[str | Path], weight_format: str = "bf16",
+                dflash_dirs: list[str | Path] = ()) -> list[Shape]:
+    """The distinct GEMM shapes of the checkpoints' (and DFlash drafters') linear layers, sorted by (K, N).
 
-    The embedding table is a GEMM only when it is also the LM head (tied). Raises the
-    engine's ConfigError / WeightsError for a checkpoint that does not load."""
+    The embedding table is a GEMM only as the LM head (tied). Raises the engine's
+    ConfigError / WeightsError for a checkpoint that does not load."""
     from engine.config import load_config
+    from engine.dflash import load_dflash_config, load_dflash_weights
     from engine.weights import load_weights
 
+    fmt = WeightFormat.parse(weight_format)
     found: dict[tuple[int, int, str], list[str]] = {}
-    for ckpt in checkpoint_dirs:
-        config = load_config(ckpt)
-        weights = load_weights(config, ckpt, WeightFormat.parse(weight_format))
-        for name, w in _linears(weights, Path(ckpt).name):
-            if name.endswith(".embed") and w is not weights.lm_head:
-                continue
+
+    def add(weights, prefix: str, head) -> None:
+        for name, w in _linears(weights, prefix):
+            if w is head:
+                name = f"{prefix}.lm_head"  # tied or not, the head is the GEMM
+            elif name.endswith(".embed"):
+                continue  # an untied embedding table is a lookup, not a GEMM
             n, k = w.data.shape
             found.setdefault((int(k), int(n), w.fmt.value), []).append(name)
-    return [Shape(k, n, fmt, tuple(names)) for (k, n, fmt), names in sorted(found.items())]
+
+    for ckpt in checkpoint_dirs:
+        weights = load_weights(load_config(ckpt), ckpt, fmt)
+        add(weights, Path(ckpt).name, weights.lm_head)
+    for d in dflash_dirs:  # the drafter reads the base's embedding and LM head
+        add(load_dflash_weights(load_dflash_config(d), d, fmt), Path(d).name, None)
+    return [Shape(k, n, f, tuple(names)) for (k, n, f), names in sorted(found.items())]
 
 
 def _linears(obj, prefix: str):
@@ -182,7 +190,8 @@ def build_table(shapes: list[Shape], tiling: Tiling, out_dir: Path,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoints", nargs="+", help="checkpoint directories (base, draft, DFlash drafter)")
+    p.add_argument("checkpoints", nargs="+", help="checkpoint directories (the base, its draft model)")
+    p.add_argument("--dflash", action="append", default=[], metavar="DIR", help="a DFlash drafter of the base")
     p.add_argument("--weight-format", default="bf16", help="as in the model's config (default bf16)")
     p.add_argument("--list", action="store_true", help="list the GEMM shapes and exit")
     p.add_argument("--device", choices=["npu1", "npu2"], help="npu1: Ryzen AI 7040/8040; npu2: Ryzen AI 300")
@@ -196,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="npu2: the checkout's mm kernel emulates bf16 MACs with bfp16 (8x8x8 micro-tiles)")
     p.add_argument("--mlir-aie-src", default=os.environ.get("MLIR_AIE_SRC"))
     args = p.parse_args(argv)
-    shapes = gemm_shapes(args.checkpoints, args.weight_format)
+    shapes = gemm_shapes(args.checkpoints, args.weight_format, args.dflash)
     for s in shapes:
         print(f"K={s.K:6d} N={s.N:7d} {s.weight_format:5s} x{len(s.layers):<3d} {s.layers[0]}")
     if args.list:

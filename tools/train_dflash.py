@@ -4,7 +4,7 @@ The draft reads the frozen base's layer taps (the outputs of a few of its layers
 position), fuses them into one context row per position, and drafts a block of tokens in one
 pass: [last token, mask, ..., mask] through two Qwen3-style layers whose attention sees the
 context rows and the whole block, then the base's own LM head. The checkpoint is written in
-the published DFlash layout (config.json with dflash_config, safetensors), so engine/dflash.py
+the published DFlash layout (config.json with dflash_config, safetensors), so engine/dflash/
 and the reference `dflash` package both load it.
 
 Stages, reading the corpus that ``tools/train_pair.py --stage tokenizer`` left in --work-dir:
@@ -435,7 +435,7 @@ def export(draft: Draft, out: pathlib.Path) -> None:
 
 @torch.no_grad()
 def check_export(draft: Draft, base, out: pathlib.Path, data: np.ndarray, args, ids) -> None:
-    """The shipped checkpoint through engine/dflash.py drafts what the training module drafts
+    """The shipped checkpoint through engine/dflash/ drafts what the training module drafts
     with the same (bf16-rounded) weights: the two implementations agree on the architecture."""
     from engine.dflash import DFlashDraft, TapRows
     from engine.forward import Forward
@@ -459,7 +459,7 @@ def check_export(draft: Draft, base, out: pathlib.Path, data: np.ndarray, args, 
     err = float(np.abs(ours - theirs).max() / np.abs(theirs).max())
     log(f"dflash: engine vs training module on the shipped weights: max relative difference {err:.2e}")
     if err > 1e-3:
-        sys.exit(f"error: engine/dflash.py and the training module disagree (relative difference {err:.2e})")
+        sys.exit(f"error: engine/dflash/ and the training module disagree (relative difference {err:.2e})")
 
 
 # ---------------------------------------------------------------- evaluation through the engine's loop

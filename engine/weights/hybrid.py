@@ -17,16 +17,9 @@ from typing import Any
 import numpy as np
 
 from engine.config import AttentionKind, ModelConfig
-from engine.weights import (
-    AttentionWeights,
-    LayerWeights,
-    LinearAttentionWeights,
-    MlpWeights,
-    ModelWeights,
-    TensorRef,
-    _convert_matrix,
-    _vector,
-)
+from engine.weights.checkpoint import TensorRef
+from engine.weights.convert import _convert_matrix, _vector
+from engine.weights.layout import AttentionWeights, LayerWeights, LinearAttentionWeights, MlpWeights, ModelWeights
 from kernels.base import LinearWeight, WeightFormat
 
 

@@ -14,18 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.config import (
-    ACTIVATIONS,
-    AttentionKind,
-    LayerSpec,
-    LinearSpec,
-    ModelConfig,
-    RopeSpec,
-    _dtype,
-    _Reader,
-    _rope_params,
-    _special_tokens,
-)
+from engine.config.reader import _dtype, _Reader, _rope_params, _special_tokens
+from engine.config.specs import ACTIVATIONS, AttentionKind, LayerSpec, LinearSpec, ModelConfig, RopeSpec
 
 _WRAPPERS = {"gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text"}
 _TEXT_PREFIX = "model."

@@ -1,0 +1,95 @@
+"""The weights dataclasses the forward pass reads: attention, MLP, gated delta net, layer, model."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels.base import LinearWeight
+
+
+@dataclass(slots=True)
+class AttentionWeights:
+    q: LinearWeight
+    k: LinearWeight | None  # None on a KV-shared layer (gemma4): it reads its owner's rows
+    v: LinearWeight | None  # None on a KV-shared layer and where the values are the keys (k_eq_v)
+    o: LinearWeight
+    q_norm: np.ndarray | None  # float32 [head_dim], qwen3
+    k_norm: np.ndarray | None
+    v_norm: np.ndarray | None = None  # gemma4: ones [head_dim], an RMS norm without a weight of its own
+    gate: LinearWeight | None = None  # qwen3_5: the gate half of q_proj, [num_heads * head_dim, D]
+
+
+@dataclass(slots=True)
+class MlpWeights:
+    gate: LinearWeight
+    up: LinearWeight
+    down: LinearWeight
+
+
+@dataclass(slots=True)
+class LinearAttentionWeights:
+    """A gated delta net layer (qwen3_5), geometry in engine.config.LinearSpec."""
+
+    in_qkv: LinearWeight  # [conv_dim, D]
+    in_z: LinearWeight  # [value_dim, D], the output gate
+    in_b: LinearWeight  # [value heads, D], beta = sigmoid(b)
+    in_a: LinearWeight  # [value heads, D], the decay's input
+    conv: np.ndarray  # float32 [conv_dim, conv_kernel], depthwise
+    dt_bias: np.ndarray  # float32 [value heads]
+    a_log: np.ndarray  # float32 [value heads]: decay = exp(-exp(a_log) * softplus(a + dt_bias))
+    norm: np.ndarray  # float32 [value_head_dim], the gated RMS norm's weight
+    out: LinearWeight  # [D, value_dim]
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: np.ndarray  # float32 [D]
+    attn: AttentionWeights | None  # None on a linear-attention layer
+    post_attention_norm: np.ndarray  # float32 [D]; gemma4: the norm of the attention output
+    mlp: MlpWeights
+    linear_attn: LinearAttentionWeights | None = None
+    pre_feedforward_norm: np.ndarray | None = None  # gemma4
+    post_feedforward_norm: np.ndarray | None = None  # gemma4
+    per_layer_gate: LinearWeight | None = None  # gemma4 PLE: [P, D]
+    per_layer_projection: LinearWeight | None = None  # gemma4 PLE: [D, P]
+    post_per_layer_norm: np.ndarray | None = None  # gemma4 PLE: [D]
+    layer_scalar: np.ndarray | None = None  # gemma4: float32 [1]
+
+
+@dataclass(slots=True)
+class ModelWeights:
+    embed: LinearWeight  # [V, D] in the chosen format
+    layers: list[LayerWeights]
+    final_norm: np.ndarray  # float32 [D]
+    lm_head: LinearWeight  # the same object as embed when tied
+    fingerprint: str
+    embed_per_layer: LinearWeight | None = None  # gemma4 PLE: [per-layer vocab, layers * P]
+    per_layer_model_projection: LinearWeight | None = None  # gemma4 PLE: [layers * P, D]
+    per_layer_projection_norm: np.ndarray | None = None  # gemma4 PLE: [P]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all arrays; a tied lm_head is counted once."""
+        seen: set[int] = set()
+        total = 0
+        for obj in weight_arrays(self):
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                total += obj.nbytes
+        return total
+
+
+def weight_arrays(obj):
+    """Every LinearWeight and ndarray held by a weights dataclass (or list of them), depth first."""
+    if isinstance(obj, (LinearWeight, np.ndarray)):
+        yield obj
+    elif isinstance(obj, list):
+        for item in obj:
+            yield from weight_arrays(item)
+    elif dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from weight_arrays(getattr(obj, f.name))
+

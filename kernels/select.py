@@ -1,0 +1,89 @@
+"""Which backend serves: the host backend after its batch-invariance self-check (once per
+process), the row-at-a-time fallback when that check fails, and `select_backend` for xrt."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import structlog
+
+from kernels.base import Backend, LinearWeight
+
+log = structlog.get_logger(__name__)
+
+_lock = threading.Lock()
+_default: Backend | None = None
+
+
+class RowwiseBackend:
+    """A backend whose GEMM runs one row per call: batch-invariant by construction.
+
+    Used when the start-up self-check finds that the fast kernel's rows depend on M on
+    this machine. Every other operation is delegated unchanged.
+    """
+
+    def __init__(self, inner: Backend):
+        self.inner = inner
+        self.name = f"{inner.name}-rowwise"
+
+    def linear(self, x: np.ndarray, w: LinearWeight) -> np.ndarray:
+        return np.concatenate([self.inner.linear(x[i : i + 1], w) for i in range(x.shape[0])])
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+
+def default_backend() -> Backend:
+    """The host backend, after its batch-invariance self-check on this machine (run once).
+
+    If any row of an M-row GEMM (M = 1..16) differs in its bits from the one-row call, the
+    result is logged and the row-at-a-time wrapper is returned instead.
+    """
+    global _default
+    with _lock:
+        if _default is None:
+            from kernels.host import HostBackend, check_batch_invariance, num_threads
+
+            host = HostBackend()
+            failures = check_batch_invariance(host)
+            if failures:
+                log.warning("kernel_self_check_failed", backend=host.name, failures=failures, fallback="rowwise")
+                _default = RowwiseBackend(host)
+            else:
+                log.info("kernel_self_check_passed", backend=host.name, rows="1..16", threads=num_threads())
+                _default = host
+        return _default
+
+
+def select_backend(kind: str = "auto", xrt_design: str | None = None, *,
+                   xrt_timeout_ms: int | None = None) -> tuple[Backend, str]:
+    """The backend to serve with, and why: "host", "xrt", or "auto" (xrt where it can run).
+
+    Raises ValueError for an unknown kind, and kernels.xrt.XrtUnavailable when "xrt" was
+    asked for and cannot run. The host backend is returned after its invariance self-check;
+    the NPU backend checks each design against the host when a model first uses its shape
+    (kernels/xrt_check.py), and "auto" moves a shape that fails to the host.
+    """
+    from kernels import xrt
+
+    if kind not in ("auto", "host", "xrt"):
+        raise ValueError(f"unknown backend {kind!r}; expected auto, host or xrt")
+    host = default_backend()
+    if kind == "host":
+        return host, "host backend requested"
+    ok, why = xrt.probe()
+    if ok and xrt_design is None:
+        ok, why = False, f"{why}, but no NPU GEMM design table (xrt_design) is configured"
+    backend = None
+    if ok:
+        timeout = xrt.DEFAULT_TIMEOUT_MS if xrt_timeout_ms is None else xrt_timeout_ms
+        try:
+            backend = xrt.load_backend(xrt_design, host, timeout_ms=timeout, strict=kind == "xrt")
+        except xrt.XrtUnavailable as exc:
+            ok, why = False, str(exc)
+    if not ok:
+        if kind == "xrt":
+            raise xrt.XrtUnavailable(why)
+        return host, f"host backend: {why}"
+    return backend, f"{why}, designs from {xrt_design}"
