@@ -66,7 +66,7 @@ def check_design(runner, host, timeout_ms: int, seed: int = SEED) -> tuple[list[
     if not np.any(got) and np.any(want):
         failures.append(f"K={d.K} N={d.N}: the device returned all zeros (an aborted run?)")
     else:
-        off = np.abs(got.astype(np.float64) - want) > tolerance(x, wf)
+        off = ~(np.abs(got.astype(np.float64) - want) <= tolerance(x, wf))  # a NaN is off too
         if off.any():
             m, n = map(int, np.argwhere(off)[0])
             failures.append(f"K={d.K} N={d.N}: {int(off.sum())} of {off.size} outputs differ from the host "

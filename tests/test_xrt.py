@@ -221,6 +221,20 @@ def test_a_weight_the_npu_cannot_hold_says_what_to_check(tmp_path, sim, host, mo
         backend.prepare_linear(bf16_weight(64, 64, seed=2))
 
 
+def test_startup_check_catches_nan_outputs(tmp_path, sim, host, monkeypatch):
+    real_call = fake_pyxrt.kernel.__call__
+
+    def one_nan(self, *args):
+        result = real_call(self, *args)
+        args[5].dev.view(np.float32)[3] = np.nan
+        return result
+
+    monkeypatch.setattr(fake_pyxrt.kernel, "__call__", one_nan)
+    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
+    backend.prepare_linear(bf16_weight(64, 64))
+    assert "outputs differ from the host" in backend.placement[(64, 64, "bf16")]
+
+
 def test_startup_check_catches_an_aborted_run(tmp_path, sim, host):
     backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
     sim.inject("abort", after=1)
