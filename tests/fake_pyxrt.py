@@ -147,6 +147,7 @@ class bo:
         if flags is not want:
             raise ProtocolViolation(f"bo for argument {self.arg} made {flags.name}; aie.utils.xrt uses {want.name}")
         self.flags, self._size = flags, int(size)
+        SIM.calls.append(("bo", self.arg, self._size, flags.name))
         self.host = np.zeros(self._size, np.uint8)
         self.dev = np.zeros(self._size, np.uint8)
         self.host_dirty = False  # written since the last sync to the device
@@ -161,12 +162,14 @@ class bo:
             raise ProtocolViolation(f"write of {data.size} bytes at {seek} into a {self._size}-byte bo")
         self.host[seek : seek + data.size] = data
         self.host_dirty = True
+        SIM.calls.append(("write", self.arg, data.size))
 
     def read(self, size: int, skip: int):
         if skip + size > self._size:
             raise ProtocolViolation(f"read of {size} bytes at {skip} from a {self._size}-byte bo")
         if self.dev_newer:
             raise ProtocolViolation(f"bo of argument {self.arg} read before a sync from the device")
+        SIM.calls.append(("read", self.arg, size))
         return self.host[skip : skip + size].copy()
 
     def sync(self, direction, size: int | None = None, offset: int = 0):

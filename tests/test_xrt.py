@@ -146,7 +146,17 @@ def test_the_call_sequence_syncs_inputs_before_and_output_after_each_run(tmp_pat
     w = backend.prepare_linear(bf16_weight(64, 64))
     sim.calls.clear()
     backend.linear(np.ones((1, 64), np.float32), w)
-    assert sim.calls == [("sync", 3, "XCL_BO_SYNC_BO_TO_DEVICE"), ("run", 6), ("sync", 5, "XCL_BO_SYNC_BO_FROM_DEVICE")]
+    assert sim.calls == [("write", 3, 32 * 64 * 2), ("sync", 3, "XCL_BO_SYNC_BO_TO_DEVICE"), ("run", 6),
+                         ("sync", 5, "XCL_BO_SYNC_BO_FROM_DEVICE"), ("read", 5, 32 * 64 * 4)]
+
+
+def test_buffers_are_made_as_aie_utils_xrt_makes_them(tmp_path, sim, host):
+    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(72, 100)]), host)
+    backend.prepare_linear(bf16_weight(100, 72))
+    made = [c[1:] for c in sim.calls if c[0] == "bo"]
+    # instructions cacheable in group 1; A [M, cK] bf16, C [M, cN] f32, B [cN, cK] bf16 host_only
+    assert made[:3] == [(1, 16 * 4, "cacheable"), (3, 32 * 72 * 2, "host_only"), (5, 32 * 104 * 4, "host_only")]
+    assert made[3:] == [(4, 104 * 72 * 2, "host_only")] * 2  # the start-up check's B, then the weight's
 
 
 def test_shapes_and_formats_without_a_design_run_on_the_host_said_once(tmp_path, sim, host):
