@@ -24,7 +24,7 @@ from engine.sampling import SamplingConfig
 from engine.speculative import SpeculativeConfig
 from engine.state import ModelState
 from engine.tokenizer import Tokenizer
-from kernels.base import DeviceFault  # noqa: F401  (the daemon catches it here: a failed device call)
+from kernels.errors import DeviceFault  # noqa: F401  (the daemon catches it here: a failed device call)
 from kernels.select import select_backend
 
 SamplingParams = SamplingConfig

@@ -13,6 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
+from kernels.errors import DeviceFault  # noqa: F401  (part of the backend interface)
+
 
 class WeightFormat(enum.Enum):
     """How a linear layer's weight matrix is held in host memory."""
@@ -146,9 +148,3 @@ class Backend(Protocol):
 
     def gated_rms_norm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """weight * rms_norm(x) * silu(z) per row, [R, D] -> [R, D]."""
-
-
-class DeviceFault(RuntimeError):
-    """An accelerator call did not complete normally (a run state other than completed, a
-    timeout, an exception from the runtime). Whatever the round computed is void: the
-    daemon faults the ticket, quarantines the device and commits nothing of the round."""

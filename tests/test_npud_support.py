@@ -40,7 +40,7 @@ class GenerateRequest:
     use_prefix_cache: bool = True
 
 
-from kernels.base import DeviceFault  # noqa: E402,F401  (the engine module names it; the daemon catches it)
+from kernels.errors import DeviceFault  # noqa: E402,F401  (the engine module names it; the daemon catches it)
 
 
 class RequestError(ValueError):
