@@ -52,7 +52,10 @@ def npu_served(ckpt, tmp_path, monkeypatch):
     sim = fake_pyxrt.install(monkeypatch)
     monkeypatch.setattr(xrt, "probe", lambda: (True, "simulated accel0 with tests/fake_pyxrt.py"))
     shapes = [(s.K, s.N) for s in gemm_shapes([ckpt], "bf16")]
-    table = fake_pyxrt.write_design_table(tmp_path / "designs", shapes)
+    # npu1 tiling, M = 16 rows a pass: the prompt's prefill takes more than one pass, and N is
+    # padded to 16-column multiples (tile_n 4 x 4 columns)
+    table = fake_pyxrt.write_design_table(tmp_path / "designs", shapes, device="npu1", M=16, tile=(4, 8, 4),
+                                          columns=4)
     served = ServedModel.load("tiny", ckpt, draft_dir=ckpt, weight_format="bf16", backend="xrt",
                               xrt_design=table, xrt_timeout_ms=1000)
     return served, sim
@@ -74,6 +77,7 @@ def test_greedy_output_through_the_simulated_npu_equals_the_host(host_served, np
     before = sim.runs
     got = drive(served.start(req))
     want = drive(host_served.start(req))
+    assert got.prompt_tokens > 16  # several passes of M rows
     assert list(got.token_ids) == list(want.token_ids) and got.text == want.text
     assert sim.runs > before  # the GEMMs did go through the simulated device
 
