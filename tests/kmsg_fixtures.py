@@ -15,9 +15,11 @@ IN_KERNEL_ERRORS = [
     (3, DEV + "[drm] *ERROR* aie2_send_mgmt_msg_wait: command opcode 0x2 failed, status 0x2000003"),
     # amdxdna_mailbox_helper.c, xdna_send_msg_wait()
     (3, DEV + "[drm] *ERROR* xdna_send_msg_wait: Wait for completion timeout"),
-    # aie2_tdr detection (XDNA_ERR "TDR timeout detected")
-    (3, DEV + "[drm] *ERROR* aie2_tdr_detect: TDR timeout detected"),
+    # aie2_message.c, aie2_suspend_fw()
+    (3, DEV + "[drm] *ERROR* aie2_suspend_fw: Failed to suspend fw, ret -62"),
 ]
+# (A job the in-kernel driver times out, aie2_ctx.c aie2_sched_job_timedout(), prints nothing:
+# it marks the command ERT_CMD_STATE_TIMEOUT or ABORT, which only the run state shows.)
 
 # Out-of-tree driver, amd/xdna-driver src/driver/amdxdna: XDNA_ERR is dev_err_ratelimited
 # (amdxdna_drm.h), "function: message" with no marker.
@@ -28,6 +30,8 @@ OUT_OF_TREE_ERRORS = [
     (3, DEV + "aie2_dump_ctx: Firmware timeout state capture:"),
     # aie2_message.c, aie2_send_mgmt_msg_wait()
     (3, DEV + "aie2_send_mgmt_msg_wait: command opcode 0x3 failed, status 0x2000006"),
+    # aie2_ctx.c, aie2_tdr_detect() (releases with the drm_sched "no hang" status)
+    (3, DEV + "aie2_tdr_detect: TDR timeout detected"),
 ]
 
 # XDNA_WARN lines that come before a hang or a reset (dev_warn / drm_warn, level 4)
