@@ -79,20 +79,31 @@ def _pyxrt():
     return pyxrt
 
 
+def kernel_errors(xrt, design: GemmDesign) -> str | None:
+    """Why the design's xclbin cannot serve it (no kernel of that name, too few arguments), or None."""
+    try:
+        kernels = {k.get_name(): k for k in xrt.xclbin(str(design.xclbin)).get_kernels()}
+    except Exception as exc:  # XRT refuses a file that is no xclbin (RuntimeError from C++)
+        return f"{design.xclbin} does not open as an xclbin: {exc}"
+    if design.kernel not in kernels:
+        return f"{design.xclbin} has no kernel {design.kernel!r} (it has {sorted(kernels)})"
+    declared = kernels[design.kernel].get_num_args()
+    if declared < NUM_CALL_ARGS:
+        return (f"kernel {design.kernel} of {design.xclbin} declares {declared} arguments; "
+                "a GEMM design takes opcode, instr, ninstr, A, B, C")
+    return None
+
+
 class _DesignRunner:
     """One loaded design: its hardware context, kernel, instruction buffer and A/C buffers."""
 
     def __init__(self, xrt, device, design: GemmDesign):
         self.xrt = xrt
         self.design = design
+        why = kernel_errors(xrt, design)
+        if why is not None:
+            raise XrtUnavailable(why)
         xclbin = xrt.xclbin(str(design.xclbin))
-        kernels = {k.get_name(): k for k in xclbin.get_kernels()}
-        if design.kernel not in kernels:
-            raise XrtUnavailable(f"{design.xclbin} has no kernel {design.kernel!r} (it has {sorted(kernels)})")
-        declared = kernels[design.kernel].get_num_args()
-        if declared < NUM_CALL_ARGS:
-            raise XrtUnavailable(f"kernel {design.kernel} of {design.xclbin} declares {declared} arguments; "
-                                 f"a GEMM design takes opcode, instr, ninstr, A, B, C")
         device.register_xclbin(xclbin)
         self.context = xrt.hw_context(device, xclbin.get_uuid())
         self.kernel = xrt.kernel(self.context, design.kernel)
@@ -184,6 +195,12 @@ class XrtBackend:
             from kernels.xrt_check import check_design
             check = check_design
         self._check = check
+        for key, design in sorted(table.designs.items()):  # every xclbin is read now, used or not
+            why = kernel_errors(self._xrt, design)
+            if why is not None and strict:
+                raise XrtUnavailable(why)
+            if why is not None:
+                self._to_host(key, f"the design does not load: {why}")
 
     def prepare_linear(self, w: LinearWeight) -> LinearWeight:
         """The host's layout of `w` (embeddings and host fallbacks read it); with a design for

@@ -192,13 +192,19 @@ def test_a_run_that_does_not_complete_raises_a_device_fault(tmp_path, sim, host,
 def test_a_kernel_the_xclbin_does_not_have_is_refused_or_sent_to_the_host(tmp_path, sim, host):
     table = fake_pyxrt.write_design_table(tmp_path, [(64, 64)], kernel_name="OTHER")
     with pytest.raises(xrt.XrtUnavailable, match="has no kernel 'MLIR_AIE'"):
-        xrt.load_backend(table, host, strict=True).prepare_linear(bf16_weight(64, 64))
-    backend = xrt.load_backend(table, host)
-    backend.prepare_linear(bf16_weight(64, 64))
+        xrt.load_backend(table, host, strict=True)  # at load: every xclbin is read, used or not
+    with structlog.testing.capture_logs() as logs:
+        backend = xrt.load_backend(table, host)
     assert "has no kernel 'MLIR_AIE' (it has ['OTHER'])" in backend.placement[(64, 64, "bf16")]
+    assert [e["event"] for e in logs] == ["npu_shape_on_host"]
+    backend.prepare_linear(bf16_weight(64, 64))  # runs on the host, said once
+    assert not [c for c in fake_pyxrt.SIM.calls if c[0] == "register_xclbin"]
     few = fake_pyxrt.write_design_table(tmp_path / "few", [(64, 64)], num_args=5)
     with pytest.raises(xrt.XrtUnavailable, match="declares 5 arguments"):
-        xrt.load_backend(few, host, strict=True).prepare_linear(bf16_weight(64, 64))
+        xrt.load_backend(few, host, strict=True)
+    (tmp_path / "gemm_64x64.xclbin").write_text("not an xclbin")
+    with pytest.raises(xrt.XrtUnavailable, match="does not open as an xclbin"):
+        xrt.load_backend(table, host, strict=True)
 
 
 def test_startup_check_catches_a_design_compiled_for_another_layout(tmp_path, sim, host):
