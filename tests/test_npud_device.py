@@ -1,6 +1,9 @@
 """Device discovery on fixture trees: an amdxdna NPU with XRT, or the host and why."""
 
+import glob
 import os
+
+import pytest
 
 from npud.config import DeviceConfig
 from npud.device import discover, gemm_site, other_holders
@@ -107,3 +110,11 @@ def test_other_processes_with_the_npu_open_are_found(tmp_path):
     assert holders == [{"pid": 100, "comm": "flm", "drm_client_ids": ["7"]},
                        {"pid": 400, "comm": "xrt-smi", "drm_client_ids": []}]
     assert other_holders(None, str(proc)) == [] and other_holders(str(tmp_path / "gone"), str(proc)) == []
+
+
+@pytest.mark.npu
+@pytest.mark.skipif(not glob.glob("/dev/accel/accel*"), reason="needs an NPU device node (/dev/accel/accel*)")
+def test_npu_the_real_device_reports_its_firmware():
+    info = discover(DeviceConfig(), import_xrt=lambda: None)
+    assert info.driver == "amdxdna", info.reason
+    assert info.fw_version, "sysfs has no fw_version for the amdxdna device"

@@ -246,3 +246,29 @@ def test_an_npu_power_that_only_averages_is_read(tmp_path):
 
     sensors = read_hwmon(str(tmp_path / "hwmon"))
     assert sensors.npu_power_w == 2.0 and sensors.npu_temp_c is None
+
+
+# -- real hardware ---------------------------------------------------------------------------
+
+def _real_amdxdna_hwmon() -> bool:
+    import glob as _glob
+
+    for name in _glob.glob("/sys/class/hwmon/hwmon*/name"):
+        try:
+            if open(name).read().strip() == "amdxdna":
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@pytest.mark.npu
+@pytest.mark.skipif(not _real_amdxdna_hwmon(),
+                    reason="needs the amdxdna hwmon device (an NPU on a kernel where amdxdna works with AMD PMF)")
+def test_npu_the_real_amdxdna_sensor_reads():
+    from npud.hwmon import read_hwmon
+
+    sensors = read_hwmon()
+    # the labels npud looks for; if this fails, list /sys/class/hwmon/hwmon*/ of the amdxdna device
+    assert sensors.npu_temp_c is not None and 0 < sensors.npu_temp_c < 125
+    assert sensors.npu_power_w is None or 0 <= sensors.npu_power_w < 100
