@@ -23,6 +23,7 @@ index: it is imported when the backend is built, never at import time.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -195,6 +196,10 @@ class XrtBackend:
             from kernels.xrt_check import check_design
             check = check_design
         self._check = check
+        try:
+            self.table_identity = table.identity()  # of the files as loaded now
+        except OSError as exc:
+            raise XrtUnavailable(f"cannot read the design files of {table.path}: {exc}") from exc
         for key, design in sorted(table.designs.items()):  # every xclbin is read now, used or not
             why = kernel_errors(self._xrt, design)
             if why is not None and strict:
@@ -269,6 +274,14 @@ class XrtBackend:
         if w.bias is not None:
             out += w.bias
         return out
+
+    def numerics_id(self) -> str:
+        """What this backend's numbers depend on besides the weights: the design table's identity
+        (its program files and tiles), which shapes run where, and the activation path. Defined
+        here because __getattr__ would answer with the host's."""
+        placement = json.dumps(self.describe_placement(), sort_keys=True)
+        return (f"{self.name}/designs={self.table_identity}/placement={placement}"
+                "/activations=bf16/accumulate=fp32")
 
     def describe_placement(self) -> dict:
         """Where each GEMM shape runs: {"K x N fmt": "npu" | "npu-rowwise" | why host}."""

@@ -21,6 +21,7 @@ call. `tools/build_npu_designs.py` writes this file.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +119,20 @@ class DesignTable:
         if design is None:
             return None, f"no design for K={k}, N={n}, {weight_format} in {self.path}"
         return design, "npu"
+
+    def identity(self) -> str:
+        """A sha256 over every design's fields and its xclbin's and instruction stream's bytes:
+        another build of any design is another identity. Raises OSError."""
+        h = hashlib.sha256(self.device.encode())
+        for key in sorted(self.designs):
+            d = self.designs[key]
+            fields = {f: getattr(d, f) for f in d.__slots__ if f not in ("xclbin", "insts")}
+            h.update(json.dumps(fields, sort_keys=True).encode())
+            for path in (d.xclbin, d.insts):
+                data = path.read_bytes()
+                h.update(b"%d\0" % len(data))
+                h.update(data)
+        return h.hexdigest()
 
     @classmethod
     def load(cls, path: str | Path) -> "DesignTable":

@@ -278,6 +278,22 @@ def test_rows_that_depend_on_their_place_in_a_pass_are_run_one_per_pass(tmp_path
         assert np.array_equal(bits(backend.linear(x[i : i + 1], w)), bits(batched[i : i + 1]))
 
 
+def test_numerics_identity_names_the_designs_and_where_each_shape_runs(tmp_path, sim, host):
+    table = fake_pyxrt.write_design_table(tmp_path, [(64, 64)])
+    backend = xrt.load_backend(table, host)
+    before = backend.numerics_id()
+    assert before.startswith("xrt-simulator/designs=") and before.endswith("/activations=bf16/accumulate=fp32")
+    assert before != host.name  # never the host's identity through __getattr__
+    backend.prepare_linear(bf16_weight(64, 64))
+    assert backend.numerics_id() != before and '"64x64 bf16": "npu"' in backend.numerics_id()
+    again = xrt.load_backend(table, host)
+    again.prepare_linear(bf16_weight(64, 64))
+    assert again.numerics_id() == backend.numerics_id()
+    insts = tmp_path / "insts_64x64.txt"
+    insts.write_text(insts.read_text() + "00000000\n")  # another build of the design
+    assert xrt.load_backend(table, host).table_identity != backend.table_identity
+
+
 def test_tolerance_is_the_two_summation_orders_bound():
     a = np.array([[1.0, 2.0 ** -24, -1.0]], np.float32)
     w = np.ones((1, 3), np.float32)
