@@ -213,7 +213,7 @@ class XrtBackend:
         host_copy = self.host.prepare_linear(w)
         if w.layout != "rows":
             return host_copy
-        n, k = w.data.shape
+        n, k = w.out_features, w.in_features  # a block-quantised format keeps these too
         key = (int(k), int(n), w.fmt.value)
         runner = self._runner(key)
         if runner is not None:
