@@ -60,13 +60,14 @@ class Run:
 
 def direct_session(ckpt: Path, tokens: int):
     """(a function that runs the request once with the engine in this process, load seconds)."""
-    from engine.session import GenerateRequest, ServedModel, SpecParams
+    from engine.api import GenerateRequest, GenerationParams, SpecParams
+    from engine.session import LoadedModel
 
     started = time.perf_counter()
-    served = ServedModel.load("bench", ckpt, weight_format="bf16")
+    served = LoadedModel.load("bench", ckpt, weight_format="bf16")
     load_s = time.perf_counter() - started
-    request = GenerateRequest(prompt=PROMPT, max_tokens=tokens, spec=SpecParams(method="none"),
-                              use_prefix_cache=False)
+    params = GenerationParams(max_tokens=tokens, spec=SpecParams(method="none"), use_prefix_cache=False)
+    request = GenerateRequest(prompt=PROMPT, params=params)
 
     def run() -> Run:
         cpu = time.process_time()

@@ -28,7 +28,8 @@ from engine.drafters import PromptLookupHead
 from engine.forward import Forward
 from engine.model import Model
 from engine.sampling import Sampler
-from engine.speculative import DecodeStats, SpeculativeConfig, plain_decode, speculative_decode
+from engine.api import SpecParams
+from engine.speculative import DecodeStats, plain_decode, speculative_decode
 from engine.tokenizer import Tokenizer
 
 CODE = '''def moving_average(values, window):
@@ -49,7 +50,7 @@ PROSE = (
 )
 
 
-def run(model: Model, prompt: list[int], n: int, head, config: SpeculativeConfig) -> tuple[list[int], DecodeStats]:
+def run(model: Model, prompt: list[int], n: int, head, config: SpecParams) -> tuple[list[int], DecodeStats]:
     f = Forward(model)
     if len(prompt) > 1:
         f.prefill(prompt[:-1])
@@ -110,7 +111,7 @@ def main() -> None:
     ap.add_argument("--tokens-bundled", type=int, default=96, help="tokens per run on the bundled pair")
     ap.add_argument("--quick", action="store_true", help="a 4-layer 0.5B-wide model, for a smoke run")
     args = ap.parse_args()
-    config = SpeculativeConfig()  # the daemon's defaults: k up to 7, fallback after 3 rounds
+    config = SpecParams(k=7)  # k up to 7 (this bench's choice), fallback after 3 rounds (the default)
 
     from engine.testing.checkpoints import build_tiny_checkpoint
 
@@ -190,10 +191,11 @@ BUNDLED_METHODS = (
 
 def bundled_table(n: int, reps: int) -> None:
     """plain vs prompt lookup vs draft model vs DFlash on the bundled pair, through sessions."""
-    from engine.session import GenerateRequest, ServedModel, SpecParams
+    from engine.api import GenerateRequest, GenerationParams
+    from engine.session import LoadedModel
 
     root = Path(__file__).resolve().parent.parent / "npud" / "models"
-    served = ServedModel.load("pycode", root / "pycode-base", draft_dir=root / "pycode-draft",
+    served = LoadedModel.load("pycode", root / "pycode-base", draft_dir=root / "pycode-draft",
                               dflash_dir=root / "pycode-dflash", weight_format="bf16")
     print(f"# bundled pair (pycode-base 5.8M, bf16): {n} tokens, k up to 7, best of {reps} per cell\n")
     print("| prompt | method | tok/s | vs plain | accepted / drafted | tokens per round | base passes/token | byte-equal |")
@@ -202,8 +204,9 @@ def bundled_table(n: int, reps: int) -> None:
         results = {}
         for _ in range(reps):  # alternate methods, so drift hits them alike
             for key, method, fallback, _ in BUNDLED_METHODS:
-                req = GenerateRequest(prompt=prompt, max_tokens=n, use_prefix_cache=False,
-                                      spec=SpecParams(method=method, k=7, fallback_rounds=fallback))
+                params = GenerationParams(max_tokens=n, use_prefix_cache=False,
+                                          spec=SpecParams(method=method, k=7, fallback_rounds=fallback))
+                req = GenerateRequest(prompt=prompt, params=params)
                 session = served.start(req)
                 while not session.done:
                     session.run_round()

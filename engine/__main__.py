@@ -11,8 +11,16 @@ import sys
 
 import structlog
 
-from engine.sampling import SamplingConfig
-from engine.session import GenerateRequest, ServedModel, SpecParams
+from engine.api import (
+    DEFAULT_SPEC_K,
+    DEFAULT_SPEC_METHOD,
+    SPEC_METHODS,
+    GenerateRequest,
+    GenerationParams,
+    SamplingParams,
+    SpecParams,
+)
+from engine.session import LoadedModel
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,23 +34,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    ap.add_argument("--format", default="bf16", choices=["fp32", "bf16", "int8"], help="host weight format")
+    ap.add_argument("--format", default="bf16", choices=["fp32", "bf16", "int8", "int8-q8"], help="host weight format")
     ap.add_argument("--draft", help="a draft model checkpoint directory (same tokenizer)")
     ap.add_argument("--dflash", help="a DFlash drafter checkpoint directory trained on this base")
-    ap.add_argument("--spec", default="auto", choices=["auto", "none", "ngram", "draft", "dflash"])
-    ap.add_argument("--k", type=int, default=4, help="tokens drafted per round")
+    ap.add_argument("--spec", default=DEFAULT_SPEC_METHOD, choices=SPEC_METHODS)
+    ap.add_argument("--k", type=int, default=DEFAULT_SPEC_K, help="tokens drafted per round")
     ap.add_argument("--stats", action="store_true", help="print the run's statistics as JSON to stderr")
     args = ap.parse_args(argv)
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout is the text
     try:
-        served = ServedModel.load("cli", args.checkpoint, args.draft, args.format, dflash_dir=args.dflash)
+        served = LoadedModel.load("cli", args.checkpoint, args.draft, args.format, dflash_dir=args.dflash)
+        params = GenerationParams(
+            max_tokens=args.max_tokens,
+            sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),
+            stop=tuple(args.stop),
+            spec=SpecParams(method=args.spec, k=args.k),
+        )
         req = GenerateRequest(
             prompt=None if args.chat else args.prompt,
             messages=({"role": "user", "content": args.prompt},) if args.chat else None,
-            max_tokens=args.max_tokens,
-            sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed),
-            stop=tuple(args.stop),
-            spec=SpecParams(method=args.spec, k=args.k),
+            params=params,
         )
         session = served.start(req)
     except ValueError as e:

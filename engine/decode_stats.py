@@ -13,7 +13,10 @@ class RoundKind(enum.Enum):
     STEP = "step"
 
 
-class FinishReason(enum.Enum):
+class LoopEnd(enum.Enum):
+    """Why the decode loop stopped (stats["finish"]); the user-facing reason is
+    engine.api.FinishReason, which engine/generate.py derives."""
+
     EOS = "eos"
     MAX_TOKENS = "max_tokens"
     STOPPED = "stopped"  # the consumer returned False
@@ -66,7 +69,7 @@ class DecodeStats:
     verify_samples: list[float] = field(default_factory=list)  # every verify batch
     draft_seconds_total: float = 0.0
     seconds: float = 0.0  # wall time from the prompt's last token to the latest round
-    finish: FinishReason | None = None
+    finish: LoopEnd | None = None
     fallbacks: list[Fallback] = field(default_factory=list)
     reprobes: int = 0
 

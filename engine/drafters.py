@@ -17,8 +17,9 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.config import ConfigError
-from engine.sampling import Sampler, SamplingConfig
+from engine.api import ConfigError, ModelError, SamplingParams
+from engine.prefix_match import common_prefix
+from engine.sampling import Sampler
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,7 +61,7 @@ class DraftHead(Protocol):
         """Why the last draft came back empty when that is a failure, else None."""
 
 
-class DraftMismatchError(ValueError):
+class DraftMismatchError(ModelError):
     """The draft model cannot serve this base: vocabularies or special tokens differ."""
 
 
@@ -181,7 +182,7 @@ class DraftModelHead:
     Raises DraftMismatchError at construction when the tokenizers disagree.
     """
 
-    def __init__(self, forward, base_tokenizer, draft_tokenizer, sampling: SamplingConfig = SamplingConfig()) -> None:
+    def __init__(self, forward, base_tokenizer, draft_tokenizer, sampling: SamplingParams = SamplingParams()) -> None:
         check_same_tokenizer(base_tokenizer, draft_tokenizer)
         self.forward = forward
         forward.truncate(0)
@@ -198,7 +199,7 @@ class DraftModelHead:
 
     def draft(self, context: Sequence[int], k: int) -> Draft:
         # keep the agreeing prefix, and at least the last context token to run for its logits
-        keep = min(_common_prefix(self.held, context), len(context) - 1)
+        keep = min(common_prefix(self.held, context), len(context) - 1)
         self.forward.truncate(keep)
         del self.held[keep:]
         logits = self._run(list(context[keep:]))
@@ -243,20 +244,6 @@ class DraftModelHead:
             logits = self.forward.step(chunk[0], pos) if len(chunk) == 1 else self.forward.step_batch_all(chunk, pos)[-1]
             self.held.extend(chunk)
         return logits
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if list(a[:mid]) == list(b[:mid]):
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 # --------------------------------------------------------------------------- hidden-reading head

@@ -9,43 +9,17 @@ task) can run one round at a time and check for cancellation in between.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
-from engine.config import ConfigError
-from engine.sampling import Sampler, SamplingConfig
-from engine.speculative import DecodeStats, SpeculativeConfig, plain_decode, speculative_decode
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"  # an EOS token or a stop string
-    LENGTH = "length"  # max_new_tokens reached
-    CANCELLED = "cancelled"
-
-
-@dataclass(slots=True, frozen=True)
-class TokenEvent:
-    token_id: int | None  # None: text released at the end of the run, no new token
-    text: str  # the text this token released (may be empty, or hold text of earlier tokens)
-
-
-@dataclass(slots=True, frozen=True)
-class GenerationConfig:
-    max_new_tokens: int = 128
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
-            raise ConfigError(f"GenerationConfig.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ConfigError(f"GenerationConfig.stop must hold non-empty strings, got {self.stop!r}")
+from engine.api import FinishReason, GenerationParams, TokenEvent
+from engine.sampling import Sampler
+from engine.speculative import DecodeStats, plain_decode, speculative_decode
 
 
 class Generation:
-    """One prompt's generation over a `Forward` that holds a prefix of the prompt (often none).
+    """One prompt's generation over a `Forward` that holds a prefix of the prompt (often none),
+    under `params` (max_tokens, sampling, stop strings; params.spec when a head is given).
+    `stop_token_ids` end the run as the tokenizer's EOS ids do.
 
     Iterate `rounds()`; each item is the list of `TokenEvent`s one engine round released.
     Afterwards `text`, `token_ids`, `finish_reason` and `stats` describe the run.
@@ -56,9 +30,9 @@ class Generation:
         forward,
         tokenizer,
         prompt_ids: Sequence[int],
-        config: GenerationConfig = GenerationConfig(),
+        params: GenerationParams = GenerationParams(),
         head=None,
-        spec: SpeculativeConfig | None = None,
+        stop_token_ids: Sequence[int] = (),
     ):
         if not prompt_ids:
             raise ValueError("the prompt is empty: nothing to continue from")
@@ -68,9 +42,8 @@ class Generation:
         self.forward = forward
         self.tokenizer = tokenizer
         self.prompt_ids = list(prompt_ids)
-        self.config = config
+        self.params = params
         self.head = head
-        self.spec = spec if spec is not None else SpeculativeConfig()
         self.stats = DecodeStats()
         self.token_ids: list[int] = []
         self.text = ""
@@ -81,7 +54,7 @@ class Generation:
         self._events: list[TokenEvent] = []
         self._cancelled = False
         self._stopped_by_string = False
-        self._eos = frozenset(tokenizer.eos_token_ids) | frozenset(config.stop_token_ids)
+        self._eos = frozenset(tokenizer.eos_token_ids) | frozenset(stop_token_ids)
 
     def cancel(self) -> None:
         """The next round boundary ends the run with finish reason `cancelled`."""
@@ -96,9 +69,9 @@ class Generation:
             self.finish_reason = FinishReason.CANCELLED
             return
         yield []
-        sampler = Sampler(self.config.sampling)
+        sampler = Sampler(self.params.sampling)
         common = dict(
-            max_new_tokens=self.config.max_new_tokens,
+            max_new_tokens=self.params.max_tokens,
             sampler=sampler,
             on_token=self._on_token,
             stats=self.stats,
@@ -107,7 +80,7 @@ class Generation:
         if self.head is None:
             loop = plain_decode(self.forward, self.prompt_ids, **common)
         else:
-            loop = speculative_decode(self.forward, self.head, self.prompt_ids, config=self.spec, **common)
+            loop = speculative_decode(self.forward, self.head, self.prompt_ids, config=self.params.spec, **common)
         for _ in loop:
             if self._cancelled and self.finish_reason is None:
                 self.finish_reason = FinishReason.CANCELLED
@@ -127,14 +100,14 @@ class Generation:
             self._events.append(TokenEvent(token, ""))  # an EOS id is not shown as text
             return True  # the loop stops after an EOS id by itself
         self._pending += self._decoder.push(token)
-        cut = _find_stop(self._pending, self.config.stop)
+        cut = _find_stop(self._pending, self.params.stop)
         if cut is not None:
             self._release(token, self._pending[:cut])
             self._pending = ""
             self._stopped_by_string = True
             self.finish_reason = FinishReason.STOP
             return False
-        keep = _longest_stop_prefix_suffix(self._pending, self.config.stop)
+        keep = _longest_stop_prefix_suffix(self._pending, self.params.stop)
         self._release(token, self._pending[: len(self._pending) - keep])
         self._pending = self._pending[len(self._pending) - keep :]
         return True

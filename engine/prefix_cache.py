@@ -38,7 +38,14 @@ import numpy as np
 import structlog
 
 from engine import prefix_store as store
-from engine.prefix_match import CachedPrefill, MatchSource, PrefixCacheError, PrefixCacheStats, PrefixMatch
+from engine.prefix_match import (
+    CachedPrefill,
+    MatchSource,
+    PrefixCacheError,
+    PrefixCacheStats,
+    PrefixMatch,
+    common_prefix,
+)
 from engine.state import ModelState, PlaneKind, PlaneSnapshot, StateError, StateSnapshot
 
 log = structlog.get_logger(__name__)
@@ -143,7 +150,7 @@ class PrefixCache:
                     if e.recurrent:
                         served = depth if e.num_tokens == depth and depth <= limit else 0
                     else:
-                        served = min(depth + _common_prefix(e.tokens[depth:limit], tokens[depth:limit]), limit)
+                        served = min(depth + common_prefix(e.tokens[depth:limit], tokens[depth:limit]), limit)
                     if served > 0:
                         found.append((served, e.last_used, e))
                 for served, _, e in sorted(found, key=lambda f: (f[0], f[1]), reverse=True):
@@ -502,12 +509,6 @@ def _as_tokens(tokens: Sequence[int]) -> np.ndarray:
     if a.ndim != 1:
         raise PrefixCacheError(f"tokens must be a 1-D sequence of ints, got shape {a.shape}")
     return a
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
 
 
 def _owned(snap: StateSnapshot) -> StateSnapshot:

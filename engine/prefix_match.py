@@ -1,17 +1,19 @@
-"""What the prefix cache hands back: a lookup's match, a cached prefill, its counters, its error."""
+"""What the prefix cache hands back: a lookup's match, a cached prefill, its counters, its
+error; and common_prefix, which the cache and the draft-model head both measure with."""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from engine.api import EngineError
 from engine.state import StateSnapshot
 
 
-class PrefixCacheError(ValueError):
+class PrefixCacheError(EngineError):
     """A cache operation the caller got wrong (unknown key, bad arguments)."""
 
 
@@ -55,3 +57,10 @@ class CachedPrefill:
     match: PrefixMatch | None
     logits: np.ndarray | None
     insert: Callable[[], str | None] | None
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b (sequences or 1-D arrays of ints) have in common."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n

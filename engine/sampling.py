@@ -10,50 +10,15 @@ stream is consumed differently).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from engine.config import ConfigError
-
-
-@dataclass(slots=True, frozen=True)
-class SamplingConfig:
-    """temperature 0 is greedy (first index of the maximum, as the backends' argmax);
-    top_k 0 and top_p 1.0 switch those filters off; seed fixes the job's random stream."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not (_is_number(self.temperature) and self.temperature >= 0.0):
-            raise ConfigError(f"SamplingConfig.temperature must be a number >= 0, got {self.temperature!r}")
-        if not (_is_int(self.top_k) and self.top_k >= 0):
-            raise ConfigError(f"SamplingConfig.top_k must be an integer >= 0, got {self.top_k!r}")
-        if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
-            raise ConfigError(f"SamplingConfig.top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not (_is_int(self.seed) and self.seed >= 0):
-            raise ConfigError(f"SamplingConfig.seed must be an integer >= 0, got {self.seed!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)
+from engine.api import SamplingParams
 
 
 class Sampler:
-    """Chooses tokens from logits under one `SamplingConfig`, with its own seeded stream."""
+    """Chooses tokens from logits under one `SamplingParams`, with its own seeded stream."""
 
-    def __init__(self, config: SamplingConfig = SamplingConfig()) -> None:
+    def __init__(self, config: SamplingParams = SamplingParams()) -> None:
         self.config = config
         self.rng = np.random.default_rng(config.seed)
 

@@ -1,88 +1,46 @@
-"""What the daemon drives: a served model (base, tokenizer, optional draft, prefix cache)
+"""What the daemon drives: a loaded model (base, tokenizer, optional draft, prefix cache)
 and sessions that generate one request a round at a time.
 
-The daemon never touches a tensor: it loads a `ServedModel`, calls `start(request)` and
-then `Session.run_round()` from its device-owner thread until `done`, checking for
-cancellation and preemption between rounds. A session keeps its own state, so a
-preempted batch job resumes exactly where it stopped.
+`LoadedModel` and `ModelSession` implement engine.api's `ServedModel` and `Session`; the
+daemon sees only those protocols (and gets a model from engine.api.load_model). It never
+touches a tensor: it calls `start(request)` and then `run_round()` from its device-owner
+thread until `done`, checking for cancellation and preemption between rounds. A session
+keeps its own state, so a preempted batch job resumes exactly where it stopped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config import ConfigError
+from engine.api import (
+    GenerateRequest,
+    GenerationParams,
+    GenerationResult,
+    ModelError,
+    NotFound,
+    PromptTooLong,
+    RequestError,
+    SamplingParams,
+    SpecParams,
+    TokenEvent,
+)
 from engine.dflash import DFlashDraft, DFlashHead
 from engine.drafters import DraftModelHead, PromptLookupHead, check_same_tokenizer
 from engine.forward import Forward
-from engine.generate import Generation, GenerationConfig, TokenEvent
+from engine.generate import Generation
 from engine.model import Model
-from engine.prefix_cache import PrefixCache
-from engine.sampling import SamplingConfig
-from engine.speculative import SpeculativeConfig
+from engine.prefix_cache import PrefixCache, PrefixCacheError
 from engine.state import ModelState
-from engine.tokenizer import Tokenizer
-from kernels.errors import DeviceFault  # noqa: F401  (the daemon catches it here: a failed device call)
+from engine.tokenizer import Tokenizer, TokenizerError
 from kernels.select import select_backend
-
-SamplingParams = SamplingConfig
-
-SPEC_METHODS = ("auto", "none", "ngram", "draft", "dflash")
+from kernels.xrt import XrtUnavailable
 
 
-class RequestError(ValueError):
-    """A request this model cannot run; `code` is the stable protocol error code."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-@dataclass(slots=True, frozen=True)
-class SpecParams:
-    method: str = "auto"  # auto: the draft model, else the DFlash drafter, else prompt lookup
-    k: int = 4
-    fallback_rounds: int = 3
-    reprobe_after: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ConfigError(f"SpecParams.method must be one of {list(SPEC_METHODS)}, got {self.method!r}")
-        SpeculativeConfig(k=self.k, fallback_rounds=self.fallback_rounds, reprobe_after=self.reprobe_after)  # validates the numbers
-
-
-@dataclass(slots=True, frozen=True)
-class GenerateRequest:
-    prompt: str | None = None
-    messages: tuple[dict, ...] | None = None
-    max_tokens: int = 128
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop: tuple[str, ...] = ()
-    spec: SpecParams = field(default_factory=SpecParams)
-    use_prefix_cache: bool = True
-
-    def __post_init__(self) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise ConfigError("GenerateRequest needs exactly one of prompt and messages")
-        if self.prompt is not None and not isinstance(self.prompt, str):
-            raise ConfigError(f"GenerateRequest.prompt must be a string, got {type(self.prompt).__name__}")
-        GenerationConfig(self.max_tokens, self.sampling, tuple(self.stop))  # validates
-
-
-@dataclass(slots=True, frozen=True)
-class GenerationResult:
-    text: str
-    token_ids: tuple[int, ...]
-    prompt_tokens: int
-    finish_reason: str
-    stats: dict
-
-
-class ServedModel:
-    """A base model with its tokenizer, an optional draft model, and its prefix cache."""
+class LoadedModel:
+    """A base model with its tokenizer, an optional draft model, and its prefix cache: the
+    engine's engine.api.ServedModel."""
 
     def __init__(
         self,
@@ -118,14 +76,18 @@ class ServedModel:
         backend: str = "auto",
         xrt_design: str | Path | None = None,
         xrt_timeout_ms: int | None = None,
-    ) -> "ServedModel":
+    ) -> LoadedModel:
         """Load base (and draft) and open the prefix cache (persistent under `cache_dir`, if given).
 
-        Raises ConfigError, WeightsError, TokenizerError or DraftMismatchError for model
-        files that are not what they claim, and XrtUnavailable when backend "xrt" cannot run.
+        Raises ConfigError, WeightsError, TokenizerError or DraftMismatchError (all
+        EngineErrors) for model files that are not what they claim, ModelError when backend
+        "xrt" cannot run, OSError for files that cannot be read.
         """
-        kernels, backend_reason = select_backend(backend, None if xrt_design is None else str(xrt_design),
-                                                 xrt_timeout_ms=xrt_timeout_ms)
+        try:
+            kernels, backend_reason = select_backend(backend, None if xrt_design is None else str(xrt_design),
+                                                     xrt_timeout_ms=xrt_timeout_ms)
+        except XrtUnavailable as exc:  # kernels/ does not know the engine's error types
+            raise ModelError(str(exc)) from exc
         model = Model.load(checkpoint_dir, weight_format, kernels)
         tokenizer = Tokenizer.from_dir(checkpoint_dir)
         draft = draft_tokenizer = None
@@ -169,35 +131,39 @@ class ServedModel:
         }
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
-        """The request's prompt as token ids (chat messages rendered by the model's template)."""
-        if req.messages is not None:
-            text = self.tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True)
-        else:
-            text = req.prompt
-        ids = self.tokenizer.encode(text)
+        """The request's prompt as token ids (chat messages rendered by the model's template).
+
+        Raises RequestError when the template fails or the prompt encodes to no tokens."""
+        try:
+            if req.messages is not None:
+                text = self.tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True)
+            else:
+                text = req.prompt
+            ids = self.tokenizer.encode(text)
+        except TokenizerError as exc:  # a template that fails on these messages: the request's fault
+            raise RequestError(str(exc)) from exc
         if not ids:
-            raise RequestError("bad_request", "the prompt encodes to no tokens")
+            raise RequestError("the prompt encodes to no tokens")
         return ids
 
-    def count_prompt_tokens(self, req: GenerateRequest) -> int:
-        return len(self.prompt_ids(req))
+    def count_prompt_tokens(self, request: GenerateRequest) -> int:
+        """The prompt's length in tokens; raises RequestError as prompt_ids."""
+        return len(self.prompt_ids(request))
 
-    def start(self, req: GenerateRequest) -> "Session":
-        """A session for `req`; raises RequestError when the prompt cannot run on this model."""
-        try:
-            ids = self.prompt_ids(req)
-        except ValueError as e:  # TokenizerError from a chat template, for one
-            if isinstance(e, RequestError):
-                raise
-            raise RequestError("bad_request", str(e)) from e
-        if len(ids) + req.max_tokens > self.max_context:
-            raise RequestError(
-                "prompt_too_long",
-                f"prompt of {len(ids)} tokens plus max_tokens {req.max_tokens} exceeds the context of {self.max_context}",
+    def start(self, request: GenerateRequest) -> "ModelSession":
+        """A session for `request`; raises RequestError when the prompt cannot run on this model
+        (PromptTooLong when it does not fit the context with max_tokens)."""
+        ids = self.prompt_ids(request)
+        max_tokens = request.params.max_tokens
+        if len(ids) + max_tokens > self.max_context:
+            raise PromptTooLong(
+                f"prompt of {len(ids)} tokens plus max_tokens {max_tokens} exceeds the context of {self.max_context}"
             )
-        return Session(self, req, ids)
+        return ModelSession(self, request, ids)
 
-    def make_head(self, spec: SpecParams, sampling: SamplingConfig):
+    def make_head(self, spec: SpecParams, sampling: SamplingParams):
+        """The draft head of `spec.method` (None for "none"); raises RequestError for a method
+        this model lacks the parts for."""
         method = spec.method
         if method == "auto":
             # the draft model first: on the bundled pair it keeps more drafts per round than
@@ -209,41 +175,84 @@ class ServedModel:
             return PromptLookupHead()
         if method == "dflash":
             if self.dflash is None:
-                raise RequestError("bad_request", f"model {self.name!r} has no DFlash drafter (speculative method 'dflash')")
+                raise RequestError(f"model {self.name!r} has no DFlash drafter (speculative method 'dflash')")
             return DFlashHead(self.dflash, sampling)
         if self.draft is None:
-            raise RequestError("bad_request", f"model {self.name!r} has no draft model (speculative method 'draft')")
+            raise RequestError(f"model {self.name!r} has no draft model (speculative method 'draft')")
         return DraftModelHead(Forward(self.draft), self.tokenizer, self.draft_tokenizer, sampling)
 
+    # -- the prefix cache, as the daemon's cache.* methods see it ----------------------------
 
-class Session:
-    """One request's generation; `run_round()` does one bounded unit of engine work."""
+    @property
+    def has_prefix_cache(self) -> bool:
+        return self.prefix_cache is not None
 
-    def __init__(self, served: ServedModel, req: GenerateRequest, prompt_ids: list[int]):
+    def cache_info(self) -> dict:
+        """{"stats": {...}, "pins": {name: key}}; raises RuntimeError without a prefix cache."""
+        cache = self._cache()
+        return {"stats": dataclasses.asdict(cache.stats()), "pins": cache.pins()}
+
+    def cache_pin(self, name: str, *, key: str | None = None, text: str | None = None) -> str:
+        """Pin the entry `key`, or the longest cached prefix of `text` after running it through
+        a one-token session (its prefill stores the prompt's full blocks). Returns the key.
+
+        Raises NotFound for an unknown key, RequestError for text shorter than one block (or
+        that cannot run), ConfigError for a bad name."""
+        cache = self._cache()
+        if (key is None) == (text is None):
+            raise RequestError("give exactly one of key and text")
+        if text is not None:
+            request = GenerateRequest(prompt=text, params=GenerationParams(max_tokens=1, use_prefix_cache=True))
+            session = self.start(request)
+            while not session.done:
+                session.run_round()
+            match = cache.lookup(self.prompt_ids(request))
+            if match is None:
+                raise RequestError(f"the text is shorter than one cache block ({cache.block_size} tokens), "
+                                   "so there is no prefix to pin")
+            key = match.key
+        try:
+            cache.pin(name, key)
+        except PrefixCacheError as exc:
+            raise NotFound(str(exc)) from None
+        return key
+
+    def cache_drop(self, key: str) -> bool:
+        """Remove the entry `key` and its pins; returns whether it existed."""
+        return self._cache().drop(key)
+
+    def cache_flush(self) -> int:
+        """Write in-memory entries to disk; returns how many (0 without a cache)."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.flush()
+
+    def _cache(self) -> PrefixCache:
+        if self.prefix_cache is None:
+            raise RuntimeError(f"model {self.name!r} has no prefix cache")  # callers check has_prefix_cache
+        return self.prefix_cache
+
+
+class ModelSession:
+    """One request's generation; `run_round()` does one bounded unit of engine work (the
+    engine's engine.api.Session)."""
+
+    def __init__(self, served: LoadedModel, req: GenerateRequest, prompt_ids: list[int]):
         self.served = served
         self.request = req
         self.prompt_ids = prompt_ids
         self.forward = Forward(served.model)
         self.num_cached_tokens = 0
-        spec = req.spec
-        head = served.make_head(spec, req.sampling)
+        params = req.params
+        head = served.make_head(params.spec, params.sampling)
         # a DFlash head reads the base's tap rows of every committed position, so it sees the
         # prompt run; a restored prefix would come without those rows (the head would refuse
         # every draft), so such a session prefills its whole prompt (and still offers it)
         self._restore_allowed = not isinstance(head, DFlashHead)
         if isinstance(head, DFlashHead):
             head.attach(self.forward)
-        self.generation = Generation(
-            self.forward,
-            served.tokenizer,
-            prompt_ids,
-            GenerationConfig(req.max_tokens, req.sampling, tuple(req.stop)),
-            head=head,
-            spec=SpeculativeConfig(k=spec.k, fallback_rounds=spec.fallback_rounds, reprobe_after=spec.reprobe_after),
-        )
+        self.generation = Generation(self.forward, served.tokenizer, prompt_ids, params, head=head)
         self._rounds = self.generation.rounds()
         self._done = False
-        self._cache = served.prefix_cache if req.use_prefix_cache else None
+        self._cache = served.prefix_cache if params.use_prefix_cache else None
         self._prefilled = False
         self._started = time.perf_counter()
         self._first_token_s: float | None = None
@@ -256,6 +265,7 @@ class Session:
         self.generation.cancel()
 
     def run_round(self) -> list[TokenEvent]:
+        """One round (the first prefills); returns the events it released."""
         if self._done:
             return []
         if not self._prefilled:
@@ -286,6 +296,7 @@ class Session:
             self.num_cached_tokens = done.match.num_cached_tokens
 
     def result(self) -> GenerationResult:
+        """The finished generation; raises RuntimeError before `done`."""
         if not self._done:
             raise RuntimeError("the session has not finished")
         g = self.generation
@@ -296,6 +307,6 @@ class Session:
             text=g.text,
             token_ids=tuple(g.token_ids),
             prompt_tokens=len(self.prompt_ids),
-            finish_reason=g.finish_reason.value,
+            finish_reason=g.finish_reason,
             stats=stats,
         )

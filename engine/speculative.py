@@ -32,12 +32,12 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.config import ConfigError
+from engine.api import SpecParams, is_int
 from engine.decode_stats import (  # re-exported: callers import the run's stats types from here too
     DecodeStats,
     Fallback,
     FallbackReason,
-    FinishReason,
+    LoopEnd,
     RoundEvent,
     RoundKind,
 )
@@ -67,39 +67,6 @@ class Base(Protocol):
         """[M, D] final-normed hidden rows of the last pass."""
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(slots=True, frozen=True)
-class SpeculativeConfig:
-    """Up to k drafts per round. adapt_k: after a round with a reject the next drafts number
-    take + 1 (what the head just got right, and one more), after a fully accepted round twice
-    as many, never more than k; a losing streak then costs small batches. Fall back to plain
-    steps once `fallback_rounds` consecutive rounds, taken together, were below break-even (0
-    never falls back); speculate again after `reprobe_after` plain tokens (None: stay on plain
-    decode for the rest of the job)."""
-
-    k: int = 7
-    adapt_k: bool = True
-    fallback_rounds: int = 3
-    reprobe_after: int | None = None
-
-    def __post_init__(self) -> None:
-        if not (_is_int(self.k) and self.k >= 1):
-            raise ConfigError(f"SpeculativeConfig.k must be an integer >= 1, got {self.k!r}")
-        if not isinstance(self.adapt_k, bool):
-            raise ConfigError(f"SpeculativeConfig.adapt_k must be a bool, got {self.adapt_k!r}")
-        if not (_is_int(self.fallback_rounds) and self.fallback_rounds >= 0):
-            raise ConfigError(
-                f"SpeculativeConfig.fallback_rounds must be an integer >= 0, got {self.fallback_rounds!r}"
-            )
-        if self.reprobe_after is not None and not (_is_int(self.reprobe_after) and self.reprobe_after >= 1):
-            raise ConfigError(
-                f"SpeculativeConfig.reprobe_after must be None or an integer >= 1, got {self.reprobe_after!r}"
-            )
-
-
 OnToken = Callable[[int], "bool | None"]
 
 
@@ -112,7 +79,7 @@ def speculative_decode(
     sampler: Sampler,
     on_token: OnToken,
     stats: DecodeStats,
-    config: SpeculativeConfig = SpeculativeConfig(),
+    config: SpecParams = SpecParams(),
     eos_ids: frozenset[int] = frozenset(),
     clock: Callable[[], float] = time.perf_counter,
 ) -> Iterator[RoundEvent]:
@@ -326,7 +293,7 @@ def _draft(
 def _check_start(base: Base, prompt: Sequence[int], max_new_tokens: int) -> None:
     if len(prompt) == 0:
         raise ValueError("decoding needs a prompt of at least one token")
-    if not (_is_int(max_new_tokens) and max_new_tokens >= 0):
+    if not (is_int(max_new_tokens) and max_new_tokens >= 0):
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if base.positions_held != len(prompt) - 1:
         raise ValueError(
@@ -374,7 +341,7 @@ class _Emitter:
         self.eos_ids, self.stats = eos_ids, stats
         self.done = len(tokens) >= limit
         if self.done:
-            stats.finish = FinishReason.MAX_TOKENS
+            stats.finish = LoopEnd.MAX_TOKENS
 
     def __call__(self, seq: Sequence[int]) -> int:
         """Emit seq in order until the run stops; returns how many were emitted."""
@@ -383,11 +350,11 @@ class _Emitter:
             self.stats.emitted += 1
             stopped = self.on_token(token) is False
             if token in self.eos_ids:
-                self.stats.finish = FinishReason.EOS
+                self.stats.finish = LoopEnd.EOS
             elif stopped:
-                self.stats.finish = FinishReason.STOPPED
+                self.stats.finish = LoopEnd.STOPPED
             elif len(self.tokens) >= self.limit:
-                self.stats.finish = FinishReason.MAX_TOKENS
+                self.stats.finish = LoopEnd.MAX_TOKENS
             if self.stats.finish is not None:
                 self.done = True
                 return n
@@ -399,7 +366,7 @@ class _BreakEven:
     produced fewer tokens than plain steps would have in the time they took (draft + passes).
     Taking them together keeps one lucky round from hiding a losing streak."""
 
-    def __init__(self, config: SpeculativeConfig, stats: DecodeStats) -> None:
+    def __init__(self, config: SpecParams, stats: DecodeStats) -> None:
         self.config, self.stats = config, stats
         # (seconds, produced, drafted, accepted) of the latest rounds
         self.window: deque[tuple[float, int, int, int]] = deque(maxlen=max(config.fallback_rounds, 1))

@@ -21,8 +21,10 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 
+from engine.api import ModelError
 
-class TokenizerError(ValueError):
+
+class TokenizerError(ModelError):
     """A tokenizer file is missing or malformed, or a chat cannot be rendered."""
 
 

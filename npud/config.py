@@ -18,14 +18,14 @@ from typing import Any
 from npud.kmsg import PRE_HANG_PATTERNS
 
 DEFAULT_CONFIG_PATH = Path("/etc/npud/npud.toml")
-WEIGHT_FORMATS = ("fp32", "bf16", "int8")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-q8")  # kernels.base.WeightFormat's values
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
-class ConfigError(ValueError):
-    """A configuration value is missing, of the wrong type or out of range."""
+class DaemonConfigError(ValueError):
+    """A daemon configuration value is missing, of the wrong type or out of range."""
 
     def __init__(self, field_name: str, value: Any, why: str) -> None:
         super().__init__(f"{field_name} = {value!r}: {why}")
@@ -35,7 +35,7 @@ class ConfigError(ValueError):
 
 def _positive(name: str, value: float) -> None:
     if value <= 0:
-        raise ConfigError(name, value, "must be > 0")
+        raise DaemonConfigError(name, value, "must be > 0")
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,13 +52,13 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if not self.socket_path:
-            raise ConfigError("server.socket_path", self.socket_path, "must not be empty")
+            raise DaemonConfigError("server.socket_path", self.socket_path, "must not be empty")
         if len(self.socket_path.encode()) > 107:
-            raise ConfigError("server.socket_path", self.socket_path, "a Unix socket path is at most 107 bytes")
+            raise DaemonConfigError("server.socket_path", self.socket_path, "a Unix socket path is at most 107 bytes")
         if not 0 <= self.socket_mode <= 0o777:
-            raise ConfigError("server.socket_mode", self.socket_mode, "must be a permission mode like 0o660")
+            raise DaemonConfigError("server.socket_mode", self.socket_mode, "must be a permission mode like 0o660")
         if self.socket_mode & 0o007:
-            raise ConfigError("server.socket_mode", oct(self.socket_mode), "must not grant access to other users")
+            raise DaemonConfigError("server.socket_mode", oct(self.socket_mode), "must not grant access to other users")
         for name in ("max_connections", "max_inflight_per_connection", "idle_timeout_s", "line_timeout_s",
                      "drain_timeout_s"):
             _positive(f"server.{name}", getattr(self, name))
@@ -76,7 +76,7 @@ class LimitsConfig:
         for f in dataclasses.fields(self):
             _positive(f"limits.{f.name}", getattr(self, f.name))
         if self.max_line_bytes < 1024:
-            raise ConfigError("limits.max_line_bytes", self.max_line_bytes, "must be at least 1024")
+            raise DaemonConfigError("limits.max_line_bytes", self.max_line_bytes, "must be at least 1024")
 
 
 @dataclass(slots=True, frozen=True)
@@ -87,7 +87,7 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         if not self.state_dir:
-            raise ConfigError("store.state_dir", self.state_dir, "must not be empty")
+            raise DaemonConfigError("store.state_dir", self.state_dir, "must not be empty")
         _positive("store.retention_days", self.retention_days)
 
 
@@ -114,9 +114,9 @@ class DeviceConfig:
 
     def __post_init__(self) -> None:
         if self.max_resident_bytes < 0:
-            raise ConfigError("device.max_resident_bytes", self.max_resident_bytes, "must be >= 0")
+            raise DaemonConfigError("device.max_resident_bytes", self.max_resident_bytes, "must be >= 0")
         if self.backend not in ("auto", "host", "xrt"):
-            raise ConfigError("device.backend", self.backend, "must be auto, host or xrt")
+            raise DaemonConfigError("device.backend", self.backend, "must be auto, host or xrt")
         _positive("device.xrt_timeout_ms", self.xrt_timeout_ms)
 
 
@@ -136,10 +136,10 @@ class ThermalConfig:
     def __post_init__(self) -> None:
         _positive("thermal.poll_interval_s", self.poll_interval_s)
         if not self.resume_below_c < self.hold_above_c:
-            raise ConfigError("thermal.resume_below_c", self.resume_below_c,
+            raise DaemonConfigError("thermal.resume_below_c", self.resume_below_c,
                               f"must be below thermal.hold_above_c ({self.hold_above_c})")
         if not self.hold_above_c <= self.abort_above_c:
-            raise ConfigError("thermal.abort_above_c", self.abort_above_c,
+            raise DaemonConfigError("thermal.abort_above_c", self.abort_above_c,
                               f"must be at least thermal.hold_above_c ({self.hold_above_c})")
 
 
@@ -163,7 +163,7 @@ class ErrorsConfig:
                 try:
                     re.compile(pattern)
                 except re.error as exc:
-                    raise ConfigError(f"errors.{name}[{i}]", pattern, f"not a regular expression: {exc}") from None
+                    raise DaemonConfigError(f"errors.{name}[{i}]", pattern, f"not a regular expression: {exc}") from None
 
 
 @dataclass(slots=True, frozen=True)
@@ -173,9 +173,9 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         if self.level not in LOG_LEVELS:
-            raise ConfigError("logging.level", self.level, f"expected one of {list(LOG_LEVELS)}")
+            raise DaemonConfigError("logging.level", self.level, f"expected one of {list(LOG_LEVELS)}")
         if self.format not in LOG_FORMATS:
-            raise ConfigError("logging.format", self.format, f"expected one of {list(LOG_FORMATS)}")
+            raise DaemonConfigError("logging.format", self.format, f"expected one of {list(LOG_FORMATS)}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -189,23 +189,12 @@ class MetricsConfig:
 
     def __post_init__(self) -> None:
         if self.textfile_path and not self.textfile_path.endswith(".prom"):
-            raise ConfigError("metrics.textfile_path", self.textfile_path,
+            raise DaemonConfigError("metrics.textfile_path", self.textfile_path,
                               "must end in .prom (the textfile collector reads only *.prom files)")
         if self.textfile_path and not self.textfile_path.startswith("/"):
-            raise ConfigError("metrics.textfile_path", self.textfile_path, "must be an absolute path")
+            raise DaemonConfigError("metrics.textfile_path", self.textfile_path, "must be an absolute path")
         _positive("metrics.textfile_interval_s", self.textfile_interval_s)
         _positive("metrics.rate_window_s", self.rate_window_s)
-
-
-@dataclass(slots=True, frozen=True)
-class EngineConfig:
-    # The module that provides the session API (ServedModel, GenerateRequest, SamplingParams,
-    # SpecParams, RequestError). Only tests point it elsewhere.
-    module: str = "engine.session"
-
-    def __post_init__(self) -> None:
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", self.module):
-            raise ConfigError("engine.module", self.module, "not a dotted module name")
 
 
 @dataclass(slots=True, frozen=True)
@@ -218,11 +207,11 @@ class ModelEntry:
 
     def __post_init__(self) -> None:
         if not MODEL_NAME_RE.match(self.name):
-            raise ConfigError("models.name", self.name, "letters, digits, '.', '_', '-' (at most 64)")
+            raise DaemonConfigError("models.name", self.name, "letters, digits, '.', '_', '-' (at most 64)")
         if not self.checkpoint_dir:
-            raise ConfigError(f"models[{self.name}].checkpoint_dir", self.checkpoint_dir, "must not be empty")
+            raise DaemonConfigError(f"models[{self.name}].checkpoint_dir", self.checkpoint_dir, "must not be empty")
         if self.weight_format not in WEIGHT_FORMATS:
-            raise ConfigError(f"models[{self.name}].weight_format", self.weight_format,
+            raise DaemonConfigError(f"models[{self.name}].weight_format", self.weight_format,
                               f"expected one of {list(WEIGHT_FORMATS)}")
 
 
@@ -237,7 +226,6 @@ class DaemonConfig:
     errors: ErrorsConfig = field(default_factory=ErrorsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
     models: tuple[ModelEntry, ...] = ()
     default_model: str | None = None  # None: the first model
 
@@ -245,9 +233,9 @@ class DaemonConfig:
         names = [m.name for m in self.models]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
-            raise ConfigError("models.name", sorted(dup)[0], "model names must be unique")
+            raise DaemonConfigError("models.name", sorted(dup)[0], "model names must be unique")
         if self.default_model is not None and self.default_model not in names:
-            raise ConfigError("default_model", self.default_model, f"not one of the models {names}")
+            raise DaemonConfigError("default_model", self.default_model, f"not one of the models {names}")
 
     @property
     def default_model_name(self) -> str | None:
@@ -263,7 +251,7 @@ class DaemonConfig:
 
 
 # Fields that SIGHUP cannot change in a running daemon (the socket and the store are open).
-RELOAD_FIXED = ("server.socket_path", "server.socket_group", "server.socket_mode", "store.state_dir", "engine.module")
+RELOAD_FIXED = ("server.socket_path", "server.socket_group", "server.socket_mode", "store.state_dir")
 
 
 def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
@@ -272,23 +260,23 @@ def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
     origin = typing.get_origin(hint)
     if hint is bool:
         if not isinstance(value, bool):
-            raise ConfigError(where, value, "expected true or false")
+            raise DaemonConfigError(where, value, "expected true or false")
         return value
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(where, value, "expected an integer")
+            raise DaemonConfigError(where, value, "expected an integer")
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(where, value, "expected a number")
+            raise DaemonConfigError(where, value, "expected a number")
         return float(value)
     if hint is str:
         if not isinstance(value, str):
-            raise ConfigError(where, value, "expected a string")
+            raise DaemonConfigError(where, value, "expected a string")
         return value
     if origin is tuple:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(where, value, "expected a list of strings")
+            raise DaemonConfigError(where, value, "expected a list of strings")
         return tuple(value)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -298,39 +286,39 @@ def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
 
 def _build(cls: type, raw: Any, section: str) -> Any:
     if not isinstance(raw, dict):
-        raise ConfigError(section, raw, "expected a table")
+        raise DaemonConfigError(section, raw, "expected a table")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(raw) - names
     if unknown:
-        raise ConfigError(f"{section}.{sorted(unknown)[0]}", raw[sorted(unknown)[0]], "unknown field")
+        raise DaemonConfigError(f"{section}.{sorted(unknown)[0]}", raw[sorted(unknown)[0]], "unknown field")
     for f in dataclasses.fields(cls):
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if required and f.name not in raw:
-            raise ConfigError(f"{section}.{f.name}", None, "is required")
+            raise DaemonConfigError(f"{section}.{f.name}", None, "is required")
     return cls(**{k: _coerce(section, k, hints[k], v) for k, v in raw.items()})
 
 
 _SECTIONS = {
     "server": ServerConfig, "limits": LimitsConfig, "store": StoreConfig, "scheduler": SchedulerConfig,
     "device": DeviceConfig, "thermal": ThermalConfig, "errors": ErrorsConfig, "logging": LoggingConfig,
-    "metrics": MetricsConfig, "engine": EngineConfig,
+    "metrics": MetricsConfig,
 }
 
 
 def parse_config(raw: dict, base_dir: Path | None = None) -> DaemonConfig:
     """Build a DaemonConfig from parsed TOML; relative model paths are taken from base_dir.
 
-    Raises ConfigError naming the first bad field.
+    Raises DaemonConfigError naming the first bad field.
     """
     unknown = set(raw) - set(_SECTIONS) - {"models", "default_model"}
     if unknown:
         key = sorted(unknown)[0]
-        raise ConfigError(key, raw[key], "unknown section or field")
+        raise DaemonConfigError(key, raw[key], "unknown section or field")
     sections = {name: _build(cls, raw.get(name, {}), name) for name, cls in _SECTIONS.items()}
     models_raw = raw.get("models", [])
     if not isinstance(models_raw, list):
-        raise ConfigError("models", models_raw, "expected an array of tables ([[models]])")
+        raise DaemonConfigError("models", models_raw, "expected an array of tables ([[models]])")
     models = []
     for i, entry in enumerate(models_raw):
         model = _build(ModelEntry, entry, f"models[{i}]")
@@ -344,20 +332,20 @@ def parse_config(raw: dict, base_dir: Path | None = None) -> DaemonConfig:
         models.append(model)
     default_model = raw.get("default_model")
     if default_model is not None and not isinstance(default_model, str):
-        raise ConfigError("default_model", default_model, "expected a string")
+        raise DaemonConfigError("default_model", default_model, "expected a string")
     return DaemonConfig(models=tuple(models), default_model=default_model, **sections)
 
 
 def load_config(path: Path) -> DaemonConfig:
-    """Read and validate a TOML config file; raises ConfigError (also for I/O and syntax)."""
+    """Read and validate a TOML config file; raises DaemonConfigError (also for I/O and syntax)."""
     try:
         raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
-        raise ConfigError("--config", str(path), f"cannot read: {exc.strerror}") from None
+        raise DaemonConfigError("--config", str(path), f"cannot read: {exc.strerror}") from None
     except UnicodeDecodeError:
-        raise ConfigError("--config", str(path), "not UTF-8") from None
+        raise DaemonConfigError("--config", str(path), "not UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("--config", str(path), f"not valid TOML: {exc}") from None
+        raise DaemonConfigError("--config", str(path), f"not valid TOML: {exc}") from None
     return parse_config(raw, Path(path).resolve().parent)
 
 
@@ -391,6 +379,5 @@ def diff_for_reload(old: DaemonConfig, new: DaemonConfig) -> tuple[DaemonConfig,
         server=dataclasses.replace(new.server, socket_path=old.server.socket_path,
                                    socket_group=old.server.socket_group, socket_mode=old.server.socket_mode),
         store=dataclasses.replace(new.store, state_dir=old.store.state_dir),
-        engine=old.engine,
     )
     return merged, ignored

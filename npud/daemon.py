@@ -12,14 +12,14 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import structlog
 import trio
 
+from engine.api import ModelLoader, load_model
 from npud import __version__
 from npud.api import Api
-from npud.config import ConfigError, DaemonConfig, diff_for_reload, load_config
+from npud.config import DaemonConfigError, DaemonConfig, diff_for_reload, load_config
 from npud.device import discover, gemm_site, other_holders
 from npud.guards import ErrorCountGuard, ThermalGuard
 from npud.jobs import JobManager
@@ -30,17 +30,17 @@ from npud.server import Server
 from npud.store import Store
 from npud.systemd import report_status, run_watchdog, sd_notify, watchdog_interval
 from npud.tickets import TicketQueue
-from npud.worker import DeviceOwner
+from npud.device_owner import DeviceOwner
 
 log = structlog.get_logger(__name__)
 
 
 class Daemon:
-    """One running npud. `engine` replaces the configured session module (tests inject fakes)."""
+    """One running npud; its models come from `loader` (the engine's; tests pass a fake engine's)."""
 
     def __init__(self, cfg: DaemonConfig, *, config_path: Path | None = None,
                  overrides: Callable[[DaemonConfig], DaemonConfig] = lambda c: c,
-                 engine: ModuleType | None = None) -> None:
+                 loader: ModelLoader = load_model) -> None:
         self.cfg = cfg
         self.config_path = config_path
         self.overrides = overrides
@@ -52,9 +52,9 @@ class Daemon:
         self.thermal = ThermalGuard(cfg.thermal, self.queue)
         self.errors = ErrorCountGuard(cfg.errors)
         self.registry = ModelRegistry(
-            cfg.models, engine_module=cfg.engine.module, max_resident_bytes=cfg.device.max_resident_bytes,
+            cfg.models, max_resident_bytes=cfg.device.max_resident_bytes,
             cache_root=Path(cfg.store.state_dir) / "prefix-cache" if cfg.store.persist_prefix_cache else None,
-            engine=engine, backend=cfg.device.backend, xrt_design=cfg.device.xrt_design or None,
+            loader=loader, backend=cfg.device.backend, xrt_design=cfg.device.xrt_design or None,
             xrt_timeout_ms=cfg.device.xrt_timeout_ms)
         self.jobs = JobManager(cfg, self.store, self.queue)
         self.metrics = Metrics(cfg.metrics, self.queue, lambda: self.jobs.tokens_generated)
@@ -62,7 +62,11 @@ class Daemon:
                                  self.metrics)
         self.owner.fw_version = self.device.fw_version
         self.other_holders: list[dict] = []
-        self.api = Api(self)
+        self.api = Api(cfg, jobs=self.jobs, queue=self.queue, registry=self.registry, owner=self.owner,
+                       device=self.device, thermal=self.thermal, errors=self.errors,
+                       snapshot=self.metrics_snapshot, connections=lambda: self.server.connections,
+                       started_mono=self.started_mono,
+                       gemm_site=self.gemm_site, other_holders=lambda: self.other_holders)
         self.server = Server(cfg, self.api)
         self._stop = trio.Event()
 
@@ -110,7 +114,9 @@ class Daemon:
         self._stop.set()
 
     def metrics_snapshot(self) -> dict:
-        return snapshot(self)
+        return snapshot(self.metrics, self.queue, device_kind=self.device.kind, jobs=self.jobs.live_states(),
+                        connections=self.server.connections, thermal=self.thermal, errors=self.errors,
+                        gemms=self.gemm_site()[0])
 
     def gemm_site(self) -> tuple[str, str]:
         """Where the GEMMs run ("npu" or "host") and why, for the loaded models."""
@@ -192,7 +198,7 @@ class Daemon:
             return
         try:
             new = self.overrides(load_config(self.config_path))
-        except ConfigError as exc:
+        except DaemonConfigError as exc:
             log.error("config_reload_failed", error=str(exc))
             return
         cfg, ignored = diff_for_reload(self.cfg, new)
@@ -206,6 +212,6 @@ class Daemon:
         self.thermal.cfg = cfg.thermal
         self.errors.reconfigure(cfg.errors)
         self.metrics.reconfigure(cfg.metrics)
-        self.jobs.cfg = self.owner.cfg = self.server.cfg = cfg
+        self.jobs.cfg = self.owner.cfg = self.server.cfg = self.api.cfg = cfg
         async with self.owner.device_lock:  # a load may be under way in the engine thread
             self.registry.reconfigure(cfg.models, cfg.device.max_resident_bytes, keep=self.owner.models_in_use())

@@ -1,7 +1,7 @@
 """Jobs: accepted work, its durable record, its queue ticket and the clients that follow it.
 
 A job is written to the store before anyone is told it exists; it then holds exactly one
-queued or granted ticket until it ends. The device owner (npud/worker.py) reports what it
+queued or granted ticket until it ends. The device owner (npud/device_owner.py) reports what it
 did through the `on_*` methods; clients read and cancel through the rest.
 """
 
@@ -10,21 +10,33 @@ from __future__ import annotations
 import enum
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TypeVar
 
 import structlog
 import trio
 
+from engine.api import Session
 from npud.config import DaemonConfig
 from npud.jobspec import JobSpec
 from npud.protocol import ApiError, ErrorCode
-from npud.store import Store, StoreError
+from npud.store import Store, StoreCode, StoreError
 from npud.tickets import Outcome, Priority, Ticket, TicketQueue, TicketState, YieldReason
 
 log = structlog.get_logger(__name__)
 
+T = TypeVar("T")
 SUBSCRIBER_BUFFER = 4096  # events a slow client may fall behind before its stream is ended
+
+
+STORE_CODES = {StoreCode.FULL: ErrorCode.STORE_FULL, StoreCode.READONLY: ErrorCode.STORE_READONLY,
+               StoreCode.ERROR: ErrorCode.STORE_ERROR}
+
+
+def store_api_error(exc: StoreError) -> ApiError:
+    """The protocol error a client sees for a store failure (same code name, same message)."""
+    return ApiError(STORE_CODES[exc.code], exc.message)
 
 
 class JobState(enum.Enum):
@@ -73,8 +85,9 @@ class Job:
     error: ApiError | None = None
     cancel_requested: bool = False
     ticket: Ticket | None = None
-    session: Any = None  # the engine session of `session_prompt`, kept across preemption
+    session: Session | None = None  # the engine session of `session_prompt`, kept across preemption
     session_prompt: int | None = None
+    last_result: dict | None = None  # the result last committed, as the store holds it
     subscribers: list[Subscriber] = field(default_factory=list)
     finished: trio.Event = field(default_factory=trio.Event)
 
@@ -105,7 +118,7 @@ class JobManager:
         self._db_limiter = trio.CapacityLimiter(1)  # the store's connection is used by one thread at a time
         queue.observers.append(self._on_ticket_change)
 
-    async def db(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def db(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         """Run a store call in a worker thread (SQLite commits fsync; the event loop must not wait)."""
         return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=self._db_limiter)
 
@@ -250,6 +263,7 @@ class JobManager:
     async def commit_result(self, job: Job, prompt: int, body: dict, tokens: int) -> None:
         """Record one finished prompt; raises StoreError when it could not be written."""
         await self.db(self.store.add_result, job.id, prompt, body, tokens)
+        job.last_result = {"prompt": prompt, **body}
         job.done_prompts.add(prompt)
         self.publish(job, "progress", {"prompt": prompt, "finish_reason": body.get("finish_reason"),
                                        "error": body.get("error"), "done_prompts": len(job.done_prompts),
@@ -297,7 +311,7 @@ class JobManager:
         """Store the job's state (and the ticket that changed it) in one commit."""
         try:
             await self.db(self.store.set_job_state, job.id, job.state.value, started_at=job.started_at,
-                          finished_at=job.finished_at, error=job.error,
+                          finished_at=job.finished_at, error=None if job.error is None else job.error.to_wire(),
                           ticket=None if ticket is None else ticket.to_wire())
         except StoreError as exc:
             # Nothing more can be done here: the store keeps the last state it could write, and
@@ -306,6 +320,31 @@ class JobManager:
                       code=exc.code, message=exc.message)
 
     # -- queries -------------------------------------------------------------------------
+
+    @staticmethod
+    def result(job: Job) -> dict | None:
+        """The result last committed for the job ({"prompt": i, ...body} as `results` returns
+        it), or None before its first; `complete` answers with it, its job has one prompt."""
+        return job.last_result
+
+    async def counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(jobs by state, tickets by state) in the store's history."""
+        return await self.db(self.store.job_counts), await self.db(self.store.ticket_counts)
+
+    def live_states(self) -> dict[str, int]:
+        """Unfinished jobs by state (queued and running always present)."""
+        states = {"queued": 0, "running": 0}
+        for job in self.active.values():
+            states[job.state.value] = states.get(job.state.value, 0) + 1
+        return states
+
+    async def device_state(self, key: str) -> object:
+        """The device state recorded under `key` (a JSON value), or None."""
+        return await self.db(self.store.get_state, key)
+
+    async def set_device_state(self, key: str, value: object) -> None:
+        """Record device state (None clears it); raises StoreError when it cannot be written."""
+        await self.db(self.store.set_state, key, value)
 
     async def tickets(self, caller: Caller, *, job_id: int | None, state: str | None, outcome: str | None,
                       since: float | None, until: float | None, limit: int) -> list[dict]:

@@ -1,89 +1,115 @@
 """What a job asks for: the validated generation request of `submit` and `complete`.
 
-A JobSpec is checked once, at the socket, stored as JSON with the job, and turned into the
-engine's GenerateRequest for one prompt at a time inside a ticket.
+The wire params are parsed once, at the socket, into the engine's own request type
+(engine.api.GenerationParams) and the job's prompts; a JobSpec is stored as JSON with the job
+and hands the engine one GenerateRequest per prompt inside a ticket. Engine errors come back
+through `api_error`, the one map from engine codes to protocol codes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any
 
+from engine.api import (
+    DEFAULT_MAX_TOKENS,
+    SPEC_METHODS,
+    ConfigError,
+    EngineCode,
+    EngineError,
+    GenerateRequest,
+    GenerationParams,
+    SamplingParams,
+    SpecParams,
+)
 from npud.config import LimitsConfig
 from npud.protocol import ApiError, ErrorCode, Params
 
-SPEC_METHODS = ("auto", "none", "ngram", "draft", "dflash")
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 1024
-DEFAULT_MAX_TOKENS = 128
+MAX_SPEC_K = 16
+
+ENGINE_CODES = {
+    EngineCode.BAD_REQUEST: ErrorCode.BAD_REQUEST,
+    EngineCode.PROMPT_TOO_LONG: ErrorCode.PROMPT_TOO_LONG,
+    EngineCode.MODEL_ERROR: ErrorCode.MODEL_ERROR,
+    EngineCode.NOT_FOUND: ErrorCode.NOT_FOUND,
+}
+
+
+def api_error(exc: EngineError) -> ApiError:
+    """The protocol error for an expected engine failure (same code name, same message)."""
+    return ApiError(ENGINE_CODES[exc.code], exc.message)
 
 
 @dataclass(slots=True, frozen=True)
 class JobSpec:
+    """A job: the model, its prompts (strings, or chats of messages; exactly one of the two)
+    and the engine's generation params, shared by every prompt."""
+
     model: str
     prompts: tuple[str, ...] | None  # exactly one of prompts / chats
     chats: tuple[tuple[dict, ...], ...] | None
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    spec_method: str = "auto"
-    spec_k: int = 4
-    spec_fallback_rounds: int = 3
-    use_prefix_cache: bool = True
+    params: GenerationParams = dataclasses.field(default_factory=GenerationParams)
 
     @property
     def num_prompts(self) -> int:
         return len(self.prompts) if self.prompts is not None else len(self.chats or ())
 
     def to_json(self) -> dict:
-        return {
-            "model": self.model, "prompts": None if self.prompts is None else list(self.prompts),
-            "chats": None if self.chats is None else [list(c) for c in self.chats],
-            "max_tokens": self.max_tokens,
-            "sampling": {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
-                         "seed": self.seed},
-            "stop": list(self.stop),
-            "spec": {"method": self.spec_method, "k": self.spec_k, "fallback_rounds": self.spec_fallback_rounds},
-            "use_prefix_cache": self.use_prefix_cache,
-        }
+        """The spec as stored with the job; `from_json` reads it back (and rows of older daemons)."""
+        return {"model": self.model, "prompts": None if self.prompts is None else list(self.prompts),
+                "chats": None if self.chats is None else [list(c) for c in self.chats],
+                **_to_json(self.params)}
 
     @classmethod
     def from_json(cls, raw: dict) -> "JobSpec":
-        sampling, spec = raw["sampling"], raw["spec"]
         return cls(
             model=raw["model"],
             prompts=None if raw["prompts"] is None else tuple(raw["prompts"]),
             chats=None if raw["chats"] is None else tuple(tuple(c) for c in raw["chats"]),
-            max_tokens=raw["max_tokens"], temperature=sampling["temperature"], top_k=sampling["top_k"],
-            top_p=sampling["top_p"], seed=sampling["seed"], stop=tuple(raw["stop"]),
-            spec_method=spec["method"], spec_k=spec["k"], spec_fallback_rounds=spec["fallback_rounds"],
-            use_prefix_cache=raw["use_prefix_cache"],
+            params=_from_json(GenerationParams, raw),
         )
 
-    def engine_request(self, engine: ModuleType, index: int) -> Any:
-        """The engine's GenerateRequest for prompt `index` (engine: the session module).
-
-        Raises ValueError (the engine's ConfigError) for a request the engine rejects."""
-        sampling = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
-        if self.seed is not None:  # absent: the engine's default stream
-            sampling["seed"] = self.seed
-        return engine.GenerateRequest(
-            prompt=None if self.prompts is None else self.prompts[index],
-            messages=None if self.chats is None else self.chats[index],
-            max_tokens=self.max_tokens,
-            sampling=engine.SamplingParams(**sampling),
-            stop=self.stop,
-            spec=engine.SpecParams(method=self.spec_method, k=self.spec_k, fallback_rounds=self.spec_fallback_rounds),
-            use_prefix_cache=self.use_prefix_cache,
-        )
+    def engine_request(self, index: int) -> GenerateRequest:
+        """The engine's request for prompt `index`."""
+        return GenerateRequest(prompt=None if self.prompts is None else self.prompts[index],
+                               messages=None if self.chats is None else self.chats[index], params=self.params)
 
 
-def _messages(p: Params, name: str, value: Any) -> tuple[dict, ...]:
+def _to_json(value: object) -> object:
+    """A (nested) params dataclass as JSON: dataclasses become objects, tuples lists."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple):
+        return [_to_json(v) for v in value]
+    return value
+
+
+def _from_json(cls: type, raw: dict) -> object:
+    """A params dataclass from its JSON; a key that is absent or null keeps its default, so a
+    field added later reads rows stored before it existed."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        value = raw.get(f.name)
+        if value is None:
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            value = _from_json(type(default), value)
+        elif isinstance(default, tuple):
+            value = tuple(value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _given(**values: object) -> dict:
+    """The values that are not None (the parameters a request gave)."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _messages(p: Params, name: str, value: object) -> tuple[dict, ...]:
     if not isinstance(value, list) or not value:
         raise p.bad(name, "expected a non-empty list of messages")
     if len(value) > MAX_MESSAGES:
@@ -121,22 +147,25 @@ def parse_spec(p: Params, *, limits: LimitsConfig, models: tuple[str, ...], defa
         raw = p.list("chats", min_items=1, max_items=limits.max_prompts_per_job)
         chats = tuple(_messages(p, f"chats[{i}]", c) for i, c in enumerate(raw))
     max_tokens = p.int("max_tokens", min(DEFAULT_MAX_TOKENS, limits.max_tokens), min=1, max=limits.max_tokens)
+    # a parameter the request leaves out is left out here too: its default is the engine's
     sampling = p.obj("sampling")
-    temperature = sampling.number("temperature", 0.0, min=0.0, max=100.0)
-    top_k = sampling.int("top_k", 0, min=0, max=1 << 20)
-    top_p = sampling.number("top_p", 1.0, min=0.0, max=1.0, min_exclusive=True)
-    seed = sampling.int("seed", None, min=0, max=(1 << 63) - 1)
+    sampling_kwargs = _given(temperature=sampling.number("temperature", None, min=0.0, max=100.0),
+                             top_k=sampling.int("top_k", None, min=0, max=1 << 20),
+                             top_p=sampling.number("top_p", None, min=0.0, max=1.0, min_exclusive=True),
+                             seed=sampling.int("seed", None, min=0, max=(1 << 63) - 1))
     sampling.finish()
     stop = tuple(p.str_list("stop", [], max_items=MAX_STOP, nonempty_items=True))
     if any(len(s) > MAX_STOP_CHARS for s in stop):
         raise p.bad("stop", f"a stop string is longer than {MAX_STOP_CHARS} characters")
     spec = p.obj("spec")
-    spec_method = spec.str("method", "auto", choices=SPEC_METHODS)
-    spec_k = spec.int("k", 4, min=1, max=16)
-    fallback = spec.int("fallback_rounds", 3, min=0, max=1 << 20)
+    spec_kwargs = _given(method=spec.str("method", None, choices=SPEC_METHODS),
+                         k=spec.int("k", None, min=1, max=MAX_SPEC_K),
+                         fallback_rounds=spec.int("fallback_rounds", None, min=0, max=1 << 20))
     spec.finish()
-    return JobSpec(
-        model=model, prompts=prompts, chats=chats, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-        top_p=top_p, seed=seed, stop=stop, spec_method=spec_method, spec_k=spec_k, spec_fallback_rounds=fallback,
-        use_prefix_cache=p.bool("use_prefix_cache", True),
-    )
+    try:
+        params = GenerationParams(max_tokens=max_tokens, sampling=SamplingParams(**sampling_kwargs), stop=stop,
+                                  spec=SpecParams(**spec_kwargs),
+                                  **_given(use_prefix_cache=p.bool("use_prefix_cache", None)))
+    except ConfigError as exc:  # the checks above are the wire's; these are the engine's own
+        raise ApiError(ErrorCode.BAD_REQUEST, f"params: {exc.message}") from None
+    return JobSpec(model=model, prompts=prompts, chats=chats, params=params)

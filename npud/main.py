@@ -9,8 +9,9 @@ from pathlib import Path
 
 import trio
 
+from engine.api import ModelLoader, load_model
 from npud import __version__
-from npud.config import DEFAULT_CONFIG_PATH, ConfigError, DaemonConfig, check_models, load_config
+from npud.config import DEFAULT_CONFIG_PATH, DaemonConfigError, DaemonConfig, check_models, load_config
 from npud.logsetup import setup_logging
 from npud.store import StoreError
 
@@ -50,12 +51,13 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     return [exc]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, loader: ModelLoader = load_model) -> int:
+    """Run npud; returns the exit code. `loader` is where models come from (tests pass a fake engine's)."""
     args = _parser().parse_args(argv)
     overrides = _overrides(args)
     try:
         cfg = overrides(load_config(args.config))
-    except ConfigError as exc:
+    except DaemonConfigError as exc:
         hint = "; pass --config or create it (systemd/ has an example)" if exc.field == "--config" else ""
         print(f"npud: error: {exc}{hint}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     from npud.daemon import Daemon  # after logging is set up: loggers are bound at import
 
     async def serve() -> None:
-        daemon = Daemon(cfg, config_path=args.config, overrides=overrides)
+        daemon = Daemon(cfg, config_path=args.config, overrides=overrides, loader=loader)
         await daemon.run(handle_signals=True)
 
     try:

@@ -24,7 +24,7 @@ from npud.config import MetricsConfig
 from npud.tickets import Outcome, Priority, Ticket, TicketQueue, TicketState
 
 if TYPE_CHECKING:
-    from npud.daemon import Daemon
+    from npud.guards import ErrorCountGuard, ThermalGuard
 
 log = structlog.get_logger(__name__)
 
@@ -194,26 +194,25 @@ def write_atomically(path: str, text: str) -> None:
         raise
 
 
-def snapshot(d: "Daemon") -> dict:
-    """The counters with the gauges of the running daemon, as the `metrics` method returns them."""
-    q = d.queue
-    quarantine = q.quarantine
-    jobs = {"queued": 0, "running": 0}
-    for job in d.jobs.active.values():
-        jobs[job.state.value] = jobs.get(job.state.value, 0) + 1
+def snapshot(metrics: Metrics, queue: TicketQueue, *, device_kind: str, jobs: dict[str, int], connections: int,
+             thermal: "ThermalGuard", errors: "ErrorCountGuard", gemms: str) -> dict:
+    """The counters with the gauges of the running daemon (`jobs`: unfinished jobs by state;
+    `gemms`: "npu" or "host", where the loaded models' GEMMs run), as the `metrics` method
+    returns them."""
+    quarantine = queue.quarantine
+    granted = queue.granted
     return {
         "version": __version__,
-        "device": d.device.kind,
-        **d.metrics.counters(),
-        "connections": d.server.connections,
+        "device": device_kind,
+        **metrics.counters(),
+        "connections": connections,
         "jobs": jobs,
-        "queue": q.counts(),
-        "holding": None if q.granted is None else {"ticket": q.granted.id, "job": q.granted.job_id,
-                                                   "priority": q.granted.priority.label},
-        "gemms": d.gemm_site()[0],
-        "thermal": {"state": d.thermal.state, "reading_c": d.thermal.reading_c, "npu_power_w": d.thermal.npu_power_w},
-        "driver_errors": {"count": d.errors.count, "available": d.errors.available,
-                          "pre_hang": d.errors.pre_hang_count},
+        "queue": queue.counts(),
+        "holding": None if granted is None else {"ticket": granted.id, "job": granted.job_id,
+                                                 "priority": granted.priority.label},
+        "gemms": gemms,
+        "thermal": {"state": thermal.state, "reading_c": thermal.reading_c, "npu_power_w": thermal.npu_power_w},
+        "driver_errors": {"count": errors.count, "available": errors.available, "pre_hang": errors.pre_hang_count},
         "quarantine": {"quarantined": quarantine is not None,
                        "since": None if quarantine is None else quarantine.since,
                        "reason": None if quarantine is None else quarantine.reason},

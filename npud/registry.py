@@ -2,21 +2,20 @@
 ticket and stays resident while memory allows, the least recently used going first.
 
 `get` loads a model and is blocking: only the device owner calls it, in a worker thread.
+Models come from a `ModelLoader` (engine.api.load_model; tests pass a fake engine's).
 """
 
 from __future__ import annotations
 
 import collections
-import importlib
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from types import ModuleType
-from typing import Any
 
 import psutil
 import structlog
 
+from engine.api import EngineError, ModelLoader, ServedModel, load_model
 from npud.config import ModelEntry
 from npud.protocol import ApiError, ErrorCode
 
@@ -33,29 +32,17 @@ def estimate_bytes(entry: ModelEntry) -> int:
 
 
 class ModelRegistry:
-    def __init__(self, models: tuple[ModelEntry, ...], *, engine_module: str, max_resident_bytes: int,
-                 cache_root: Path | None = None, engine: ModuleType | None = None,
-                 backend: str = "auto", xrt_design: str | None = None, xrt_timeout_ms: int | None = None) -> None:
+    def __init__(self, models: tuple[ModelEntry, ...], *, max_resident_bytes: int, cache_root: Path | None = None,
+                 loader: ModelLoader = load_model, backend: str = "auto", xrt_design: str | None = None,
+                 xrt_timeout_ms: int | None = None) -> None:
         self._entries = {m.name: m for m in models}
         self.cache_root = cache_root  # prefix caches persist under cache_root/<model>; None: memory only
-        self._engine_module = engine_module
         self.backend = backend
         self.xrt_design = xrt_design
         self.xrt_timeout_ms = xrt_timeout_ms
-        self._engine = engine
+        self._loader = loader
         self.max_resident_bytes = max_resident_bytes
-        self._resident: collections.OrderedDict[str, Any] = collections.OrderedDict()
-
-    def engine(self) -> ModuleType:
-        """The session module (engine.session unless configured otherwise); raises model_error."""
-        if self._engine is None:
-            try:
-                self._engine = importlib.import_module(self._engine_module)
-            except Exception as exc:
-                raise ApiError(ErrorCode.MODEL_ERROR,
-                               f"the engine module {self._engine_module} does not import: "
-                               f"{type(exc).__name__}: {exc}") from None
-        return self._engine
+        self._resident: collections.OrderedDict[str, ServedModel] = collections.OrderedDict()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -67,13 +54,13 @@ class ModelRegistry:
         except KeyError:
             raise ApiError(ErrorCode.NOT_FOUND, f"no model {name!r}; models: {list(self._entries)}") from None
 
-    def resident(self, name: str) -> Any | None:
+    def resident(self, name: str) -> ServedModel | None:
         return self._resident.get(name)
 
     def budget(self) -> int:
         return self.max_resident_bytes or psutil.virtual_memory().total // 2
 
-    def get(self, name: str, *, keep: Iterable[str] = ()) -> Any:
+    def get(self, name: str, *, keep: Iterable[str] = ()) -> ServedModel:
         """The loaded model `name`, loading it (and unloading others) if needed. Blocking.
 
         Raises not_found for an unknown name and model_error when its files do not load.
@@ -83,17 +70,16 @@ class ModelRegistry:
             self._resident.move_to_end(name)
             return served
         entry = self.entry(name)
-        engine = self.engine()
         keep = set(keep)
         self._evict(estimate_bytes(entry), keep)
         started = time.perf_counter()
         try:
-            served = engine.ServedModel.load(
+            served = self._loader(
                 entry.name, entry.checkpoint_dir, draft_dir=entry.draft_dir, dflash_dir=entry.dflash_dir,
                 weight_format=entry.weight_format,
                 cache_dir=None if self.cache_root is None else self.cache_root / entry.name,
                 backend=self.backend, xrt_design=self.xrt_design, xrt_timeout_ms=self.xrt_timeout_ms)
-        except (ValueError, OSError) as exc:  # ConfigError, WeightsError, TokenizerError, missing files
+        except (EngineError, OSError) as exc:  # ConfigError, WeightsError, TokenizerError, missing files
             log.error("model_load_failed", model=name, error=f"{type(exc).__name__}: {exc}")
             raise ApiError(ErrorCode.MODEL_ERROR,
                            f"model {name!r} ({entry.checkpoint_dir}) does not load: {type(exc).__name__}: {exc}") from None
@@ -118,12 +104,7 @@ class ModelRegistry:
 
     def flush_caches(self) -> int:
         """Write the resident models' in-memory prefix-cache entries to disk (blocking); returns how many."""
-        written = 0
-        for name, served in self._resident.items():
-            cache = getattr(served, "prefix_cache", None)
-            if cache is not None and hasattr(cache, "flush"):
-                written += cache.flush()
-        return written
+        return sum(served.cache_flush() for served in self._resident.values())
 
     def reconfigure(self, models: tuple[ModelEntry, ...], max_resident_bytes: int, *, keep: Iterable[str]) -> None:
         """New model list (SIGHUP): a model whose entry changed or vanished is unloaded unless in use."""

@@ -1,14 +1,15 @@
-"""The Unix socket: listening, peer credentials, framing, limits, and one task per request.
+"""The Unix socket: listening, peer credentials, and one task per connection and per request.
 
-Each connection reads lines up to `limits.max_line_bytes`; every request runs in its own
-task in the connection's nursery, so a streaming request and a `status` share a
-connection. Whatever a client sends, the answer is an error with a stable code on that
-connection, and every other connection carries on.
+Accepting is trio's `serve_listeners`. Each connection's task is a thin loop around its
+sans-IO state (npud/connection.py: framing, limits, timeouts): it reads with the timeout the
+state gives, feeds it the bytes, and runs each request it returns in its own task in the
+connection's nursery, so a streaming request and a `status` share a connection. Whatever a
+client sends, the answer is an error with a stable code on that connection, and every other
+connection carries on.
 """
 
 from __future__ import annotations
 
-import errno
 import grp
 import itertools
 import os
@@ -22,9 +23,9 @@ import structlog
 import trio
 
 from npud.config import DaemonConfig
+from npud.connection import ConnectionState, Limits
 from npud.jobs import Caller
-from npud.protocol import (ApiError, ErrorCode, LineReader, LineTooLong, Request, encode, error_reply,
-                           event, parse_request, reply)
+from npud.protocol import ApiError, ErrorCode, Request, encode, error_reply, event, reply
 from npud.systemd import inherited_listener
 
 log = structlog.get_logger(__name__)
@@ -121,7 +122,6 @@ class Connection:
         self.stream = stream
         self.peer = peer
         self.send_timeout_s = send_timeout_s
-        self.inflight = 0
         self.closed = False
         self._send_lock = trio.Lock()
 
@@ -168,22 +168,12 @@ class Server:
             async with trio.open_nursery() as conns:
                 with trio.CancelScope() as self._accept_scope:
                     task_status.started()
-                    await self._accept_loop(conns)
+                    # retries only what a full process table or memory makes accept() fail with
+                    await trio.serve_listeners(self.handle, [self._listener], handler_nursery=conns)
                 self._close_listener()
                 # accepting has stopped; existing connections carry on until the daemon ends
         finally:
             self._close_listener()
-
-    async def _accept_loop(self, conns: trio.Nursery) -> None:
-        listener = self._listener
-        while True:
-            try:
-                stream = await listener.accept()
-            except OSError as exc:  # EMFILE and friends: wait a little rather than spin
-                log.error("accept_failed", error=exc.strerror, errno=exc.errno)
-                await trio.sleep(0.1 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM) else 0)
-                continue
-            conns.start_soon(self.handle, stream)
 
     def _close_listener(self) -> None:
         if self._listener is not None:
@@ -227,58 +217,31 @@ class Server:
                 ErrorCode.OVERLOADED, f"npud has {server.max_connections} connections, its limit (server.max_connections)")))
             return
         log.debug("connection_opened", uid=uid, pid=pid)
-        reader = LineReader(self.cfg.limits.max_line_bytes)
+        state = ConnectionState(Limits.from_config(self.cfg))
         async with trio.open_nursery() as tasks:
-            while True:
-                if reader.partial:
-                    timeout = server.line_timeout_s
-                elif conn.inflight == 0:
-                    timeout = server.idle_timeout_s
-                else:
-                    timeout = float("inf")  # a stream may be silent on our side for as long as it likes
+            while not conn.closed:
                 data = None
-                with trio.move_on_after(timeout):
+                with trio.move_on_after(state.read_timeout()):
                     try:
                         data = await stream.receive_some(RECEIVE_BYTES)
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                         data = b""
                 if data is None:
-                    log.info("connection_timeout", partial_line=reader.partial)
-                    if reader.partial:
-                        await self._send_quietly(conn, error_reply(None, ApiError(
-                            ErrorCode.BAD_REQUEST, f"the request line did not end within {server.line_timeout_s} s")))
+                    for message in state.timed_out():
+                        await self._send_quietly(conn, message)
                     break
                 if not data:
                     break  # the client closed its end
-                for line in reader.feed(data):
-                    if isinstance(line, LineTooLong):
-                        log.warning("request_line_too_long", length=line.length)
-                        await self._send_quietly(conn, error_reply(None, ApiError(
-                            ErrorCode.LINE_TOO_LONG,
-                            f"the request line has {line.length} bytes, more than limits.max_line_bytes = "
-                            f"{self.cfg.limits.max_line_bytes}; it was discarded")))
-                        continue
-                    if not line.strip():
-                        continue
-                    try:
-                        req = parse_request(line)
-                    except ApiError as exc:
-                        await self._send_quietly(conn, error_reply(getattr(exc, "req_id", None), exc))
-                        continue
-                    if conn.inflight >= server.max_inflight_per_connection:
-                        await self._send_quietly(conn, error_reply(req.id, ApiError(
-                            ErrorCode.OVERLOADED, f"{server.max_inflight_per_connection} requests are already in "
-                                                  "flight on this connection (server.max_inflight_per_connection)")))
-                        continue
-                    conn.inflight += 1
-                    tasks.start_soon(self._run_request, conn, req)
-                if conn.closed:
-                    break
+                for item in state.receive(data):
+                    if isinstance(item, Request):
+                        tasks.start_soon(self._run_request, conn, state, item)
+                    else:
+                        await self._send_quietly(conn, item)
             tasks.cancel_scope.cancel()  # the client is gone: its streams and completions end
         conn.closed = True
         log.debug("connection_closed")
 
-    async def _run_request(self, conn: Connection, req: Request) -> None:
+    async def _run_request(self, conn: Connection, state: ConnectionState, req: Request) -> None:
         async def emit(name: str, data: dict) -> None:
             await conn.send(event(req.id, name, data))
 
@@ -295,7 +258,7 @@ class Server:
                 message = error_reply(req.id, ApiError(ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}"))
             await self._send_quietly(conn, message)
         finally:
-            conn.inflight -= 1
+            state.finished()
 
     @staticmethod
     async def _send_quietly(conn: Connection, message: dict) -> None:

@@ -3,18 +3,18 @@
 Synchronous and thread-confined by the caller (npud/jobs.py runs every call in one worker
 thread at a time). Every write is its own transaction with synchronous=FULL: when a call
 returns, the row survives a crash or a power loss. Write failures become StoreError with a
-stable code, so a full disk reaches the client as `store_full`, never as a silent loss.
+stable code, so a full disk reaches the client as `store_full`, never as a silent loss. (The
+store knows nothing of the protocol: npud/jobs.py turns a StoreError into the error a client
+sees.)
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
-
-from npud.protocol import ApiError, ErrorCode
 
 DB_NAME = "npud.sqlite3"
 SCHEMA_VERSION = 2  # 2: tickets.fw_version
@@ -76,19 +76,33 @@ _TICKET_COLUMNS = ("id", "job_id", "priority", "state", "outcome", "reason", "qu
                    "tokens", "drafted", "accepted", "fw_version")
 
 
-class StoreError(ApiError):
-    """The store could not be read or written; `code` is store_full, store_readonly or store_error."""
+class StoreCode(enum.StrEnum):
+    """Why the store failed; the values are the protocol's codes for the same failures."""
+
+    FULL = "store_full"
+    READONLY = "store_readonly"
+    ERROR = "store_error"
+
+
+class StoreError(Exception):
+    """The store could not be read or written; `code` (a StoreCode) says how, `message` says
+    what it was doing."""
+
+    def __init__(self, code: StoreCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 def _store_error(exc: sqlite3.Error, path: Path, doing: str) -> StoreError:
     code = getattr(exc, "sqlite_errorcode", None)
     primary = None if code is None else code & 0xFF
     if primary == sqlite3.SQLITE_FULL:
-        return StoreError(ErrorCode.STORE_FULL, f"the job store {path} is full (no space left) while {doing}; "
+        return StoreError(StoreCode.FULL, f"the job store {path} is full (no space left) while {doing}; "
                                                 "nothing was recorded")
     if primary in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_PERM, sqlite3.SQLITE_CANTOPEN):
-        return StoreError(ErrorCode.STORE_READONLY, f"the job store {path} is not writable while {doing}: {exc}")
-    return StoreError(ErrorCode.STORE_ERROR, f"the job store {path} failed while {doing}: {exc}")
+        return StoreError(StoreCode.READONLY, f"the job store {path} is not writable while {doing}: {exc}")
+    return StoreError(StoreCode.ERROR, f"the job store {path} failed while {doing}: {exc}")
 
 
 class Store:
@@ -106,7 +120,7 @@ class Store:
         try:
             state.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise StoreError(ErrorCode.STORE_READONLY, f"cannot create the state directory {state}: {exc.strerror}") from None
+            raise StoreError(StoreCode.READONLY, f"cannot create the state directory {state}: {exc.strerror}") from None
         try:
             conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=5.0)
             conn.row_factory = sqlite3.Row
@@ -159,15 +173,16 @@ class Store:
         return int(cur.lastrowid)
 
     def set_job_state(self, job_id: int, state: str, *, started_at: float | None = None,
-                      finished_at: float | None = None, error: ApiError | None = None,
+                      finished_at: float | None = None, error: dict | None = None,
                       ticket: dict | None = None) -> None:
-        """Update a job's state, and with `ticket` (its wire form) save that ticket in the same commit."""
+        """Update a job's state (`error`: {"code", "message"} of a failed job), and with `ticket`
+        (its wire form) save that ticket in the same commit."""
         statements = [] if ticket is None else [_ticket_upsert(ticket)]
         statements.append((
             "UPDATE jobs SET state = ?, started_at = COALESCE(started_at, ?), finished_at = ?,"
             " error_code = ?, error_message = ? WHERE id = ?",
-            (state, started_at, finished_at, None if error is None else error.code,
-             None if error is None else error.message, job_id),
+            (state, started_at, finished_at, None if error is None else error["code"],
+             None if error is None else error["message"], job_id),
         ))
         self._write("updating a job", statements)
 
@@ -266,11 +281,13 @@ class Store:
 
     # -- device state and retention -------------------------------------------------------
 
-    def get_state(self, key: str) -> Any:
+    def get_state(self, key: str) -> object:
+        """The JSON value recorded under `key`, or None."""
         rows = self._read("reading device state", "SELECT value FROM device_state WHERE key = ?", (key,))
         return json.loads(rows[0]["value"]) if rows else None
 
-    def set_state(self, key: str, value: Any) -> None:
+    def set_state(self, key: str, value: object) -> None:
+        """Record a JSON value under `key` (None deletes it)."""
         if value is None:
             self._write("clearing device state", [("DELETE FROM device_state WHERE key = ?", (key,))])
         else:

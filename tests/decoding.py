@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from engine.sampling import Sampler
-from engine.speculative import DecodeStats, SpeculativeConfig, plain_decode, speculative_decode
+from engine.api import SpecParams
+from engine.speculative import DecodeStats, plain_decode, speculative_decode
 
 
 def greedy_run(forward, prompt, n, head=None, k=4):
@@ -15,7 +16,7 @@ def greedy_run(forward, prompt, n, head=None, k=4):
     if head is None:
         loop = plain_decode(forward, prompt, **common)
     else:
-        loop = speculative_decode(forward, head, prompt, config=SpeculativeConfig(k=k, fallback_rounds=0), **common)
+        loop = speculative_decode(forward, head, prompt, config=SpecParams(k=k, fallback_rounds=0), **common)
     for _ in loop:
         pass
     return out, stats

@@ -278,7 +278,7 @@ ACCEPTANCE_FLOOR = 0.35
 @pytest.mark.parametrize("method", ["draft", "dflash"])
 def test_drafters_acceptance_on_held_out_code_through_the_loop(method):
     engine_session = pytest.importorskip("engine.session")
-    served = engine_session.ServedModel.load(
+    served = engine_session.LoadedModel.load(
         "pycode", MODELS_DIR / "pycode-base", draft_dir=MODELS_DIR / "pycode-draft",
         dflash_dir=MODELS_DIR / "pycode-dflash", weight_format="bf16",
     )
@@ -286,17 +286,20 @@ def test_drafters_acceptance_on_held_out_code_through_the_loop(method):
     accepted = drafted = 0
     for cut in (4, 8, 12):
         prompt = "".join(lines[:cut]).rstrip("\n")
-        plain = _run(engine_session, served, prompt, "none")
-        result = _run(engine_session, served, prompt, method)
+        plain = _run(served, prompt, "none")
+        result = _run(served, prompt, method)
         assert result.token_ids == plain.token_ids
         accepted += result.stats["accepted"]
         drafted += result.stats["drafted"]
     assert drafted > 0 and accepted / drafted >= ACCEPTANCE_FLOOR
 
 
-def _run(engine_session, served, prompt, method):
-    spec = engine_session.SpecParams(method=method, k=4, fallback_rounds=0)
-    session = served.start(engine_session.GenerateRequest(prompt=prompt, max_tokens=48, use_prefix_cache=False, spec=spec))
+def _run(served, prompt, method):
+    from engine import api
+
+    spec = api.SpecParams(method=method, k=4, fallback_rounds=0)
+    params = api.GenerationParams(max_tokens=48, use_prefix_cache=False, spec=spec)
+    session = served.start(api.GenerateRequest(prompt=prompt, params=params))
     while not session.done:
         session.run_round()
     return session.result()

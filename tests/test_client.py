@@ -133,6 +133,9 @@ async def test_trio_client_streams_and_raises_by_code(nursery, workdir):
         names = [e.name async for e in completion]
         assert names[:2] == ["ticket", "ticket"] and "token" in names
         assert completion.result["text"] == fakes.expected_text("hello there", 4)
+        # the answer is the job's one result exactly as the store keeps it
+        [stored] = (await c.result(completion.result["job"]))["results"]
+        assert completion.result == {"job": completion.result["job"], **stored} and stored["prompt"] == 0
         with pytest.raises(npc.NotFound):
             await c.status(424242)
         with pytest.raises(npc.BadRequest, match="max_tokens"):

@@ -42,8 +42,10 @@ from engine.dflash import (
     parse_dflash_config,
 )
 from engine.drafters import Draft, DraftMismatchError
-from engine.sampling import Sampler, SamplingConfig
-from engine.speculative import DecodeStats, FallbackReason, SpeculativeConfig, plain_decode, speculative_decode
+from engine.api import SamplingParams
+from engine.sampling import Sampler
+from engine.api import SpecParams
+from engine.speculative import DecodeStats, FallbackReason, plain_decode, speculative_decode
 from engine.weights import WeightsError
 
 # the tiny base of engine/testing/checkpoints.py with five layers, so there are layers to tap
@@ -342,7 +344,7 @@ def test_draft_pass_matches_the_reference(base, reference, name):
     assert list(ours.proposer()(hidden, ids).tokens) == want
 
 
-def _run(model, head, n=N, k=7, rows=8, prompt=PROMPT, sampling=SamplingConfig(), attach=True, adapt_k=False):
+def _run(model, head, n=N, k=7, rows=8, prompt=PROMPT, sampling=SamplingParams(), attach=True, adapt_k=False):
     """speculative_decode (head) or plain_decode (None) on a fresh Forward; the head is attached
     before the prompt runs unless attach is False. k is fixed (as the reference's block is)
     unless adapt_k, and the break-even fallback is off."""
@@ -359,7 +361,7 @@ def _run(model, head, n=N, k=7, rows=8, prompt=PROMPT, sampling=SamplingConfig()
     if head is None:
         loop = plain_decode(f, prompt, **common)
     else:
-        loop = speculative_decode(f, head, prompt, config=SpeculativeConfig(k=k, adapt_k=adapt_k, fallback_rounds=0), **common)
+        loop = speculative_decode(f, head, prompt, config=SpecParams(k=k, adapt_k=adapt_k, fallback_rounds=0), **common)
     for _ in loop:
         pass
     return out, f, stats
@@ -458,7 +460,7 @@ def test_dflash2_proposal_probabilities_match_the_reference_selector(base, refer
     dflash_model, target, drafts = reference
     ref, ours = drafts["dflash2"]
     hidden = ours.hidden_from_scratch(_our_taps(base[1], ours, PROMPT[:-1]), PROMPT[-1], ref.block_size - 1)
-    sampling = SamplingConfig(temperature=0.8, seed=5)
+    sampling = SamplingParams(temperature=0.8, seed=5)
     draft = ours.proposer(sampling)(hidden, PROMPT)
     assert draft.probs.shape == (len(draft.tokens), 320)
     # replay the reference's selector along our path, recording its q rows
@@ -487,7 +489,7 @@ def test_dflash_proposal_probabilities_match_the_reference_sampling_filter(base,
     dflash_model, target, drafts = reference
     ref, ours = drafts["dflash"]
     hidden = ours.hidden_from_scratch(_our_taps(base[1], ours, PROMPT[:-1]), PROMPT[-1], ref.block_size - 1)
-    draft = ours.proposer(SamplingConfig(temperature=0.7, top_k=40, top_p=0.9, seed=3))(hidden, PROMPT)
+    draft = ours.proposer(SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=3))(hidden, PROMPT)
     with torch.no_grad():
         logits = ref.compute_logits(torch.from_numpy(hidden)[None], dflash_model._output_head(target))
         want = dflash_model._sampling_probs(logits, 0.7, 0.9, 40)[0].numpy()
@@ -499,7 +501,7 @@ def test_selector_draws_follow_its_proposal_distribution(base, tmp_path):
     """The first drafted token, drawn 3000 times over the same rows, has the selector's q."""
     draft = DFlashDraft.load(write_random_dflash(tmp_path / "d", Variant.DFLASH2, seed=4), base[1], "fp32")
     hidden = draft.hidden_from_scratch(_our_taps(base[1], draft, PROMPT[:-1]), PROMPT[-1], 3)
-    pick = draft.proposer(SamplingConfig(temperature=2.0, seed=9))
+    pick = draft.proposer(SamplingParams(temperature=2.0, seed=9))
     draws = [pick(hidden, PROMPT) for _ in range(3000)]
     q = draws[0].probs[0]
     assert all(np.array_equal(d.probs[0], q) for d in draws)  # the first row does not depend on the draw
@@ -685,7 +687,7 @@ def test_reset_serves_a_second_job_and_a_stale_cache_is_refused(loop_setup):
 def test_sampled_run_through_the_loop_keeps_the_sink_committed(loop_setup):
     """With a temperature the drafts carry q and the loop resamples; the bookkeeping holds."""
     model, _, draft2, _ = loop_setup
-    head = DFlashHead(draft2, SamplingConfig(temperature=1.0, seed=3))
-    tokens, f, stats = _run(model, head, sampling=SamplingConfig(temperature=1.0, seed=3))
+    head = DFlashHead(draft2, SamplingParams(temperature=1.0, seed=3))
+    tokens, f, stats = _run(model, head, sampling=SamplingParams(temperature=1.0, seed=3))
     assert len(tokens) == N and stats.drafted > 0
     assert np.array_equal(head.sink.rows(), _committed_taps(model, draft2, PROMPT + tokens))

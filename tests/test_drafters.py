@@ -29,7 +29,8 @@ from engine.drafters import (
     PromptLookupHead,
     check_same_tokenizer,
 )
-from engine.sampling import Sampler, SamplingConfig
+from engine.api import SamplingParams
+from engine.sampling import Sampler
 from engine.speculative import RoundKind
 
 # --------------------------------------------------------------------------- prompt lookup
@@ -232,7 +233,7 @@ def test_draft_model_catches_up_after_a_fallback_in_batches_of_its_rows():
 
 def test_draft_model_sampling_preserves_the_base_distribution():
     # the session hands the draft the job's own sampling config, seed included
-    sampling = SamplingConfig(temperature=1.0, seed=99)
+    sampling = SamplingParams(temperature=1.0, seed=99)
     draft = ToyBase(vocab=4, markov=Q_FAR, rows=16)
     head = DraftModelHead(draft, FakeTokenizer(vocab=4), FakeTokenizer(vocab=4), sampling)
     # its draws come from a stream of their own, not a copy of the accept test's uniforms

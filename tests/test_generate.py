@@ -5,15 +5,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.testing.checkpoints import build_tiny_checkpoint
-from engine.config import ConfigError
+from engine.api import (
+    ConfigError,
+    FinishReason,
+    GenerateRequest,
+    GenerationParams,
+    ModelError,
+    RequestError,
+    SamplingParams,
+    SpecParams,
+)
 from engine.forward import Forward
-from engine.generate import FinishReason, Generation, GenerationConfig, _longest_stop_prefix_suffix
+from engine.generate import Generation, _longest_stop_prefix_suffix
 from engine.model import Model
 from engine.prefix_cache import PrefixCache
-from engine.sampling import SamplingConfig
+from engine.session import LoadedModel
 from engine.state import ModelState
-from engine.session import GenerateRequest, RequestError, ServedModel, SpecParams
+from engine.testing.checkpoints import build_tiny_checkpoint
 from engine.tokenizer import Tokenizer
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
@@ -51,7 +59,7 @@ def run(gen):
 
 def test_greedy_generation_equals_plain_argmax_loop(model, tok):
     ids = tok.encode(PROMPT)
-    gen = Generation(Forward(model), tok, ids, GenerationConfig(max_new_tokens=24))
+    gen = Generation(Forward(model), tok, ids, GenerationParams(max_tokens=24))
     events = run(gen)
     assert gen.token_ids == plain_tokens(model, ids, 24)
     assert gen.finish_reason is FinishReason.LENGTH
@@ -61,12 +69,12 @@ def test_greedy_generation_equals_plain_argmax_loop(model, tok):
 
 def test_stop_string_cuts_text_and_ends_run(model, tok):
     ids = tok.encode(PROMPT)
-    full = Generation(Forward(model), tok, ids, GenerationConfig(max_new_tokens=24))
+    full = Generation(Forward(model), tok, ids, GenerationParams(max_tokens=24))
     full.run()
     # a stop string from the middle of the free-running text
     stop = full.text[5:8]
     assert stop and full.text.find(stop) == 5
-    gen = Generation(Forward(model), tok, ids, GenerationConfig(max_new_tokens=24, stop=(stop,)))
+    gen = Generation(Forward(model), tok, ids, GenerationParams(max_tokens=24, stop=(stop,)))
     events = run(gen)
     assert gen.text == full.text[:5]
     assert "".join(e.text for e in events) == gen.text
@@ -85,7 +93,7 @@ def test_eos_token_ends_run_without_text(model, tok):
     ids = tok.encode(PROMPT)
     free = plain_tokens(model, ids, 12)
     eos = free[6]
-    gen = Generation(Forward(model), tok, ids, GenerationConfig(max_new_tokens=12, stop_token_ids=(eos,)))
+    gen = Generation(Forward(model), tok, ids, GenerationParams(max_tokens=12), stop_token_ids=(eos,))
     run(gen)
     assert gen.token_ids == free[:7]
     assert gen.finish_reason is FinishReason.STOP
@@ -94,7 +102,7 @@ def test_eos_token_ends_run_without_text(model, tok):
 
 def test_cancel_between_rounds(model, tok):
     ids = tok.encode(PROMPT)
-    gen = Generation(Forward(model), tok, ids, GenerationConfig(max_new_tokens=50))
+    gen = Generation(Forward(model), tok, ids, GenerationParams(max_tokens=50))
     rounds = gen.rounds()
     next(rounds)  # prefill
     next(rounds)
@@ -106,15 +114,15 @@ def test_cancel_between_rounds(model, tok):
 
 
 def test_bad_generation_config():
-    with pytest.raises(ConfigError, match="max_new_tokens"):
-        GenerationConfig(max_new_tokens=0)
+    with pytest.raises(ConfigError, match="max_tokens"):
+        GenerationParams(max_tokens=0)
     with pytest.raises(ConfigError, match="stop"):
-        GenerationConfig(stop=("",))
+        GenerationParams(stop=("",))
 
 
 @pytest.fixture(scope="module")
 def served(ckpt):
-    return ServedModel.load("tiny", ckpt, draft_dir=ckpt, weight_format="fp32")
+    return LoadedModel.load("tiny", ckpt, draft_dir=ckpt, weight_format="fp32")
 
 
 def drive(session):
@@ -126,7 +134,7 @@ def drive(session):
 
 @pytest.mark.parametrize("method", ["none", "ngram", "draft"])
 def test_session_output_is_the_same_for_every_speculative_method(served, model, tok, method):
-    req = GenerateRequest(prompt=PROMPT, max_tokens=30, spec=SpecParams(method=method, k=4))
+    req = GenerateRequest(prompt=PROMPT, params=GenerationParams(max_tokens=30, spec=SpecParams(method=method, k=4)))
     events, result = drive(served.start(req))
     assert list(result.token_ids) == plain_tokens(model, tok.encode(PROMPT), 30)
     assert "".join(e.text for e in events) == result.text
@@ -136,13 +144,13 @@ def test_session_output_is_the_same_for_every_speculative_method(served, model, 
 
 def test_session_chat_messages_use_the_template(served, tok):
     msgs = ({"role": "user", "content": "hi"},)
-    _, result = drive(served.start(GenerateRequest(messages=msgs, max_tokens=3)))
+    _, result = drive(served.start(GenerateRequest(messages=msgs, params=GenerationParams(max_tokens=3))))
     assert result.prompt_tokens == len(tok.encode(tok.apply_chat_template(list(msgs))))
 
 
 def test_session_rejects_what_the_model_cannot_run(served):
     with pytest.raises(RequestError) as e:
-        served.start(GenerateRequest(prompt="x " * 400, max_tokens=200))
+        served.start(GenerateRequest(prompt="x " * 400, params=GenerationParams(max_tokens=200)))
     assert e.value.code == "prompt_too_long"
     with pytest.raises(ConfigError):
         GenerateRequest(prompt="a", messages=({"role": "user", "content": "b"},))
@@ -157,19 +165,20 @@ def test_sampled_session_is_reproducible_under_a_seed(served, method):
     # distributed as plain sampling's either way, but its exact tokens repeat only when the
     # fallback cannot fire (fallback_rounds=0) or nothing speculates.
     spec = SpecParams(method=method, fallback_rounds=0)
-    req = GenerateRequest(prompt=PROMPT, max_tokens=20, sampling=SamplingConfig(temperature=0.8, seed=3), spec=spec)
+    req = GenerateRequest(
+        prompt=PROMPT, params=GenerationParams(max_tokens=20, sampling=SamplingParams(temperature=0.8, seed=3), spec=spec))
     a = drive(served.start(req))[1]
     b = drive(served.start(req))[1]  # the second restores its prefix from the cache
     assert a.token_ids == b.token_ids
     other = drive(served.start(GenerateRequest(
-        prompt=PROMPT, max_tokens=20, sampling=SamplingConfig(temperature=0.8, seed=4), spec=spec)))[1]
+        prompt=PROMPT, params=GenerationParams(max_tokens=20, sampling=SamplingParams(temperature=0.8, seed=4), spec=spec))))[1]
     assert other.token_ids != a.token_ids
 
 
 def test_session_through_prefix_cache_equals_cold(ckpt, model, tok):
     cache = PrefixCache(model.fingerprint, ModelState.for_config(model.config), block_size=8, max_bytes=1 << 24)
-    served = ServedModel(name="tiny", model=model, tokenizer=tok, prefix_cache=cache)
-    req = GenerateRequest(prompt=PROMPT * 2, max_tokens=16, spec=SpecParams(method="none"))
+    served = LoadedModel(name="tiny", model=model, tokenizer=tok, prefix_cache=cache)
+    req = GenerateRequest(prompt=PROMPT * 2, params=GenerationParams(max_tokens=16, spec=SpecParams(method="none")))
     _, cold = drive(served.start(req))
     s = served.start(req)
     _, warm = drive(s)
@@ -180,13 +189,11 @@ def test_session_through_prefix_cache_equals_cold(ckpt, model, tok):
 
 
 def test_served_model_names_its_backend_and_refuses_an_npu_it_cannot_have(ckpt):
-    from kernels.xrt import XrtUnavailable
-
-    served = ServedModel.load("tiny", ckpt, weight_format="fp32")
+    served = LoadedModel.load("tiny", ckpt, weight_format="fp32")
     d = served.describe()
     assert d["backend"] == "host" and d["backend_reason"].startswith("host backend:")
-    with pytest.raises(XrtUnavailable, match="no NPU device node"):
-        ServedModel.load("tiny", ckpt, weight_format="fp32", backend="xrt")
+    with pytest.raises(ModelError, match="no NPU device node"):
+        LoadedModel.load("tiny", ckpt, weight_format="fp32", backend="xrt")
 
 
 BUNDLED = __import__("pathlib").Path(__file__).resolve().parent.parent / "npud" / "models"
@@ -194,7 +201,7 @@ BUNDLED = __import__("pathlib").Path(__file__).resolve().parent.parent / "npud" 
 
 @pytest.fixture(scope="module")
 def bundled():
-    return ServedModel.load(
+    return LoadedModel.load(
         "pycode", BUNDLED / "pycode-base", draft_dir=BUNDLED / "pycode-draft",
         dflash_dir=BUNDLED / "pycode-dflash", weight_format="bf16",
     )
@@ -203,8 +210,10 @@ def bundled():
 @pytest.mark.parametrize("method", ["draft", "dflash", "ngram"])
 def test_bundled_pair_every_drafter_gives_plain_greedy_text(bundled, method):
     prompt = "def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n    with open(path) as f:"
-    plain = drive(bundled.start(GenerateRequest(prompt=prompt, max_tokens=40, spec=SpecParams(method="none"))))[1]
-    spec = GenerateRequest(prompt=prompt, max_tokens=40, spec=SpecParams(method=method, k=7, fallback_rounds=0))
+    plain = drive(bundled.start(GenerateRequest(
+        prompt=prompt, params=GenerationParams(max_tokens=40, spec=SpecParams(method="none")))))[1]
+    spec = GenerateRequest(
+        prompt=prompt, params=GenerationParams(max_tokens=40, spec=SpecParams(method=method, k=7, fallback_rounds=0)))
     result = drive(bundled.start(spec))[1]
     assert result.text == plain.text and result.token_ids == plain.token_ids
     assert result.stats["drafted"] > 0 and result.stats["accepted"] > 0
@@ -214,15 +223,17 @@ def test_bundled_pair_every_drafter_gives_plain_greedy_text(bundled, method):
 def test_dflash_session_prefills_past_the_prefix_cache(bundled):
     # a restored prefix has no tap rows for the DFlash head, so its sessions do not restore
     prompt = "import os\n\n\ndef walk(top):\n    for root, dirs, files in os.walk(top):" * 3
-    req = GenerateRequest(prompt=prompt, max_tokens=8, spec=SpecParams(method="dflash", fallback_rounds=0))
+    req = GenerateRequest(
+        prompt=prompt, params=GenerationParams(max_tokens=8, spec=SpecParams(method="dflash", fallback_rounds=0)))
     drive(bundled.start(req))
     second = drive(bundled.start(req))[1]
     assert second.stats["num_cached_tokens"] == 0 and second.stats["fallbacks"] == []
-    plain = drive(bundled.start(GenerateRequest(prompt=prompt, max_tokens=8, spec=SpecParams(method="none"))))[1]
+    plain = drive(bundled.start(GenerateRequest(
+        prompt=prompt, params=GenerationParams(max_tokens=8, spec=SpecParams(method="none")))))[1]
     assert plain.stats["num_cached_tokens"] > 0  # the same prompt does restore for other methods
     assert second.token_ids == plain.token_ids
 
 
 def test_dflash_needs_a_drafter(served):
     with pytest.raises(RequestError, match="no DFlash drafter"):
-        served.start(GenerateRequest(prompt="x", max_tokens=2, spec=SpecParams(method="dflash")))
+        served.start(GenerateRequest(prompt="x", params=GenerationParams(max_tokens=2, spec=SpecParams(method="dflash"))))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from npud.config import ConfigError, diff_for_reload, load_config, parse_config
+from npud.config import DaemonConfigError, diff_for_reload, load_config, parse_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,7 +36,7 @@ def test_defaults_are_valid_and_frozen():
     ({"errors": {"patterns": ["amdxdna ("]}}, "errors.patterns[0]"),
     ({"errors": {"pre_hang_patterns": ["("]}}, "errors.pre_hang_patterns[0]"),
     ({"logging": {"level": "loud"}}, "logging.level"),
-    ({"engine": {"module": "not a module"}}, "engine.module"),
+    ({"engine": {"module": "engine.session"}}, "engine"),  # gone: models come from engine.api.load_model
     ({"models": [{"name": "a"}]}, "models[0].checkpoint_dir"),
     ({"models": [{"name": "bad name", "checkpoint_dir": "x"}]}, "models.name"),
     ({"models": [{"name": "a", "checkpoint_dir": "x", "weight_format": "fp8"}]}, "models[a].weight_format"),
@@ -45,7 +45,7 @@ def test_defaults_are_valid_and_frozen():
     ({"modles": []}, "modles"),
 ])
 def test_bad_values_name_the_field(raw, field):
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(DaemonConfigError) as info:
         parse_config(raw)
     assert info.value.field == field, str(info.value)
     assert str(info.value).startswith(field)
@@ -60,10 +60,10 @@ def test_relative_model_paths_are_taken_from_the_config_file(tmp_path):
 
 
 def test_unreadable_and_invalid_files(tmp_path):
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(DaemonConfigError, match="cannot read"):
         load_config(tmp_path / "missing.toml")
     (tmp_path / "bad.toml").write_text("[server\n")
-    with pytest.raises(ConfigError, match="not valid TOML"):
+    with pytest.raises(DaemonConfigError, match="not valid TOML"):
         load_config(tmp_path / "bad.toml")
 
 
@@ -144,5 +144,5 @@ def test_device_backend_is_validated():
     from npud.config import DeviceConfig
 
     assert DeviceConfig().backend == "auto"
-    with pytest.raises(ConfigError, match="device.backend"):
+    with pytest.raises(DaemonConfigError, match="device.backend"):
         DeviceConfig(backend="gpu")

@@ -4,15 +4,19 @@ shutdown deadlines, quarantine across restarts. Real socket and real SQLite thro
 
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 
 import pytest
+import structlog
 import trio
 
 import test_npud_support as fakes
 from test_npud_support import make_config, start
 from clients.client import (AsyncClient, BadRequest, DeviceQuarantined, ModelError, NotFound, Overloaded,
                             PromptTooLong, ShuttingDown, StoreFull, Unsupported)
+from engine.api import RequestError
 from npud import jobs as jobs_module
 from npud.daemon import Daemon
 from npud.tickets import Quarantine
@@ -90,6 +94,37 @@ async def test_a_prompt_too_long_fails_alone(nursery, workdir):
     daemon.request_stop()
 
 
+class PickyModel(fakes.FakeServedModel):
+    """Rejects the prompt "reject" as the engine does bad input, and fails on "bug" as an engine bug would."""
+
+    def start(self, request):
+        if request.prompt == "reject":
+            raise RequestError("this model cannot run that")
+        if request.prompt == "bug":
+            raise ValueError("a bug in the engine")  # a ValueError, but not an EngineError
+        return super().start(request)
+
+
+def picky_loader(name, checkpoint_dir, **kwargs):
+    return PickyModel(name, json.loads((Path(checkpoint_dir) / "fake.json").read_text()))
+
+
+async def test_engine_errors_are_bad_requests_and_anything_else_is_internal(nursery, workdir):
+    daemon = await start(nursery, make_config(workdir), loader=picky_loader)
+    async with await connect(daemon) as c:
+        job = (await c.submit(["reject", "fine"], max_tokens=2))["job"]
+        await wait_state(c, job)
+        rejected, fine = (await c.result(job))["results"]
+        assert rejected["error"] == {"code": "bad_request", "message": "this model cannot run that"}
+        assert fine["text"] == fakes.expected_text("fine", 2)
+        with structlog.testing.capture_logs() as logs:
+            job = (await c.submit(["bug"], max_tokens=2))["job"]
+            status = await wait_state(c, job, ("failed",))
+        assert status["error"]["code"] == "internal_error"
+        assert [e["log_level"] for e in logs if e["event"] == "device_owner_error"] == ["error"]
+    daemon.request_stop()
+
+
 async def test_queued_jobs_per_user_and_connections_are_limited(nursery, workdir):
     cfg = make_config(workdir, limits={"max_queued_jobs_per_user": 2}, server={"max_connections": 3})
     daemon = await start(nursery, cfg)
@@ -161,7 +196,7 @@ async def test_sigterm_deadline_abandons_the_round_and_requeues(workdir):
             daemon.request_stop()
             with pytest.raises(ShuttingDown):
                 await c.submit(["late"])
-    again = Daemon(cfg, engine=fakes)  # the store as the next start sees it
+    again = Daemon(cfg, loader=fakes.load_model)  # the store as the next start sees it
     row = again.store.job(job)
     assert row["state"] == "queued"
     [ticket] = again.store.tickets(job_id=job)
@@ -319,7 +354,7 @@ def test_startup_warns_when_another_process_has_the_npu_open(workdir, monkeypatc
     from npud import daemon as daemon_module
     from npud.device import DeviceInfo
 
-    d = Daemon(make_config(workdir), engine=fakes)
+    d = Daemon(make_config(workdir), loader=fakes.load_model)
     try:
         d.device = DeviceInfo("npu", "amdxdna device at /dev/accel/accel0", node="/dev/accel/accel0")
         seen = []

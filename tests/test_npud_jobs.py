@@ -2,9 +2,9 @@
 
 import pytest
 
-import test_npud_support as fakes
+from engine.api import DEFAULT_SPEC_K, EngineCode, EngineError, GenerateRequest, ModelError, PromptTooLong
 from npud.config import LimitsConfig
-from npud.jobspec import JobSpec, parse_spec
+from npud.jobspec import ENGINE_CODES, JobSpec, api_error, parse_spec
 from npud.protocol import ApiError, Params
 
 LIMITS = LimitsConfig(max_tokens=100, max_prompts_per_job=3)
@@ -20,8 +20,9 @@ def spec(params, single=False):
 def test_defaults_and_round_trip():
     s = spec({"prompts": ["a", "b"]})
     # the default of 128 tokens is capped by the limit
-    assert (s.model, s.num_prompts, s.max_tokens, s.temperature, s.seed, s.spec_method) == ("m", 2, 100, 0.0, None,
-                                                                                             "auto")
+    params = s.params
+    assert (s.model, s.num_prompts, params.max_tokens, params.sampling.temperature, params.sampling.seed,
+            params.spec.method, params.spec.k) == ("m", 2, 100, 0.0, 0, "auto", DEFAULT_SPEC_K)
     full = spec({"model": "n", "chats": [[{"role": "user", "content": "hi"}]], "max_tokens": 7,
                  "sampling": {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 3}, "stop": ["\n"],
                  "spec": {"method": "ngram", "k": 2, "fallback_rounds": 0}, "use_prefix_cache": False})
@@ -66,14 +67,31 @@ def test_complete_takes_one_prompt_or_one_message_list():
 
 def test_engine_request_for_one_prompt():
     s = spec({"prompts": ["a", "b"], "max_tokens": 5, "stop": ["x"], "spec": {"method": "none"}})
-    req = s.engine_request(fakes, 1)
-    assert (req.prompt, req.messages, req.max_tokens, req.stop, req.spec.method) == ("b", None, 5, ("x",), "none")
-    assert req.sampling.seed is None  # absent: the engine's default
+    req = s.engine_request(1)
+    assert isinstance(req, GenerateRequest)
+    assert (req.prompt, req.messages, req.params.max_tokens, req.params.stop, req.params.spec.method) == (
+        "b", None, 5, ("x",), "none")
+    assert req.params.sampling.seed == 0  # absent: the engine's default stream
+    chat = spec({"chats": [[{"role": "user", "content": "hi"}]], "sampling": {"temperature": 0.5, "seed": 9}})
+    assert chat.engine_request(0).messages == ({"role": "user", "content": "hi"},)
+    assert chat.engine_request(0).params.sampling.seed == 9
 
 
-def test_engine_request_is_accepted_by_the_real_engine():
-    session = pytest.importorskip("engine.session")
-    s = spec({"chats": [[{"role": "user", "content": "hi"}]], "sampling": {"temperature": 0.5, "seed": 9}})
-    req = s.engine_request(session, 0)
-    assert isinstance(req, session.GenerateRequest) and req.sampling.seed == 9
-    assert spec({"prompts": ["a"]}).engine_request(session, 0).sampling.seed == 0
+def test_rows_stored_before_a_field_existed_read_with_its_default():
+    # the row format of the daemon before the params were the engine's (no adapt_k, seed null)
+    old = {"model": "m", "prompts": ["a"], "chats": None, "max_tokens": 7,
+           "sampling": {"temperature": 0.5, "top_k": 0, "top_p": 1.0, "seed": None}, "stop": ["x"],
+           "spec": {"method": "ngram", "k": 2, "fallback_rounds": 0}, "use_prefix_cache": False}
+    s = JobSpec.from_json(old)
+    assert (s.params.max_tokens, s.params.sampling.temperature, s.params.sampling.seed, s.params.stop) == (
+        7, 0.5, 0, ("x",))
+    assert (s.params.spec.method, s.params.spec.k, s.params.spec.adapt_k, s.params.use_prefix_cache) == (
+        "ngram", 2, True, False)
+
+
+def test_every_engine_code_has_a_protocol_code():
+    assert set(ENGINE_CODES) == set(EngineCode)
+    assert all(code.value == ENGINE_CODES[code].value for code in EngineCode)  # same names on both sides
+    assert api_error(PromptTooLong("too long")).to_wire() == {"code": "prompt_too_long", "message": "too long"}
+    assert api_error(ModelError("bad file")).code == "model_error"
+    assert api_error(EngineError("bad")).code == "bad_request"

@@ -26,7 +26,7 @@ from prometheus_client import parser  # the test extra: a real reader of the tex
 
 import test_npud_support as fakes
 from clients.client import AsyncClient, BadRequest
-from npud.config import ConfigError, MetricsConfig, parse_config
+from npud.config import DaemonConfigError, MetricsConfig, parse_config
 from npud.metrics import WAIT_SAMPLES, Metrics, quantile, render_prometheus, write_atomically
 from npud.tickets import Outcome, Priority, TicketQueue
 from test_npud_support import DaemonProc, make_config, short_tempdir, start, wait_for
@@ -159,7 +159,7 @@ def test_the_metrics_section_is_checked_where_it_is_read():
            ({"rate_window_s": -1.0}, "metrics.rate_window_s", "> 0"),
            ({"interval_s": 5}, "metrics.interval_s", "unknown field")]
     for section, field_name, why in bad:
-        with pytest.raises(ConfigError, match=re.escape(why)) as info:
+        with pytest.raises(DaemonConfigError, match=re.escape(why)) as info:
             parse_config({"metrics": section})
         assert info.value.field == field_name
 

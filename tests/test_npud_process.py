@@ -37,14 +37,15 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def reference(tiny_model):
     """prompt, max_tokens -> the text the engine produces for it, driven directly."""
-    from engine.session import GenerateRequest, ServedModel
+    from engine.api import GenerateRequest, GenerationParams
+    from engine.session import LoadedModel
 
-    served = ServedModel.load("tiny", tiny_model, weight_format="fp32")
+    served = LoadedModel.load("tiny", tiny_model, weight_format="fp32")
     memo: dict = {}
 
     def run(prompt: str, max_tokens: int) -> str:
         if (prompt, max_tokens) not in memo:
-            session = served.start(GenerateRequest(prompt=prompt, max_tokens=max_tokens))
+            session = served.start(GenerateRequest(prompt=prompt, params=GenerationParams(max_tokens=max_tokens)))
             while not session.done:
                 session.run_round()
             memo[prompt, max_tokens] = session.result().text

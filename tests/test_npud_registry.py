@@ -13,7 +13,7 @@ def _registry(tmp_path, budget, sizes):
     for name, nbytes in sizes.items():
         fakes.write_fake_checkpoint(tmp_path / name, nbytes=nbytes)
         entries.append(ModelEntry(name, str(tmp_path / name)))
-    return ModelRegistry(tuple(entries), engine_module="unused", max_resident_bytes=budget, engine=fakes), entries
+    return ModelRegistry(tuple(entries), max_resident_bytes=budget, loader=fakes.load_model), entries
 
 
 def test_load_once_and_keep_resident(tmp_path):
@@ -50,13 +50,18 @@ def test_unknown_and_broken_models(tmp_path):
     assert info.value.code == "model_error" and "does not load" in info.value.message
 
 
-def test_a_missing_engine_module_is_a_model_error(tmp_path):
-    fakes.write_fake_checkpoint(tmp_path / "a")
-    reg = ModelRegistry((ModelEntry("a", str(tmp_path / "a")),), engine_module="no_such_engine_module",
-                        max_resident_bytes=0)
+def test_missing_files_are_a_model_error_and_an_engine_bug_is_not(tmp_path):
+    reg = ModelRegistry((ModelEntry("a", str(tmp_path / "a")),), max_resident_bytes=0, loader=fakes.load_model)
     with pytest.raises(ApiError) as info:
+        reg.get("a")  # no fake.json: OSError
+    assert info.value.code == "model_error"
+
+    def buggy(name, checkpoint_dir, **kwargs):
+        raise ValueError("an engine bug, not a bad model")
+
+    reg = ModelRegistry((ModelEntry("a", str(tmp_path / "a")),), max_resident_bytes=0, loader=buggy)
+    with pytest.raises(ValueError, match="engine bug"):  # the device owner reports it as internal_error
         reg.get("a")
-    assert info.value.code == "model_error" and "no_such_engine_module" in info.value.message
 
 
 def test_reconfigure_unloads_changed_models_unless_in_use(tmp_path):

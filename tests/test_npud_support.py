@@ -1,7 +1,9 @@
-"""A fake session module with the engine.session API, for daemon tests that must not depend on
-model speed: deterministic tokens, a configurable number of tokens per round and sleep per
-round. Daemon processes load it with `[engine] module = "test_npud_support"`; its knobs live in
-`fake.json` in the model's checkpoint dir. Also the harness that runs real daemon processes. No tests here.
+"""A fake engine behind engine.api's protocols, for daemon tests that must not depend on model
+speed: deterministic tokens, a configurable number of tokens per round and sleep per round.
+`load_model` is its engine.api.ModelLoader (daemons in this process get it as `loader`;
+daemon processes started by DaemonProc(fake_engine=True) run npud.main with it); its knobs live
+in `fake.json` in the model's checkpoint dir. Also the harness that runs real daemon
+processes. No tests here.
 """
 
 from __future__ import annotations
@@ -10,59 +12,17 @@ import json
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
-
-@dataclass(frozen=True)
-class SpecParams:
-    method: str = "auto"
-    k: int = 4
-    fallback_rounds: int = 3
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    prompt: str | None = None
-    messages: tuple[dict, ...] | None = None
-    max_tokens: int = 128
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: tuple[str, ...] = ()
-    spec: SpecParams = field(default_factory=SpecParams)
-    use_prefix_cache: bool = True
-
-
-from kernels.errors import DeviceFault  # noqa: E402,F401  (the engine module names it; the daemon catches it)
-
-
-class RequestError(ValueError):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    token_id: int
-    text: str
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    text: str
-    token_ids: tuple[int, ...]
-    prompt_tokens: int
-    finish_reason: str
-    stats: dict
+from engine.api import (
+    DeviceFault,
+    FinishReason,
+    GenerateRequest,
+    GenerationResult,
+    ModelError,
+    PromptTooLong,
+    TokenEvent,
+)
 
 
 def prompt_text(req: GenerateRequest) -> str:
@@ -85,14 +45,16 @@ ROUNDS: list[tuple[str, int]] = []  # (prompt, tokens so far) after each round, 
 
 
 class FakeSession:
-    def __init__(self, model: "FakeServedModel", req: GenerateRequest) -> None:
+    """An engine.api.Session: tokens_per_round tokens a round, each " w<id>"."""
+
+    def __init__(self, model: FakeServedModel, req: GenerateRequest) -> None:
         self.model = model
         self.req = req
         self.prompt = prompt_text(req)
         self.ids: list[int] = []
         self.text = ""
         self._cancel = False
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
 
     @property
     def done(self) -> bool:
@@ -105,7 +67,7 @@ class FakeSession:
         if self.done:
             raise RuntimeError("run_round on a finished session")
         if self._cancel:
-            self.finish_reason = "cancelled"
+            self.finish_reason = FinishReason.CANCELLED
             return []
         if self.model.round_sleep_s:
             time.sleep(self.model.round_sleep_s)
@@ -121,11 +83,11 @@ class FakeSession:
             piece = f" w{tid}"
             self.text += piece
             events.append(TokenEvent(tid, piece))
-            if any(s in self.text for s in self.req.stop):
-                self.finish_reason = "stop"
+            if any(s in self.text for s in self.req.params.stop):
+                self.finish_reason = FinishReason.STOP
                 break
-            if len(self.ids) >= self.req.max_tokens:
-                self.finish_reason = "length"
+            if len(self.ids) >= self.req.params.max_tokens:
+                self.finish_reason = FinishReason.LENGTH
                 break
         with ROUNDS_LOCK:
             ROUNDS.append((self.prompt, len(self.ids)))
@@ -139,9 +101,10 @@ class FakeSession:
 
 
 class FakeServedModel:
-    """Knobs from fake.json: tokens_per_round, round_sleep_s, max_context, nbytes, fault_file (a round
-    raises DeviceFault, as a failed NPU run does, once for each time that file is created; fault_prompt
-    and fault_at_token say where)."""
+    """An engine.api.ServedModel without a prefix cache. Knobs from fake.json:
+    tokens_per_round, round_sleep_s, max_context, nbytes, fault_file (a round raises
+    DeviceFault, as a failed NPU run does, once for each time that file is created;
+    fault_prompt and fault_at_token say where)."""
 
     def __init__(self, name: str, knobs: dict) -> None:
         self.name = name
@@ -152,34 +115,46 @@ class FakeServedModel:
         self.fault_file = knobs.get("fault_file")
         self.fault_prompt = knobs.get("fault_prompt")  # only the prompt with this text faults (None: any)
         self.fault_at_token = int(knobs.get("fault_at_token", 0))  # after this many of its tokens
-        self.prefix_cache = None
-
-    @classmethod
-    def load(cls, name: str, checkpoint_dir, draft_dir=None, dflash_dir=None, weight_format: str = "bf16",
-             cache_dir=None, backend: str = "auto", xrt_design=None,
-             xrt_timeout_ms=None) -> "FakeServedModel":
-        path = Path(checkpoint_dir) / "fake.json"
-        try:
-            knobs = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not JSON: {exc}") from None
-        return cls(name, knobs)
 
     def describe(self) -> dict:
         return {"name": self.name, "fake": True, "tokens_per_round": self.tokens_per_round}
 
-    def count_prompt_tokens(self, req: GenerateRequest) -> int:
-        return len(prompt_text(req).split())
+    def count_prompt_tokens(self, request: GenerateRequest) -> int:
+        return len(prompt_text(request).split())
 
-    def start(self, req: GenerateRequest) -> FakeSession:
-        if self.count_prompt_tokens(req) + req.max_tokens > self.max_context:
-            raise RequestError("prompt_too_long", f"prompt + max_tokens exceed the context of {self.max_context}")
-        return FakeSession(self, req)
+    def start(self, request: GenerateRequest) -> FakeSession:
+        if self.count_prompt_tokens(request) + request.params.max_tokens > self.max_context:
+            raise PromptTooLong(f"prompt + max_tokens exceed the context of {self.max_context}")
+        return FakeSession(self, request)
+
+    @property
+    def has_prefix_cache(self) -> bool:
+        return False
+
+    def cache_info(self) -> dict:
+        raise RuntimeError("the fake model has no prefix cache")
+
+    def cache_pin(self, name: str, *, key: str | None = None, text: str | None = None) -> str:
+        raise RuntimeError("the fake model has no prefix cache")
+
+    def cache_drop(self, key: str) -> bool:
+        raise RuntimeError("the fake model has no prefix cache")
+
+    def cache_flush(self) -> int:
+        return 0
 
 
-ServedModel = FakeServedModel
+def load_model(name: str, checkpoint_dir, *, draft_dir=None, dflash_dir=None, weight_format: str = "bf16",
+               cache_dir=None, backend: str = "auto", xrt_design=None, xrt_timeout_ms=None) -> FakeServedModel:
+    """The fake engine's engine.api.ModelLoader: knobs from <checkpoint_dir>/fake.json.
+
+    Raises FileNotFoundError without the file, ModelError when it is not JSON."""
+    path = Path(checkpoint_dir) / "fake.json"
+    try:
+        knobs = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{path}: not JSON: {exc}") from None
+    return FakeServedModel(name, knobs)
 
 
 def write_fake_checkpoint(directory: Path, **knobs) -> Path:
@@ -247,11 +222,17 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.02, what: str
 KMSG_ERROR = "amdxdna 0000:c5:00.1: [drm] *ERROR* aie2_send_mgmt_msg_wait: command timeout"
 
 
-class DaemonProc:
-    """One `python -m npud` process with its own socket, state, sensor and kernel-log files."""
+# npud's command line with this module's fake engine as the model loader
+FAKE_NPUD = "import sys, npud.main, test_npud_support; sys.exit(npud.main.main(loader=test_npud_support.load_model))"
 
-    def __init__(self, workdir: Path, models: list[dict], **sections) -> None:
+
+class DaemonProc:
+    """One `python -m npud` process with its own socket, state, sensor and kernel-log files;
+    with `fake_engine` its models come from this module's fake engine."""
+
+    def __init__(self, workdir: Path, models: list[dict], *, fake_engine: bool = False, **sections) -> None:
         self.dir = workdir
+        self.fake_engine = fake_engine
         self.socket = str(workdir / "npud.sock")
         self.temp_file = workdir / "temp"
         self.kmsg = workdir / "kmsg"
@@ -283,6 +264,11 @@ class DaemonProc:
                 self.config[name] = values
         self.config_path.write_text(toml_dumps(self.config))
 
+    def argv(self) -> list[str]:
+        """The daemon's command line (npud.main with the fake engine when fake_engine)."""
+        npud = ["-c", FAKE_NPUD] if self.fake_engine else ["-m", "npud"]
+        return [sys.executable, *npud, "--config", str(self.config_path)]
+
     def start(self, timeout: float = 60.0, *, env: dict[str, str] | None = None,
               stderr_path: Path | None = None) -> "DaemonProc":
         """Start and wait for `daemon_ready`; `env` adds variables, `stderr_path` keeps stderr
@@ -291,7 +277,7 @@ class DaemonProc:
         seen = len(self.logs())  # a restart must not take the last run's readiness for its own
         log = open(self.log_path, "ab")
         err = open(stderr_path, "ab") if stderr_path is not None else None
-        self.proc = subprocess.Popen([sys.executable, "-m", "npud", "--config", str(self.config_path)],
+        self.proc = subprocess.Popen(self.argv(),
                                      stdout=log, stderr=subprocess.STDOUT if err is None else err, env=env,
                                      cwd=str(self.dir))
         log.close()
@@ -390,10 +376,10 @@ def make_config(workdir, *, knobs=None, models=None, **sections):
     return parse_config(raw)
 
 
-async def start(nursery, cfg):
-    """Run a Daemon with this module as its engine in `nursery`; returns it once it serves."""
+async def start(nursery, cfg, loader=load_model):
+    """Run a Daemon with this module's fake engine (or `loader`) in `nursery`; returns it once it serves."""
     from npud.daemon import Daemon
 
-    return await nursery.start(Daemon(cfg, engine=sys.modules[__name__]).run)
+    return await nursery.start(Daemon(cfg, loader=loader).run)
 
 

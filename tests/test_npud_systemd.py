@@ -305,7 +305,7 @@ def fake_daemon(**sections) -> DaemonProc:
     models = [{"name": "fake", "checkpoint_dir": str(write_fake_checkpoint(workdir / "fake", tokens_per_round=2))},
               {"name": "slow", "checkpoint_dir": str(write_fake_checkpoint(workdir / "slow", tokens_per_round=1,
                                                                            round_sleep_s=0.02))}]
-    return DaemonProc(workdir, models, engine={"module": "test_npud_support"}, **sections)
+    return DaemonProc(workdir, models, fake_engine=True, **sections)
 
 
 @pytest.fixture
@@ -413,7 +413,7 @@ def test_socket_activation_serves_jobs_on_the_passed_socket(daemons):
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME")}
     # systemd-socket-activate hands the child a clean environment: -E passes what it needs
     d.proc = subprocess.Popen([tool, "-l", d.socket, "-E", f"PYTHONPATH={REPO}{os.pathsep}{TESTS}",
-                               sys.executable, "-m", "npud", "--config", str(d.config_path)],
+                               *d.argv()],
                               stdout=log, stderr=subprocess.STDOUT, cwd=str(d.dir), env=env)
     log.close()
     wait_for(lambda: os.path.exists(d.socket), 30, what="systemd-socket-activate to listen")
@@ -438,7 +438,7 @@ def test_a_passed_socket_that_is_not_a_stream_is_refused_clearly(daemons):
     d = daemons()
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME")}
     proc = subprocess.Popen([tool, "--datagram", "-l", d.socket, "-E", f"PYTHONPATH={REPO}{os.pathsep}{TESTS}",
-                             sys.executable, "-m", "npud", "--config", str(d.config_path)],
+                             *d.argv()],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(d.dir), env=env)
     try:
         wait_for(lambda: os.path.exists(d.socket), 30, what="systemd-socket-activate to listen")

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from engine.config import ConfigError
-from engine.sampling import Sampler, SamplingConfig
+from engine.api import SamplingParams
+from engine.sampling import Sampler
 
 LOGITS = np.log(np.array([0.05, 0.40, 0.10, 0.30, 0.15])).astype(np.float32)
 P = np.array([0.05, 0.40, 0.10, 0.30, 0.15])
@@ -34,8 +35,8 @@ def _chi_square(counts, p):
     ],
 )
 def test_config_is_validated(kwargs, field):
-    with pytest.raises(ConfigError, match=f"SamplingConfig.{field}"):
-        SamplingConfig(**kwargs)
+    with pytest.raises(ConfigError, match=f"SamplingParams.{field}"):
+        SamplingParams(**kwargs)
 
 
 def test_greedy_is_the_first_index_of_the_maximum():
@@ -45,46 +46,46 @@ def test_greedy_is_the_first_index_of_the_maximum():
 
 
 def test_temperature_one_is_the_softmax():
-    assert np.allclose(Sampler(SamplingConfig(temperature=1.0)).probs(LOGITS), P)
+    assert np.allclose(Sampler(SamplingParams(temperature=1.0)).probs(LOGITS), P)
 
 
 def test_temperature_sharpens_and_flattens():
-    cold = Sampler(SamplingConfig(temperature=0.5)).probs(LOGITS)
-    hot = Sampler(SamplingConfig(temperature=2.0)).probs(LOGITS)
+    cold = Sampler(SamplingParams(temperature=0.5)).probs(LOGITS)
+    hot = Sampler(SamplingParams(temperature=2.0)).probs(LOGITS)
     assert np.allclose(cold, P**2 / (P**2).sum())
     assert np.allclose(hot, np.sqrt(P) / np.sqrt(P).sum())
 
 
 def test_top_k_keeps_the_k_largest():
-    p = Sampler(SamplingConfig(temperature=1.0, top_k=2)).probs(LOGITS)
+    p = Sampler(SamplingParams(temperature=1.0, top_k=2)).probs(LOGITS)
     assert np.allclose(p, [0, 0.4 / 0.7, 0, 0.3 / 0.7, 0])
 
 
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():
     # sorted: 0.40, 0.30, 0.15, 0.10, 0.05; 0.40 + 0.30 = 0.70 reaches 0.7
-    p = Sampler(SamplingConfig(temperature=1.0, top_p=0.7)).probs(LOGITS)
+    p = Sampler(SamplingParams(temperature=1.0, top_p=0.7)).probs(LOGITS)
     assert np.allclose(p, [0, 0.4 / 0.7, 0, 0.3 / 0.7, 0])
-    p = Sampler(SamplingConfig(temperature=1.0, top_p=0.71)).probs(LOGITS)
+    p = Sampler(SamplingParams(temperature=1.0, top_p=0.71)).probs(LOGITS)
     assert np.allclose(p, [0, 0.40 / 0.85, 0, 0.30 / 0.85, 0.15 / 0.85])
 
 
 def test_the_same_seed_draws_the_same_tokens():
-    a = Sampler(SamplingConfig(temperature=1.0, seed=5))
-    b = Sampler(SamplingConfig(temperature=1.0, seed=5))
-    c = Sampler(SamplingConfig(temperature=1.0, seed=6))
+    a = Sampler(SamplingParams(temperature=1.0, seed=5))
+    b = Sampler(SamplingParams(temperature=1.0, seed=5))
+    c = Sampler(SamplingParams(temperature=1.0, seed=6))
     draws = [[s.choose(LOGITS) for _ in range(50)] for s in (a, b, c)]
     assert draws[0] == draws[1] != draws[2]
 
 
 @pytest.mark.parametrize("top_k", [0, 3])
 def test_choose_draws_from_probs(top_k):
-    s = Sampler(SamplingConfig(temperature=1.0, top_k=top_k, seed=11))
+    s = Sampler(SamplingParams(temperature=1.0, top_k=top_k, seed=11))
     counts = np.bincount([s.choose(LOGITS) for _ in range(20000)], minlength=5)
     assert _chi_square(counts, s.probs(LOGITS)) < CHI2_999_DF4
 
 
 def test_draw_never_lands_on_a_zero_weight_token():
-    s = Sampler(SamplingConfig(temperature=1.0, seed=1))
+    s = Sampler(SamplingParams(temperature=1.0, seed=1))
     w = np.array([0.0, 0.5, 0.0, 0.5, 0.0])
     assert set(s.draw(w) for _ in range(2000)) == {1, 3}
 
@@ -102,7 +103,7 @@ Q = np.array([0.30, 0.10, 0.40, 0.10, 0.10])
 def test_judge_output_is_distributed_as_p(q):
     """Draft d ~ q (or fixed at 2), emit d if accepted else the replacement: the emitted
     token must be distributed as p whatever q is."""
-    s = Sampler(SamplingConfig(temperature=1.0, seed=21))
+    s = Sampler(SamplingParams(temperature=1.0, seed=21))
     rng = np.random.default_rng(3)
     counts = np.zeros(5, int)
     accepted = 0
@@ -118,6 +119,6 @@ def test_judge_output_is_distributed_as_p(q):
 
 
 def test_judge_with_top_k_never_emits_a_filtered_token():
-    s = Sampler(SamplingConfig(temperature=1.0, top_k=2, seed=2))
+    s = Sampler(SamplingParams(temperature=1.0, top_k=2, seed=2))
     outs = {s.judge(0, None, LOGITS) for _ in range(500)}
     assert outs <= {1, 3}  # token 0 has no mass after top-k: never accepted, resampled inside the top 2

@@ -39,16 +39,10 @@ import pytest
 
 from engine.config import ConfigError
 from engine.drafters import NO_DRAFT, Draft
-from engine.sampling import Sampler, SamplingConfig
-from engine.speculative import (
-    DecodeStats,
-    FallbackReason,
-    FinishReason,
-    RoundKind,
-    SpeculativeConfig,
-    plain_decode,
-    speculative_decode,
-)
+from engine.api import SamplingParams
+from engine.sampling import Sampler
+from engine.api import SpecParams
+from engine.speculative import DecodeStats, FallbackReason, LoopEnd, RoundKind, plain_decode, speculative_decode
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 N = 24
@@ -201,7 +195,7 @@ def _start(base, prompt=PROMPT):
     return base
 
 
-def run_plain(n=N, prompt=PROMPT, eos=frozenset(), stop_at=None, sampling=SamplingConfig(), **base_kw):
+def run_plain(n=N, prompt=PROMPT, eos=frozenset(), stop_at=None, sampling=SamplingParams(), **base_kw):
     base = _start(ToyBase(**base_kw), prompt)
     out: list[int] = []
 
@@ -217,7 +211,7 @@ def run_plain(n=N, prompt=PROMPT, eos=frozenset(), stop_at=None, sampling=Sampli
 
 
 def run_spec(head, n=N, k=4, prompt=PROMPT, eos=frozenset(), stop_at=None, fallback_rounds=NO_FALLBACK,
-             reprobe_after=None, sampling=SamplingConfig(), base=None, adapt_k=False, **base_kw):
+             reprobe_after=None, sampling=SamplingParams(), base=None, adapt_k=False, **base_kw):
     base = _start(base if base is not None else ToyBase(**base_kw), prompt)
     out: list[int] = []
 
@@ -226,7 +220,7 @@ def run_spec(head, n=N, k=4, prompt=PROMPT, eos=frozenset(), stop_at=None, fallb
         return stop_at is None or len(out) < stop_at
 
     stats = DecodeStats()
-    config = SpeculativeConfig(k=k, adapt_k=adapt_k, fallback_rounds=fallback_rounds, reprobe_after=reprobe_after)
+    config = SpecParams(k=k, adapt_k=adapt_k, fallback_rounds=fallback_rounds, reprobe_after=reprobe_after)
     events = list(
         speculative_decode(
             base, head, prompt, max_new_tokens=n, sampler=Sampler(sampling), on_token=on_token, stats=stats,
@@ -257,7 +251,7 @@ def test_text_positions_state_equal_plain(reference, quality, k, two_pass, n, ad
     assert out == plain
     assert base.positions_held == plain_base.positions_held == len(PROMPT) + n
     assert base.hashes == plain_base.hashes  # the state: every position, from the same prefix
-    assert stats.emitted == n and stats.finish is FinishReason.MAX_TOKENS
+    assert stats.emitted == n and stats.finish is LoopEnd.MAX_TOKENS
     assert [t for e in events for t in e.tokens] == out
     assert max(base.batch_sizes, default=0) <= 8  # k = 12 is clamped to the 8-row base
     # every committed row reaches the drafter once and in order, with its own hidden row
@@ -353,7 +347,7 @@ def test_consumer_stop_on_sixth_token(reference, quality, two_pass):
     out, base, stats, events = run_spec(head, k=4, stop_at=6)
     plain, plain_base, _, _ = run_plain(stop_at=6)
     assert out == plain == reference[:6]
-    assert stats.emitted == 6 and stats.finish is FinishReason.STOPPED
+    assert stats.emitted == 6 and stats.finish is LoopEnd.STOPPED
     assert base.positions_held == len(PROMPT) + 6
     assert base.hashes == plain_base.hashes
     assert [t for t, _ in head.commits] == out
@@ -369,7 +363,7 @@ def test_eos_inside_an_accepted_chain_stops_like_plain(reference, quality, two_p
     head = OracleHead(reference, quality, two_pass)
     out, base, stats, _ = run_spec(head, k=7, eos=eos)
     assert out == plain == reference[:stop]
-    assert stats.finish is FinishReason.EOS
+    assert stats.finish is LoopEnd.EOS
     assert base.hashes == plain_base.hashes
     assert [t for t, _ in head.commits] == out
 
@@ -377,7 +371,7 @@ def test_eos_inside_an_accepted_chain_stops_like_plain(reference, quality, two_p
 def test_zero_tokens_runs_the_prompt_and_emits_nothing(reference):
     out, base, stats, events = run_spec(OracleHead(reference), n=0)
     assert out == [] and events == [] and base.positions_held == len(PROMPT)
-    assert stats.finish is FinishReason.MAX_TOKENS
+    assert stats.finish is LoopEnd.MAX_TOKENS
 
 
 def test_base_must_hold_the_prompt_but_its_last_token(reference):
@@ -509,12 +503,12 @@ def test_out_of_vocabulary_drafts_fall_back_without_touching_the_base(reference)
 
 
 def test_config_is_validated():
-    with pytest.raises(ConfigError, match="SpeculativeConfig.k"):
-        SpeculativeConfig(k=0)
+    with pytest.raises(ConfigError, match="SpecParams.k"):
+        SpecParams(k=0)
     with pytest.raises(ConfigError, match="fallback_rounds"):
-        SpeculativeConfig(fallback_rounds=-1)
+        SpecParams(fallback_rounds=-1)
     with pytest.raises(ConfigError, match="reprobe_after"):
-        SpeculativeConfig(reprobe_after=0)
+        SpecParams(reprobe_after=0)
 
 
 # --------------------------------------------------------------------------- speculative sampling
@@ -581,7 +575,7 @@ Q_FAR = np.array(
 
 @pytest.mark.parametrize("q_matrix", [Q_FAR, None], ids=["sampled_q", "deterministic"])
 def test_speculative_sampling_preserves_the_base_distribution(q_matrix):
-    sampling = SamplingConfig(temperature=1.0, seed=1234)
+    sampling = SamplingParams(temperature=1.0, seed=1234)
     head = MarkovDraftHead(q_matrix)
     out, base, stats, _ = run_spec(head, n=SAMPLES, k=3, sampling=sampling, vocab=4, markov=MARKOV,
                                    prompt=[0, 1])
@@ -590,7 +584,7 @@ def test_speculative_sampling_preserves_the_base_distribution(q_matrix):
 
 
 def test_plain_sampling_has_the_base_distribution_and_the_check_can_fail():
-    sampling = SamplingConfig(temperature=1.0, seed=1234)
+    sampling = SamplingParams(temperature=1.0, seed=1234)
     out, _, _, _ = run_plain(n=SAMPLES, sampling=sampling, vocab=4, markov=MARKOV, prompt=[0, 1])
     assert _chi_square(out, start=1) < CHI2_999_DF12
     # the statistic sees a sampler drawing from the drafter's matrix instead
@@ -624,7 +618,7 @@ def _real(model, head, n=N, k=4, rows=8, adapt_k=False):
     if head is None:
         loop = plain_decode(f, REAL_PROMPT, **common)
     else:
-        loop = speculative_decode(f, head, REAL_PROMPT, config=SpeculativeConfig(k=k, adapt_k=adapt_k, fallback_rounds=0), **common)
+        loop = speculative_decode(f, head, REAL_PROMPT, config=SpecParams(k=k, adapt_k=adapt_k, fallback_rounds=0), **common)
     for _ in loop:
         pass
     return out, f, stats

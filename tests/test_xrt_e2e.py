@@ -17,7 +17,7 @@ import fake_pyxrt
 import test_npud_support as fakes
 from clients.client import AsyncClient, DeviceQuarantined
 from engine.testing.checkpoints import build_tiny_checkpoint
-from engine.session import GenerateRequest, ServedModel, SpecParams
+from engine.api import DeviceFault, GenerateRequest, GenerationParams, SpecParams, load_model
 from kernels import xrt
 from npud.config import parse_config
 from npud.daemon import Daemon
@@ -44,7 +44,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def host_served(ckpt):
-    return ServedModel.load("tiny", ckpt, draft_dir=ckpt, weight_format="bf16", backend="host")
+    return load_model("tiny", ckpt, draft_dir=ckpt, weight_format="bf16", backend="host")
 
 
 @pytest.fixture
@@ -56,8 +56,8 @@ def npu_served(ckpt, tmp_path, monkeypatch):
     # padded to 16-column multiples (tile_n 4 x 4 columns)
     table = fake_pyxrt.write_design_table(tmp_path / "designs", shapes, device="npu1", M=16, tile=(4, 8, 4),
                                           columns=4)
-    served = ServedModel.load("tiny", ckpt, draft_dir=ckpt, weight_format="bf16", backend="xrt",
-                              xrt_design=table, xrt_timeout_ms=1000)
+    served = load_model("tiny", ckpt, draft_dir=ckpt, weight_format="bf16", backend="xrt",
+                        xrt_design=table, xrt_timeout_ms=1000)
     return served, sim
 
 
@@ -73,7 +73,8 @@ def test_greedy_output_through_the_simulated_npu_equals_the_host(host_served, np
     d = served.describe()
     assert d["backend"] == "xrt-simulator"
     assert set(d["gemm_placement"].values()) == {"npu"} and len(d["gemm_placement"]) == 4
-    req = GenerateRequest(prompt=PROMPT, max_tokens=24, spec=SpecParams(method=method, k=4))
+    req = GenerateRequest(prompt=PROMPT, params=GenerationParams(max_tokens=24,
+                                                                 spec=SpecParams(method=method, k=4)))
     before = sim.runs
     got = drive(served.start(req))
     want = drive(host_served.start(req))
@@ -84,11 +85,9 @@ def test_greedy_output_through_the_simulated_npu_equals_the_host(host_served, np
 
 def test_a_failed_run_mid_generation_raises_a_device_fault(npu_served):
     served, sim = npu_served
-    session = served.start(GenerateRequest(prompt=PROMPT, max_tokens=24))
+    session = served.start(GenerateRequest(prompt=PROMPT, params=GenerationParams(max_tokens=24)))
     session.run_round()
     sim.inject("timeout")
-    from engine.session import DeviceFault
-
     with pytest.raises(DeviceFault, match="ERT_CMD_STATE_TIMEOUT"):
         while not session.done:
             session.run_round()
@@ -118,7 +117,8 @@ async def test_the_daemon_serves_through_the_simulated_npu_and_faults_a_failed_r
             "thermal": {"enabled": False}, "errors": {"source": str(workdir / "kmsg"), "poll_interval_s": 0.05},
             "device": {"backend": "xrt", "xrt_design": str(table), "xrt_timeout_ms": 1000},
             "models": [{"name": "tiny", "checkpoint_dir": str(ckpt), "weight_format": "bf16"}]})
-        want = [drive(host_served.start(GenerateRequest(prompt=p, max_tokens=16))).text for p in PROMPTS]
+        want = [drive(host_served.start(GenerateRequest(prompt=p, params=GenerationParams(max_tokens=16)))).text
+                for p in PROMPTS]
         async with trio.open_nursery() as nursery:
             daemon = await nursery.start(Daemon(cfg).run)
             async with await AsyncClient.connect(cfg.server.socket_path) as c:
@@ -166,10 +166,11 @@ NPU_MODEL = os.environ.get("NPUD_NPU_MODEL")  # a bf16 checkpoint whose shapes t
 def test_npu_speculative_output_equals_plain_output_on_the_device():
     # on the NPU greedy output need not equal the host's (bf16 activations), but batch
     # invariance makes every speculative method give the device's own plain greedy text
-    served = ServedModel.load("npu", NPU_MODEL, draft_dir=NPU_MODEL, weight_format="bf16", backend="xrt",
-                              xrt_design=NPU_DESIGN)
+    served = load_model("npu", NPU_MODEL, draft_dir=NPU_MODEL, weight_format="bf16", backend="xrt",
+                        xrt_design=NPU_DESIGN)
     assert served.describe()["backend"] == "xrt"
     assert all(p.startswith("npu") for p in served.describe()["gemm_placement"].values())
-    texts = {m: drive(served.start(GenerateRequest(prompt=PROMPT, max_tokens=48, spec=SpecParams(method=m, k=4)))).text
+    texts = {m: drive(served.start(GenerateRequest(prompt=PROMPT, params=GenerationParams(
+                 max_tokens=48, spec=SpecParams(method=m, k=4))))).text
              for m in ("none", "ngram", "draft")}
     assert len(set(texts.values())) == 1, texts

@@ -509,7 +509,8 @@ def stage_eval(args) -> None:
     from engine.forward import Forward
     from engine.model import Model
     from engine.sampling import Sampler
-    from engine.speculative import DecodeStats, SpeculativeConfig, plain_decode, speculative_decode
+    from engine.api import SpecParams
+    from engine.speculative import DecodeStats, plain_decode, speculative_decode
     from engine.tokenizer import Tokenizer
     from engine.weights import checkpoint_fingerprint
 
@@ -522,7 +523,7 @@ def stage_eval(args) -> None:
     if trained_on != checkpoint_fingerprint(base_dir):
         sys.exit(f"error: {OUT_NAME} was trained on another pycode-base; train it again for this one")
     # acceptance as it is: k drafts every round, no break-even fallback
-    config = SpeculativeConfig(k=args.k, adapt_k=False, fallback_rounds=0)
+    config = SpecParams(k=args.k, adapt_k=False, fallback_rounds=0)
 
     def make_head(name, forward):
         if name == "prompt_lookup":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.config.specs import ConfigError, _is_int, _is_number
+from engine.api import ConfigError, is_int, is_number
 
 
 class _Reader:
@@ -26,7 +26,7 @@ class _Reader:
             if default is ...:
                 raise ConfigError(f"{self.source}: required field {field!r} is missing")
             return default
-        if not _is_int(value):
+        if not is_int(value):
             raise self.error(field, value, "must be an int")
         if value < minimum:
             raise self.error(field, value, f"must be >= {minimum}")
@@ -38,7 +38,7 @@ class _Reader:
             if default is ...:
                 raise ConfigError(f"{self.source}: required field {field!r} is missing")
             return default
-        if not _is_number(value):
+        if not is_number(value):
             raise self.error(field, value, "must be a finite number")
         if positive and value <= 0:
             raise self.error(field, value, "must be > 0")
@@ -68,7 +68,7 @@ class _Reader:
             return []
         items = value if isinstance(value, list) else [value]
         for item in items:
-            if not _is_int(item) or item < 0:
+            if not is_int(item) or item < 0:
                 raise self.error(field, value, "must be a token id >= 0 or a list of them")
         return list(items)
 
@@ -76,7 +76,7 @@ class _Reader:
         value = self.raw.get(field)
         if value is None:
             return None
-        if not _is_int(value) or value < 0:
+        if not is_int(value) or value < 0:
             raise self.error(field, value, "must be a token id >= 0 or null")
         return value
 

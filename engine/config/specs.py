@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-class ConfigError(ValueError):
-    """A configuration value is missing, of the wrong type or not supported."""
+from engine.api import ConfigError, is_int, is_number
 
 
 class AttentionKind(enum.Enum):
@@ -42,14 +41,6 @@ _MODEL_TYPES: dict[str, dict[str, Any]] = {
 HYBRID_MODEL_TYPES = ("gemma4", "gemma4_text", "qwen3_5", "qwen3_5_text")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 @dataclass(slots=True, frozen=True)
 class RopeSpec:
     """Rotary position embedding of one layer (half-split layout, as transformers)."""
@@ -67,9 +58,9 @@ class RopeSpec:
     partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        if not _is_number(self.theta) or self.theta <= 0:
+        if not is_number(self.theta) or self.theta <= 0:
             raise ConfigError(f"RopeSpec.theta must be a positive number, got {self.theta!r}")
-        if not _is_int(self.rotary_dim) or self.rotary_dim <= 0 or self.rotary_dim % 2:
+        if not is_int(self.rotary_dim) or self.rotary_dim <= 0 or self.rotary_dim % 2:
             raise ConfigError(f"RopeSpec.rotary_dim must be a positive even int, got {self.rotary_dim!r}")
         if self.scaling not in _ROPE_SCALINGS:
             raise ConfigError(
@@ -77,7 +68,7 @@ class RopeSpec:
             )
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             value = getattr(self, name)
-            if not _is_number(value) or value <= 0:
+            if not is_number(value) or value <= 0:
                 raise ConfigError(f"RopeSpec.{name} must be a positive number, got {value!r}")
         if self.scaling == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             # the llama3 ramp divides by (high - low)
@@ -85,12 +76,12 @@ class RopeSpec:
                 f"RopeSpec.high_freq_factor ({self.high_freq_factor!r}) must be greater than "
                 f"low_freq_factor ({self.low_freq_factor!r}) for llama3 scaling"
             )
-        if not _is_int(self.original_max_position) or self.original_max_position <= 0:
+        if not is_int(self.original_max_position) or self.original_max_position <= 0:
             raise ConfigError(
                 f"RopeSpec.original_max_position must be a positive int, got {self.original_max_position!r}"
             )
         f = self.partial_rotary_factor
-        if not _is_number(f) or not 0 < f <= 1:
+        if not is_number(f) or not 0 < f <= 1:
             raise ConfigError(f"RopeSpec.partial_rotary_factor must be in (0, 1], got {f!r}")
         if f < 1 and self.scaling == "llama3":
             raise ConfigError("RopeSpec.partial_rotary_factor < 1 is not supported with llama3 scaling")
@@ -183,7 +174,7 @@ class LinearSpec:
     def __post_init__(self) -> None:
         for name in ("conv_kernel", "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim"):
             value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ConfigError(f"LinearSpec.{name} must be a positive int, got {value!r}")
         if self.num_value_heads % self.num_key_heads:
             raise ConfigError(
@@ -227,27 +218,27 @@ class LayerSpec:
     attention_scale: float | None = None  # None: head_dim ** -0.5 (gemma4: 1.0)
 
     def __post_init__(self) -> None:
-        if not _is_int(self.index) or self.index < 0:
+        if not is_int(self.index) or self.index < 0:
             raise ConfigError(f"LayerSpec.index must be an int >= 0, got {self.index!r}")
         if not isinstance(self.kind, AttentionKind):
             raise ConfigError(f"layer {self.index}: kind must be an AttentionKind, got {self.kind!r}")
         for name in ("num_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ConfigError(f"layer {self.index}: {name} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"layer {self.index}: num_heads ({self.num_heads}) is not a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
-        if not _is_int(self.window) or self.window < 0:
+        if not is_int(self.window) or self.window < 0:
             raise ConfigError(f"layer {self.index}: window must be an int >= 0, got {self.window!r}")
         if (self.kind is AttentionKind.SLIDING) != (self.window > 0):
             raise ConfigError(
                 f"layer {self.index}: window {self.window} does not fit kind {self.kind.value!r} "
                 "(sliding layers need window > 0, other layers window 0)"
             )
-        if not _is_int(self.kv_owner) or not 0 <= self.kv_owner <= self.index:
+        if not is_int(self.kv_owner) or not 0 <= self.kv_owner <= self.index:
             raise ConfigError(
                 f"layer {self.index}: kv_owner must be an earlier layer or the layer itself, got {self.kv_owner!r}"
             )
@@ -264,13 +255,13 @@ class LayerSpec:
             )
         if self.kind is AttentionKind.LINEAR and not self.owns_kv:
             raise ConfigError(f"layer {self.index}: a linear-attention layer cannot share KV (kv_owner {self.kv_owner})")
-        if not _is_int(self.intermediate_size) or self.intermediate_size < 0:
+        if not is_int(self.intermediate_size) or self.intermediate_size < 0:
             raise ConfigError(
                 f"layer {self.index}: intermediate_size must be an int >= 0, got {self.intermediate_size!r}"
             )
         if not isinstance(self.k_eq_v, bool):
             raise ConfigError(f"layer {self.index}: k_eq_v must be a bool, got {self.k_eq_v!r}")
-        if self.attention_scale is not None and (not _is_number(self.attention_scale) or self.attention_scale <= 0):
+        if self.attention_scale is not None and (not is_number(self.attention_scale) or self.attention_scale <= 0):
             raise ConfigError(
                 f"layer {self.index}: attention_scale must be a positive number or None, got {self.attention_scale!r}"
             )
@@ -331,26 +322,26 @@ class ModelConfig:
             )
         for name in ("vocab_size", "hidden_size", "intermediate_size", "max_position_embeddings"):
             value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ConfigError(f"ModelConfig.{name} must be a positive int, got {value!r}")
         if not isinstance(self.layers, tuple) or not self.layers:
             raise ConfigError(f"ModelConfig.layers must be a non-empty tuple, got {self.layers!r}")
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, LayerSpec) or layer.index != i:
                 raise ConfigError(f"ModelConfig.layers[{i}] must be the LayerSpec with index {i}, got {layer!r}")
-        if not _is_number(self.rms_norm_eps) or self.rms_norm_eps <= 0:
+        if not is_number(self.rms_norm_eps) or self.rms_norm_eps <= 0:
             raise ConfigError(f"ModelConfig.rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}")
         for name in ("qk_norm", "qkv_bias", "o_bias", "mlp_bias", "tie_word_embeddings"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ConfigError(f"ModelConfig.{name} must be a bool, got {value!r}")
         if not isinstance(self.eos_token_ids, tuple) or not all(
-            _is_int(t) and t >= 0 for t in self.eos_token_ids
+            is_int(t) and t >= 0 for t in self.eos_token_ids
         ):
             raise ConfigError(f"ModelConfig.eos_token_ids must be a tuple of ints >= 0, got {self.eos_token_ids!r}")
         for name in ("bos_token_id", "pad_token_id"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 0):
+            if value is not None and (not is_int(value) or value < 0):
                 raise ConfigError(f"ModelConfig.{name} must be an int >= 0 or None, got {value!r}")
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(
@@ -361,18 +352,18 @@ class ModelConfig:
         if not isinstance(self.weight_prefix, str):
             raise ConfigError(f"ModelConfig.weight_prefix must be a str, got {self.weight_prefix!r}")
         for name in ("norm_weight_offset",):
-            if not _is_number(getattr(self, name)):
+            if not is_number(getattr(self, name)):
                 raise ConfigError(f"ModelConfig.{name} must be a finite number, got {getattr(self, name)!r}")
         for name in ("embed_scale", "final_logit_softcapping"):
             value = getattr(self, name)
-            if value is not None and (not _is_number(value) or value <= 0):
+            if value is not None and (not is_number(value) or value <= 0):
                 raise ConfigError(f"ModelConfig.{name} must be a positive number or None, got {value!r}")
         for name in ("sandwich_norms", "v_norm", "attn_output_gate", "layer_scalar"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("per_layer_input_size", "per_layer_vocab_size"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ConfigError(f"ModelConfig.{name} must be an int >= 0, got {value!r}")
         if (self.per_layer_input_size > 0) != (self.per_layer_vocab_size > 0):
             raise ConfigError(

@@ -7,9 +7,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from engine.config import ConfigError, ModelConfig, parse_config
+from engine.api import ConfigError, is_int, is_number
+from engine.config import ModelConfig, parse_config
 from engine.drafters import DraftMismatchError
 
 
@@ -55,11 +54,11 @@ class DFlashConfig:
         def bad(field: str, value, why: str) -> ConfigError:
             return ConfigError(f"DFlashConfig.{field} = {value!r}: {why}")
 
-        if not self.target_layer_ids or not all(_is_int(i) and i >= 0 for i in self.target_layer_ids):
+        if not self.target_layer_ids or not all(is_int(i) and i >= 0 for i in self.target_layer_ids):
             raise bad("target_layer_ids", self.target_layer_ids, "must be a non-empty list of layer ids >= 0")
-        if not (_is_int(self.block_size) and self.block_size >= 2):
+        if not (is_int(self.block_size) and self.block_size >= 2):
             raise bad("block_size", self.block_size, "must be an int >= 2 (one row for the last token, one to draft)")
-        if not (_is_int(self.mask_token_id) and 0 <= self.mask_token_id < self.model.vocab_size):
+        if not (is_int(self.mask_token_id) and 0 <= self.mask_token_id < self.model.vocab_size):
             raise bad("mask_token_id", self.mask_token_id, f"must be a token id below vocab_size {self.model.vocab_size}")
         if len(self.causal) != self.model.num_layers:
             raise bad("causal", self.causal, f"needs one entry per draft layer ({self.model.num_layers})")
@@ -67,16 +66,16 @@ class DFlashConfig:
             if spec.window and not causal:
                 # the reference's mask is then two-sided, which the attention kernel does not take
                 raise bad("causal", self.causal, f"layer {spec.index}: a bidirectional sliding window is not supported")
-        if self.num_target_layers is not None and not (_is_int(self.num_target_layers) and self.num_target_layers >= 1):
+        if self.num_target_layers is not None and not (is_int(self.num_target_layers) and self.num_target_layers >= 1):
             raise bad("num_target_layers", self.num_target_layers, "must be an int >= 1")
         for field in ("input_embedding_scale", "output_multiplier"):
-            if not _is_number(getattr(self, field)):
+            if not is_number(getattr(self, field)):
                 raise bad(field, getattr(self, field), "must be a finite number")
-        if self.final_logit_softcapping is not None and not _is_number(self.final_logit_softcapping):
+        if self.final_logit_softcapping is not None and not is_number(self.final_logit_softcapping):
             raise bad("final_logit_softcapping", self.final_logit_softcapping, "must be a finite number or null")
         if self.variant is Variant.DFLASH2:
             for field in _DFLASH2_FIELDS:
-                if not (_is_int(getattr(self, field)) and getattr(self, field) >= 1):
+                if not (is_int(getattr(self, field)) and getattr(self, field) >= 1):
                     raise bad(field, getattr(self, field), "must be an int >= 1 for a DFlash 2 draft")
             if self.model.hidden_size % self.conv_group_size:
                 raise bad("conv_group_size", self.conv_group_size, f"must divide hidden_size {self.model.hidden_size}")
@@ -123,7 +122,7 @@ def parse_dflash_config(raw: dict, source: str = "config.json") -> DFlashConfig:
     num_target_layers = raw.get("num_target_layers")
     ids = value("target_layer_ids")
     if ids is None:
-        if not (_is_int(num_target_layers) and num_target_layers >= 1):
+        if not (is_int(num_target_layers) and num_target_layers >= 1):
             raise ConfigError(
                 f"{source}: dflash_config.target_layer_ids is missing, and num_target_layers "
                 f"({num_target_layers!r}) cannot stand in for it"
@@ -192,12 +191,3 @@ def check_against_base(cfg: DFlashConfig, base: ModelConfig) -> None:
             raise DraftMismatchError(
                 f"the DFlash draft taps base layer {i}, but the base has {base.num_layers} layers (0..{base.num_layers - 1})"
             )
-
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and np.isfinite(value)

@@ -12,7 +12,8 @@ from engine.dflash.config import DFlashConfig, check_against_base, load_dflash_c
 from engine.dflash.weights import ConvWeights, DFlashWeights, SelectorWeights, load_dflash_weights
 from engine.drafters import Draft
 from engine.model import Model
-from engine.sampling import Sampler, SamplingConfig
+from engine.api import SamplingParams
+from engine.sampling import Sampler
 from engine.weights import AttentionWeights, LayerWeights, MlpWeights
 from kernels.base import WeightFormat
 
@@ -145,7 +146,7 @@ class DFlashDraft:
             logits = np.tanh(logits / np.float32(cap)) * np.float32(cap)
         return logits
 
-    def proposer(self, sampling: SamplingConfig = SamplingConfig()) -> Pick:
+    def proposer(self, sampling: SamplingParams = SamplingParams()) -> Pick:
         """The rule that turns drafted rows into a Draft: argmax of the logits (DFlash) or the
         candidate selector's path (DFlash 2); with a temperature, drawn from the distribution
         the Draft carries (the loop's accept/resample rule needs it)."""
@@ -195,7 +196,7 @@ _DRAFT_STREAM = 0xDF1A5  # keeps the draft's draws apart from the loop's accept 
 
 
 class _Proposer:
-    def __init__(self, draft: DFlashDraft, sampling: SamplingConfig) -> None:
+    def __init__(self, draft: DFlashDraft, sampling: SamplingParams) -> None:
         self.draft = draft
         self.sampler = Sampler(sampling)
         # an independent stream: the accept test must not reuse the numbers that drew the drafts

@@ -8,7 +8,7 @@ import numpy as np
 
 from engine.dflash.draft import DFlashDraft, Pick
 from engine.drafters import NO_DRAFT, Draft
-from engine.sampling import SamplingConfig
+from engine.api import SamplingParams
 
 
 class TapRows:
@@ -58,7 +58,7 @@ class DFlashHead:
     into tokens (default: the draft's own rule, `DFlashDraft.proposer(sampling)`).
     """
 
-    def __init__(self, draft: DFlashDraft, sampling: SamplingConfig = SamplingConfig(), pick: Pick | None = None):
+    def __init__(self, draft: DFlashDraft, sampling: SamplingParams = SamplingParams(), pick: Pick | None = None):
         self.draft_model = draft
         self.sink = TapRows(draft.tap_width)
         self.cache = draft.new_cache()

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.api import ModelError
 
-class WeightsError(ValueError):
+
+class WeightsError(ModelError):
     """A checkpoint file is missing, malformed, or lacks a tensor the model needs."""
 
 

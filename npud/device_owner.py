@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TypeVar
 
 import structlog
 import trio
 
+from engine.api import DeviceFault, EngineError, FinishReason, GenerationResult, ServedModel, Session
 from npud.config import DaemonConfig
 from npud.guards import ErrorCountGuard, ThermalGuard
-from npud.jobs import Job, JobManager
+from npud.jobs import Job, JobManager, store_api_error
+from npud.jobspec import api_error
 from npud.metrics import Metrics
 from npud.protocol import ApiError, ErrorCode
 from npud.registry import ModelRegistry
@@ -31,9 +34,10 @@ log = structlog.get_logger(__name__)
 
 QUARANTINE_KEY = "quarantine"
 NPU_RUN_FAILED = "npu_run_failed"  # a ticket's fault reason: a device call failed inside a round
+T = TypeVar("T")
 
 
-def jsonable(value: Any) -> Any:
+def jsonable(value: object) -> object:
     """Engine stats as JSON: numpy scalars to Python numbers, non-finite floats to None."""
     if isinstance(value, dict):
         return {str(k): jsonable(v) for k, v in value.items()}
@@ -52,9 +56,10 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
-def result_body(result: Any) -> dict:
+def result_body(result: GenerationResult) -> dict:
+    """A finished prompt as its stored and sent result."""
     return {"text": result.text, "token_ids": [int(t) for t in result.token_ids],
-            "prompt_tokens": int(result.prompt_tokens), "finish_reason": result.finish_reason,
+            "prompt_tokens": int(result.prompt_tokens), "finish_reason": str(result.finish_reason),
             "stats": jsonable(dict(result.stats))}
 
 
@@ -74,7 +79,7 @@ class DeviceOwner:
         self._idle = trio.Event()
         self._idle.set()
 
-    async def engine_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def engine_call(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         """Run blocking engine work in a thread, one piece at a time."""
         async with self.device_lock:
             return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), abandon_on_cancel=True)
@@ -108,11 +113,14 @@ class DeviceOwner:
                 outcome, reason, yielded = await self._work(job, ticket)
             except ApiError as exc:
                 job.error, outcome, reason = exc, Outcome.FAILED, exc.code
+            except StoreError as exc:  # a result that could not be committed
+                job.error = store_api_error(exc)
+                outcome, reason = Outcome.FAILED, job.error.code
             except trio.Cancelled:
                 outcome, reason, yielded = Outcome.PREEMPTED, YieldReason.SHUTDOWN.value, YieldReason.SHUTDOWN
                 raise
             except Exception as exc:
-                if self._is_device_fault(exc):  # the round is void: nothing of it was committed
+                if isinstance(exc, DeviceFault):  # the round is void: nothing of it was committed
                     log.error("device_run_failed", error=str(exc))
                     outcome, reason, yielded = Outcome.FAULTED, NPU_RUN_FAILED, None
                     ticket.fault_lines = (f"{type(exc).__name__}: {exc}",)
@@ -138,7 +146,6 @@ class DeviceOwner:
 
     async def _work(self, job: Job, ticket: Ticket) -> tuple[Outcome, str | None, YieldReason | None]:
         """Run the job's prompts until it is done or must yield; returns (outcome, reason, yielded)."""
-        engine = self.registry.engine()
         served = await self.engine_call(self.registry.get, job.spec.model, keep=self.models_in_use())
         while (prompt := job.next_prompt()) is not None:
             session = job.session if job.session_prompt == prompt else None
@@ -146,7 +153,7 @@ class DeviceOwner:
                 if job.cancel_requested:
                     return Outcome.CANCELLED, None, None
                 try:
-                    session = await self.engine_call(self._start, engine, served, job, prompt)
+                    session = await self.engine_call(self._start, served, job, prompt)
                 except ApiError as exc:  # this prompt cannot run; the others still can
                     await self.jobs.commit_result(job, prompt, {"error": exc.to_wire()}, 0)
                     continue
@@ -172,26 +179,25 @@ class DeviceOwner:
             body = result_body(result)
             self._account(ticket, prompt, body["stats"])
             await self.jobs.commit_result(job, prompt, body, len(body["token_ids"]))
-            if body["finish_reason"] == "cancelled":
+            if result.finish_reason == FinishReason.CANCELLED:
                 return Outcome.CANCELLED, None, None
         return Outcome.DONE, None, None
 
-    def _start(self, engine: Any, served: Any, job: Job, prompt: int) -> Any:
+    def _start(self, served: ServedModel, job: Job, prompt: int) -> Session:
         """Check the prompt's length and start its session (blocking; in the engine thread).
 
-        Raises ApiError with the code of why this prompt cannot run."""
+        Raises ApiError with the code of why this prompt cannot run; any exception that is not
+        an EngineError is an engine bug and fails the job as internal_error (hold() logs it)."""
         limit = self.cfg.limits.max_prompt_tokens
+        request = job.spec.engine_request(prompt)
         try:
-            request = job.spec.engine_request(engine, prompt)
             num_tokens = served.count_prompt_tokens(request)
             if num_tokens > limit:
                 raise ApiError(ErrorCode.PROMPT_TOO_LONG,
                                f"the prompt has {num_tokens} tokens, more than limits.max_prompt_tokens = {limit}")
             return served.start(request)
-        except engine.RequestError as exc:
-            raise ApiError(exc.code, exc.message) from None
-        except ValueError as exc:  # the engine's own validation of the request (ConfigError)
-            raise ApiError(ErrorCode.BAD_REQUEST, f"the engine rejects the request: {exc}") from None
+        except EngineError as exc:
+            raise api_error(exc) from None
 
     def _account(self, ticket: Ticket, prompt: int, stats: dict) -> None:
         ticket.drafted += int(stats.get("drafted") or 0)
@@ -209,13 +215,6 @@ class DeviceOwner:
         return {j.spec.model for j in self.jobs.active.values() if j.session is not None}
 
     # -- quarantine ----------------------------------------------------------------------
-
-    def _is_device_fault(self, exc: Exception) -> bool:
-        try:
-            fault = getattr(self.registry.engine(), "DeviceFault", None)
-        except ApiError:
-            return False
-        return fault is not None and isinstance(exc, fault)
 
     async def quarantine(self, job: Job, ticket: Ticket, reason: str | None = None) -> None:
         grown = ticket.errors_at_release - ticket.errors_at_grant
@@ -242,10 +241,10 @@ class DeviceOwner:
         return True
 
     async def _save_quarantine(self, value: dict | None) -> None:
-        await self.jobs.db(self.jobs.store.set_state, QUARANTINE_KEY, value)
+        await self.jobs.set_device_state(QUARANTINE_KEY, value)
 
     async def restore_quarantine(self) -> None:
-        value = await self.jobs.db(self.jobs.store.get_state, QUARANTINE_KEY)
+        value = await self.jobs.device_state(QUARANTINE_KEY)
         if value is not None:
             self.queue.set_quarantine(Quarantine(value["since"], value["reason"], value["ticket"], value["job"],
                                                  tuple(value["lines"])))

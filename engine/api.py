@@ -1,0 +1,338 @@
+"""The daemon–engine boundary: what a request is, what it returns, how it fails, and the
+two objects the daemon drives.
+
+Standard library only (no numpy): the daemon imports this module, and only this module, of
+the engine; `load_model` is the one way in to a real model and imports the engine proper
+when it is called. Everything a request can carry is declared once here, validated where it
+is declared, and used by the engine as it is; the daemon parses the wire into these types
+and never re-declares their fields.
+
+Errors: an `EngineError` is an expected failure (bad input, a model that does not load, a
+prompt that does not fit); its `code` is stable and the daemon maps it to a protocol error
+code. Any other exception from the engine is a bug and reaches clients as internal_error.
+
+docs/interfaces.md is generated from this module (tools/gen_interfaces.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from kernels import errors as _kernel_errors  # standard library only, like this module
+
+SPEC_METHODS = ("auto", "none", "ngram", "draft", "dflash")
+"""The speculative methods: auto (the draft model, else the DFlash drafter, else prompt lookup),
+none (plain decode), ngram (prompt lookup), draft (a smaller model), dflash (a block drafter)."""
+
+DEFAULT_MAX_TOKENS = 128
+DEFAULT_SPEC_METHOD = "auto"
+DEFAULT_SPEC_K = 4
+DEFAULT_FALLBACK_ROUNDS = 3
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+class EngineCode(enum.StrEnum):
+    """Stable codes of expected engine failures; each is also a protocol error code."""
+
+    BAD_REQUEST = "bad_request"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    MODEL_ERROR = "model_error"
+    NOT_FOUND = "not_found"
+
+
+class EngineError(ValueError):
+    """An expected engine failure; `code` (an EngineCode) says which, `message` says why."""
+
+    code: EngineCode = EngineCode.BAD_REQUEST
+
+    def __init__(self, message: str, code: EngineCode | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+
+class ConfigError(EngineError):
+    """A request parameter or a model configuration value is missing, of the wrong type or
+    out of range; the message names the field and the value."""
+
+
+class RequestError(EngineError):
+    """A valid request that this model cannot run (no draft model for method "draft", a prompt
+    that encodes to nothing, a chat template that fails)."""
+
+
+class PromptTooLong(RequestError):
+    """The prompt plus max_tokens does not fit the model's context."""
+
+    code = EngineCode.PROMPT_TOO_LONG
+
+
+class ModelError(EngineError):
+    """Model files that are not what they claim, or a backend that cannot run them."""
+
+    code = EngineCode.MODEL_ERROR
+
+
+class NotFound(EngineError):
+    """No such prefix-cache entry."""
+
+    code = EngineCode.NOT_FOUND
+
+
+DeviceFault = _kernel_errors.DeviceFault
+"""An accelerator call that did not complete normally (kernels.errors.DeviceFault, a
+RuntimeError, not an EngineError: the device failed, not the request). Whatever the round
+computed is void; the daemon faults the ticket and quarantines the device."""
+
+
+# -- checks the validated dataclasses share ------------------------------------------------
+
+
+def is_int(value: object) -> bool:
+    """True for an int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """True for a finite int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# -- the request ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy (first index of the maximum, as the backends' argmax);
+    top_k 0 and top_p 1.0 switch those filters off; seed fixes the job's random stream.
+
+    Raises ConfigError naming the field for a value out of range."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (is_number(self.temperature) and self.temperature >= 0.0):
+            raise ConfigError(f"SamplingParams.temperature must be a number >= 0, got {self.temperature!r}")
+        if not (is_int(self.top_k) and self.top_k >= 0):
+            raise ConfigError(f"SamplingParams.top_k must be an integer >= 0, got {self.top_k!r}")
+        if not (is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"SamplingParams.top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not (is_int(self.seed) and self.seed >= 0):
+            raise ConfigError(f"SamplingParams.seed must be an integer >= 0, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class SpecParams:
+    """Speculative decoding: `method` (one of SPEC_METHODS) drafts up to k tokens a round.
+    adapt_k: after a round with a reject the next drafts number take + 1 (what the head just
+    got right, and one more), after a fully accepted round twice as many, never more than k.
+    Fall back to plain steps once `fallback_rounds` consecutive rounds, taken together, were
+    below break-even (0 never falls back); speculate again after `reprobe_after` plain tokens
+    (None: stay on plain decode for the rest of the job).
+
+    Raises ConfigError naming the field for a value out of range."""
+
+    method: str = DEFAULT_SPEC_METHOD
+    k: int = DEFAULT_SPEC_K
+    adapt_k: bool = True
+    fallback_rounds: int = DEFAULT_FALLBACK_ROUNDS
+    reprobe_after: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"SpecParams.method must be one of {list(SPEC_METHODS)}, got {self.method!r}")
+        if not (is_int(self.k) and self.k >= 1):
+            raise ConfigError(f"SpecParams.k must be an integer >= 1, got {self.k!r}")
+        if not isinstance(self.adapt_k, bool):
+            raise ConfigError(f"SpecParams.adapt_k must be a bool, got {self.adapt_k!r}")
+        if not (is_int(self.fallback_rounds) and self.fallback_rounds >= 0):
+            raise ConfigError(f"SpecParams.fallback_rounds must be an integer >= 0, got {self.fallback_rounds!r}")
+        if self.reprobe_after is not None and not (is_int(self.reprobe_after) and self.reprobe_after >= 1):
+            raise ConfigError(f"SpecParams.reprobe_after must be None or an integer >= 1, got {self.reprobe_after!r}")
+
+
+@dataclass(slots=True, frozen=True)
+class GenerationParams:
+    """Everything a request asks for except its prompt: at most `max_tokens` new tokens, drawn
+    under `sampling`, ended early by any of the `stop` strings (not part of the text),
+    speculated under `spec`, the prompt's prefix looked up in the prefix cache unless
+    `use_prefix_cache` is false.
+
+    Raises ConfigError naming the field for a value out of range."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    spec: SpecParams = field(default_factory=SpecParams)
+    use_prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if not (is_int(self.max_tokens) and self.max_tokens >= 1):
+            raise ConfigError(f"GenerationParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ConfigError(f"GenerationParams.sampling must be SamplingParams, got {type(self.sampling).__name__}")
+        if not (isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop)):
+            raise ConfigError(f"GenerationParams.stop must be a tuple of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.spec, SpecParams):
+            raise ConfigError(f"GenerationParams.spec must be SpecParams, got {type(self.spec).__name__}")
+        if not isinstance(self.use_prefix_cache, bool):
+            raise ConfigError(f"GenerationParams.use_prefix_cache must be a bool, got {self.use_prefix_cache!r}")
+
+
+@dataclass(slots=True, frozen=True)
+class GenerateRequest:
+    """One prompt (a string, or chat messages the model's template renders) and its params.
+
+    Raises ConfigError unless exactly one of prompt and messages is given."""
+
+    prompt: str | None = None
+    messages: tuple[dict, ...] | None = None
+    params: GenerationParams = field(default_factory=GenerationParams)
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ConfigError("GenerateRequest needs exactly one of prompt and messages")
+        if self.prompt is not None and not isinstance(self.prompt, str):
+            raise ConfigError(f"GenerateRequest.prompt must be a string, got {type(self.prompt).__name__}")
+        if self.messages is not None and not (
+            isinstance(self.messages, tuple) and all(isinstance(m, dict) for m in self.messages)
+        ):
+            raise ConfigError("GenerateRequest.messages must be a tuple of {'role', 'content'} dicts")
+        if not isinstance(self.params, GenerationParams):
+            raise ConfigError(f"GenerateRequest.params must be GenerationParams, got {type(self.params).__name__}")
+
+
+# -- the result ----------------------------------------------------------------------------
+
+
+class FinishReason(enum.StrEnum):
+    """Why a generation ended."""
+
+    STOP = "stop"  # an EOS token or a stop string
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"
+
+
+@dataclass(slots=True, frozen=True)
+class TokenEvent:
+    """One step of the text stream: `token_id` None is text released at the end of the run with
+    no new token; `text` is what this token released (may be empty, or hold text of earlier
+    tokens held back while they could have begun a stop string)."""
+
+    token_id: int | None
+    text: str
+
+
+@dataclass(slots=True, frozen=True)
+class GenerationResult:
+    """A finished generation: the text, its token ids, the prompt's length in tokens, why it
+    ended, and the engine's counters (JSON-able: numbers, strings, lists, dicts, None)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    finish_reason: FinishReason
+    stats: dict
+
+
+# -- what the daemon drives ----------------------------------------------------------------
+
+
+class Session(Protocol):
+    """One request's generation, run a bounded unit of work at a time (blocking calls; the
+    daemon makes them from one thread at a time, and checks for cancellation and preemption
+    between two of them)."""
+
+    @property
+    def done(self) -> bool:
+        """True once the generation has ended (result() may be called)."""
+
+    def cancel(self) -> None:
+        """End the generation at the next round with finish reason `cancelled`."""
+
+    def run_round(self) -> list[TokenEvent]:
+        """One round of engine work (the first is the prompt's prefill); returns the events it
+        released (may be empty). Sets `done` after the last round."""
+
+    def result(self) -> GenerationResult:
+        """The finished generation; raises RuntimeError before `done`."""
+
+
+class ServedModel(Protocol):
+    """A loaded model (with its tokenizer, optional draft model and prefix cache) that starts
+    sessions. All methods block and run in the daemon's engine thread."""
+
+    name: str
+    nbytes: int  # resident bytes of weights (base + draft)
+    max_context: int  # positions: prompt plus generated tokens
+
+    def describe(self) -> dict:
+        """What the model is, as JSON for `models` (type, sizes, backend, ...)."""
+
+    def count_prompt_tokens(self, request: GenerateRequest) -> int:
+        """The request's prompt length in tokens; raises RequestError when it does not encode."""
+
+    def start(self, request: GenerateRequest) -> Session:
+        """A session for the request; raises RequestError (PromptTooLong when prompt plus
+        max_tokens exceeds max_context, bad_request for a method the model lacks)."""
+
+    @property
+    def has_prefix_cache(self) -> bool:
+        """True when the model keeps a prefix cache (the cache_* methods need one)."""
+
+    def cache_info(self) -> dict:
+        """The prefix cache as JSON: {"stats": {counter: number}, "pins": {name: key}}."""
+
+    def cache_pin(self, name: str, *, key: str | None = None, text: str | None = None) -> str:
+        """Pin an entry under `name`: the entry `key`, or the longest cached prefix of `text`
+        (run through a one-token session first). Returns the pinned key; raises NotFound for an
+        unknown key, RequestError for text without a full cache block."""
+
+    def cache_drop(self, key: str) -> bool:
+        """Forget the entry `key` (and any pin on it); returns False when there was none."""
+
+    def cache_flush(self) -> int:
+        """Write in-memory prefix-cache entries to disk; returns how many were written."""
+
+
+class ModelLoader(Protocol):
+    """How the daemon gets a ServedModel (engine.api.load_model; tests pass fakes)."""
+
+    def __call__(self, name: str, checkpoint_dir: str | Path, *, draft_dir: str | Path | None = None,
+                 dflash_dir: str | Path | None = None, weight_format: str = "bf16",
+                 cache_dir: str | Path | None = None, backend: str = "auto",
+                 xrt_design: str | Path | None = None,
+                 xrt_timeout_ms: int | None = None) -> ServedModel: ...
+
+
+def load_model(name: str, checkpoint_dir: str | Path, *, draft_dir: str | Path | None = None,
+               dflash_dir: str | Path | None = None, weight_format: str = "bf16",
+               cache_dir: str | Path | None = None, backend: str = "auto",
+               xrt_design: str | Path | None = None,
+               xrt_timeout_ms: int | None = None) -> ServedModel:
+    """Load a model from a checkpoint directory (with an optional draft model and DFlash
+    drafter), its prefix cache persistent under `cache_dir` when given, on `backend` ("auto",
+    "host" or "xrt"; `xrt_timeout_ms` bounds each NPU run, None for the backend's default).
+    Blocking. Raises ModelError (or another EngineError) for files that are
+    not what they claim, OSError for files that cannot be read."""
+    # Imported here, not at the top: the engine proper pulls in numpy and numba, which a
+    # daemon that has not loaded a model yet (or `npud --check-config`) does not need.
+    from engine.session import LoadedModel
+
+    return LoadedModel.load(name, checkpoint_dir, draft_dir=draft_dir, dflash_dir=dflash_dir,
+                            weight_format=weight_format, cache_dir=cache_dir, backend=backend,
+                            xrt_design=xrt_design, xrt_timeout_ms=xrt_timeout_ms)
