@@ -214,8 +214,9 @@ def build_parser() -> Parser:
     p.add_argument("--limit", type=int, metavar="N", help="at most N tickets (1..1000, default 100)")
 
     p = add("device", cmd_device, "show the device, or clear its quarantine",
-            "Show the compute backend (npu or host, and why), its nodes and driver, the thermal state, the "
-            "amdxdna error count and the quarantine state. `npuctl device clear` lifts a quarantine (admin).")
+            "Show the compute backend (npu or host, and why), where the GEMMs run (npu or host, and why), its "
+            "nodes, driver and firmware, the thermal state and NPU power, the amdxdna error and pre-hang warning "
+            "counts and the quarantine state. `npuctl device clear` lifts a quarantine (admin).")
     p.add_argument("action", nargs="?", choices=("status", "clear"), default="status",
                    help="status (the default) or clear")
 

@@ -196,13 +196,22 @@ def cmd_device(args: argparse.Namespace) -> int:
     thermal = d.get("thermal") or {}
     reading = thermal.get("reading_c")
     errors = d.get("errors") or {}
+    gemms = d.get("gemms") or {}
+    power = thermal.get("npu_power_w")
+    holders = d.get("other_holders") or []
     print_fields(sys.stdout, [
-        ("backend", d.get("kind")), ("reason", d.get("reason")), ("nodes", d.get("nodes")),
-        ("driver", d.get("driver")), ("xrt", d.get("xrt")),
-        ("thermal", f"{thermal.get('state')}" + ("" if reading is None else f", {reading:.1f}C")),
-        ("errors", f"{errors.get('count')} (from {errors.get('source')})"),
+        ("backend", d.get("kind")), ("reason", d.get("reason")),
+        ("gemms", f"{gemms.get('site')} ({gemms.get('reason')})" if gemms else None),
+        ("nodes", d.get("nodes")), ("driver", d.get("driver")), ("firmware", d.get("fw_version")), ("xrt", d.get("xrt")),
+        ("thermal", f"{thermal.get('state')}" + ("" if reading is None else f", {reading:.1f}C")
+         + ("" if power is None else f", NPU {power:.2f} W")),
+        ("errors", f"{errors.get('count')} (from {errors.get('source')})"
+         + (f", {errors['pre_hang_count']} pre-hang warning(s)" if errors.get("pre_hang_count") else "")),
+        ("also open by", ", ".join(f"{h['comm']} (pid {h['pid']})" for h in holders) if holders else None),
         ("quarantine", _quarantine(d.get("quarantine"))),
     ])
+    for line in errors.get("pre_hang_lines") or ():
+        sys.stdout.write(f"  pre-hang: {line}\n")
     for line in (d.get("quarantine") or {}).get("lines") or ():
         sys.stdout.write(f"  {line}\n")
     return EXIT_OK

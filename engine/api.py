@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from kernels import errors as _kernel_errors  # standard library only, like this module
+
 SPEC_METHODS = ("auto", "none", "ngram", "draft", "dflash", "assistant")
 """The speculative methods: auto (the draft model, else the DFlash drafter, else the Gemma 4
 assistant, else prompt lookup), none (plain decode), ngram (prompt lookup), draft (a smaller
@@ -83,6 +85,12 @@ class NotFound(EngineError):
     """No such prefix-cache entry."""
 
     code = EngineCode.NOT_FOUND
+
+
+DeviceFault = _kernel_errors.DeviceFault
+"""An accelerator call that did not complete normally (kernels.errors.DeviceFault, a
+RuntimeError, not an EngineError: the device failed, not the request). Whatever the round
+computed is void; the daemon faults the ticket and quarantines the device."""
 
 
 # -- checks the validated dataclasses share ------------------------------------------------
@@ -308,16 +316,19 @@ class ModelLoader(Protocol):
     def __call__(self, name: str, checkpoint_dir: str | Path, *, draft_dir: str | Path | None = None,
                  dflash_dir: str | Path | None = None, weight_format: str = "bf16",
                  cache_dir: str | Path | None = None, backend: str = "auto",
-                 xrt_design: str | Path | None = None, assistant_dir: str | Path | None = None) -> ServedModel: ...
+                 xrt_design: str | Path | None = None, assistant_dir: str | Path | None = None,
+                 xrt_timeout_ms: int | None = None) -> ServedModel: ...
 
 
 def load_model(name: str, checkpoint_dir: str | Path, *, draft_dir: str | Path | None = None,
                dflash_dir: str | Path | None = None, weight_format: str = "bf16",
                cache_dir: str | Path | None = None, backend: str = "auto",
-               xrt_design: str | Path | None = None, assistant_dir: str | Path | None = None) -> ServedModel:
+               xrt_design: str | Path | None = None, assistant_dir: str | Path | None = None,
+               xrt_timeout_ms: int | None = None) -> ServedModel:
     """Load a model from a checkpoint directory (with an optional draft model, DFlash drafter
     and Gemma 4 assistant), its prefix cache persistent under `cache_dir` when given, on `backend` ("auto",
-    "host" or "xrt"). Blocking. Raises ModelError (or another EngineError) for files that are
+    "host" or "xrt"; `xrt_timeout_ms` bounds each NPU run, None for the backend's default).
+    Blocking. Raises ModelError (or another EngineError) for files that are
     not what they claim, OSError for files that cannot be read."""
     # Imported here, not at the top: the engine proper pulls in numpy and numba, which a
     # daemon that has not loaded a model yet (or `npud --check-config`) does not need.
@@ -325,7 +336,8 @@ def load_model(name: str, checkpoint_dir: str | Path, *, draft_dir: str | Path |
 
     return LoadedModel.load(name, checkpoint_dir, draft_dir=draft_dir, dflash_dir=dflash_dir,
                             weight_format=weight_format, cache_dir=cache_dir, backend=backend,
-                            xrt_design=xrt_design, assistant_dir=assistant_dir)
+                            xrt_design=xrt_design, assistant_dir=assistant_dir,
+                            xrt_timeout_ms=xrt_timeout_ms)
 
 
 def describe_checkpoint(path: str | Path) -> dict:

@@ -96,6 +96,7 @@ class LoadedModel:
         backend: str = "auto",
         xrt_design: str | Path | None = None,
         assistant_dir: str | Path | None = None,
+        xrt_timeout_ms: int | None = None,
     ) -> LoadedModel:
         """Load base (and draft) and open the prefix cache (persistent under `cache_dir`, if given).
 
@@ -105,7 +106,8 @@ class LoadedModel:
         another base, OSError for files that cannot be read.
         """
         try:
-            kernels, backend_reason = select_backend(backend, None if xrt_design is None else str(xrt_design))
+            kernels, backend_reason = select_backend(backend, None if xrt_design is None else str(xrt_design),
+                                                     xrt_timeout_ms=xrt_timeout_ms)
         except XrtUnavailable as exc:  # kernels/ does not know the engine's error types
             raise ModelError(str(exc)) from exc
         model = Model.load(checkpoint_dir, weight_format, kernels)
@@ -149,6 +151,8 @@ class LoadedModel:
             "assistant": self.assistant is not None,
             "backend": self.model.backend.name,
             "backend_reason": self.backend_reason,
+            # where each GEMM shape runs on an NPU backend: "npu", "npu-rowwise" or why the host
+            "gemm_placement": getattr(self.model.backend, "describe_placement", dict)(),
             "fingerprint": self.model.fingerprint[:16],
             "checkpoint": {**self.model.checkpoint_info, "resident_bytes": self.model.nbytes},
         }

@@ -13,6 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
+from kernels.errors import DeviceFault  # noqa: F401  (part of the backend interface)
+
 
 def numerics_identity(backend) -> str:
     """What a backend's numbers depend on besides the weights: its name, its design where it

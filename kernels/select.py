@@ -63,11 +63,14 @@ def default_backend() -> Backend:
         return _default
 
 
-def select_backend(kind: str = "auto", xrt_design: str | None = None) -> tuple[Backend, str]:
+def select_backend(kind: str = "auto", xrt_design: str | None = None, *,
+                   xrt_timeout_ms: int | None = None) -> tuple[Backend, str]:
     """The backend to serve with, and why: "host", "xrt", or "auto" (xrt where it can run).
 
     Raises ValueError for an unknown kind, and kernels.xrt.XrtUnavailable when "xrt" was
-    asked for and cannot run. A backend is only returned after its invariance self-check.
+    asked for and cannot run. The host backend is returned after its invariance self-check;
+    the NPU backend checks each design against the host when a model first uses its shape
+    (kernels/xrt_check.py), and "auto" moves a shape that fails to the host.
     """
     from kernels import xrt
 
@@ -78,19 +81,16 @@ def select_backend(kind: str = "auto", xrt_design: str | None = None) -> tuple[B
         return host, "host backend requested"
     ok, why = xrt.probe()
     if ok and xrt_design is None:
-        ok, why = False, f"{why}, but no NPU GEMM design (xrt_design) is configured"
+        ok, why = False, f"{why}, but no NPU GEMM design table (xrt_design) is configured"
+    backend = None
+    if ok:
+        timeout = xrt.DEFAULT_TIMEOUT_MS if xrt_timeout_ms is None else xrt_timeout_ms
+        try:
+            backend = xrt.load_backend(xrt_design, host, timeout_ms=timeout, strict=kind == "xrt")
+        except xrt.XrtUnavailable as exc:
+            ok, why = False, str(exc)
     if not ok:
         if kind == "xrt":
             raise xrt.XrtUnavailable(why)
         return host, f"host backend: {why}"
-    from kernels.host import CHECK_ROWS, check_batch_invariance
-
-    backend = xrt.XrtBackend(xrt.GemmDesign.load(xrt_design), host)
-    failures = check_batch_invariance(backend)
-    if failures:
-        log.warning("kernel_self_check_failed", backend="xrt", failures=failures)
-        if kind == "xrt":
-            raise xrt.XrtUnavailable(f"the NPU GEMM is not batch-invariant on this device: {failures}")
-        return host, f"host backend: NPU GEMM failed the invariance self-check ({failures[0]}, ...)"
-    log.info("kernel_self_check_passed", backend="xrt", rows=f"1..{CHECK_ROWS}")
-    return backend, why
+    return backend, f"{why}, designs from {xrt_design}"

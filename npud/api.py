@@ -46,7 +46,8 @@ class Api:
 
     def __init__(self, cfg: DaemonConfig, *, jobs: "JobManager", queue: "TicketQueue", registry: "ModelRegistry",
                  owner: "DeviceOwner", device: "DeviceInfo", thermal: "ThermalGuard", errors: "ErrorCountGuard",
-                 snapshot: Callable[[], dict], connections: Callable[[], int], started_mono: float) -> None:
+                 snapshot: Callable[[], dict], connections: Callable[[], int], started_mono: float,
+                 gemm_site: Callable[[], tuple[str, str]], other_holders: Callable[[], list[dict]]) -> None:
         self.cfg = cfg
         self.job_manager = jobs  # not `jobs`: that is a method
         self.queue = queue
@@ -58,6 +59,8 @@ class Api:
         self.snapshot = snapshot  # the metrics snapshot
         self.connections = connections
         self.started_mono = started_mono
+        self.gemm_site = gemm_site  # where the loaded models' GEMMs run, and why: ("npu" | "host", reason)
+        self.other_holders = other_holders  # other processes with the NPU open, as last checked
         self.methods: dict[str, Callable[["Peer", Params, Emit], Awaitable[object]]] = {
             "hello": self.hello, "submit": self.submit, "complete": self.complete, "stream": self.stream,
             "result": self.result, "status": self.status, "jobs": self.jobs, "cancel": self.cancel,
@@ -258,8 +261,10 @@ class Api:
     async def device_status(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         p.finish()
         q = self.queue.quarantine
+        site, why = self.gemm_site()
         return {**self.device.to_wire(), "quarantine": None if q is None else q.to_wire(),
-                "thermal": self.thermal.to_wire(), "errors": self.errors.to_wire()}
+                "thermal": self.thermal.to_wire(), "errors": self.errors.to_wire(),
+                "gemms": {"site": site, "reason": why}, "other_holders": self.other_holders()}
 
     async def device_clear(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         _require_admin(peer, "device.clear")

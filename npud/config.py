@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from npud.kmsg import PRE_HANG_PATTERNS
+
 DEFAULT_CONFIG_PATH = Path("/etc/npud/npud.toml")
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-q8")  # kernels.base.WeightFormat's values
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -107,19 +109,24 @@ class DeviceConfig:
     sysfs_class_dir: str = "/sys/class/accel"
     max_resident_bytes: int = 0  # models kept loaded (LRU); 0 = half of the physical memory
     backend: str = "auto"  # auto: the NPU where it can run (device, pyxrt, xrt_design), else the host
-    xrt_design: str = ""  # the NPU GEMM design.json (kernels/xrt.py); "" = none configured
+    xrt_design: str = ""  # the NPU GEMM design table (kernels/xrt_design.py); "" = none configured
+    xrt_timeout_ms: int = 5000  # one GEMM run on the NPU longer than this is a fault
 
     def __post_init__(self) -> None:
         if self.max_resident_bytes < 0:
             raise DaemonConfigError("device.max_resident_bytes", self.max_resident_bytes, "must be >= 0")
         if self.backend not in ("auto", "host", "xrt"):
             raise DaemonConfigError("device.backend", self.backend, "must be auto, host or xrt")
+        _positive("device.xrt_timeout_ms", self.xrt_timeout_ms)
 
 
 @dataclass(slots=True, frozen=True)
 class ThermalConfig:
     enabled: bool = True
-    psutil_chips: tuple[str, ...] = ("k10temp",)  # psutil.sensors_temperatures() chips; () = none
+    # hwmon devices: the NPU's own sensor ("amdxdna" NPU_temperature) first, else k10temp's Tctl;
+    # "" reads none
+    hwmon_dir: str = "/sys/class/hwmon"
+    psutil_chips: tuple[str, ...] = ("k10temp",)  # read when hwmon has neither; () = none
     paths: tuple[str, ...] = ()  # files or globs in millidegrees C (hwmon temp*_input, thermal_zone*/temp)
     hold_above_c: float = 95.0
     resume_below_c: float = 85.0
@@ -142,18 +149,21 @@ class ErrorsConfig:
 
     enabled: bool = True
     source: str = "/dev/kmsg"
-    patterns: tuple[str, ...] = (r"amdxdna.*\*ERROR\*",)
+    # Errors are the amdxdna device's kernel messages at level err or worse (both driver
+    # variants, npud/kmsg.py); these further regexes make one of its messages an error too.
+    patterns: tuple[str, ...] = ()
+    # The device's warnings that come before a hang or a firmware reset: counted, not faulted on.
+    pre_hang_patterns: tuple[str, ...] = PRE_HANG_PATTERNS
     poll_interval_s: float = 0.25
 
     def __post_init__(self) -> None:
         _positive("errors.poll_interval_s", self.poll_interval_s)
-        if not self.patterns:
-            raise DaemonConfigError("errors.patterns", self.patterns, "needs at least one pattern")
-        for i, pattern in enumerate(self.patterns):
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise DaemonConfigError(f"errors.patterns[{i}]", pattern, f"not a regular expression: {exc}") from None
+        for name in ("patterns", "pre_hang_patterns"):
+            for i, pattern in enumerate(getattr(self, name)):
+                try:
+                    re.compile(pattern)
+                except re.error as exc:
+                    raise DaemonConfigError(f"errors.{name}[{i}]", pattern, f"not a regular expression: {exc}") from None
 
 
 @dataclass(slots=True, frozen=True)

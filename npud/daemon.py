@@ -7,6 +7,7 @@ owner and the server (which holds one nursery for connections, which hold their 
 from __future__ import annotations
 
 import functools
+import resource
 import signal
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from engine.api import ModelLoader, load_model
 from npud import __version__
 from npud.api import Api
 from npud.config import DaemonConfigError, DaemonConfig, diff_for_reload, load_config
-from npud.device import discover
+from npud.device import discover, gemm_site, other_holders
 from npud.guards import ErrorCountGuard, ThermalGuard
 from npud.jobs import JobManager
 from npud.logsetup import setup_logging
@@ -53,22 +54,29 @@ class Daemon:
         self.registry = ModelRegistry(
             cfg.models, max_resident_bytes=cfg.device.max_resident_bytes,
             cache_root=Path(cfg.store.state_dir) / "prefix-cache" if cfg.store.persist_prefix_cache else None,
-            loader=loader, backend=cfg.device.backend, xrt_design=cfg.device.xrt_design or None)
+            loader=loader, backend=cfg.device.backend, xrt_design=cfg.device.xrt_design or None,
+            xrt_timeout_ms=cfg.device.xrt_timeout_ms)
         self.jobs = JobManager(cfg, self.store, self.queue)
         self.metrics = Metrics(cfg.metrics, self.queue, lambda: self.jobs.tokens_generated)
         self.owner = DeviceOwner(cfg, self.queue, self.jobs, self.registry, self.thermal, self.errors,
                                  self.metrics)
+        self.owner.fw_version = self.device.fw_version
+        self.other_holders: list[dict] = []
         self.api = Api(cfg, jobs=self.jobs, queue=self.queue, registry=self.registry, owner=self.owner,
                        device=self.device, thermal=self.thermal, errors=self.errors,
                        snapshot=self.metrics_snapshot, connections=lambda: self.server.connections,
-                       started_mono=self.started_mono)
+                       started_mono=self.started_mono,
+                       gemm_site=self.gemm_site, other_holders=lambda: self.other_holders)
         self.server = Server(cfg, self.api)
         self._stop = trio.Event()
 
     async def run(self, *, handle_signals: bool = False, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve until request_stop() (or SIGTERM/SIGINT with handle_signals); then drain and return."""
+        site, site_why = self.gemm_site()
         log.info("daemon_starting", version=__version__, device=self.device.kind, device_reason=self.device.reason,
+                 fw_version=self.device.fw_version, gemms=site, gemms_reason=site_why,
                  models=list(self.registry.names), store=str(self.store.path))
+        self.check_other_holders()
         watchdog_s = watchdog_interval()
         try:
             sd_notify("STATUS=recovering queued jobs from the store")
@@ -107,12 +115,33 @@ class Daemon:
 
     def metrics_snapshot(self) -> dict:
         return snapshot(self.metrics, self.queue, device_kind=self.device.kind, jobs=self.jobs.live_states(),
-                        connections=self.server.connections, thermal=self.thermal, errors=self.errors)
+                        connections=self.server.connections, thermal=self.thermal, errors=self.errors,
+                        gemms=self.gemm_site()[0])
+
+    def gemm_site(self) -> tuple[str, str]:
+        """Where the GEMMs run ("npu" or "host") and why, for the loaded models."""
+        loaded = [m["describe"] for m in self.registry.describe() if m.get("describe")]
+        return gemm_site(self.device, self.cfg.device, loaded)
+
+    def check_other_holders(self) -> None:
+        """Warn when another process has the NPU open (npud's queue orders only its own work), and
+        when the locked-memory limit is not unlimited (NPU buffers are pinned)."""
+        if self.device.kind != "npu":
+            return
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        if soft != resource.RLIM_INFINITY:
+            log.warning("npu_memlock_limited", limit_bytes=soft,
+                        note="NPU buffers are pinned memory; set LimitMEMLOCK=infinity (docs/npu.md)")
+        self.other_holders = other_holders(self.device.node)
+        if self.other_holders:
+            log.warning("npu_shared_with_other_process", node=self.device.node, holders=self.other_holders,
+                        note="their hardware contexts run beside npud's; its queue cannot order them")
 
     def status_line(self) -> str:
-        """One line for systemd's STATUS=: device, quarantine, holder, queue, heat, driver errors."""
+        """One line for systemd's STATUS=: where GEMMs run, quarantine, holder, queue, heat, driver errors."""
         q = self.queue
-        parts = [f"{'stopping' if self._stop.is_set() else 'serving'} on {self.device.kind}"]
+        site, why = self.gemm_site()
+        parts = [f"{'stopping' if self._stop.is_set() else 'serving'}, GEMMs on {site} ({why})"]
         if q.quarantine is not None:
             parts.append(f"QUARANTINED ({q.quarantine.reason})")
         holder = q.granted
@@ -121,7 +150,10 @@ class Daemon:
         parts.append(f"queue {counts['interactive']} interactive, {counts['batch']} batch")
         reading = self.thermal.reading_c
         parts.append(f"thermal {self.thermal.state}" + ("" if reading is None else f" {reading:.0f}C"))
-        parts.append(f"{self.errors.count} amdxdna error(s)")
+        parts.append(f"{self.errors.count} amdxdna error(s)" + (
+            f", {self.errors.pre_hang_count} pre-hang warning(s)" if self.errors.pre_hang_count else ""))
+        if self.other_holders:
+            parts.append(f"NPU also open in pid {', '.join(str(h['pid']) for h in self.other_holders)}")
         return "; ".join(parts)
 
     async def _drain(self) -> None:

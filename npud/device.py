@@ -31,9 +31,14 @@ class DeviceInfo:
     sysfs: dict = field(default_factory=dict)
     xrt: bool = False
 
+    @property
+    def fw_version(self) -> str | None:
+        """The NPU firmware version the driver reports in sysfs (None where it does not)."""
+        return self.sysfs.get("fw_version") or None
+
     def to_wire(self) -> dict:
         return {"kind": self.kind, "reason": self.reason, "nodes": list(self.nodes), "node": self.node,
-                "driver": self.driver, "sysfs": dict(self.sysfs), "xrt": self.xrt}
+                "driver": self.driver, "sysfs": dict(self.sysfs), "xrt": self.xrt, "fw_version": self.fw_version}
 
 
 def _read_attrs(device_dir: Path) -> dict:
@@ -86,3 +91,80 @@ def discover(cfg: DeviceConfig, *, import_xrt: Callable[[], str | None] = _impor
                                   f"({xrt_error}); install XRT", nodes, node, driver, attrs)
     fw = f", firmware {attrs['fw_version']}" if "fw_version" in attrs else ""
     return DeviceInfo("npu", f"{DRIVER} device at {node}{fw}, pyxrt imports", nodes, node, driver, attrs, True)
+
+
+def gemm_site(device: DeviceInfo, cfg: DeviceConfig, loaded: list[dict]) -> tuple[str, str]:
+    """Where the GEMMs run, "npu" or "host", and why; `loaded` is the describe() of each loaded model.
+
+    The device being an NPU is not enough: a design table must be configured, and each of a
+    model's GEMM shapes runs on the NPU only with a design that passed its start-up check."""
+    if cfg.backend == "host":
+        return "host", "device.backend = host"
+    if device.kind != "npu":
+        return "host", device.reason
+    if not cfg.xrt_design:
+        return "host", "no NPU GEMM design table is configured (device.xrt_design; docs/npu.md)"
+    if not loaded:
+        return "npu", f"design table {cfg.xrt_design}; each shape is checked against the host when a model loads"
+    placements: list[str] = []
+    for d in loaded:
+        if not str(d.get("backend", "")).startswith("xrt"):
+            return "host", f"model {d.get('name')}: {d.get('backend_reason')}"
+        placements += list((d.get("gemm_placement") or {}).values())
+    on_npu = [p for p in placements if p.startswith("npu")]
+    if not on_npu:
+        return "host", f"no GEMM shape of the loaded models runs on the NPU ({placements[0] if placements else 'none'})"
+    rest = [p for p in placements if not p.startswith("npu")]
+    why = f"{len(on_npu)} of {len(placements)} GEMM shapes on the NPU"
+    return "npu", why + (f"; the others on the host: {rest[0]}" if rest else "")
+
+
+def other_holders(node: str | None, proc_root: str = "/proc", own_pid: int | None = None) -> list[dict]:
+    """Other processes with the NPU's accel node open, as far as this process may see them.
+
+    A hardware context is made through an open file on the node, so a process holding one
+    has the node open. /proc shows another user's open files only to root (or with
+    CAP_SYS_PTRACE); under the unit's ProtectProc=invisible npud sees its own user's processes.
+    Returns [{"pid", "comm", "drm_client_ids"}]; the DRM fdinfo client ids where the kernel gives them."""
+    if node is None:
+        return []
+    own_pid = os.getpid() if own_pid is None else own_pid
+    try:
+        target = os.stat(node)
+    except OSError:
+        return []
+    holders = []
+    for pid_dir in glob.glob(os.path.join(proc_root, "[0-9]*")):
+        pid = int(os.path.basename(pid_dir))
+        if pid == own_pid:
+            continue
+        clients = []
+        found = False
+        for fd_path in glob.glob(os.path.join(pid_dir, "fd", "*")):
+            try:
+                st = os.stat(fd_path)
+            except OSError:  # gone, or not ours to see
+                continue
+            if (st.st_rdev, st.st_ino, st.st_dev) != (target.st_rdev, target.st_ino, target.st_dev):
+                continue
+            found = True
+            client = _fdinfo_client(os.path.join(pid_dir, "fdinfo", os.path.basename(fd_path)))
+            if client is not None:
+                clients.append(client)
+        if found:
+            try:
+                comm = Path(pid_dir, "comm").read_text().strip()
+            except OSError:
+                comm = "?"
+            holders.append({"pid": pid, "comm": comm, "drm_client_ids": clients})
+    return sorted(holders, key=lambda h: h["pid"])
+
+
+def _fdinfo_client(path: str) -> str | None:
+    try:
+        for line in Path(path).read_text(errors="replace").splitlines():
+            if line.startswith("drm-client-id:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None

@@ -4,7 +4,9 @@ For each granted ticket it runs the job's prompts through `Session.run_round` in
 thread, and between two rounds (a round boundary) it asks the queue whether to yield, and
 the job whether it was cancelled. The amdxdna error count is read at grant, before each
 result is committed, and at release; a count that grew faults the ticket, quarantines the
-device and requeues the job with nothing of the faulted work kept.
+device and requeues the job with nothing of the faulted work kept. A device call that
+fails inside a round (the engine's DeviceFault: an NPU run that timed out, aborted or
+raised) takes the same path.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TypeVar
 import structlog
 import trio
 
-from engine.api import EngineError, FinishReason, GenerationResult, ServedModel, Session
+from engine.api import DeviceFault, EngineError, FinishReason, GenerationResult, ServedModel, Session
 from npud.config import DaemonConfig
 from npud.guards import ErrorCountGuard, ThermalGuard
 from npud.jobs import Job, JobManager, store_api_error
@@ -31,6 +33,7 @@ from npud.tickets import Outcome, Quarantine, Ticket, TicketQueue, YieldReason
 log = structlog.get_logger(__name__)
 
 QUARANTINE_KEY = "quarantine"
+NPU_RUN_FAILED = "npu_run_failed"  # a ticket's fault reason: a device call failed inside a round
 T = TypeVar("T")
 
 
@@ -72,6 +75,7 @@ class DeviceOwner:
         self.errors = errors
         self.device_lock = trio.Lock()  # all engine work: rounds, loads, prefix-cache operations
         self.holding: Ticket | None = None
+        self.fw_version: str | None = None  # the NPU firmware (sysfs fw_version), in every ticket's record
         self._idle = trio.Event()
         self._idle.set()
 
@@ -99,6 +103,7 @@ class DeviceOwner:
         job = self.jobs.active[ticket.job_id]
         ticket.errors_at_grant = self.errors.poll()
         ticket.thermal_c = self.thermal.reading_c
+        ticket.fw_version = self.fw_version
         with structlog.contextvars.bound_contextvars(job=job.id, ticket=ticket.id):
             log.info("ticket_granted", priority=ticket.priority.label, thermal_c=ticket.thermal_c,
                      waited_ms=round((ticket.granted_at - ticket.queued_at) * 1000, 1))
@@ -115,17 +120,25 @@ class DeviceOwner:
                 outcome, reason, yielded = Outcome.PREEMPTED, YieldReason.SHUTDOWN.value, YieldReason.SHUTDOWN
                 raise
             except Exception as exc:
-                log.exception("device_owner_error")
-                job.error = ApiError(ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
-                outcome, reason = Outcome.FAILED, ErrorCode.INTERNAL_ERROR.value
+                if isinstance(exc, DeviceFault):  # the round is void: nothing of it was committed
+                    log.error("device_run_failed", error=str(exc))
+                    outcome, reason, yielded = Outcome.FAULTED, NPU_RUN_FAILED, None
+                    ticket.fault_lines = (f"{type(exc).__name__}: {exc}",)
+                else:
+                    log.exception("device_owner_error")
+                    job.error = ApiError(ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
+                    outcome, reason = Outcome.FAILED, ErrorCode.INTERNAL_ERROR.value
             finally:
                 with trio.CancelScope(shield=True):
                     ticket.errors_at_release = self.errors.poll()
                     if ticket.errors_at_release > ticket.errors_at_grant:
-                        outcome, reason, yielded = Outcome.FAULTED, "amdxdna_errors", None
+                        if outcome is not Outcome.FAULTED:
+                            reason = "amdxdna_errors"
+                        outcome, yielded = Outcome.FAULTED, None
+                        ticket.fault_lines += tuple(self.errors.lines_since(ticket.errors_at_grant))
+                    if outcome is Outcome.FAULTED:
                         job.error = None  # whatever failed, the job runs again once the device is cleared
-                        ticket.fault_lines = tuple(self.errors.lines_since(ticket.errors_at_grant))
-                        await self.quarantine(job, ticket)
+                        await self.quarantine(job, ticket, reason)
                     self.queue.release(ticket, outcome, reason)
                     log.info("ticket_released", outcome=outcome.value, reason=reason, tokens=ticket.tokens,
                              held_ms=round((ticket.released_at - ticket.granted_at) * 1000, 1))
@@ -203,9 +216,12 @@ class DeviceOwner:
 
     # -- quarantine ----------------------------------------------------------------------
 
-    async def quarantine(self, job: Job, ticket: Ticket) -> None:
+    async def quarantine(self, job: Job, ticket: Ticket, reason: str | None = None) -> None:
         grown = ticket.errors_at_release - ticket.errors_at_grant
-        q = Quarantine(since=self.jobs.wall(), reason=f"{grown} amdxdna error line(s) during ticket {ticket.id}",
+        why = [f"{grown} amdxdna error line(s)"] if grown else []
+        if reason == NPU_RUN_FAILED:
+            why.insert(0, f"an NPU run failed ({ticket.fault_lines[0]})")
+        q = Quarantine(since=self.jobs.wall(), reason=f"{' and '.join(why)} during ticket {ticket.id}",
                        ticket=ticket.id, job=job.id, lines=ticket.fault_lines)
         log.error("guard_device_fault", errors_at_grant=ticket.errors_at_grant,
                   errors_at_release=ticket.errors_at_release, lines=list(ticket.fault_lines))

@@ -1,9 +1,10 @@
 """Guards that decide whether the device may be driven: heat and amdxdna driver errors.
 
-ThermalGuard polls temperature sensors and sets the queue's hold/abort flags with
-hysteresis. ErrorCountGuard follows the kernel log and counts amdxdna error records; the
-device owner reads the count when a ticket is granted and released, and a count that grew
-in between faults the ticket and quarantines the device.
+ThermalGuard polls temperature sensors (the NPU's own where the driver registers one) and
+sets the queue's hold/abort flags with hysteresis. ErrorCountGuard follows the kernel log
+and counts the amdxdna device's error records (npud/kmsg.py says which); the device owner
+reads the count when a ticket is granted and released, and a count that grew in between
+faults the ticket and quarantines the device. Pre-hang warnings are counted beside it.
 """
 
 from __future__ import annotations
@@ -12,18 +13,20 @@ import collections
 import errno
 import glob
 import os
-import re
 
 import psutil
 import structlog
 import trio
 
 from npud.config import ErrorsConfig, ThermalConfig
+from npud.hwmon import HwmonSensors, read_hwmon
+from npud.kmsg import Kind, Matcher, parse
 from npud.tickets import TicketQueue
 
 log = structlog.get_logger(__name__)
 
 MAX_KEPT_LINES = 1000  # error lines remembered for fault reports
+MAX_KEPT_PRE_HANG = 20  # the last pre-hang warnings, shown by `npuctl device`
 
 
 class ThermalGuard:
@@ -33,12 +36,23 @@ class ThermalGuard:
         self.reading_c: float | None = None
         self.sources: list[str] = []
         self.state = "disabled" if not cfg.enabled else "ok"
+        self.npu_power_w: float | None = None  # hwmon amdxdna NPU_power, where the driver has it
         self._said_no_sensor = False
 
     def read(self) -> tuple[float | None, list[str]]:
-        """The hottest configured sensor in degrees C (None if none could be read) and the sources read."""
+        """The temperature to act on in degrees C (None if no sensor could be read) and its sources.
+
+        The NPU's own sensor (hwmon "amdxdna", NPU_temperature) when the driver registers one,
+        else the package's (hwmon "k10temp", Tctl), else the configured psutil chips; the
+        configured `paths` are read in every case and the hottest reading counts."""
         readings: list[tuple[float, str]] = []
-        if self.cfg.psutil_chips:
+        sensors = read_hwmon(self.cfg.hwmon_dir) if self.cfg.hwmon_dir else HwmonSensors()
+        self.npu_power_w = sensors.npu_power_w
+        if sensors.npu_temp_c is not None:
+            readings.append((sensors.npu_temp_c, "hwmon:amdxdna/NPU_temperature"))
+        elif sensors.tctl_c is not None:
+            readings.append((sensors.tctl_c, "hwmon:k10temp/Tctl"))
+        elif self.cfg.psutil_chips:
             try:
                 chips = psutil.sensors_temperatures()
             except (AttributeError, OSError):  # no sensor support on this platform
@@ -104,12 +118,13 @@ class ThermalGuard:
 
     def to_wire(self) -> dict:
         return {"state": self.state, "reading_c": self.reading_c, "sources": self.sources,
+                "npu_power_w": self.npu_power_w,
                 "hold_above_c": self.cfg.hold_above_c, "resume_below_c": self.cfg.resume_below_c,
                 "abort_above_c": self.cfg.abort_above_c}
 
 
 class ErrorCountGuard:
-    """Counts kernel log records that match the amdxdna error patterns, from start-up on.
+    """Counts the amdxdna device's kernel-log errors (and, apart, its pre-hang warnings) from start-up on.
 
     Reads /dev/kmsg (one record per read, non-blocking) or, for tests and other setups, any
     file that grows by lines. Only records written after the daemon started are counted.
@@ -117,8 +132,10 @@ class ErrorCountGuard:
 
     def __init__(self, cfg: ErrorsConfig) -> None:
         self.cfg = cfg
-        self._patterns = [re.compile(p) for p in cfg.patterns]
+        self._matcher = Matcher(cfg.patterns, cfg.pre_hang_patterns)
         self.count = 0
+        self.pre_hang_count = 0
+        self._pre_hang: collections.deque[str] = collections.deque(maxlen=MAX_KEPT_PRE_HANG)
         self.available = False
         self.why: str | None = None
         self._fd: int | None = None
@@ -129,7 +146,7 @@ class ErrorCountGuard:
     def reconfigure(self, cfg: ErrorsConfig) -> None:
         reopen = cfg.source != self.cfg.source or cfg.enabled != self.cfg.enabled
         self.cfg = cfg
-        self._patterns = [re.compile(p) for p in cfg.patterns]
+        self._matcher = Matcher(cfg.patterns, cfg.pre_hang_patterns)
         if reopen:
             self.close()
             if cfg.enabled:
@@ -187,12 +204,17 @@ class ErrorCountGuard:
                 self._record(raw.decode("utf-8", "replace"))
         return self.count
 
-    def _record(self, record: str) -> None:
-        message = record.split(";", 1)[1] if re.match(r"^\d+,\d+,\d+,[^;]*;", record) else record
-        if any(p.search(message) for p in self._patterns):
+    def _record(self, line: str) -> None:
+        record = parse(line)
+        kind = self._matcher.classify(record)
+        if kind is Kind.ERROR:
             self.count += 1
-            self._lines.append((self.count, message))
-            log.warning("guard_device_error_line", count=self.count, line=message)
+            self._lines.append((self.count, record.message))
+            log.warning("guard_device_error_line", count=self.count, line=record.message)
+        elif kind is Kind.PRE_HANG:
+            self.pre_hang_count += 1
+            self._pre_hang.append(record.message)
+            log.warning("guard_device_pre_hang_warning", count=self.pre_hang_count, line=record.message)
 
     def lines_since(self, count: int) -> list[str]:
         """The error lines counted after `count` (those still remembered)."""
@@ -208,4 +230,5 @@ class ErrorCountGuard:
 
     def to_wire(self) -> dict:
         return {"count": self.count, "source": self.cfg.source, "available": self.available, "why": self.why,
-                "patterns": list(self.cfg.patterns)}
+                "patterns": list(self.cfg.patterns), "pre_hang_count": self.pre_hang_count,
+                "pre_hang_lines": list(self._pre_hang)}

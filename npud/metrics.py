@@ -195,9 +195,10 @@ def write_atomically(path: str, text: str) -> None:
 
 
 def snapshot(metrics: Metrics, queue: TicketQueue, *, device_kind: str, jobs: dict[str, int], connections: int,
-             thermal: "ThermalGuard", errors: "ErrorCountGuard") -> dict:
-    """The counters with the gauges of the running daemon (`jobs`: unfinished jobs by state),
-    as the `metrics` method returns them."""
+             thermal: "ThermalGuard", errors: "ErrorCountGuard", gemms: str) -> dict:
+    """The counters with the gauges of the running daemon (`jobs`: unfinished jobs by state;
+    `gemms`: "npu" or "host", where the loaded models' GEMMs run), as the `metrics` method
+    returns them."""
     quarantine = queue.quarantine
     granted = queue.granted
     return {
@@ -209,8 +210,9 @@ def snapshot(metrics: Metrics, queue: TicketQueue, *, device_kind: str, jobs: di
         "queue": queue.counts(),
         "holding": None if granted is None else {"ticket": granted.id, "job": granted.job_id,
                                                  "priority": granted.priority.label},
-        "thermal": {"state": thermal.state, "reading_c": thermal.reading_c},
-        "driver_errors": {"count": errors.count, "available": errors.available},
+        "gemms": gemms,
+        "thermal": {"state": thermal.state, "reading_c": thermal.reading_c, "npu_power_w": thermal.npu_power_w},
+        "driver_errors": {"count": errors.count, "available": errors.available, "pre_hang": errors.pre_hang_count},
         "quarantine": {"quarantined": quarantine is not None,
                        "since": None if quarantine is None else quarantine.since,
                        "reason": None if quarantine is None else quarantine.reason},
@@ -307,9 +309,15 @@ def render_prometheus(s: dict) -> str:
     states = list(THERMAL_STATES) + [thermal["state"]] * (thermal["state"] not in THERMAL_STATES)
     t.family("npud_thermal_state", "gauge", "1 for the thermal guard's current state.",
              [({"state": st}, st == thermal["state"]) for st in states])
+    t.family("npud_npu_power_watts", "gauge", "The NPU's power (hwmon amdxdna NPU_power; NaN without the sensor).",
+             thermal["npu_power_w"])
+    t.family("npud_gemms_on_npu", "gauge", "1 while the loaded models' GEMMs run on the NPU, 0 on the host.",
+             s["gemms"] == "npu")
     errors = s["driver_errors"]
     t.family("npud_driver_errors_total", "counter", "amdxdna error lines in the kernel log since start.",
              errors["count"])
+    t.family("npud_driver_prehang_warnings_total", "counter",
+             "amdxdna warnings that come before a hang or a firmware reset, since start.", errors["pre_hang"])
     t.family("npud_driver_errors_available", "gauge", "1 if the kernel log could be read.", errors["available"])
     t.family("npud_device_quarantined", "gauge", "1 while the device is quarantined after a driver error.",
              s["quarantine"]["quarantined"])

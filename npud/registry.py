@@ -35,11 +35,13 @@ def estimate_bytes(entry: ModelEntry) -> int:
 
 class ModelRegistry:
     def __init__(self, models: tuple[ModelEntry, ...], *, max_resident_bytes: int, cache_root: Path | None = None,
-                 loader: ModelLoader = load_model, backend: str = "auto", xrt_design: str | None = None) -> None:
+                 loader: ModelLoader = load_model, backend: str = "auto", xrt_design: str | None = None,
+                 xrt_timeout_ms: int | None = None) -> None:
         self._entries = {m.name: m for m in models}
         self.cache_root = cache_root  # prefix caches persist under cache_root/<model>; None: memory only
         self.backend = backend
         self.xrt_design = xrt_design
+        self.xrt_timeout_ms = xrt_timeout_ms
         self._loader = loader
         self.max_resident_bytes = max_resident_bytes
         self._resident: collections.OrderedDict[str, ServedModel] = collections.OrderedDict()
@@ -78,7 +80,8 @@ class ModelRegistry:
                 entry.name, entry.checkpoint_dir, draft_dir=entry.draft_dir, dflash_dir=entry.dflash_dir,
                 weight_format=entry.weight_format,
                 cache_dir=None if self.cache_root is None else self.cache_root / entry.name,
-                backend=self.backend, xrt_design=self.xrt_design, assistant_dir=entry.assistant_dir)
+                backend=self.backend, xrt_design=self.xrt_design, assistant_dir=entry.assistant_dir,
+                xrt_timeout_ms=self.xrt_timeout_ms)
         except (EngineError, OSError) as exc:  # ConfigError, WeightsError, TokenizerError, missing files
             log.error("model_load_failed", model=name, error=f"{type(exc).__name__}: {exc}")
             raise ApiError(ErrorCode.MODEL_ERROR,

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 DB_NAME = "npud.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: tickets.fw_version
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -60,7 +60,8 @@ CREATE TABLE IF NOT EXISTS tickets (
     fault_lines TEXT NOT NULL DEFAULT '[]',
     tokens INTEGER NOT NULL DEFAULT 0,
     drafted INTEGER NOT NULL DEFAULT 0,
-    accepted INTEGER NOT NULL DEFAULT 0
+    accepted INTEGER NOT NULL DEFAULT 0,
+    fw_version TEXT
 );
 CREATE INDEX IF NOT EXISTS tickets_job ON tickets(job_id);
 CREATE TABLE IF NOT EXISTS device_state (
@@ -72,7 +73,7 @@ CREATE TABLE IF NOT EXISTS device_state (
 UNFINISHED = ("queued", "running")
 _TICKET_COLUMNS = ("id", "job_id", "priority", "state", "outcome", "reason", "queued_at", "granted_at",
                    "released_at", "thermal_c", "errors_at_grant", "errors_at_release", "fault_lines",
-                   "tokens", "drafted", "accepted")
+                   "tokens", "drafted", "accepted", "fw_version")
 
 
 class StoreCode(enum.StrEnum):
@@ -127,6 +128,9 @@ class Store:
             conn.execute("PRAGMA synchronous=FULL")
             conn.execute("PRAGMA foreign_keys=ON")
             conn.executescript(_SCHEMA)
+            columns = {r["name"] for r in conn.execute("PRAGMA table_info(tickets)")}
+            if "fw_version" not in columns:  # a store written by schema 1
+                conn.execute("ALTER TABLE tickets ADD COLUMN fw_version TEXT")
             conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as exc:
             raise _store_error(exc, path, "opening") from None
@@ -312,7 +316,8 @@ def _ticket_upsert(ticket: dict) -> tuple[str, tuple]:
     values = (ticket["ticket"], ticket["job"], ticket["priority"], ticket["state"], ticket["outcome"],
               ticket["reason"], ticket["queued_at"], ticket["granted_at"], ticket["released_at"],
               ticket["thermal_c"], ticket["errors_at_grant"], ticket["errors_at_release"],
-              json.dumps(ticket["fault_lines"]), ticket["tokens"], ticket["drafted"], ticket["accepted"])
+              json.dumps(ticket["fault_lines"]), ticket["tokens"], ticket["drafted"], ticket["accepted"],
+              ticket.get("fw_version"))
     updates = ", ".join(f"{c} = excluded.{c}" for c in _TICKET_COLUMNS[1:])
     return (f"INSERT INTO tickets ({', '.join(_TICKET_COLUMNS)}) VALUES ({', '.join('?' * len(_TICKET_COLUMNS))})"
             f" ON CONFLICT(id) DO UPDATE SET {updates}", values)

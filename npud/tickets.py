@@ -77,6 +77,7 @@ class Ticket:
     errors_at_grant: int | None = None
     errors_at_release: int | None = None
     fault_lines: tuple[str, ...] = ()
+    fw_version: str | None = None  # the NPU firmware while this ticket was held (sysfs fw_version)
     tokens: int = 0  # tokens generated while this ticket was held
     drafted: int = 0
     accepted: int = 0
@@ -88,7 +89,7 @@ class Ticket:
             "queued_at": self.queued_at, "granted_at": self.granted_at, "released_at": self.released_at,
             "thermal_c": self.thermal_c, "errors_at_grant": self.errors_at_grant,
             "errors_at_release": self.errors_at_release, "fault_lines": list(self.fault_lines),
-            "tokens": self.tokens, "drafted": self.drafted, "accepted": self.accepted,
+            "fw_version": self.fw_version, "tokens": self.tokens, "drafted": self.drafted, "accepted": self.accepted,
         }
 
 

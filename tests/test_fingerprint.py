@@ -195,20 +195,20 @@ def test_the_key_names_format_backend_design_numerics_version_and_toolchain(tmp_
     assert key() != base
 
 
-def test_the_npu_backend_names_its_design_not_the_hosts(tmp_path):
-    """XrtBackend answers unknown attributes with the host's: numerics_id must be its own."""
+def test_the_npu_backend_names_its_design_not_the_hosts(tmp_path, monkeypatch):
+    """XrtBackend answers unknown attributes with the host's: numerics_id must be its own, and
+    another build of a design (its xclbin's bytes) is another identity."""
+    import fake_pyxrt
     from kernels import xrt
 
-    (tmp_path / "gemm.xclbin").write_bytes(b"xclbin-1")
-    (tmp_path / "insts.bin").write_bytes(b"\0" * 8)
-    raw = dict(xclbin="gemm.xclbin", insts="insts.bin", tile_m=16, tile_k=64, tile_n=64, max_k=8192, max_n=155648)
-    (tmp_path / "design.json").write_text(json.dumps(raw))
-    backend = object.__new__(xrt.XrtBackend)  # no device here: only the fields numerics_id reads
-    backend.design, backend.host = xrt.GemmDesign.load(tmp_path / "design.json"), default_backend()
-    first = numerics_identity(backend)
-    assert first.startswith("xrt/design=") and "activations=bf16" in first
-    (tmp_path / "gemm.xclbin").write_bytes(b"xclbin-2")
-    assert numerics_identity(backend) != first
+    fake_pyxrt.install(monkeypatch)  # the simulated device (tests/fake_pyxrt.py)
+    table = fake_pyxrt.write_design_table(tmp_path, [(64, 64)])
+    first = numerics_identity(xrt.load_backend(table, default_backend()))
+    assert first.startswith("xrt-simulator/designs=") and "activations=bf16" in first
+    assert first != numerics_identity(default_backend())
+    xclbin = tmp_path / "gemm_64x64.xclbin"
+    xclbin.write_text(xclbin.read_text() + " ")
+    assert numerics_identity(xrt.load_backend(table, default_backend())) != first
 
 
 # ---------------------------------------------------------------------------- a persisted cache
@@ -267,7 +267,7 @@ def test_a_persisted_cache_misses_after_any_change_to_the_numbers(checkpoint, tm
         import engine.session
 
         rowwise = RowwiseBackend(default_backend())
-        monkeypatch.setattr(engine.session, "select_backend", lambda *a: (rowwise, "a test's other backend"))
+        monkeypatch.setattr(engine.session, "select_backend", lambda *a, **kw: (rowwise, "a test's other backend"))
     elif change == "edit":
         before = os.stat(ckpt / "model.safetensors")
         _scale_tensor(ckpt / "model.safetensors", "model.layers.0.input_layernorm.weight", 2.0)

@@ -1,10 +1,8 @@
 """Host kernels: batch invariance by construction, widening, packing; the xrt backend's
-host-side pieces, and its device tests (marked npu, skipped without an NPU)."""
+host-side pieces (the rest of the NPU backend: tests/test_xrt.py)."""
 
 from __future__ import annotations
 
-import json
-import os
 
 import numpy as np
 import pytest
@@ -233,29 +231,4 @@ def test_select_backend_auto_falls_back_to_host_with_reason():
         select_backend("gpu")
 
 
-def test_gemm_design_errors(tmp_path):
-    with pytest.raises(xrt.XrtUnavailable, match="cannot read"):
-        xrt.GemmDesign.load(tmp_path / "design.json")
-    (tmp_path / "design.json").write_text(json.dumps({"xclbin": "g.xclbin", "insts": "i.bin"}))
-    with pytest.raises(xrt.XrtUnavailable, match="missing or bad field"):
-        xrt.GemmDesign.load(tmp_path / "design.json")
-    full = {"xclbin": "g.xclbin", "insts": "i.bin", "tile_m": 16, "tile_k": 64, "tile_n": 64, "max_k": 8192, "max_n": 65536}
-    (tmp_path / "design.json").write_text(json.dumps(full))
-    with pytest.raises(xrt.XrtUnavailable, match="does not exist"):
-        xrt.GemmDesign.load(tmp_path / "design.json")
-
-
-NPU_DESIGN = os.environ.get("NPUD_XRT_DESIGN")
-
-
-@pytest.mark.npu
-@pytest.mark.skipif(not xrt.probe()[0] or not NPU_DESIGN, reason="needs an amdxdna NPU, pyxrt and NPUD_XRT_DESIGN=design.json")
-def test_npu_gemm_is_batch_invariant_and_close_to_host(host):
-    backend = xrt.XrtBackend(xrt.GemmDesign.load(NPU_DESIGN), host)
-    assert check_batch_invariance(backend) == []
-    rng = np.random.default_rng(5)
-    x = rng.standard_normal((8, 512)).astype(np.float32)
-    w = LinearWeight(WeightFormat.FP32, rng.standard_normal((256, 512)).astype(np.float32))
-    got = backend.linear(x, backend.prepare_linear(w))
-    want = host.linear(x, host.prepare_linear(w))
-    assert np.abs(got - want).max() < 2e-2 * np.abs(want).max()  # bf16 activations on the NPU
+# the NPU backend's design table, call protocol and device tests: tests/test_xrt.py

@@ -340,6 +340,16 @@ def test_json_output_parses(daemon, client, done_job, tmp_path):
     assert json.loads(run.stdout)["job"] == done_job
 
 
+def test_device_says_where_the_gemms_run_and_the_firmware(daemon):
+    run = npuctl("device", socket_path=daemon.socket)
+    assert run.returncode == 0, run.stderr
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in run.stdout.splitlines()
+                                                  if ":" in line and not line.startswith(" "))}
+    assert fields["backend"] == "host"
+    assert fields["gemms"].startswith("host (no ") and "accel" in fields["gemms"]
+    assert "firmware" in fields  # "-" on a machine without the NPU's sysfs fw_version
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="device clear succeeds only for root or the admin group")
 def test_device_clear_as_root(daemon):
     run = npuctl("device", "clear", "--json", socket_path=daemon.socket)

@@ -34,7 +34,7 @@ def test_defaults_are_valid_and_frozen():
     ({"thermal": {"abort_above_c": 90.0}}, "thermal.abort_above_c"),
     ({"thermal": {"paths": "/sys/x"}}, "thermal.paths"),
     ({"errors": {"patterns": ["amdxdna ("]}}, "errors.patterns[0]"),
-    ({"errors": {"patterns": []}}, "errors.patterns"),
+    ({"errors": {"pre_hang_patterns": ["("]}}, "errors.pre_hang_patterns[0]"),
     ({"logging": {"level": "loud"}}, "logging.level"),
     ({"engine": {"module": "engine.session"}}, "engine"),  # gone: models come from engine.api.load_model
     ({"models": [{"name": "a"}]}, "models[0].checkpoint_dir"),

@@ -303,3 +303,74 @@ async def test_a_result_finished_after_an_error_line_is_not_kept(nursery, workdi
         results = (await c.result(job))["results"]
         assert [r["text"] for r in results] == [fakes.expected_text(p, 4) for p in prompts]
     daemon.request_stop()
+
+
+async def test_a_failed_npu_run_faults_the_ticket_quarantines_and_commits_nothing_of_it(nursery, workdir):
+    fault = workdir / "fault"
+    cfg = make_config(workdir, knobs={"tokens_per_round": 2, "fault_file": str(fault), "fault_prompt": "second",
+                                      "fault_at_token": 4})
+    daemon = await start(nursery, cfg)
+    daemon.owner.fw_version = "1.5.2.380"  # what sysfs fw_version says on an NPU machine
+    fault.touch()
+    async with await connect(daemon) as c:
+        job = (await c.submit(["first", "second"], max_tokens=8))["job"]
+        with trio.fail_after(10):
+            while daemon.queue.quarantine is None:
+                await trio.sleep(0.01)
+        quarantine = (await c.device_status())["quarantine"]
+        assert quarantine["reason"].startswith("an NPU run failed (DeviceFault: GEMM K=1024 N=3072 on the NPU "
+                                               "ended in ERT_CMD_STATE_TIMEOUT")
+        status = await wait_state(c, job, ("queued",))
+        assert status["done_prompts"] == 1  # the first prompt was committed before the fault
+        results = (await c.result(job))["results"]
+        assert [r["prompt"] for r in results] == [0]  # nothing of the faulted prompt
+        [ticket] = daemon.store.tickets(job_id=job)
+        assert (ticket["outcome"], ticket["reason"]) == ("faulted", "npu_run_failed")
+        assert ticket["fw_version"] == "1.5.2.380" and ticket["fault_lines"][0].startswith("DeviceFault: GEMM")
+        with pytest.raises(DeviceQuarantined):
+            await c.complete("x").wait()
+        assert (await c.device_clear())["cleared"] is True
+        await wait_state(c, job)
+        results = (await c.result(job))["results"]
+        assert [r["text"] for r in results] == [fakes.expected_text("first", 8), fakes.expected_text("second", 8)]
+        tickets = daemon.store.tickets(job_id=job)
+        assert [t["outcome"] for t in tickets] == ["done", "faulted"] and all(t["fw_version"] for t in tickets)
+    daemon.request_stop()
+
+
+async def test_an_unexpected_engine_error_is_no_device_fault(nursery, workdir, monkeypatch):
+    daemon = await start(nursery, make_config(workdir))
+    monkeypatch.setattr(fakes.FakeSession, "run_round", lambda self: 1 / 0)
+    async with await connect(daemon) as c:
+        job = (await c.submit(["a"], max_tokens=4))["job"]
+        status = await wait_state(c, job, ("failed",))
+        assert status["error"]["code"] == "internal_error" and daemon.queue.quarantine is None
+    daemon.request_stop()
+
+
+def test_startup_warns_when_another_process_has_the_npu_open(workdir, monkeypatch):
+    import structlog
+
+    from npud import daemon as daemon_module
+    from npud.device import DeviceInfo
+
+    d = Daemon(make_config(workdir), loader=fakes.load_model)
+    try:
+        d.device = DeviceInfo("npu", "amdxdna device at /dev/accel/accel0", node="/dev/accel/accel0")
+        seen = []
+        monkeypatch.setattr(daemon_module, "other_holders",
+                            lambda node: seen.append(node) or [{"pid": 7, "comm": "flm", "drm_client_ids": ["3"]}])
+        monkeypatch.setattr(daemon_module.resource, "getrlimit", lambda which: (8 << 20, 8 << 20))
+        with structlog.testing.capture_logs() as logs:
+            d.check_other_holders()
+        assert seen == ["/dev/accel/accel0"]
+        assert [e["limit_bytes"] for e in logs if e["event"] == "npu_memlock_limited"] == [8 << 20]
+        [warning] = [e for e in logs if e["event"] == "npu_shared_with_other_process"]
+        assert warning["holders"][0]["comm"] == "flm" and warning["log_level"] == "warning"
+        assert "NPU also open in pid 7" in d.status_line()
+        d.device = DeviceInfo("host", "no NPU")
+        d.other_holders = []
+        d.check_other_holders()  # no NPU: nothing to look for
+        assert seen == ["/dev/accel/accel0"]
+    finally:
+        d.store.close()

@@ -1,9 +1,12 @@
 """Device discovery on fixture trees: an amdxdna NPU with XRT, or the host and why."""
 
+import glob
 import os
 
+import pytest
+
 from npud.config import DeviceConfig
-from npud.device import discover
+from npud.device import discover, gemm_site, other_holders
 
 
 def _tree(tmp_path, driver="amdxdna", attrs=None):
@@ -52,3 +55,66 @@ def test_real_import_of_pyxrt_reports_its_error(tmp_path):
         assert info.kind == "host" and "pyxrt" in info.reason
     else:
         assert info.kind == "npu"
+
+
+# -- where the GEMMs run, the firmware, other processes on the NPU --------------------------
+
+
+def test_fw_version_comes_from_sysfs(tmp_path):
+    info = discover(_tree(tmp_path), import_xrt=lambda: None)
+    assert info.fw_version == "1.5.2.380" and info.to_wire()["fw_version"] == "1.5.2.380"
+    other = tmp_path / "other"
+    other.mkdir()
+    assert discover(_tree(other, attrs={"vendor": "0x1022"}), import_xrt=lambda: None).fw_version is None
+
+
+def _served(backend="xrt", placement=None, reason="r"):
+    return {"name": "m", "backend": backend, "backend_reason": reason, "gemm_placement": placement or {}}
+
+
+def test_gemm_site_says_npu_only_when_the_gemms_run_there(tmp_path):
+    npu = discover(_tree(tmp_path), import_xrt=lambda: None)
+    host_dev = discover(DeviceConfig(accel_dir=str(tmp_path / "none")), import_xrt=lambda: None)
+    table = DeviceConfig(xrt_design="/etc/npud/designs/design.json")
+    assert gemm_site(npu, DeviceConfig(backend="host", xrt_design="d.json"), []) == ("host", "device.backend = host")
+    assert gemm_site(host_dev, table, []) == ("host", host_dev.reason)
+    site, why = gemm_site(npu, DeviceConfig(), [])
+    assert site == "host" and "no NPU GEMM design table" in why
+    assert gemm_site(npu, table, [])[0] == "npu"
+    assert gemm_site(npu, table, [_served("host", reason="host backend: no designs")]) == (
+        "host", "model m: host backend: no designs")
+    all_host = _served(placement={"64x64 fp32": "weight format fp32 runs on the host"})
+    assert gemm_site(npu, table, [all_host]) == (
+        "host", "no GEMM shape of the loaded models runs on the NPU (weight format fp32 runs on the host)")
+    mixed = _served(placement={"64x64 bf16": "npu", "64x320 bf16": "no design for K=64, N=320",
+                               "128x64 bf16": "npu-rowwise"})
+    assert gemm_site(npu, table, [mixed]) == (
+        "npu", "2 of 3 GEMM shapes on the NPU; the others on the host: no design for K=64, N=320")
+
+
+def test_other_processes_with_the_npu_open_are_found(tmp_path):
+    node = tmp_path / "accel0"
+    node.write_text("")
+    proc = tmp_path / "proc"
+    for pid, comm, targets, fdinfo in ((100, "flm", [node], "drm-driver:\tamdxdna\ndrm-client-id:\t7\n"),
+                                       (200, "bash", [tmp_path], ""), (300, "npud", [node], ""),
+                                       (400, "xrt-smi", [node], None)):
+        (proc / str(pid) / "fd").mkdir(parents=True)
+        (proc / str(pid) / "fdinfo").mkdir()
+        (proc / str(pid) / "comm").write_text(comm + "\n")
+        for fd, target in enumerate(targets, 3):
+            os.symlink(target, proc / str(pid) / "fd" / str(fd))
+            if fdinfo is not None:
+                (proc / str(pid) / "fdinfo" / str(fd)).write_text(fdinfo)
+    holders = other_holders(str(node), str(proc), own_pid=300)
+    assert holders == [{"pid": 100, "comm": "flm", "drm_client_ids": ["7"]},
+                       {"pid": 400, "comm": "xrt-smi", "drm_client_ids": []}]
+    assert other_holders(None, str(proc)) == [] and other_holders(str(tmp_path / "gone"), str(proc)) == []
+
+
+@pytest.mark.npu
+@pytest.mark.skipif(not glob.glob("/dev/accel/accel*"), reason="needs an NPU device node (/dev/accel/accel*)")
+def test_npu_the_real_device_reports_its_firmware():
+    info = discover(DeviceConfig(), import_xrt=lambda: None)
+    assert info.driver == "amdxdna", info.reason
+    assert info.fw_version, "sysfs has no fw_version for the amdxdna device"

@@ -2,6 +2,9 @@
 
 import os
 
+import pytest
+
+import kmsg_fixtures as fx
 from npud.config import ErrorsConfig, ThermalConfig
 from npud.guards import ErrorCountGuard, ThermalGuard
 from npud.tickets import TicketQueue
@@ -11,6 +14,7 @@ def _thermal(tmp_path, **kw):
     zone = tmp_path / "thermal_zone0"
     zone.mkdir(exist_ok=True)
     cfg = ThermalConfig(psutil_chips=(), paths=(str(tmp_path / "thermal_zone*" / "temp"),), hold_above_c=90.0,
+                        hwmon_dir=str(tmp_path / "no-hwmon"),
                         resume_below_c=80.0, abort_above_c=100.0, **kw)
     queue = TicketQueue(10, 10.0)
     return ThermalGuard(cfg, queue), queue, zone / "temp"
@@ -47,7 +51,8 @@ def test_the_hottest_sensor_counts_and_bad_files_are_skipped(tmp_path):
 
 
 def test_no_sensor_says_so_once_and_passes(tmp_path, capsys):
-    cfg = ThermalConfig(psutil_chips=("no-such-chip",), paths=(str(tmp_path / "none*"),))
+    cfg = ThermalConfig(psutil_chips=("no-such-chip",), paths=(str(tmp_path / "none*"),),
+                        hwmon_dir=str(tmp_path / "no-hwmon"))
     q = TicketQueue(10, 10.0)
     guard = ThermalGuard(cfg, q)
     guard.poll()
@@ -76,7 +81,7 @@ def test_psutil_chips_are_read(tmp_path, monkeypatch):
                         lambda: {"k10temp": [Entry("Tctl", 97.0, None, None)], "nvme": [Entry("", 99.0, None, None)]},
                         raising=False)
     q = TicketQueue(10, 10.0)
-    guard = ThermalGuard(ThermalConfig(psutil_chips=("k10temp",), paths=()), q)
+    guard = ThermalGuard(ThermalConfig(psutil_chips=("k10temp",), paths=(), hwmon_dir=str(tmp_path / "no")), q)
     guard.poll()
     assert guard.reading_c == 97.0 and guard.sources == ["psutil:k10temp/Tctl"] and q.thermal_hold
 
@@ -84,8 +89,8 @@ def test_psutil_chips_are_read(tmp_path, monkeypatch):
 ERROR = "amdxdna 0000:c5:00.1: [drm] *ERROR* aie2_send_mgmt_msg_wait: command timeout"
 
 
-def _kmsg_record(seq, message):
-    return f"3,{seq},{seq * 1000},-;{message}\n"
+def _kmsg_record(seq, message, priority=3):
+    return f"{priority},{seq},{seq * 1000},-;{message}\n"
 
 
 def test_error_count_follows_a_growing_log_from_startup(tmp_path):
@@ -95,7 +100,7 @@ def test_error_count_follows_a_growing_log_from_startup(tmp_path):
     assert guard.open() and guard.poll() == 0
     with open(log, "a") as f:
         f.write(_kmsg_record(2, "amdgpu 0000:c4:00.0: [drm] *ERROR* not ours"))
-        f.write(_kmsg_record(3, "amdxdna 0000:c5:00.1: probe ok"))
+        f.write(_kmsg_record(3, "amdxdna 0000:c5:00.1: probe ok", priority=6))
         f.write(_kmsg_record(4, ERROR))
         f.write(_kmsg_record(5, ERROR)[:20])  # half a record: counted once it ends
     assert guard.poll() == 1
@@ -109,11 +114,12 @@ def test_error_count_follows_a_growing_log_from_startup(tmp_path):
 def test_configured_patterns_and_plain_lines(tmp_path):
     log = tmp_path / "log"
     log.write_text("")
-    guard = ErrorCountGuard(ErrorsConfig(source=str(log), patterns=(r"amdxdna.*(timeout|hang)",)))
+    guard = ErrorCountGuard(ErrorsConfig(source=str(log), patterns=(r"(timeout|hang)",)))
     guard.open()
-    with open(log, "a") as f:
-        f.write("amdxdna: firmware hang detected\namdxdna: all good\n")
-    assert guard.poll() == 1 and guard.lines_since(0) == ["amdxdna: firmware hang detected"]
+    with open(log, "a") as f:  # plain lines: no priority, so a configured pattern or the drm marker decides
+        f.write("amdxdna 0000:c5:00.1: firmware hang detected\namdxdna 0000:c5:00.1: all good\n"
+                "amdxdna: hang without a device address\n")
+    assert guard.poll() == 1 and guard.lines_since(0) == ["amdxdna 0000:c5:00.1: firmware hang detected"]
 
 
 def test_a_truncated_log_is_read_from_its_start(tmp_path):
@@ -147,3 +153,122 @@ def test_kmsg_style_nonblocking_source(tmp_path):
         guard.close()
         if writer_fd is not None:
             os.close(writer_fd)
+
+
+# -- both driver variants, pre-hang warnings, lines that are not the driver's ---------------
+
+
+def _guard_on(tmp_path, records):
+    log = tmp_path / "kmsg"
+    log.write_text("")
+    guard = ErrorCountGuard(ErrorsConfig(source=str(log)))
+    assert guard.open()
+    with open(log, "a") as f:
+        for seq, (priority, message) in enumerate(records, 1):
+            f.write(fx.record(seq, priority, message))
+    guard.poll()
+    return guard
+
+
+@pytest.mark.parametrize("records", [fx.IN_KERNEL_ERRORS, fx.OUT_OF_TREE_ERRORS], ids=["in-kernel", "out-of-tree"])
+def test_errors_of_both_driver_variants_are_counted(tmp_path, records):
+    guard = _guard_on(tmp_path, records)
+    assert guard.count == len(records) and guard.pre_hang_count == 0
+    assert guard.lines_since(0) == [m for _, m in records]  # dictionary lines are not records
+
+
+def test_pre_hang_warnings_are_counted_apart_and_surfaced(tmp_path):
+    guard = _guard_on(tmp_path, fx.PRE_HANG_WARNINGS)
+    assert guard.count == 0 and guard.pre_hang_count == len(fx.PRE_HANG_WARNINGS)
+    wire = guard.to_wire()
+    assert wire["pre_hang_count"] == 3 and wire["pre_hang_lines"][0].endswith("Device isn't making progress... "
+                                                                               "Count 1 timeout 2 dump_only 0")
+
+
+@pytest.mark.parametrize("priority, message", fx.NOT_THE_DRIVER)
+def test_lines_that_are_not_the_drivers_errors_do_not_count(tmp_path, priority, message):
+    guard = _guard_on(tmp_path, [(priority, message)])
+    assert (guard.count, guard.pre_hang_count) == (0, 0)
+
+
+def test_a_mixed_log_counts_each_kind(tmp_path):
+    records = fx.NOT_THE_DRIVER + fx.IN_KERNEL_ERRORS + fx.PRE_HANG_WARNINGS + fx.OUT_OF_TREE_ERRORS
+    guard = _guard_on(tmp_path, records)
+    assert (guard.count, guard.pre_hang_count) == (len(fx.IN_KERNEL_ERRORS) + len(fx.OUT_OF_TREE_ERRORS), 3)
+
+
+# -- the NPU's own sensor first, then k10temp ----------------------------------------------
+
+def _hwmon(root, index, name, files):
+    d = root / f"hwmon{index}"
+    d.mkdir(parents=True)
+    (d / "name").write_text(name + "\n")
+    for file, value in files.items():
+        (d / file).write_text(f"{value}\n")
+
+
+def _thermal_guard(tmp_path):
+    return ThermalGuard(ThermalConfig(psutil_chips=("k10temp",), paths=(), hwmon_dir=str(tmp_path / "hwmon"),
+                                      hold_above_c=90.0, resume_below_c=80.0), TicketQueue(10, 10.0))
+
+
+def test_npu_sensor_is_preferred_and_its_power_reported(tmp_path, monkeypatch):
+    import psutil
+
+    monkeypatch.setattr(psutil, "sensors_temperatures", lambda: pytest.fail("psutil read with hwmon present"),
+                        raising=False)
+    root = tmp_path / "hwmon"
+    _hwmon(root, 0, "k10temp", {"temp1_label": "Tctl", "temp1_input": 95000, "temp3_label": "Tccd1",
+                                "temp3_input": 99000})
+    _hwmon(root, 3, "amdxdna", {"temp1_label": "NPU_temperature", "temp1_input": 61500,
+                                "power1_label": "NPU_power", "power1_input": 1850000})
+    guard = _thermal_guard(tmp_path)
+    guard.poll()
+    assert guard.reading_c == 61.5 and guard.sources == ["hwmon:amdxdna/NPU_temperature"]
+    assert guard.npu_power_w == 1.85 and guard.to_wire()["npu_power_w"] == 1.85
+    assert guard.state == "ok"  # the package at 95 C does not hold an NPU at 61.5 C
+
+
+def test_k10temp_tctl_when_the_npu_has_no_sensor(tmp_path):
+    root = tmp_path / "hwmon"
+    _hwmon(root, 0, "nvme", {"temp1_label": "Composite", "temp1_input": 99000})
+    _hwmon(root, 1, "k10temp", {"temp1_label": "Tctl", "temp1_input": 91000, "temp3_label": "Tccd1",
+                                "temp3_input": 99000})
+    guard = _thermal_guard(tmp_path)
+    guard.poll()
+    assert guard.reading_c == 91.0 and guard.sources == ["hwmon:k10temp/Tctl"] and guard.state == "hold"
+    assert guard.npu_power_w is None
+
+
+def test_an_npu_power_that_only_averages_is_read(tmp_path):
+    _hwmon(tmp_path / "hwmon", 2, "amdxdna", {"power1_label": "NPU_power", "power1_average": 2000000})
+    from npud.hwmon import read_hwmon
+
+    sensors = read_hwmon(str(tmp_path / "hwmon"))
+    assert sensors.npu_power_w == 2.0 and sensors.npu_temp_c is None
+
+
+# -- real hardware ---------------------------------------------------------------------------
+
+def _real_amdxdna_hwmon() -> bool:
+    import glob as _glob
+
+    for name in _glob.glob("/sys/class/hwmon/hwmon*/name"):
+        try:
+            if open(name).read().strip() == "amdxdna":
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@pytest.mark.npu
+@pytest.mark.skipif(not _real_amdxdna_hwmon(),
+                    reason="needs the amdxdna hwmon device (an NPU on a kernel where amdxdna works with AMD PMF)")
+def test_npu_the_real_amdxdna_sensor_reads():
+    from npud.hwmon import read_hwmon
+
+    sensors = read_hwmon()
+    # the labels npud looks for; if this fails, list /sys/class/hwmon/hwmon*/ of the amdxdna device
+    assert sensors.npu_temp_c is not None and 0 < sensors.npu_temp_c < 125
+    assert sensors.npu_power_w is None or 0 <= sensors.npu_power_w < 100

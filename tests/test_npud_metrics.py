@@ -177,7 +177,8 @@ def _snapshot(**overrides) -> dict:
     snap = {"version": "0.1.0", "device": "host", **m.counters(), "connections": 3,
             "jobs": {"queued": 2, "running": 1}, "queue": {"interactive": 1, "batch": 4},
             "holding": {"ticket": 9, "job": 4, "priority": "batch"},
-            "thermal": {"state": "hold", "reading_c": 96.5}, "driver_errors": {"count": 2, "available": True},
+            "thermal": {"state": "hold", "reading_c": 96.5, "npu_power_w": 1.5}, "gemms": "host",
+            "driver_errors": {"count": 2, "available": True, "pre_hang": 1},
             "quarantine": {"quarantined": True, "since": 1.0, "reason": "x"}}
     snap.update(overrides)
     return snap
@@ -206,15 +207,17 @@ def test_the_text_format_parses_back_to_the_snapshot():
     assert value(fams, "npud_thermal_state", state="hold") == 1
     assert value(fams, "npud_thermal_state", state="ok") == 0
     assert value(fams, "npud_driver_errors_total") == 2
+    assert value(fams, "npud_driver_prehang_warnings_total") == 1
+    assert value(fams, "npud_npu_power_watts") == 1.5 and value(fams, "npud_gemms_on_npu") == 0
     assert value(fams, "npud_device_quarantined") == 1
 
 
 def test_label_values_are_escaped_and_missing_readings_are_nan():
     odd = 'npu "x"\\y\nz'
-    snap = _snapshot(device=odd, thermal={"state": "no_sensor", "reading_c": None})
+    snap = _snapshot(device=odd, thermal={"state": "no_sensor", "reading_c": None, "npu_power_w": None})
     fams = families(render_prometheus(snap))
     assert value(fams, "npud_info", version="0.1.0", device=odd) == 1
-    assert math.isnan(value(fams, "npud_thermal_celsius"))
+    assert math.isnan(value(fams, "npud_thermal_celsius")) and math.isnan(value(fams, "npud_npu_power_watts"))
     assert value(fams, "npud_thermal_state", state="no_sensor") == 1
 
 
@@ -262,7 +265,7 @@ async def test_the_metrics_method_counts_what_the_daemon_did(nursery, workdir):
     cfg = make_config(workdir, knobs={"tokens_per_round": 2},
                       models=[{"name": "fake", "checkpoint_dir": str(workdir / "fake")},
                               {"name": "slow", "checkpoint_dir": str(workdir / "slow")}],
-                      thermal={"enabled": True, "psutil_chips": [], "paths": [str(workdir / "temp")],
+                      thermal={"enabled": True, "psutil_chips": [], "hwmon_dir": "", "paths": [str(workdir / "temp")],
                                "poll_interval_s": 0.05})
     daemon = await start(nursery, cfg)
     async with await AsyncClient.connect(cfg.server.socket_path) as c:
@@ -275,8 +278,9 @@ async def test_the_metrics_method_counts_what_the_daemon_did(nursery, workdir):
         assert m["tickets"]["released"] == {"done": 2, "cancelled": 0, "failed": 0, "faulted": 0, "preempted": 0}
         assert m["wait_s"]["interactive"]["count"] == 1 and m["wait_s"]["batch"]["count"] == 1
         assert m["tokens"]["generated"] == 4 + 4 + 3
-        assert m["thermal"] == {"state": "ok", "reading_c": 41.5}
-        assert m["driver_errors"] == {"count": 0, "available": True}
+        assert m["thermal"] == {"state": "ok", "reading_c": 41.5, "npu_power_w": None}
+        assert m["driver_errors"] == {"count": 0, "available": True, "pre_hang": 0}
+        assert m["gemms"] == "host"
         assert m["holding"] is None and m["queue"] == {"interactive": 0, "batch": 0}
 
         # the device held by a long job, two more waiting behind it, then a driver error

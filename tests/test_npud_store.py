@@ -134,3 +134,31 @@ def test_a_corrupt_database_is_reported_at_open(tmp_path):
     with pytest.raises(StoreError) as info:
         Store.open(tmp_path)
     assert info.value.code == "store_error" and "npud.sqlite3" in info.value.message
+
+
+def test_a_schema_1_store_gains_the_firmware_column(tmp_path):
+    import sqlite3
+
+    conn = sqlite3.connect(tmp_path / "npud.sqlite3")
+    conn.executescript("""
+        CREATE TABLE jobs (id INTEGER PRIMARY KEY AUTOINCREMENT, owner_uid INTEGER NOT NULL, priority TEXT NOT NULL,
+            interactive INTEGER NOT NULL, model TEXT NOT NULL, request TEXT NOT NULL, num_prompts INTEGER NOT NULL,
+            state TEXT NOT NULL, created_at REAL NOT NULL, started_at REAL, finished_at REAL, error_code TEXT,
+            error_message TEXT, tokens INTEGER NOT NULL DEFAULT 0);
+        CREATE TABLE tickets (id INTEGER PRIMARY KEY, job_id INTEGER NOT NULL REFERENCES jobs(id) ON DELETE CASCADE,
+            priority TEXT NOT NULL, state TEXT NOT NULL, outcome TEXT, reason TEXT, queued_at REAL NOT NULL,
+            granted_at REAL, released_at REAL, thermal_c REAL, errors_at_grant INTEGER, errors_at_release INTEGER,
+            fault_lines TEXT NOT NULL DEFAULT '[]', tokens INTEGER NOT NULL DEFAULT 0,
+            drafted INTEGER NOT NULL DEFAULT 0, accepted INTEGER NOT NULL DEFAULT 0);
+        INSERT INTO jobs VALUES (1, 1000, 'batch', 0, 'm', '{}', 1, 'done', 1.0, 1.0, 2.0, NULL, NULL, 3);
+        INSERT INTO tickets (id, job_id, priority, state, queued_at) VALUES (1, 1, 'batch', 'released', 1.0);
+        PRAGMA user_version=1;
+    """)
+    conn.close()
+    store = Store.open(tmp_path)
+    assert store.tickets(job_id=1)[0]["fw_version"] is None  # the old ticket kept, no firmware known
+    store.save_ticket({**_ticket(2, 1), "fw_version": "1.5.2.380"})
+    assert [t["fw_version"] for t in store.tickets(job_id=1)] == ["1.5.2.380", None]
+    assert store._conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    store.close()
+    assert Store.open(tmp_path).tickets(job_id=1)[0]["fw_version"] == "1.5.2.380"  # reopening adds nothing twice

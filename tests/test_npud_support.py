@@ -15,6 +15,7 @@ import zlib
 from pathlib import Path
 
 from engine.api import (
+    DeviceFault,
     FinishReason,
     GenerateRequest,
     GenerationResult,
@@ -70,6 +71,11 @@ class FakeSession:
             return []
         if self.model.round_sleep_s:
             time.sleep(self.model.round_sleep_s)
+        fault = self.model.fault_file
+        if (fault is not None and Path(fault).exists() and len(self.ids) >= self.model.fault_at_token
+                and self.model.fault_prompt in (None, self.prompt)):
+            Path(fault).unlink()
+            raise DeviceFault("GEMM K=1024 N=3072 on the NPU ended in ERT_CMD_STATE_TIMEOUT (timeout 5000 ms)")
         events = []
         for _ in range(self.model.tokens_per_round):
             tid = token_id(self.prompt, len(self.ids))
@@ -96,7 +102,9 @@ class FakeSession:
 
 class FakeServedModel:
     """An engine.api.ServedModel without a prefix cache. Knobs from fake.json:
-    tokens_per_round, round_sleep_s, max_context, nbytes."""
+    tokens_per_round, round_sleep_s, max_context, nbytes, fault_file (a round raises
+    DeviceFault, as a failed NPU run does, once for each time that file is created;
+    fault_prompt and fault_at_token say where)."""
 
     def __init__(self, name: str, knobs: dict) -> None:
         self.name = name
@@ -104,6 +112,9 @@ class FakeServedModel:
         self.round_sleep_s = float(knobs.get("round_sleep_s", 0.0))
         self.max_context = int(knobs.get("max_context", 4096))
         self.nbytes = int(knobs.get("nbytes", 1000))
+        self.fault_file = knobs.get("fault_file")
+        self.fault_prompt = knobs.get("fault_prompt")  # only the prompt with this text faults (None: any)
+        self.fault_at_token = int(knobs.get("fault_at_token", 0))  # after this many of its tokens
 
     def describe(self) -> dict:
         return {"name": self.name, "fake": True, "tokens_per_round": self.tokens_per_round}
@@ -134,7 +145,8 @@ class FakeServedModel:
 
 
 def load_model(name: str, checkpoint_dir, *, draft_dir=None, dflash_dir=None, weight_format: str = "bf16",
-               cache_dir=None, backend: str = "auto", xrt_design=None, assistant_dir=None) -> FakeServedModel:
+               cache_dir=None, backend: str = "auto", xrt_design=None, assistant_dir=None,
+               xrt_timeout_ms=None) -> FakeServedModel:
     """The fake engine's engine.api.ModelLoader: knobs from <checkpoint_dir>/fake.json.
 
     Raises FileNotFoundError without the file, ModelError when it is not JSON."""
@@ -237,7 +249,7 @@ class DaemonProc:
             "limits": {"max_line_bytes": 65536},
             "store": {"state_dir": str(workdir / "state")},
             "scheduler": {"quantum_tokens": 100000, "quantum_ms": 600000.0},
-            "thermal": {"psutil_chips": [], "paths": [str(self.temp_file)], "hold_above_c": 90.0,
+            "thermal": {"psutil_chips": [], "hwmon_dir": "", "paths": [str(self.temp_file)], "hold_above_c": 90.0,
                         "resume_below_c": 85.0, "abort_above_c": 100.0, "poll_interval_s": 0.05},
             "errors": {"source": str(self.kmsg), "poll_interval_s": 0.05},
             "logging": {"format": "json", "level": "info"},

@@ -107,7 +107,8 @@ def render(source: str) -> str:
             if isinstance(target, ast.Name) and not target.id.startswith("_"):
                 doc = _following_string(tree.body, i)
                 out.append(f"- `{target.id} = {ast.unparse(node.value)}`" + (f": {_one_line(doc)}" if doc else ""))
-                if i + 1 < len(tree.body) and not isinstance(tree.body[i + 1], (ast.Assign, ast.AnnAssign, ast.Expr)):
+                after = i + 2 if doc else i + 1  # the next definition, past the attribute docstring
+                if after < len(tree.body) and not isinstance(tree.body[after], (ast.Assign, ast.AnnAssign, ast.Expr)):
                     out.append("")
     return "\n".join(out).rstrip("\n") + "\n"
 

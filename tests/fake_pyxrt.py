@@ -1,0 +1,311 @@
+"""A SIMULATOR standing in for pyxrt in tests: never evidence that anything runs on an NPU.
+
+It mimics the part of XRT's Python binding (src/python/pybind11/src/pyxrt.cpp) that the
+npud backend uses, and checks the buffer protocol an aiecc-built GEMM design needs, the way
+mlir-aie's aie.utils.xrt drives one: the instruction buffer in the kernel's group 1 and
+cacheable, A, B, C in groups 3, 4, 5 and host_only, every input synced to the device after
+its last write and before the run, C synced from the device before it is read, the call's
+arguments (opcode 3, instr, ninstr, A, B, C) matching what the xclbin declares. A breach
+raises ProtocolViolation.
+
+The "xclbin" is a JSON file written by `write_design_table` holding what a real xclbin
+bakes in: the kernel's name and argument count and the compiled GEMM shape. A run decodes
+the bf16 A and B buffers and computes C with fp32 accumulation over K in order, so the
+backend's results can be compared with the host's. It can be told to end a run in TIMEOUT
+or ABORT (C left zeroed), or to raise, after a number of good runs.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import sys
+import uuid as _uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+SIMULATOR = True  # kernels/xrt.py names a backend on this module "xrt-simulator"
+
+
+class ProtocolViolation(AssertionError):
+    """The backend used the simulated XRT in a way a real device would not accept."""
+
+
+class xclBOSyncDirection(enum.Enum):
+    XCL_BO_SYNC_BO_TO_DEVICE = 0
+    XCL_BO_SYNC_BO_FROM_DEVICE = 1
+
+
+class ert_cmd_state(enum.Enum):
+    ERT_CMD_STATE_NEW = 1
+    ERT_CMD_STATE_QUEUED = 2
+    ERT_CMD_STATE_COMPLETED = 4
+    ERT_CMD_STATE_ERROR = 5
+    ERT_CMD_STATE_ABORT = 6
+    ERT_CMD_STATE_TIMEOUT = 9
+
+
+GROUP_BASE = 0x100  # group_id(i) answers GROUP_BASE + i: a memory group, not the index itself
+
+
+@dataclass
+class Sim:
+    """The simulated device's state: every call recorded, failures to inject."""
+
+    calls: list = field(default_factory=list)
+    registered: set = field(default_factory=set)
+    fail_mode: str | None = None  # "timeout", "abort", "raise"
+    fail_after: int = 0  # good runs before the failure
+    fail_times: int = 0  # failing runs, then good again
+    runs: int = 0
+
+    def inject(self, mode: str, after: int = 0, times: int = 1) -> None:
+        if mode not in ("timeout", "abort", "raise"):
+            raise ValueError(mode)
+        self.fail_mode, self.fail_after, self.fail_times = mode, self.runs + after, times
+
+    def _failure(self) -> str | None:
+        if self.fail_mode is None or self.runs < self.fail_after or self.fail_times <= 0:
+            return None
+        self.fail_times -= 1
+        return self.fail_mode
+
+
+SIM = Sim()
+
+
+def reset() -> Sim:
+    global SIM
+    SIM = Sim()
+    return SIM
+
+
+class device:
+    def __init__(self, index: int = 0):
+        if index != 0:
+            raise RuntimeError(f"simulated device {index} does not exist")
+        self.index = index
+
+    def register_xclbin(self, xb: "xclbin"):
+        SIM.registered.add(xb.get_uuid())
+        SIM.calls.append(("register_xclbin", str(xb.path)))
+        return xb.get_uuid()
+
+
+class _kernel_info:
+    def __init__(self, name: str, num_args: int):
+        self._name, self._num_args = name, num_args
+
+    def get_name(self) -> str:
+        return self._name
+
+    def get_num_args(self) -> int:
+        return self._num_args
+
+
+class xclbin:
+    def __init__(self, path: str):
+        self.path = Path(path)
+        try:
+            self.meta = json.loads(self.path.read_text())
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"simulated xclbin {path}: {exc}") from None
+        self._uuid = _uuid.uuid5(_uuid.NAMESPACE_URL, str(self.path.resolve()))
+
+    def get_kernels(self):
+        return [_kernel_info(k["name"], k["num_args"]) for k in self.meta["kernels"]]
+
+    def get_uuid(self):
+        return self._uuid
+
+
+class hw_context:
+    def __init__(self, dev: device, xclbin_uuid):
+        if xclbin_uuid not in SIM.registered:
+            raise ProtocolViolation("hw_context for an xclbin that was not registered on the device")
+        self.device, self.uuid = dev, xclbin_uuid
+        SIM.calls.append(("hw_context", str(xclbin_uuid)))
+
+
+class bo:
+    class flags(enum.Enum):
+        normal = 0
+        cacheable = 1
+        host_only = 2
+
+    normal, cacheable, host_only = flags.normal, flags.cacheable, flags.host_only
+
+    def __init__(self, dev: device, size: int, flags, group: int):
+        if not isinstance(dev, device) or size <= 0:
+            raise ProtocolViolation(f"bo({dev!r}, {size}): needs the device and a positive size")
+        self.arg = group - GROUP_BASE
+        if self.arg not in (1, 3, 4, 5, 6, 7):
+            raise ProtocolViolation(f"bo group {group} is not a group_id() of a buffer argument")
+        want = bo.cacheable if self.arg == 1 else bo.host_only
+        if flags is not want:
+            raise ProtocolViolation(f"bo for argument {self.arg} made {flags.name}; aie.utils.xrt uses {want.name}")
+        self.flags, self._size = flags, int(size)
+        SIM.calls.append(("bo", self.arg, self._size, flags.name))
+        self.host = np.zeros(self._size, np.uint8)
+        self.dev = np.zeros(self._size, np.uint8)
+        self.host_dirty = False  # written since the last sync to the device
+        self.dev_newer = False  # the device wrote since the last sync from the device
+
+    def size(self) -> int:
+        return self._size
+
+    def write(self, data, seek: int):
+        data = np.asarray(memoryview(data)).view(np.uint8).ravel()
+        if seek < 0 or seek + data.size > self._size:
+            raise ProtocolViolation(f"write of {data.size} bytes at {seek} into a {self._size}-byte bo")
+        self.host[seek : seek + data.size] = data
+        self.host_dirty = True
+        SIM.calls.append(("write", self.arg, data.size))
+
+    def read(self, size: int, skip: int):
+        if skip + size > self._size:
+            raise ProtocolViolation(f"read of {size} bytes at {skip} from a {self._size}-byte bo")
+        if self.dev_newer:
+            raise ProtocolViolation(f"bo of argument {self.arg} read before a sync from the device")
+        SIM.calls.append(("read", self.arg, size))
+        return self.host[skip : skip + size].copy()
+
+    def sync(self, direction, size: int | None = None, offset: int = 0):
+        SIM.calls.append(("sync", self.arg, direction.name))
+        if direction is xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE:
+            self.dev[:] = self.host
+            self.host_dirty = False
+        else:
+            self.host[:] = self.dev
+            self.dev_newer = False
+
+
+class run:
+    def __init__(self, state):
+        self._state = state
+
+    def wait(self, timeout_ms: int = 0):
+        if timeout_ms <= 0:
+            raise ProtocolViolation("run.wait() without a timeout: a hung run would block the daemon forever")
+        return self._state
+
+    def state(self):
+        return self._state
+
+
+class kernel:
+    def __init__(self, ctx: hw_context, name: str):
+        if not isinstance(ctx, hw_context):
+            raise ProtocolViolation("kernel() needs a hw_context")
+        meta = next(xb for xb in _XCLBINS if xb.get_uuid() == ctx.uuid).meta
+        info = {k["name"]: k["num_args"] for k in meta["kernels"]}
+        if name not in info:
+            raise RuntimeError(f"no kernel {name} in the simulated xclbin")
+        self.name, self.num_args, self.gemm, self.insts = name, info[name], meta["gemm"], meta["insts"]
+
+    def group_id(self, arg: int) -> int:
+        if not 0 <= arg < self.num_args:
+            raise ProtocolViolation(f"group_id({arg}) of a kernel with {self.num_args} arguments")
+        return GROUP_BASE + arg
+
+    def __call__(self, *args):
+        SIM.calls.append(("run", len(args)))
+        self._check_args(args)
+        failure = SIM._failure()
+        SIM.runs += 1
+        if failure == "raise":
+            raise RuntimeError("simulated: DRM_IOCTL_AMDXDNA_EXEC_CMD failed: Input/output error")
+        _, instr, ninstr, a, b, c = args
+        if failure in ("timeout", "abort"):
+            c.dev[:] = 0
+            c.dev_newer = True
+            return run(ert_cmd_state.ERT_CMD_STATE_TIMEOUT if failure == "timeout" else ert_cmd_state.ERT_CMD_STATE_ABORT)
+        g = self.gemm
+        M, K, N = g["M"], g["K"], g["N"]
+        av = _bf16(a.dev[: M * K * 2]).reshape(M, K)
+        bv = _bf16(b.dev[: K * N * 2]).reshape((N, K) if g["b_col_major"] else (K, N))
+        bk = bv.T if g["b_col_major"] else bv  # [K, N]
+        acc = np.zeros((M, N), np.float32)
+        for k in range(K):  # fp32, in order over K, one rounding per multiply and per add
+            acc = acc + av[:, k : k + 1] * bk[k : k + 1, :]
+        c.dev[: M * N * 4] = acc.view(np.uint8).ravel()
+        c.dev_newer = True
+        return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED)
+
+    def _check_args(self, args) -> None:
+        if len(args) > self.num_args:
+            raise ProtocolViolation(f"{len(args)} arguments to a kernel that declares {self.num_args}")
+        if len(args) != 6:
+            raise ProtocolViolation(f"a GEMM run takes opcode, instr, ninstr, A, B, C; got {len(args)} arguments")
+        opcode, instr, ninstr, a, b, c = args
+        if opcode != 3 or isinstance(opcode, bool):
+            raise ProtocolViolation(f"opcode {opcode!r}, expected 3")
+        for index, buf in ((1, instr), (3, a), (4, b), (5, c)):
+            if not isinstance(buf, bo) or buf.arg != index:
+                raise ProtocolViolation(f"argument {index} is not a bo made for group_id({index})")
+            if index != 5 and buf.host_dirty:
+                raise ProtocolViolation(f"argument {index} was written but not synced to the device")
+        if ninstr != instr.size() // 4:
+            raise ProtocolViolation(f"ninstr {ninstr} != {instr.size() // 4} words in the instruction bo")
+        if instr.dev.view("<u4").tolist() != self.insts:
+            raise ProtocolViolation("the instruction bo does not hold this xclbin's instruction stream")
+        g = self.gemm
+        for name, buf, want in (("A", a, g["M"] * g["K"] * 2), ("B", b, g["K"] * g["N"] * 2),
+                                ("C", c, g["M"] * g["N"] * 4)):
+            if buf.size() != want:
+                raise ProtocolViolation(f"{name} bo of {buf.size()} bytes; the design moves {want}")
+
+
+def _bf16(raw: np.ndarray) -> np.ndarray:
+    return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+_XCLBINS: list[xclbin] = []
+_real_xclbin_init = xclbin.__init__
+
+
+def _tracked_init(self, path):
+    _real_xclbin_init(self, path)
+    _XCLBINS.append(self)
+
+
+xclbin.__init__ = _tracked_init
+
+
+def install(monkeypatch) -> Sim:
+    """Put this simulator in sys.modules as `pyxrt` (for one test) and return its fresh state."""
+    _XCLBINS.clear()
+    monkeypatch.setitem(sys.modules, "pyxrt", sys.modules[__name__])
+    return reset()
+
+
+def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 32, tile: tuple = (8, 8, 8),
+                       columns: int = 1, b_col_major: bool = True, insts_text: bool = True,
+                       num_args: int = 8, kernel_name: str = "MLIR_AIE") -> Path:
+    """design.json plus simulated xclbins and instruction files for (K, N) bf16 shapes; returns its path.
+
+    The compiled K and N are rounded up to the tile rules (tile_k, tile_n * columns)."""
+    from kernels.xrt_design import GemmDesign, write_table
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tm, tk, tn = tile
+    designs = []
+    for i, (k, n) in enumerate(shapes):
+        ck, cn = -(-k // tk) * tk, -(-n // (tn * columns)) * (tn * columns)
+        xb, ins = folder / f"gemm_{k}x{n}.xclbin", folder / (f"insts_{k}x{n}." + ("txt" if insts_text else "bin"))
+        words = np.arange(1, 17 + i, dtype=np.uint32) * np.uint32(0x01000193)
+        xb.write_text(json.dumps({"kernels": [{"name": kernel_name, "num_args": num_args}],
+                                  "gemm": {"M": M, "K": ck, "N": cn, "b_col_major": b_col_major},
+                                  "insts": [int(w) for w in words]}))
+        if insts_text:
+            ins.write_text("".join(f"{w:08x}\n" for w in words))
+        else:
+            ins.write_bytes(words.astype("<u4").tobytes())
+        designs.append(GemmDesign(K=k, N=n, weight_format="bf16", xclbin=xb, insts=ins, kernel="MLIR_AIE", M=M,
+                                  compiled_K=ck, compiled_N=cn, tile_m=tm, tile_k=tk, tile_n=tn, columns=columns,
+                                  dtype_in="bf16", dtype_out="f32", b_col_major=b_col_major))
+    write_table(folder / "design.json", device, designs)
+    return folder / "design.json"

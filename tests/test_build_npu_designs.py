@@ -1,0 +1,98 @@
+"""tools/build_npu_designs.py: the shape listing and the table it writes (the IRON build
+itself needs the mlir-aie and llvm-aie wheels, which are not on the package index)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.testing.checkpoints import build_tiny_checkpoint
+from kernels.xrt_design import DesignTable
+
+def _load_tool():
+    """tools/build_npu_designs.py as a module (tools/ is no package)."""
+    path = Path(__file__).resolve().parent.parent / "tools" / "build_npu_designs.py"
+    spec = importlib.util.spec_from_file_location("build_npu_designs", path)
+    module = sys.modules.setdefault("build_npu_designs", importlib.util.module_from_spec(spec))
+    if not hasattr(module, "main"):
+        spec.loader.exec_module(module)  # registered first: its dataclasses look themselves up there
+    return module
+
+
+tool = _load_tool()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("designs") / "qwen3", "qwen3")
+
+
+def test_shapes_are_the_distinct_linears_with_the_tied_head_only(ckpt):
+    shapes = tool.gemm_shapes([ckpt], "bf16")
+    # hidden 64, 4 heads x 32 for q, 2 x 32 for k and v, MLP 128, vocab 320, 2 layers
+    assert [(s.K, s.N, s.weight_format, len(s.layers)) for s in shapes] == [
+        (64, 64, "bf16", 4), (64, 128, "bf16", 6), (64, 320, "bf16", 1), (128, 64, "bf16", 4)]
+    assert shapes[2].layers == ("qwen3.lm_head",)  # the untied embedding table is no GEMM
+    assert [s.weight_format for s in tool.gemm_shapes([ckpt], "int8")] == ["int8"] * 4
+    twice = tool.gemm_shapes([ckpt, ckpt], "bf16")  # base and a draft sharing shapes: one design each
+    assert [(s.K, s.N) for s in twice] == [(s.K, s.N) for s in shapes] and len(twice[0].layers) == 8
+
+
+@pytest.mark.parametrize("device", ["npu1", "npu2"])
+def test_table_written_for_every_shape_loads_and_serves_them(ckpt, tmp_path, device):
+    shapes = tool.gemm_shapes([ckpt], "bf16")
+    built = []
+
+    def build(design):  # stands in for the IRON build: writes the two files it would
+        design.xclbin.write_bytes(b"xclbin")
+        design.insts.write_text("00000001\n")
+        built.append(design)
+
+    path, on_host = tool.build_table(shapes, tool.Tiling(device), tmp_path, build)
+    assert on_host == [] and len(built) == 4
+    table = DesignTable.load(path)
+    assert table.device == device
+    for s in shapes:
+        design, why = table.lookup(s.K, s.N, "bf16")
+        assert why == "npu" and design.compiled_K % 64 == 0 and design.compiled_N % 128 == 0
+        assert design.compiled_K >= s.K and design.compiled_N >= s.N and design.M == 32
+    assert table.lookup(64, 320, "bf16")[0].compiled_N == 384
+
+
+def test_formats_the_designs_do_not_serve_are_left_to_the_host(ckpt, tmp_path):
+    shapes = tool.gemm_shapes([ckpt], "int8")
+    with pytest.raises(ValueError, match="no shape the NPU designs serve"):
+        tool.build_table(shapes, tool.Tiling("npu2"), tmp_path, lambda d: None)
+
+
+def test_a_tiling_that_breaks_the_rules_fails_before_building(ckpt, tmp_path):
+    shape = tool.gemm_shapes([ckpt], "bf16")[0]
+    with pytest.raises(ValueError, match="tile_m = 4 is not a multiple of the npu2 bf16 micro-tile's 8"):
+        tool.plan(shape, tool.Tiling("npu2", rows=16, bfp16_emulation=True), tmp_path)
+    with pytest.raises(ValueError, match="columns = 8: npu1 has 4"):
+        tool.plan(shape, tool.Tiling("npu1", columns=8), tmp_path)
+
+
+def test_main_lists_shapes_and_says_what_is_missing(ckpt, tmp_path, capsys, monkeypatch):
+    assert tool.main([str(ckpt), "--list"]) == 0
+    assert "K=    64 N=    320 bf16  x1   qwen3.lm_head" in capsys.readouterr().out
+    monkeypatch.delenv("PEANO_INSTALL_DIR", raising=False)
+    monkeypatch.setattr(tool.shutil, "which", lambda name: None)
+    rc = tool.main([str(ckpt), "--device", "npu2", "--out", str(tmp_path), "--mlir-aie-src", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == tool.EXIT_MISSING
+    for what in ("aiecc.py on PATH", "PEANO_INSTALL_DIR", "an mlir-aie source checkout", "make"):
+        assert what in err
+    assert not (tmp_path / "design.json").exists()
+
+
+def test_a_dflash_drafter_adds_its_own_shapes_not_a_head():
+    models = Path(__file__).resolve().parent.parent / "npud" / "models"
+    base = tool.gemm_shapes([models / "pycode-base"], "bf16")
+    with_drafter = tool.gemm_shapes([models / "pycode-base"], "bf16", [models / "pycode-dflash"])
+    added = {(s.K, s.N) for s in with_drafter} - {(s.K, s.N) for s in base}
+    assert added and all(not n.endswith("lm_head") for s in with_drafter for n in s.layers if "dflash" in n)
+    assert any(n == "pycode-dflash.fc" for s in with_drafter for n in s.layers)

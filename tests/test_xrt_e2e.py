@@ -1,0 +1,176 @@
+"""End to end through the NPU backend on the pyxrt SIMULATOR (tests/fake_pyxrt.py): a bf16
+model served with backend "xrt" decodes the same greedy tokens as on the host, for every
+speculative method. Evidence about the backend's protocol and arithmetic, not about an NPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import trio
+
+import fake_pyxrt
+import test_npud_support as fakes
+from clients.client import AsyncClient, DeviceQuarantined
+from engine.testing.checkpoints import build_tiny_checkpoint
+from engine.api import DeviceFault, GenerateRequest, GenerationParams, SpecParams, load_model
+from kernels import xrt
+from npud.config import parse_config
+from npud.daemon import Daemon
+
+def _load_tool():
+    """tools/build_npu_designs.py as a module (tools/ is no package)."""
+    path = Path(__file__).resolve().parent.parent / "tools" / "build_npu_designs.py"
+    spec = importlib.util.spec_from_file_location("build_npu_designs", path)
+    module = sys.modules.setdefault("build_npu_designs", importlib.util.module_from_spec(spec))
+    if not hasattr(module, "main"):
+        spec.loader.exec_module(module)  # registered first: its dataclasses look themselves up there
+    return module
+
+
+gemm_shapes = _load_tool().gemm_shapes
+
+PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("xrt") / "qwen3", "qwen3")
+
+
+@pytest.fixture(scope="module")
+def host_served(ckpt):
+    return load_model("tiny", ckpt, draft_dir=ckpt, weight_format="bf16", backend="host")
+
+
+@pytest.fixture
+def npu_served(ckpt, tmp_path, monkeypatch):
+    sim = fake_pyxrt.install(monkeypatch)
+    monkeypatch.setattr(xrt, "probe", lambda: (True, "simulated accel0 with tests/fake_pyxrt.py"))
+    shapes = [(s.K, s.N) for s in gemm_shapes([ckpt], "bf16")]
+    # npu1 tiling, M = 16 rows a pass: the prompt's prefill takes more than one pass, and N is
+    # padded to 16-column multiples (tile_n 4 x 4 columns)
+    table = fake_pyxrt.write_design_table(tmp_path / "designs", shapes, device="npu1", M=16, tile=(4, 8, 4),
+                                          columns=4)
+    served = load_model("tiny", ckpt, draft_dir=ckpt, weight_format="bf16", backend="xrt",
+                        xrt_design=table, xrt_timeout_ms=1000)
+    return served, sim
+
+
+def drive(session):
+    while not session.done:
+        session.run_round()
+    return session.result()
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft"])
+def test_greedy_output_through_the_simulated_npu_equals_the_host(host_served, npu_served, method):
+    served, sim = npu_served
+    d = served.describe()
+    assert d["backend"] == "xrt-simulator"
+    assert set(d["gemm_placement"].values()) == {"npu"} and len(d["gemm_placement"]) == 4
+    req = GenerateRequest(prompt=PROMPT, params=GenerationParams(max_tokens=24,
+                                                                 spec=SpecParams(method=method, k=4)))
+    before = sim.runs
+    got = drive(served.start(req))
+    want = drive(host_served.start(req))
+    assert got.prompt_tokens > 16  # several passes of M rows
+    assert list(got.token_ids) == list(want.token_ids) and got.text == want.text
+    assert sim.runs > before  # the GEMMs did go through the simulated device
+
+
+def test_a_failed_run_mid_generation_raises_a_device_fault(npu_served):
+    served, sim = npu_served
+    session = served.start(GenerateRequest(prompt=PROMPT, params=GenerationParams(max_tokens=24)))
+    session.run_round()
+    sim.inject("timeout")
+    with pytest.raises(DeviceFault, match="ERT_CMD_STATE_TIMEOUT"):
+        while not session.done:
+            session.run_round()
+
+
+# -- through the whole daemon: socket, jobs, tickets, device owner, engine, simulated NPU -----
+
+PROMPTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n"]
+
+
+async def _wait_state(c, job, states):
+    with trio.fail_after(120):
+        while (status := await c.status(job))["state"] not in states:
+            await trio.sleep(0.02)
+    return status
+
+
+async def test_the_daemon_serves_through_the_simulated_npu_and_faults_a_failed_run(ckpt, host_served, monkeypatch):
+    sim = fake_pyxrt.install(monkeypatch)
+    monkeypatch.setattr(xrt, "probe", lambda: (True, "simulated accel0 with tests/fake_pyxrt.py"))
+    workdir = fakes.short_tempdir()
+    try:
+        table = fake_pyxrt.write_design_table(workdir / "designs", [(s.K, s.N) for s in gemm_shapes([ckpt], "bf16")])
+        (workdir / "kmsg").touch()
+        cfg = parse_config({
+            "server": {"socket_path": str(workdir / "s.sock")}, "store": {"state_dir": str(workdir / "state")},
+            "thermal": {"enabled": False}, "errors": {"source": str(workdir / "kmsg"), "poll_interval_s": 0.05},
+            "device": {"backend": "xrt", "xrt_design": str(table), "xrt_timeout_ms": 1000},
+            "models": [{"name": "tiny", "checkpoint_dir": str(ckpt), "weight_format": "bf16"}]})
+        want = [drive(host_served.start(GenerateRequest(prompt=p, params=GenerationParams(max_tokens=16)))).text
+                for p in PROMPTS]
+        async with trio.open_nursery() as nursery:
+            daemon = await nursery.start(Daemon(cfg).run)
+            async with await AsyncClient.connect(cfg.server.socket_path) as c:
+                job = (await c.submit(PROMPTS, max_tokens=16))["job"]
+                await _wait_state(c, job, ("done",))
+                assert [r["text"] for r in (await c.result(job))["results"]] == want
+                [model] = (await c.models())["models"]
+                assert model["describe"]["backend"] == "xrt-simulator"
+
+                # a run that times out in the middle of the second prompt of the next job (a prompt is
+                # about 250 runs here, the start-up checks 40: the margin is about 100 runs either way)
+                runs_per_prompt = sim.runs // 2
+                sim.inject("timeout", after=runs_per_prompt + runs_per_prompt // 2)
+                job = (await c.submit(PROMPTS, max_tokens=16))["job"]
+                with trio.fail_after(120):
+                    while daemon.queue.quarantine is None:
+                        await trio.sleep(0.02)
+                assert "ERT_CMD_STATE_TIMEOUT" in daemon.queue.quarantine.reason
+                status = await _wait_state(c, job, ("queued",))
+                assert status["done_prompts"] == 1
+                assert [r["prompt"] for r in (await c.result(job))["results"]] == [0]
+                with pytest.raises(DeviceQuarantined):
+                    await c.complete("x", max_tokens=2).wait()
+                assert (await c.device_clear())["cleared"]
+                await _wait_state(c, job, ("done",))
+                assert [r["text"] for r in (await c.result(job))["results"]] == want  # redone from prompt 1
+                outcomes = [(t["outcome"], t["reason"]) for t in daemon.store.tickets(job_id=job)]
+                assert outcomes == [("done", None), ("faulted", "npu_run_failed")]
+            daemon.request_stop()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# -- real hardware -----------------------------------------------------------------------------
+
+
+NPU_DESIGN = os.environ.get("NPUD_XRT_DESIGN")
+NPU_MODEL = os.environ.get("NPUD_NPU_MODEL")  # a bf16 checkpoint whose shapes the design table covers
+
+
+@pytest.mark.npu
+@pytest.mark.skipif(not (NPU_DESIGN and NPU_MODEL and xrt.probe()[0]),
+                    reason="needs an amdxdna NPU, pyxrt, NPUD_XRT_DESIGN=<design.json> and NPUD_NPU_MODEL=<its "
+                           "bf16 checkpoint> (docs/npu.md)")
+def test_npu_speculative_output_equals_plain_output_on_the_device():
+    # on the NPU greedy output need not equal the host's (bf16 activations), but batch
+    # invariance makes every speculative method give the device's own plain greedy text
+    served = load_model("npu", NPU_MODEL, draft_dir=NPU_MODEL, weight_format="bf16", backend="xrt",
+                        xrt_design=NPU_DESIGN)
+    assert served.describe()["backend"] == "xrt"
+    assert all(p.startswith("npu") for p in served.describe()["gemm_placement"].values())
+    texts = {m: drive(served.start(GenerateRequest(prompt=PROMPT, params=GenerationParams(
+                 max_tokens=48, spec=SpecParams(method=m, k=4))))).text
+             for m in ("none", "ngram", "draft")}
+    assert len(set(texts.values())) == 1, texts

@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""Build the NPU GEMM designs a checkpoint needs, and the design table npud reads.
+
+    tools/build_npu_designs.py CHECKPOINT [CHECKPOINT ...] [--dflash DIR] --device npu2 --out DIR
+    tools/build_npu_designs.py CHECKPOINT --list
+
+Lists the distinct (K, N, weight format) of the checkpoints' linear layers (a base, its
+draft, its DFlash drafter: give them all), plans one mlir-aie IRON `whole_array` GEMM per
+bf16 shape with the npu1 (Phoenix, Hawk Point) or npu2 (Strix, Krackan) tiling, builds each
+with the example's Makefile (IRON -> MLIR -> aiecc.py with Peano -> xclbin + insts.txt) and
+writes DIR/design.json. Other weight formats run on the host and are listed as such.
+
+Building needs what is not on the package index: the mlir-aie and llvm-aie (Peano) wheels,
+and an mlir-aie source checkout for the example (docs/npu.md says how). Without them the
+tool says what is missing and exits 3; --list needs none of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from kernels.base import LinearWeight, WeightFormat
+from kernels.xrt_design import N_AIE_ROWS, SERVED_FORMATS, GemmDesign, tile_rule_errors, write_table
+
+EXAMPLE = "programming_examples/basic/matrix_multiplication/whole_array"
+EXIT_MISSING = 3
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class Shape:
+    K: int
+    N: int
+    weight_format: str
+    layers: tuple[str, ...]  # where it occurs, e.g. "layers[0].q_proj"
+
+
+def gemm_shapes(checkpoint_dirs: list[str | Path], weight_format: str = "bf16",
+                dflash_dirs: list[str | Path] = ()) -> list[Shape]:
+    """The distinct GEMM shapes of the checkpoints' (and DFlash drafters') linear layers, sorted by (K, N).
+
+    The embedding table is a GEMM only as the LM head (tied). Raises the engine's
+    ConfigError / WeightsError for a checkpoint that does not load."""
+    from engine.config import load_config
+    from engine.dflash import load_dflash_config, load_dflash_weights
+    from engine.weights import load_weights
+
+    fmt = WeightFormat.parse(weight_format)
+    found: dict[tuple[int, int, str], list[str]] = {}
+
+    def add(weights, prefix: str, head) -> None:
+        for name, w in _linears(weights, prefix):
+            if w is head:
+                name = f"{prefix}.lm_head"  # tied or not, the head is the GEMM
+            elif name.endswith(".embed"):
+                continue  # an untied embedding table is a lookup, not a GEMM
+            n, k = w.data.shape
+            found.setdefault((int(k), int(n), w.fmt.value), []).append(name)
+
+    for ckpt in checkpoint_dirs:
+        weights = load_weights(load_config(ckpt), ckpt, fmt)
+        add(weights, Path(ckpt).name, weights.lm_head)
+    for d in dflash_dirs:  # the drafter reads the base's embedding and LM head
+        add(load_dflash_weights(load_dflash_config(d), d, fmt), Path(d).name, None)
+    return [Shape(k, n, f, tuple(names)) for (k, n, f), names in sorted(found.items())]
+
+
+def _linears(obj, prefix: str):
+    seen: set[int] = set()
+
+    def walk(o, path):
+        if isinstance(o, LinearWeight):
+            if id(o) not in seen:
+                seen.add(id(o))
+                yield path, o
+        elif isinstance(o, list):
+            for i, item in enumerate(o):
+                yield from walk(item, f"{path}[{i}]")
+        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
+            for f in dataclasses.fields(o):
+                yield from walk(getattr(o, f.name), f"{path}.{f.name}")
+
+    yield from walk(obj, prefix)
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class Tiling:
+    device: str  # npu1 or npu2
+    rows: int = 32  # M: rows per device pass (a decode step uses 1, a verify k + 1)
+    tile_k: int = 64
+    tile_n: int = 32
+    columns: int = 4
+    b_col_major: bool = False  # True: B is the weight as loaded, [N, K]; whole_array then wants 32-multiples
+    bfp16_emulation: bool = False  # npu2 only: 8x8x8 bf16 MACs through bfp16 (see docs/npu.md)
+
+    @property
+    def tile_m(self) -> int:
+        return self.rows // N_AIE_ROWS
+
+
+def plan(shape: Shape, tiling: Tiling, out_dir: Path) -> GemmDesign:
+    """The design for `shape` under `tiling` (K and N padded up to the tiles); raises ValueError
+    with the broken rules when the tiling cannot build it."""
+    t = tiling
+    ck = -(-shape.K // t.tile_k) * t.tile_k
+    cn = -(-shape.N // (t.tile_n * t.columns)) * (t.tile_n * t.columns)
+    stem = f"gemm_{shape.K}x{shape.N}"
+    design = GemmDesign(K=shape.K, N=shape.N, weight_format=shape.weight_format,
+                        xclbin=out_dir / f"{stem}.xclbin", insts=out_dir / f"insts_{shape.K}x{shape.N}.txt",
+                        kernel="MLIR_AIE", M=t.rows, compiled_K=ck, compiled_N=cn, tile_m=t.tile_m,
+                        tile_k=t.tile_k, tile_n=t.tile_n, columns=t.columns, dtype_in="bf16", dtype_out="f32",
+                        b_col_major=t.b_col_major, bfp16_emulation=t.bfp16_emulation)
+    errors = tile_rule_errors(t.device, design)
+    if errors:
+        raise ValueError(f"K={shape.K} N={shape.N}: " + "; ".join(errors))
+    return design
+
+
+def missing_toolchain(mlir_aie_src: str | None) -> list[str]:
+    """What building needs and this machine lacks (empty: ready)."""
+    missing = []
+    if importlib.util.find_spec("aie") is None:
+        missing.append("the mlir-aie Python wheel (module 'aie'): pip install mlir_aie from its GitHub releases")
+    if shutil.which("aiecc.py") is None and shutil.which("aiecc") is None:
+        missing.append("aiecc.py on PATH (installed by the mlir-aie wheel)")
+    peano = os.environ.get("PEANO_INSTALL_DIR")
+    if not peano or not (Path(peano) / "bin" / "clang++").exists():
+        missing.append("PEANO_INSTALL_DIR naming the llvm-aie (Peano) install with bin/clang++: "
+                       "pip install llvm-aie from its GitHub releases")
+    if not mlir_aie_src or not (Path(mlir_aie_src) / EXAMPLE / "Makefile").is_file():
+        missing.append(f"an mlir-aie source checkout with {EXAMPLE}/Makefile (--mlir-aie-src or MLIR_AIE_SRC)")
+    if shutil.which("make") is None:
+        missing.append("make")
+    return missing
+
+
+def build_with_iron(design: GemmDesign, tiling: Tiling, mlir_aie_src: Path, work: Path) -> None:
+    """Build one design with the whole_array example's Makefile; copies its xclbin and insts.txt
+    to the design's paths. Raises subprocess.CalledProcessError when the build fails."""
+    stem = f"npud_{design.K}x{design.N}"
+    variables = {
+        "M": design.M, "K": design.compiled_K, "N": design.compiled_N, "m": design.tile_m, "k": design.tile_k,
+        "n": design.tile_n, "n_aie_cols": design.columns, "b_col_maj": int(design.b_col_major),
+        "dtype_in": "bf16", "dtype_out": "f32", "devicename": "npu2" if tiling.device == "npu2" else "npu",
+        "xclbin_target": f"build/{stem}.xclbin", "insts_target": f"build/{stem}_insts.txt",
+    }
+    if tiling.device == "npu2":
+        variables["NPU2"] = 1
+    # bfp16 emulation is a compile flag of the mm micro-kernel (AIE_API_EMULATE_BFLOAT16_MMUL_WITH_BFP16)
+    # set by mlir-aie's own npu2 build flags, not by this tool: --bfp16-emulation declares what the
+    # checkout does, so the table carries the 8x8x8 micro-tile rule; the start-up check measures it
+    src = Path(mlir_aie_src) / EXAMPLE
+    work.mkdir(parents=True, exist_ok=True)
+    cmd = ["make", "-C", str(src), f"build/{stem}.xclbin", *(f"{k}={v}" for k, v in variables.items())]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    shutil.copyfile(src / "build" / f"{stem}.xclbin", design.xclbin)
+    shutil.copyfile(src / "build" / f"{stem}_insts.txt", design.insts)
+
+
+def build_table(shapes: list[Shape], tiling: Tiling, out_dir: Path,
+                build: Callable[[GemmDesign], None]) -> tuple[Path, list[str]]:
+    """Plan and build a design for every served shape, then write out_dir/design.json.
+
+    Returns (the table's path, one line per shape left to the host and why). Raises
+    ValueError when a shape cannot be tiled, and whatever `build` raises."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    designs, on_host = [], []
+    for shape in shapes:
+        if shape.weight_format not in SERVED_FORMATS:
+            on_host.append(f"K={shape.K} N={shape.N} {shape.weight_format}: runs on the host "
+                           f"(the NPU designs take {list(SERVED_FORMATS)})")
+            continue
+        design = plan(shape, tiling, out_dir)
+        build(design)
+        designs.append(design)
+    if not designs:
+        raise ValueError("no shape the NPU designs serve: use --weight-format bf16")
+    path = out_dir / "design.json"
+    write_table(path, tiling.device, designs)
+    return path, on_host
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoints", nargs="+", help="checkpoint directories (the base, its draft model)")
+    p.add_argument("--dflash", action="append", default=[], metavar="DIR", help="a DFlash drafter of the base")
+    p.add_argument("--weight-format", default="bf16", help="as in the model's config (default bf16)")
+    p.add_argument("--list", action="store_true", help="list the GEMM shapes and exit")
+    p.add_argument("--device", choices=["npu1", "npu2"], help="npu1: Ryzen AI 7040/8040; npu2: Ryzen AI 300")
+    p.add_argument("--out", type=Path, help="folder for the xclbins, instruction files and design.json")
+    p.add_argument("--rows", type=int, default=32, help="M, rows per device pass (multiple of 4 x tile_m)")
+    p.add_argument("--tile-k", type=int, default=64)
+    p.add_argument("--tile-n", type=int, default=32)
+    p.add_argument("--columns", type=int, default=4)
+    p.add_argument("--b-col-major", action="store_true", help="B as the weight is stored, [N, K]")
+    p.add_argument("--bfp16-emulation", action="store_true",
+                   help="npu2: the checkout's mm kernel emulates bf16 MACs with bfp16 (8x8x8 micro-tiles)")
+    p.add_argument("--mlir-aie-src", default=os.environ.get("MLIR_AIE_SRC"))
+    args = p.parse_args(argv)
+    shapes = gemm_shapes(args.checkpoints, args.weight_format, args.dflash)
+    for s in shapes:
+        print(f"K={s.K:6d} N={s.N:7d} {s.weight_format:5s} x{len(s.layers):<3d} {s.layers[0]}")
+    if args.list:
+        return 0
+    if args.device is None or args.out is None:
+        p.error("--device and --out are needed to build (or --list)")
+    tiling = Tiling(args.device, args.rows, args.tile_k, args.tile_n, args.columns, args.b_col_major,
+                    args.bfp16_emulation)
+    for shape in shapes:  # every plan first: a bad tiling fails before an hour of compiling
+        if shape.weight_format in SERVED_FORMATS:
+            plan(shape, tiling, args.out)
+    missing = missing_toolchain(args.mlir_aie_src)
+    if missing:
+        print("cannot build the NPU designs here; missing:", file=sys.stderr)
+        for m in missing:
+            print(f"  - {m}", file=sys.stderr)
+        print("docs/npu.md, 'Building the designs', says how to install them.", file=sys.stderr)
+        return EXIT_MISSING
+    path, on_host = build_table(shapes, tiling, args.out,
+                                lambda d: build_with_iron(d, tiling, Path(args.mlir_aie_src), args.out / "work"))
+    for line in on_host:
+        print(line)
+    print(f"wrote {path}; set device.xrt_design = \"{path.resolve()}\" in npud.toml")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
