@@ -126,7 +126,7 @@ async def test_engine_errors_are_bad_requests_and_anything_else_is_internal(nurs
 
 
 async def test_queued_jobs_per_user_and_connections_are_limited(nursery, workdir):
-    cfg = make_config(workdir, limits={"max_queued_jobs_per_user": 2}, server={"max_connections": 3})
+    cfg = make_config(workdir, limits={"max_queued_jobs_per_user": 2}, server={"max_connections": 3, "admin_reserved_connections": 1})
     daemon = await start(nursery, cfg)
     daemon.queue.set_thermal(hold=True, abort=False)  # keep jobs queued
     async with await connect(daemon) as c:
