@@ -23,7 +23,7 @@ from engine.api import (
     SpecParams,
 )
 from npud.config import LimitsConfig
-from npud.protocol import ApiError, ErrorCode, Params
+from npud.protocol import ApiError, ErrorCode, Params, check_text
 
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
@@ -117,6 +117,8 @@ def _messages(p: Params, name: str, value: object) -> tuple[dict, ...]:
     for i, msg in enumerate(value):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
             raise p.bad(f"{name}[{i}]", 'expected {"role": string, "content": string}')
+        for key in ("role", "content"):
+            check_text(p, f"{name}[{i}].{key}", msg[key])
     return tuple(value)
 
 

@@ -184,6 +184,15 @@ def _with_id(req_id: Any, error: ApiError) -> ApiError:
 _MISSING = object()
 
 
+def check_text(p: "Params", name: str, value: str) -> None:
+    """Raise bad_request naming `name` unless `value` is text: JSON lets a string hold a lone
+    surrogate ("\\ud800"), which no tokenizer, file or UTF-8 encoder accepts."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise p.bad(name, f"is not valid text (a lone surrogate at character {exc.start})") from None
+
+
 class Params:
     """Typed access to a request's params; every check names the parameter.
 
@@ -254,6 +263,7 @@ class Params:
             return value
         if not isinstance(value, str):
             raise self.bad(name, f"expected a string, got {_type_name(value)}")
+        check_text(self, name, value)
         if choices is not None and value not in choices:
             raise self.bad(name, f"{value!r} is not one of {list(choices)}")
         if max_len is not None and len(value) > max_len:
@@ -283,6 +293,7 @@ class Params:
         for i, item in enumerate(value):
             if not isinstance(item, str):
                 raise self.bad(f"{name}[{i}]", f"expected a string, got {_type_name(item)}")
+            check_text(self, f"{name}[{i}]", item)
             if nonempty_items and not item:
                 raise self.bad(f"{name}[{i}]", "must not be empty")
         return value

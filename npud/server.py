@@ -286,9 +286,10 @@ class Server:
                 message = error_reply(req.id, exc)
             except trio.ClosedResourceError:
                 return  # the client went away while we streamed to it
-            except Exception as exc:
+            except Exception:  # the traceback goes to the log, never to the client
                 log.exception("internal_error", method=req.method)
-                message = error_reply(req.id, ApiError(ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}"))
+                message = error_reply(req.id, ApiError(ErrorCode.INTERNAL_ERROR,
+                                                       "the request failed in the daemon; its log has the details"))
             await self._send_quietly(conn, message)
         finally:
             state.finished(trio.current_time())

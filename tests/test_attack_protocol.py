@@ -110,6 +110,7 @@ async def test_undecodable_lines_get_coded_replies_and_the_stream_survives(nurse
     ("tickets", {"until": -1e400}),
     ("tickets", {"since": 10 ** 400}),
     ("submit", {"prompts": ["a"], "sampling": {"temperature": 10 ** 400}}),
+    ("submit", {"prompts": ["a", "b\ud800"]}),  # not text: refused at submit, not failed in the engine
 ])
 async def test_numbers_out_of_range_are_bad_requests(nursery, workdir, method, params):
     # before: SQLite's 64-bit INTEGER overflowed and float() of a huge int raised: internal_error
