@@ -273,6 +273,20 @@ class Api:
         p.finish()
         return {"models": self.registry.describe()}
 
+    def _visible(self, peer: "Peer", granted: dict | None) -> dict | None:
+        """The device holder as `peer` may see it: another user's job and ticket are hidden
+        from non-admins (only that the device is held, and at which priority)."""
+        if granted is None or peer.caller.admin:
+            return granted
+        job = self.job_manager.active.get(granted["job"])
+        if job is not None and job.owner_uid == peer.uid:
+            return granted
+        return {"ticket": None, "job": None, "priority": granted["priority"], "state": "granted"}
+
+    def _snapshot(self, peer: "Peer") -> dict:
+        snap = self.snapshot()
+        return {**snap, "holding": self._visible(peer, snap["holding"])}
+
     async def stats(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         p.finish()
         jobs, tickets = await self.job_manager.counts()
@@ -281,15 +295,15 @@ class Api:
             "uptime_s": round(time.monotonic() - self.started_mono, 3), "version": __version__,
             "connections": self.connections(), "jobs": jobs, "tickets": tickets,
             "tokens_generated": self.job_manager.tokens_generated, "queue": self.queue.counts(),
-            "granted": None if granted is None else granted.to_wire(),
+            "granted": self._visible(peer, None if granted is None else granted.to_wire()),
             "quarantined": self.queue.quarantine is not None,
-            "metrics": self.snapshot(),
+            "metrics": self._snapshot(peer),
         }
 
     async def metrics(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         fmt = p.str("format", "json", choices=("json", "prometheus"))
         p.finish()
-        snap = self.snapshot()
+        snap = self._snapshot(peer)
         if fmt == "prometheus":
             return {"format": "prometheus", "text": render_prometheus(snap)}
         return snap

@@ -34,9 +34,18 @@ STORE_CODES = {StoreCode.FULL: ErrorCode.STORE_FULL, StoreCode.READONLY: ErrorCo
                StoreCode.ERROR: ErrorCode.STORE_ERROR}
 
 
+STORE_MESSAGES = {
+    StoreCode.FULL: "the job store is full (no space left on its disk); nothing was recorded",
+    StoreCode.READONLY: "the job store is not writable; nothing was recorded",
+    StoreCode.ERROR: "the job store failed; nothing was recorded",
+}
+
+
 def store_api_error(exc: StoreError) -> ApiError:
-    """The protocol error a client sees for a store failure (same code name, same message)."""
-    return ApiError(STORE_CODES[exc.code], exc.message)
+    """The protocol error a client sees for a store failure: the same code, a plain message
+    (the store's own message names its path and SQLite's error: it goes to the log)."""
+    log.warning("store_failed", code=exc.code.value, message=exc.message)
+    return ApiError(STORE_CODES[exc.code], STORE_MESSAGES[exc.code])
 
 
 class JobState(enum.Enum):
@@ -181,8 +190,10 @@ class JobManager:
 
     @staticmethod
     def _check_access(caller: Caller, owner_uid: int, job_id: int) -> None:
+        # the same answer as for a job that does not exist: job ids cannot be probed for
+        # other users' work
         if not caller.may_access(owner_uid):
-            raise ApiError(ErrorCode.FORBIDDEN, f"job {job_id} belongs to another user")
+            raise ApiError(ErrorCode.NOT_FOUND, f"no job {job_id}")
 
     async def results(self, caller: Caller, job_id: int, prompts: list[int] | None) -> dict:
         status = await self.status(caller, job_id)
