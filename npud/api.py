@@ -297,6 +297,7 @@ class Api:
             "tokens_generated": self.job_manager.tokens_generated, "queue": self.queue.counts(),
             "granted": self._visible(peer, None if granted is None else granted.to_wire()),
             "quarantined": self.queue.quarantine is not None,
+            "store": self.job_manager.store_status(),
             "metrics": self._snapshot(peer),
         }
 

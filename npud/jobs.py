@@ -28,6 +28,8 @@ log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 SUBSCRIBER_BUFFER = 4096  # events a slow client may fall behind before its stream is ended
+STORE_RETRY_S = 5.0  # how often the final state of jobs the store could not take is written again
+RETENTION_EVERY_S = 3600.0
 
 
 STORE_CODES = {StoreCode.FULL: ErrorCode.STORE_FULL, StoreCode.READONLY: ErrorCode.STORE_READONLY,
@@ -122,6 +124,10 @@ class JobManager:
         self.queue = queue
         self.wall = wall
         self.active: dict[int, Job] = {}
+        # Ended jobs whose final state the store could not take (a full disk): memory answers
+        # for them until a retry stores it, so clients never see a stale "running".
+        self.unsaved: dict[int, Job] = {}
+        self.store_error: ApiError | None = None  # the last failed write; None once a write succeeds
         self.accepting = True
         self.tokens_generated = 0
         self._db_limiter = trio.CapacityLimiter(1)  # the store's connection is used by one thread at a time
@@ -175,10 +181,12 @@ class JobManager:
         return job, sub
 
     async def status(self, caller: Caller, job_id: int) -> dict:
-        job = self.active.get(job_id)
+        job = self.active.get(job_id) or self.unsaved.get(job_id)
         if job is not None:
             self._check_access(caller, job.owner_uid, job_id)
             out = job.status()
+            if job_id in self.unsaved and self.store_error is not None:
+                out["store_error"] = self.store_error.to_wire()  # the store still says otherwise
         else:
             row = await self.db(self.store.job, job_id)
             if row is None:
@@ -207,7 +215,8 @@ class JobManager:
         rows = await self.db(self.store.jobs, owner_uid=None if all_users else caller.uid, states=states,
                              limit=limit, before=before)
         # the store has the durable fields; live counters of active jobs come from memory
-        return [self.active[r["job"]].status() if r["job"] in self.active else r for r in rows]
+        live = {**self.unsaved, **self.active}
+        return [live[r["job"]].status() if r["job"] in live else r for r in rows]
 
     async def cancel(self, caller: Caller, job_id: int) -> dict:
         status = await self.status(caller, job_id)  # raises not_found / forbidden
@@ -309,7 +318,8 @@ class JobManager:
         job.session = job.session_prompt = None
         job.ticket = None
         self.active.pop(job.id, None)
-        await self._write_state(job, ticket)
+        if not await self._write_state(job, ticket):
+            self.unsaved[job.id] = job
         job.finished.set()
         for sub in list(job.subscribers):
             self.unsubscribe(job, sub)
@@ -318,17 +328,39 @@ class JobManager:
                  elapsed_ms=round((job.finished_at - job.created_at) * 1000, 1),
                  error=None if job.error is None else job.error.code)
 
-    async def _write_state(self, job: Job, ticket: Ticket | None = None) -> None:
-        """Store the job's state (and the ticket that changed it) in one commit."""
+    async def _write_state(self, job: Job, ticket: Ticket | None = None) -> bool:
+        """Store the job's state (and the ticket that changed it) in one commit; returns whether
+        the store took it. A failure is logged and kept in `store_error` (shown by `stats`)."""
         try:
             await self.db(self.store.set_job_state, job.id, job.state.value, started_at=job.started_at,
                           finished_at=job.finished_at, error=None if job.error is None else job.error.to_wire(),
                           ticket=None if ticket is None else ticket.to_wire())
         except StoreError as exc:
-            # Nothing more can be done here: the store keeps the last state it could write, and
-            # a restart redoes the job from that state. The operator sees why.
+            # The store keeps the last state it could write; a restart redoes the job from that
+            # state. Until then memory answers for the job (see `unsaved`).
             log.error("store_write_failed", job=job.id, ticket=None if ticket is None else ticket.id,
                       code=exc.code, message=exc.message)
+            self.store_error = store_api_error(exc)
+            return False
+        self.store_error = None
+        return True
+
+    async def save_unsaved(self) -> int:
+        """Write the final state of the jobs the store could not take before; returns how many
+        are still unsaved."""
+        for job in list(self.unsaved.values()):
+            if await self._write_state(job):
+                self.unsaved.pop(job.id, None)
+                log.info("store_write_recovered", job=job.id, state=job.state.value)
+            else:
+                break  # the store is still failing; try again later
+        return len(self.unsaved)
+
+    def store_status(self) -> dict:
+        """Whether the last store write succeeded, and the jobs whose final state waits in memory."""
+        return {"writable": self.store_error is None,
+                "error": None if self.store_error is None else self.store_error.to_wire(),
+                "unsaved_jobs": len(self.unsaved)}
 
     # -- queries -------------------------------------------------------------------------
 
@@ -389,12 +421,17 @@ class JobManager:
         return removed
 
     async def run_retention(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Prune finished history at start-up and then every hour."""
+        """Prune finished history at start-up and then every hour; store the final states that
+        a failing store did not take, every STORE_RETRY_S."""
         task_status.started()
+        next_prune = trio.current_time()
         while True:
-            try:
-                await self.prune(self.cfg.store.retention_days)
-            except StoreError as exc:
-                log.error("history_prune_failed", code=exc.code, message=exc.message)
-            await trio.sleep(3600)
-
+            if trio.current_time() >= next_prune:
+                next_prune = trio.current_time() + RETENTION_EVERY_S
+                try:
+                    await self.prune(self.cfg.store.retention_days)
+                except StoreError as exc:
+                    log.error("history_prune_failed", code=exc.code, message=exc.message)
+            if self.unsaved:
+                await self.save_unsaved()
+            await trio.sleep(STORE_RETRY_S)
