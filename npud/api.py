@@ -34,6 +34,7 @@ log = structlog.get_logger(__name__)
 Emit = Callable[[str, dict], Awaitable[None]]
 JOB_STATES = ("queued", "running", "done", "failed", "cancelled")
 MAX_LIST = 1000
+MAX_KEY_CHARS = 128
 
 
 def _require_admin(peer: "Peer", method: str) -> None:
@@ -103,9 +104,13 @@ class Api:
     async def submit(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         spec = self._spec(p, single=False)
         priority = Priority.parse(p.str("priority", "batch", choices=("batch", "interactive")))
+        key = p.str("idempotency_key", None, nonempty=True, max_len=MAX_KEY_CHARS)
         p.finish()
-        job, _ = await self.job_manager.submit(peer.caller, spec, priority)
-        return {**job.status(), "queue_position": self.queue.position(job.id)}
+        if key is not None:  # a retry of a submit whose reply was lost gets the job it made
+            status = await self.job_manager.submit_once(peer.caller, spec, priority, key)
+        else:
+            status = (await self.job_manager.submit(peer.caller, spec, priority))[0].status()
+        return {**status, "queue_position": self.queue.position(status["job"])}
 
     async def complete(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         spec = self._spec(p, single=True)

@@ -8,6 +8,7 @@ did through the `on_*` methods; clients read and cancel through the rest.
 from __future__ import annotations
 
 import enum
+import json
 import functools
 import time
 from collections.abc import Callable
@@ -130,7 +131,8 @@ class JobManager:
         self.store_error: ApiError | None = None  # the last failed write; None once a write succeeds
         self.accepting = True
         self.tokens_generated = 0
-        self._db_limiter = trio.CapacityLimiter(1)  # the store's connection is used by one thread at a time
+        self._db_limiter = trio.CapacityLimiter(1)
+        self._keyed = trio.Lock()  # the store's connection is used by one thread at a time
         queue.observers.append(self._on_ticket_change)
 
     async def db(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
@@ -157,8 +159,23 @@ class JobManager:
 
     # -- client side ---------------------------------------------------------------------
 
+    async def submit_once(self, caller: Caller, spec: JobSpec, priority: Priority, key: str) -> dict:
+        """Accept a job unless the caller already submitted one with idempotency key `key`;
+        returns the status of the job the key names (new or earlier). Raises bad_request when
+        the key was used for a different request, else as submit()."""
+        async with self._keyed:  # one keyed submit at a time: look-up and insert cannot interleave
+            found = await self.db(self.store.job_by_key, caller.uid, key)
+            if found is None:
+                job, _ = await self.submit(caller, spec, priority, key=key)
+                return job.status()
+            if found["request"] != json.loads(json.dumps(spec.to_json())) or found["priority"] != priority.label:
+                raise ApiError(ErrorCode.BAD_REQUEST, f"params.idempotency_key: already used for job {found['job']},"
+                                                      " which asked for something else")
+            log.info("job_resubmitted", job=found["job"], owner_uid=caller.uid)
+            return await self.status(caller, found["job"])
+
     async def submit(self, caller: Caller, spec: JobSpec, priority: Priority, *, interactive: bool = False,
-                     subscribe: bool = False) -> tuple[Job, Subscriber | None]:
+                     subscribe: bool = False, key: str | None = None) -> tuple[Job, Subscriber | None]:
         """Accept a job: store it, then queue its ticket. Raises overloaded / shutting_down / store_*."""
         if not self.accepting:
             raise ApiError(ErrorCode.SHUTTING_DOWN, "npud is shutting down and accepts no new work")
@@ -171,7 +188,7 @@ class JobManager:
         with trio.CancelScope(shield=True):
             job_id = await self.db(self.store.insert_job, owner_uid=caller.uid, priority=priority.label,
                                    interactive=interactive, model=spec.model, request=spec.to_json(),
-                                   num_prompts=spec.num_prompts, created_at=created)
+                                   num_prompts=spec.num_prompts, created_at=created, idempotency_key=key)
             job = Job(job_id, caller.uid, priority, interactive, spec, created)
             self.active[job_id] = job
             sub = self.subscribe(job) if subscribe else None
