@@ -287,7 +287,8 @@ class ModelSession:
 
         The decode loop runs the prompt's last token itself, so the state covers prompt[:-1].
         """
-        done = self._cache.prefill(self.forward, self.prompt_ids, rest=False, restore=self._restore_allowed)
+        done = self._cache.prefill(self.forward, self.prompt_ids, rest=False, restore=self._restore_allowed,
+                                   scope=self.request.cache_scope)
         if done.match is not None:
             self.num_cached_tokens = done.match.num_cached_tokens
 

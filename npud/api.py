@@ -219,7 +219,10 @@ class Api:
             served = registry.resident(name)
             if served is None or not served.has_prefix_cache:
                 continue
-            out.append({"model": name, **await self.owner.engine_call(served.cache_info)})
+            info = await self.owner.engine_call(served.cache_info)
+            if not peer.caller.admin:  # counters of every user's lookups: an operator's business
+                info = {"pins": info["pins"]}
+            out.append({"model": name, **info})
         return {"models": out}
 
     async def cache_pin(self, peer: "Peer", p: Params, emit: Emit) -> dict:

@@ -193,7 +193,7 @@ class DeviceOwner:
 
         Raises ApiError(prompt_too_long), EngineError, or whatever an engine bug raises."""
         limit = self.cfg.limits.max_prompt_tokens
-        request = job.spec.engine_request(prompt)
+        request = job.spec.engine_request(prompt, job.owner_uid)
         num_tokens = served.count_prompt_tokens(request)
         if num_tokens > limit:
             raise ApiError(ErrorCode.PROMPT_TOO_LONG,

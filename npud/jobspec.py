@@ -72,10 +72,17 @@ class JobSpec:
             params=_from_json(GenerationParams, raw),
         )
 
-    def engine_request(self, index: int) -> GenerateRequest:
-        """The engine's request for prompt `index`."""
+    def engine_request(self, index: int, owner_uid: int) -> GenerateRequest:
+        """The engine's request for prompt `index` of a job of `owner_uid`, whose prefix-cache
+        entries are that owner's alone (engine.api.GenerateRequest.cache_scope)."""
         return GenerateRequest(prompt=None if self.prompts is None else self.prompts[index],
-                               messages=None if self.chats is None else self.chats[index], params=self.params)
+                               messages=None if self.chats is None else self.chats[index], params=self.params,
+                               cache_scope=cache_scope(owner_uid))
+
+
+def cache_scope(owner_uid: int) -> str:
+    """The prefix-cache scope of a user's requests."""
+    return f"uid:{owner_uid}"
 
 
 def _to_json(value: object) -> object:

@@ -81,3 +81,44 @@ def test_another_users_jobs_look_like_missing_ones_and_nothing_leaks():
     finally:
         d.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+AS_OTHER_COMPLETE = r"""
+import json, sys
+from clients import client as npc
+c = npc.Client(sys.argv[1], timeout=120)
+out = [c.complete(p, max_tokens=1).wait()["stats"].get("num_cached_tokens") for p in json.loads(sys.argv[2])]
+out.append(c.cache_list())
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_prefix_cache_tells_no_user_about_anothers_prompts(tmp_path):
+    checkpoints = pytest.importorskip("engine.testing.checkpoints", reason="builds the tiny model")
+    model = checkpoints.build_tiny_checkpoint(tmp_path / "tiny")
+    workdir = short_tempdir()
+    d = DaemonProc(workdir, [{"name": "tiny", "checkpoint_dir": str(model), "weight_format": "fp32"}],
+                   server={"socket_group": "nogroup", "admin_group": "npud-test-no-such-group"})
+    secret = "the launch code is " + " ".join(f"w{i}" for i in range(120))  # several 32-token blocks
+    system = "you are a careful assistant. " * 20
+    try:
+        d.start(timeout=120)
+        with d.client() as c:
+            assert c.complete(secret, max_tokens=1).wait()["stats"]["num_cached_tokens"] == 0
+            assert c.complete(secret + " more", max_tokens=1).wait()["stats"]["num_cached_tokens"] >= 64  # own: kept
+            c.cache_pin("system", text=system)  # an operator shares a system prompt
+        done = subprocess.run(["/usr/bin/python3", "-c", AS_OTHER_COMPLETE, d.socket,
+                               json.dumps([secret + " more", system + " and a question"])],
+                              user=OTHER_UID, group=NOGROUP, extra_groups=[],
+                              env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+                              capture_output=True, text=True, cwd="/", timeout=300)
+        assert done.returncode == 0, done.stderr
+        guessed, shared, listing = json.loads(done.stdout)
+        assert guessed == 0  # before: the cached blocks of root's prompt answered the guess
+        assert shared >= 64  # the pinned system prompt serves everyone
+        [entry] = listing["models"]
+        assert set(entry) == {"model", "pins"}  # no counters of other users' lookups
+    finally:
+        d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
