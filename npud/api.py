@@ -91,7 +91,8 @@ class Api:
             "device": {"kind": self.device.kind, "reason": self.device.reason},
             "limits": {"max_line_bytes": limits.max_line_bytes, "max_prompt_tokens": limits.max_prompt_tokens,
                        "max_tokens": limits.max_tokens, "max_prompts_per_job": limits.max_prompts_per_job,
-                       "max_queued_jobs_per_user": limits.max_queued_jobs_per_user},
+                       "max_queued_jobs_per_user": limits.max_queued_jobs_per_user,
+                       "max_queued_bytes_per_user": limits.max_queued_bytes_per_user},
         }
 
     # -- jobs ----------------------------------------------------------------------------

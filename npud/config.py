@@ -77,6 +77,7 @@ class LimitsConfig:
     max_tokens: int = 4096
     max_prompts_per_job: int = 1024
     max_queued_jobs_per_user: int = 64
+    max_queued_bytes_per_user: int = 32 << 20  # prompt bytes of one user's unfinished jobs
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -151,7 +151,7 @@ class JobManager:
                       JobSpec.from_json(row["request"]), row["created_at"], done_prompts=done,
                       started_at=row["started_at"], tokens=row["tokens"], num_tickets=row["tickets"])
             self.active[job.id] = job
-            job.ticket = self.queue.enqueue(job.id, job.priority)
+            job.ticket = self.queue.enqueue(job.id, job.priority, job.owner_uid)
             log.info("job_requeued", job=job.id, done_prompts=len(done), num_prompts=job.spec.num_prompts)
         if rows or closed:
             log.info("store_recovered", jobs_requeued=len(rows), tickets_closed=closed)
@@ -179,10 +179,17 @@ class JobManager:
         """Accept a job: store it, then queue its ticket. Raises overloaded / shutting_down / store_*."""
         if not self.accepting:
             raise ApiError(ErrorCode.SHUTTING_DOWN, "npud is shutting down and accepts no new work")
-        limit = self.cfg.limits.max_queued_jobs_per_user
-        if sum(1 for j in self.active.values() if j.owner_uid == caller.uid) >= limit:
+        limits = self.cfg.limits
+        mine = [j for j in self.active.values() if j.owner_uid == caller.uid]
+        if len(mine) >= limits.max_queued_jobs_per_user:
+            raise ApiError(ErrorCode.OVERLOADED, f"you have {limits.max_queued_jobs_per_user} unfinished jobs, "
+                                                 "the limit (limits.max_queued_jobs_per_user)")
+        # prompts wait in memory until they have run: their bytes are bounded per user too
+        held = sum(j.spec.num_bytes for j in mine)
+        if held + spec.num_bytes > limits.max_queued_bytes_per_user:
             raise ApiError(ErrorCode.OVERLOADED,
-                           f"you have {limit} unfinished jobs, the limit (limits.max_queued_jobs_per_user)")
+                           f"your unfinished jobs hold {held} bytes of prompts and this one {spec.num_bytes}, more "
+                           f"than limits.max_queued_bytes_per_user = {limits.max_queued_bytes_per_user}")
         created = self.wall()
         # Shielded: once the row is committed, the job must also be queued, whatever the client does.
         with trio.CancelScope(shield=True):
@@ -192,7 +199,7 @@ class JobManager:
             job = Job(job_id, caller.uid, priority, interactive, spec, created)
             self.active[job_id] = job
             sub = self.subscribe(job) if subscribe else None
-            job.ticket = self.queue.enqueue(job_id, priority)
+            job.ticket = self.queue.enqueue(job_id, priority, caller.uid)
         log.info("job_accepted", job=job_id, owner_uid=caller.uid, priority=priority.label, model=spec.model,
                  num_prompts=spec.num_prompts)
         return job, sub

@@ -57,6 +57,13 @@ class JobSpec:
     def num_prompts(self) -> int:
         return len(self.prompts) if self.prompts is not None else len(self.chats or ())
 
+    @property
+    def num_bytes(self) -> int:
+        """The UTF-8 bytes of the prompts (or of the chats' roles and contents)."""
+        if self.prompts is not None:
+            return sum(len(p.encode()) for p in self.prompts)
+        return sum(len(m["role"].encode()) + len(m["content"].encode()) for c in self.chats or () for m in c)
+
     def to_json(self) -> dict:
         """The spec as stored with the job; `from_json` reads it back (and rows of older daemons)."""
         return {"model": self.model, "prompts": None if self.prompts is None else list(self.prompts),

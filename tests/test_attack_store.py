@@ -11,7 +11,7 @@ import pytest
 import trio
 
 import test_npud_support as fakes
-from clients.client import AsyncClient
+from clients.client import AsyncClient, Overloaded
 from npud import jobs as jobs_module
 from npud.store import Store, StoreCode, StoreError
 from test_npud_support import make_config, start
@@ -71,4 +71,19 @@ async def test_a_failed_result_write_ends_the_job_where_clients_see_it(nursery, 
         assert (await c.stats())["store"] == {"writable": True, "error": None, "unsaved_jobs": 0}
         status = await c.status(job)
         assert status["state"] == "failed" and "store_error" not in status
+    daemon.request_stop()
+
+
+async def test_queued_prompt_bytes_are_bounded_per_user(nursery, workdir):
+    # before: only the number of jobs was bounded; 64 jobs of ~1 MB each were accepted at once
+    daemon = await start(nursery, make_config(workdir, limits={"max_queued_bytes_per_user": 3000}))
+    daemon.queue.set_thermal(hold=True, abort=False)  # keep jobs queued
+    async with await AsyncClient.connect(daemon.cfg.server.socket_path) as c:
+        first = (await c.submit(["x" * 1000, "y" * 1000]))["job"]
+        await c.submit(["\u00e9" * 400])  # 800 bytes in UTF-8
+        with pytest.raises(Overloaded, match="limits.max_queued_bytes_per_user = 3000"):
+            await c.submit(["z" * 201])
+        await c.cancel(first)  # what a job no longer holds is free again
+        await c.submit(["z" * 2000])
+        assert (await c.hello())["limits"]["max_queued_bytes_per_user"] == 3000
     daemon.request_stop()
