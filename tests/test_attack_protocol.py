@@ -123,3 +123,103 @@ async def test_numbers_out_of_range_are_bad_requests(nursery, workdir, method, p
     assert (await conn.call(2, "hello"))["ok"] is True
     await conn.aclose()
     daemon.request_stop()
+
+
+# -- the fuzzer ------------------------------------------------------------------------------------
+
+SEEDS = [
+    {"method": "hello", "params": {"client": "fuzz"}},
+    {"method": "submit", "params": {"prompts": ["a b", "c"], "max_tokens": 4, "sampling": {"temperature": 0.5,
+                                    "top_k": 3, "top_p": 0.9, "seed": 1}, "stop": ["w"], "priority": "batch",
+                                    "spec": {"method": "none", "k": 2}, "idempotency_key": "k1"}},
+    {"method": "submit", "params": {"chats": [[{"role": "user", "content": "hi"}]], "max_tokens": 2}},
+    {"method": "complete", "params": {"prompt": "x y", "max_tokens": 3, "use_prefix_cache": False}},
+    {"method": "complete", "params": {"messages": [{"role": "user", "content": "q"}], "max_tokens": 2}},
+    {"method": "stream", "params": {"job": 1, "tokens": False}},
+    {"method": "result", "params": {"job": 1, "prompts": [0, 1]}},
+    {"method": "status", "params": {"job": 2}},
+    {"method": "jobs", "params": {"state": ["done", "queued"], "limit": 5, "before": 10}},
+    {"method": "cancel", "params": {"job": 3}},
+    {"method": "tickets", "params": {"job": 1, "state": "released", "outcome": "done", "since": 0, "until": 1e12,
+                                     "limit": 3}},
+    {"method": "cache.list", "params": {"model": "fake"}},
+    {"method": "cache.pin", "params": {"name": "n", "text": "t"}},
+    {"method": "cache.drop", "params": {"key": "k"}},
+    {"method": "device.status", "params": {}},
+    {"method": "models", "params": {}},
+    {"method": "stats", "params": {}},
+    {"method": "metrics", "params": {"format": "prometheus"}},
+]
+
+# values a client may put anywhere (as JSON text: Python's json accepts NaN and Infinity)
+ODD_VALUES = ["null", "true", "-1", "0", "1e400", "-1e400", "NaN", "Infinity", "9" * 5000, str(1 << 63),
+              str(-(1 << 64)), "1.5", '""', '"\\ud800"', '"\\udfff\\ud800"', '"' + "x" * 5000 + '"', "[]", "{}",
+              "[[[[[[[[[[]]]]]]]]]]", "[" * 5000 + "]" * 5000, '{"a": {"b": []}}', '"\\u0000"', '"done"',
+              '["\\ud800"]', '[{"role": 1}]', '[1, "a", null]']
+
+
+def mutate(rng: random.Random, seed: dict) -> bytes:
+    """One frame: a seed request with one or more odd changes, as a line of bytes."""
+    req = {"id": rng.choice([rng.randrange(1 << 31), f"s{rng.randrange(999)}"]), **json.loads(json.dumps(seed))}
+    text = json.dumps(req)
+    kind = rng.randrange(7)
+    if kind == 0:  # a param (or the id, or the method) replaced by an odd value
+        params = req["params"]
+        target = rng.choice(["id", "method", "params", *params] if params else ["id", "method", "params"])
+        value = rng.choice(ODD_VALUES)
+        if target in ("id", "method", "params"):
+            req[target] = "@@"
+            text = json.dumps(req).replace('"@@"', value, 1)
+        else:
+            params[target] = "@@"
+            text = json.dumps(req).replace('"@@"', value, 1)
+    elif kind == 1:  # an unknown key, at the top or in the params
+        where = req if rng.random() < 0.3 else req["params"]
+        where[rng.choice(["x", "prompts ", "Params", "\u00e9", "job"])] = 1
+        text = json.dumps(req)
+    elif kind == 2:  # bytes flipped
+        data = bytearray(text.encode())
+        for _ in range(rng.randrange(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        return bytes(data).replace(b"\n", b" ") + b"\n"
+    elif kind == 3:  # cut short
+        text = text[: rng.randrange(1, len(text))]
+    elif kind == 4:  # a method name that is nearly right
+        req["method"] = rng.choice(["Hello", "submit ", "cache.", "cache.list.x", "device", "", "\ud800"])
+        text = json.dumps(req)
+    elif kind == 5:  # nested numbers and types in the sampling/spec objects
+        req["params"]["sampling"] = {rng.choice(["temperature", "top_k", "top_p", "seed"]): "@@"}
+        text = json.dumps(req).replace('"@@"', rng.choice(ODD_VALUES), 1)
+    else:  # not an object at all
+        text = rng.choice(["[]", "1", '"hello"', "null", "{", "}", "{}", '{"id": {}}', "\u00e9", "\ufeff{}"])
+    return text.encode("utf-8", "surrogatepass").replace(b"\n", b" ") + b"\n"
+
+
+async def test_fuzzed_frames_all_get_stable_codes_and_the_connection_stays_usable(nursery, workdir):
+    cfg = make_config(workdir, knobs={"tokens_per_round": 4}, limits={"max_tokens": 8, "max_queued_jobs_per_user": 16})
+    daemon = await start(nursery, cfg)
+    conn = await Raw.open(daemon)
+    rng = random.Random(17)
+    codes: dict[str, int] = {}
+    frames = 1500
+    for n in range(frames):
+        await conn.send(mutate(rng, rng.choice(SEEDS)))
+        probe = f"probe{n}"
+        await conn.send(json.dumps({"id": probe, "method": "hello"}).encode() + b"\n")
+        while True:  # every reply up to the probe's: the frame's (one per line it held), and events
+            msg = await conn.message(limit_s=30)
+            if "event" in msg:
+                continue
+            if msg["id"] == probe:
+                assert msg["ok"] is True, msg  # still usable
+                break
+            code = "ok" if msg["ok"] else msg["error"]["code"]
+            assert code == "ok" or code in STABLE_CODES, msg  # never internal_error, never a code-less error
+            if not msg["ok"]:
+                assert isinstance(msg["error"]["message"], str) and msg["error"]["message"]
+            codes[code] = codes.get(code, 0) + 1
+    print("fuzz replies by code:", dict(sorted(codes.items())))
+    assert codes.get("bad_request", 0) > frames // 3  # the fuzzer did reach the checks
+    assert daemon.server.connections == 1
+    await conn.aclose()
+    daemon.request_stop()
