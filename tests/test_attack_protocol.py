@@ -201,7 +201,7 @@ async def test_fuzzed_frames_all_get_stable_codes_and_the_connection_stays_usabl
     conn = await Raw.open(daemon)
     rng = random.Random(17)
     codes: dict[str, int] = {}
-    frames = 1500
+    frames = 4000
     for n in range(frames):
         await conn.send(mutate(rng, rng.choice(SEEDS)))
         probe = f"probe{n}"
