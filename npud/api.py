@@ -268,7 +268,12 @@ class Api:
     async def device_status(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         p.finish()
         q = self.queue.quarantine
-        return {**self.device.to_wire(), "quarantine": None if q is None else q.to_wire(),
+        quarantine = None if q is None else q.to_wire()
+        if quarantine is not None and not peer.caller.admin:  # the faulted job may be another user's
+            job = self.job_manager.active.get(q.job) if q.job is not None else None
+            if job is None or job.owner_uid != peer.uid:
+                quarantine = {**quarantine, "job": None, "ticket": None}
+        return {**self.device.to_wire(), "quarantine": quarantine,
                 "thermal": self.thermal.to_wire(), "errors": self.errors.to_wire()}
 
     async def device_clear(self, peer: "Peer", p: Params, emit: Emit) -> dict:

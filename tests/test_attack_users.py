@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from test_npud_support import REPO, DaemonProc, short_tempdir, wait_for, write_fake_checkpoint
+from test_npud_support import KMSG_ERROR, REPO, DaemonProc, short_tempdir, wait_for, write_fake_checkpoint
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"),
                                 reason="needs root (to run a client as another uid) and /usr/bin/python3")
@@ -35,6 +35,7 @@ for job in json.loads(sys.argv[2]):
 attempt("stats", lambda: c.stats())
 attempt("metrics", lambda: c.metrics())
 attempt("broken", lambda: c.complete("a", model="broken", max_tokens=1).wait())
+attempt("device", lambda: c.device_status())
 print(json.dumps(out))
 """
 
@@ -62,6 +63,12 @@ def test_another_users_jobs_look_like_missing_ones_and_nothing_leaks():
             wait_for(lambda: c.status(job)["state"] == "running", what="root's job to run")
             seen = as_other(d.socket, [job, job + 1000])
             assert c.status(job)["state"] == "running"  # untouched
+            d.add_kmsg(KMSG_ERROR)  # root's job faults the device
+            wait_for(lambda: c.device_status()["quarantine"] is not None, what="the quarantine")
+            assert c.device_status()["quarantine"]["job"] == job  # root sees whose job it was
+            quarantined = as_other(d.socket, [])["device"][1]["quarantine"]
+            assert quarantined["job"] is None and quarantined["ticket"] is None  # others do not
+            c.device_clear()
             c.cancel(job)
         # before: `forbidden` for root's job and `not_found` for a missing one told them apart
         for method in ("status", "result", "cancel", "stream"):
