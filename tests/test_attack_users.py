@@ -63,7 +63,8 @@ def test_another_users_jobs_look_like_missing_ones_and_nothing_leaks():
             wait_for(lambda: c.status(job)["state"] == "running", what="root's job to run")
             seen = as_other(d.socket, [job, job + 1000])
             assert c.status(job)["state"] == "running"  # untouched
-            d.add_kmsg(KMSG_ERROR)  # root's job faults the device
+            d.add_kmsg(KMSG_ERROR)  # root's job faults the device (seen when its ticket is released)
+            c.cancel(job)
             wait_for(lambda: c.device_status()["quarantine"] is not None, what="the quarantine")
             assert c.device_status()["quarantine"]["job"] == job  # root sees whose job it was
             quarantined = as_other(d.socket, [])["device"][1]["quarantine"]
