@@ -1,27 +1,41 @@
-"""Plain greedy decode on a random checkpoint of a few hundred million parameters: ours vs transformers vs roofline.
+"""Decode, prefill and verify on a random 0.5B Qwen3-shaped checkpoint: npud vs llama.cpp vs transformers.
 
 One run, one table, every figure from this run (the machines are shared and noisy, so the
-comparisons are ratios measured side by side). Run: .venv/bin/python bench/decode.py
-Options: --tokens N (decode steps timed, default 32), --quick (a 4-layer model, for a smoke run),
---arch qwen3|gemma4|qwen3_5 (bench/synth.py's 0.5B Qwen3, 0.4B Gemma4 or 0.4B Qwen3.5 shape),
---formats (our weight formats to time, default fp32,bf16,int8).
+comparisons are ratios measured side by side, with the load average printed). For each of
+our weight formats, at 1 and 2 threads: greedy decode tok/s after a 16-token prompt (median
+step), prefill tok/s of a 512-token prompt, and the time of one 8-row verify over one step.
+llama.cpp (llama-cpp-python built by bench/llamacpp.py into its own environment) runs the
+same checkpoint converted to GGUF by llama.cpp's converter (bench/gguf_convert.py), f32 / bf16 /
+q8_0 at 1 and 2 threads; transformers runs fp32 and bf16 at 2 threads. The read bandwidth of
+1 and 2 threads is measured in the same run, and a per-op profile of one decode step and one
+8-row verify (bf16, 2 threads) says where the time goes.
+
+    NPUD_LLAMA_ENV=/work/shared-bench/llama-env .venv/bin/python bench/decode.py
+Options: --tokens N (decode steps timed, default 32), --prefill N (default 512), --quick
+(a 4-layer model), --formats (default fp32,bf16,int8,int8-q8), --no-llama, --no-hf.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
-from synth import GEMMA4_0P4B, QWEN3_0P5B, QWEN3_5_0P4B, build_random_checkpoint, build_transformers_checkpoint
+from synth import QWEN3_0P5B, build_random_checkpoint
 
 from engine.forward import Forward
 from engine.model import Model
+from kernels.host import native
+
+LLAMA_TYPE = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "int8-q8": "q8_0"}  # the GGUF beside each format
 
 
-def measure_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes per second a parallel sum reads from an array much larger than the caches."""
+def measure_read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second `threads` threads read from an array much larger than the caches (best of repeats)."""
+    import numba
     from numba import njit, prange
 
     # fastmath lets the sum vectorise: this kernel measures bytes, not bits
@@ -36,6 +50,7 @@ def measure_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
             s[i] = acc
         return s.sum()
 
+    numba.set_num_threads(threads)
     a = np.ones((nbytes // 4 // 4096, 4096), np.float32)
     total(a)
     best = min(_timed(lambda: total(a)) for _ in range(repeats))
@@ -48,122 +63,230 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def our_decode(model: Model, prompt: list[int], steps: int) -> tuple[float, list[int]]:
-    """Median seconds per greedy decode step after a prefill; also the tokens."""
+def set_threads(n: int) -> None:
+    import numba
+
+    native.set_threads(n)
+    numba.set_num_threads(n)
+
+
+def our_decode(model: Model, prompt: list[int], steps: int) -> float:
+    """Median seconds per greedy decode step after a prefill of `prompt`."""
     f = Forward(model)
     logits = f.prefill(prompt)
-    times, out = [], []
+    times = []
     for _ in range(steps):
         t = int(np.argmax(logits))
-        out.append(t)
         t0 = time.perf_counter()
         logits = f.step(t, f.positions_held)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    return statistics.median(times)
 
 
-def batch_ratios(model: Model, prompt: list[int], step_s: float) -> dict[int, float]:
-    ratios = {}
-    for m in (2, 4, 8, 16):
-        times = []
-        for _ in range(5):
-            f = Forward(model)
-            f.prefill(prompt)
-            times.append(_timed(lambda: f.step_batch_all(prompt[:m], len(prompt))))
-        ratios[m] = statistics.median(times) / step_s
-    return ratios
+def our_verify(model: Model, prompt: list[int], rows: int = 8, repeats: int = 5) -> float:
+    """Median seconds of one `rows`-row verify pass (every row's logits) after a prefill of `prompt`."""
+    times = []
+    for _ in range(repeats):
+        f = Forward(model)
+        f.prefill(prompt)
+        times.append(_timed(lambda: f.step_batch_all(prompt[:rows], len(prompt))))
+    return statistics.median(times)
 
 
-def hf_decode(ckpt, dtype: str, prompt: list[int], steps: int) -> tuple[float, list[int]]:
+def our_prefill(model: Model, tokens: list[int], repeats: int = 2) -> float:
+    """Best seconds to prefill `tokens` from an empty state."""
+    return min(_timed(lambda: Forward(model).prefill(tokens)) for _ in range(repeats))
+
+
+# ------------------------------------------------------------------ per-op profile
+
+_CATEGORY = {
+    "linear": "GEMMs", "attention": "attention", "rms_norm": "norms/RoPE", "rope": "norms/RoPE",
+    "l2_norm": "norms/RoPE", "gated_rms_norm": "norms/RoPE", "silu_mul": "activations",
+    "gelu_tanh_mul": "activations", "sigmoid_mul": "activations", "softcap": "activations", "embed": "embedding",
+    "causal_conv1d_silu": "recurrent", "gdn_gates": "recurrent", "gated_delta_rule": "recurrent",
+}
+CATEGORIES = ["GEMMs", "attention", "norms/RoPE", "activations", "embedding", "recurrent", "sampling", "Python + numpy"]
+
+
+class ProfilingBackend:
+    """Delegates to `inner`, adding each call's wall time to its category."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.seconds: dict[str, float] = {}
+
+    def __getattr__(self, name):
+        fn = getattr(self.inner, name)
+        category = _CATEGORY.get(name)
+        if category is None:
+            return fn
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[category] = self.seconds.get(category, 0.0) + time.perf_counter() - t
+
+        return timed
+
+
+def profile_pass(model: Model, prompt: list[int], rows: int, repeats: int = 5) -> dict[str, float]:
+    """Milliseconds per category of one pass of `rows` rows (median pass of `repeats`), sampling included."""
+    runs = []
+    for _ in range(repeats):
+        f = Forward(model)
+        f.prefill(prompt)
+        prof = ProfilingBackend(model.backend)
+        f.backend = prof
+        t = time.perf_counter()
+        logits = f.step_batch_all(prompt[:rows], len(prompt))
+        t_sample = time.perf_counter()
+        np.argmax(logits, axis=-1)  # greedy sampling of every row
+        end = time.perf_counter()
+        ms = {k: v * 1e3 for k, v in prof.seconds.items()}
+        ms["sampling"] = (end - t_sample) * 1e3
+        ms["Python + numpy"] = (t_sample - t) * 1e3 - sum(prof.seconds.values()) * 1e3
+        ms["total"] = (end - t) * 1e3
+        runs.append(ms)
+    runs.sort(key=lambda r: r["total"])
+    return runs[len(runs) // 2]
+
+
+# ------------------------------------------------------------------ the others
+
+
+def hf_run(ckpt, dtype: str, prompt: list[int], long_prompt: list[int], steps: int) -> tuple[float, float]:
+    """(median decode step seconds after `prompt`, seconds to prefill `long_prompt`) for transformers."""
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype)).eval()
-    times, out = [], []
+    times = []
     with torch.no_grad():
         res = model(torch.tensor([prompt]), use_cache=True)
         pkv, logits = res.past_key_values, res.logits[0, -1]
         for _ in range(steps):
             t = int(torch.argmax(logits))
-            out.append(t)
             t0 = time.perf_counter()
             res = model(torch.tensor([[t]]), past_key_values=pkv, use_cache=True)
             times.append(time.perf_counter() - t0)
             pkv, logits = res.past_key_values, res.logits[0, -1]
+        prefill = _timed(lambda: model(torch.tensor([long_prompt]), use_cache=True))
     del model
-    return statistics.median(times), out
+    return statistics.median(times), prefill
+
+
+def llama_run(ckpt: Path, gguf_type: str, threads: int, long_prompt: list[int], decode_prompt: int,
+              steps: int) -> dict | None:
+    """llama.cpp's prefill and decode tok/s, or None (with the reason printed) where it cannot run."""
+    try:
+        import llamacpp
+        from gguf_convert import convert
+
+        return llamacpp.run(convert(ckpt, gguf_type), threads=threads, prompt=long_prompt, decode=steps,
+                            decode_prompt=decode_prompt, repeats=1, n_ctx=max(2048, len(long_prompt) + steps + 8))
+    except (OSError, subprocess.CalledProcessError) as e:
+        print(f"# llama.cpp {gguf_type} at {threads} threads did not run: {e}")
+        return None
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        return "unknown CPU"
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--arch", choices=("qwen3", "gemma4", "qwen3_5"), default="qwen3")
-    ap.add_argument("--formats", default="fp32,bf16,int8")
+    ap.add_argument("--formats", default="fp32,bf16,int8,int8-q8")
+    ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--no-hf", action="store_true")
     args = ap.parse_args()
     formats = args.formats.split(",")
 
-    import torch
-
-    torch.set_num_threads(2)
-    presets = {"qwen3": (QWEN3_0P5B, "qwen3-0.5b"), "gemma4": (GEMMA4_0P4B, "gemma4-0.4b"),
-               "qwen3_5": (QWEN3_5_0P4B, "qwen3_5-0.4b")}
-    config, name = dict(presets[args.arch][0]), presets[args.arch][1]
+    config, name = dict(QWEN3_0P5B), "qwen3-0.5b"
     if args.quick:
         config["num_hidden_layers"], name = 4, f"{name}-4layer"
-        if args.arch == "gemma4":
-            config["layer_types"], config["num_kv_shared_layers"] = ["sliding_attention", "full_attention"] * 2, 1
-    if args.arch == "qwen3":
-        ckpt = build_random_checkpoint(name, config)
-    else:
-        ckpt = build_transformers_checkpoint(name, args.arch, config)
-    prompt = [int(t) for t in np.random.default_rng(0).integers(1, config["vocab_size"], 16)]
+    ckpt = build_random_checkpoint(name, config)
+    rng = np.random.default_rng(0)
+    long_prompt = [int(t) for t in rng.integers(1, 320, args.prefill)]  # ids the test tokenizer knows
+    prompt = long_prompt[:16]
+    load_start = Path("/proc/loadavg").read_text().strip()
 
-    bandwidth = measure_read_bandwidth()
-    rows = []
-    models = {}
+    bandwidth = {n: measure_read_bandwidth(n) for n in (1, 2)}
+    rows = []  # (label, threads, decode s, prefill s, verify8 / step, bytes per token, llama key)
+    profiles = {}
     for fmt in formats:
         model = Model.load(ckpt, fmt)
-        s, toks = our_decode(model, prompt, args.tokens)
-        bytes_per_token = model.weight_bytes_per_token()
-        rows.append((f"npud host, {fmt} weights", s, bytes_per_token, toks))
-        models[fmt] = model if fmt == "bf16" else None
-        if fmt != "bf16":
-            del model
-    for dtype in ("float32", "bfloat16"):
-        s, toks = hf_decode(ckpt, dtype, prompt, args.tokens)
-        rows.append((f"transformers {torch.__version__}, {dtype}", s, None, toks))
+        for threads in (1, 2):
+            set_threads(threads)
+            step = our_decode(model, prompt, args.tokens)
+            verify = our_verify(model, prompt)
+            prefill = our_prefill(model, long_prompt)
+            rows.append((f"npud {fmt}", threads, step, prefill, verify / step, model.weight_bytes_per_token(),
+                         (LLAMA_TYPE[fmt], threads)))
+            print(f"# npud {fmt} threads={threads}: {1 / step:.1f} tok/s decode, "
+                  f"{len(long_prompt) / prefill:.1f} tok/s prefill, verify8 {verify / step:.2f}x", flush=True)
+        if fmt in ("bf16", "int8-q8"):
+            profiles[fmt] = {r: profile_pass(model, prompt, r) for r in (1, 8)}
+        del model
 
-    hf_fp32 = next(r for r in rows if r[0].endswith("float32"))
-    hf_bf16 = next(r for r in rows if r[0].endswith("bfloat16"))
-    print(f"\n# bench/decode.py: {name}, {args.tokens} greedy steps after a 16-token prompt, "
-          f"numba threads={_threads()}, torch threads={torch.get_num_threads()}")
-    print(f"# measured read bandwidth: {bandwidth / 1e9:.1f} GB/s\n")
-    print(f"| {'decoder':<34} | {'tok/s':>7} | {'vs HF fp32':>10} | {'vs HF bf16':>10} | {'roofline tok/s':>14} | {'of roofline':>11} |")
-    print(f"|{'-' * 36}|{'-' * 9}|{'-' * 12}|{'-' * 12}|{'-' * 16}|{'-' * 13}|")
-    for label, s, nbytes, _ in rows:
-        roof = bandwidth / nbytes if nbytes else None
-        print(
-            f"| {label:<34} | {1 / s:>7.1f} | {hf_fp32[1] / s:>9.2f}x | {hf_bf16[1] / s:>9.2f}x | "
-            f"{(f'{roof:.1f}' if roof else '-'):>14} | {(f'{(1 / s) / roof:.0%}' if roof else '-'):>11} |"
-        )
-    if "fp32" in formats:
-        same = rows[formats.index("fp32")][3] == hf_fp32[3]
-        print(f"\ngreedy tokens, ours fp32 == transformers fp32: {same}")
-    if "bf16" not in formats:
-        return
-    bf16_model = models["bf16"]
-    bf16_step = rows[formats.index("bf16")][1]
-    ratios = batch_ratios(bf16_model, prompt, bf16_step)
-    print("\n| step_batch_all rows (bf16) | " + " | ".join(f"M={m}" for m in ratios) + " |")
-    print("|---|" + "---|" * len(ratios))
-    print("| time / one step | " + " | ".join(f"{r:.2f}x" for r in ratios.values()) + " |")
+    llama = {}
+    if not args.no_llama:
+        for gguf_type in sorted({LLAMA_TYPE[f] for f in formats}):
+            for threads in (1, 2):
+                res = llama_run(ckpt, gguf_type, threads, long_prompt, len(prompt), args.tokens)
+                if res is not None:
+                    llama[gguf_type, threads] = res
+                    rows.append((f"llama.cpp {gguf_type}", threads, 1 / res["decode_tok_s"],
+                                 len(long_prompt) / res["prefill_tok_s"], None, None, None))
+                    print(f"# llama.cpp {gguf_type} threads={threads}: {res['decode_tok_s']:.1f} tok/s decode, "
+                          f"{res['prefill_tok_s']:.1f} tok/s prefill", flush=True)
+    if not args.no_hf:
+        import torch
 
+        torch.set_num_threads(2)
+        for dtype in ("float32", "bfloat16"):
+            step, prefill = hf_run(ckpt, dtype, prompt, long_prompt, args.tokens)
+            rows.append((f"transformers {torch.__version__} {dtype}", 2, step, prefill, None, None, None))
 
-def _threads() -> int:
-    import numba
-
-    return numba.get_num_threads()
+    print(f"\n# bench/decode.py: {name}, greedy decode after a 16-token prompt ({args.tokens} steps, median), "
+          f"prefill of {len(long_prompt)} tokens (best of 2)")
+    print(f"# CPU: {cpu_model()}; kernel path {native.isa()}; load average at start {load_start}, "
+          f"at end {Path('/proc/loadavg').read_text().strip()}")
+    print(f"# read bandwidth measured in this run: 1 thread {bandwidth[1] / 1e9:.1f} GB/s, "
+          f"2 threads {bandwidth[2] / 1e9:.1f} GB/s\n")
+    print("| engine, format | threads | decode tok/s | vs llama.cpp | prefill tok/s | vs llama.cpp | "
+          "verify8 / step | weights GB/s | of 2-thread bandwidth |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, threads, step, prefill, vratio, nbytes, key in rows:
+        other = llama.get(key) if key else None
+        dec_vs = f"{(1 / step) / other['decode_tok_s']:.2f}x" if other else "-"
+        pre_vs = f"{(len(long_prompt) / prefill) / other['prefill_tok_s']:.2f}x" if other else "-"
+        gbs = f"{nbytes / step / 1e9:.1f}" if nbytes else "-"
+        of_bw = f"{nbytes / step / bandwidth[2]:.0%}" if nbytes else "-"
+        print(f"| {label} | {threads} | {1 / step:.1f} | {dec_vs} | {len(long_prompt) / prefill:.1f} | {pre_vs} | "
+              f"{f'{vratio:.2f}x' if vratio else '-'} | {gbs} | {of_bw} |")
+    ours = {(r[0], r[1]): r for r in rows if r[0].startswith("npud")}
+    print("\n| npud format | 2-thread decode / 1-thread decode |")
+    print("|---|---|")
+    for fmt in formats:
+        print(f"| {fmt} | {ours[f'npud {fmt}', 1][2] / ours[f'npud {fmt}', 2][2]:.2f}x |")
+    for fmt, by_rows in profiles.items():
+        print(f"\n| per-op ms, npud {fmt}, 2 threads | " + " | ".join(f"{r}-row pass" for r in by_rows) + " |")
+        print("|---|" + "---|" * len(by_rows))
+        for cat in CATEGORIES + ["total"]:
+            print(f"| {cat} | " + " | ".join(f"{p.get(cat, 0.0):.1f}" for p in by_rows.values()) + " |")
 
 
 if __name__ == "__main__":

@@ -14,12 +14,32 @@ from typing import Protocol
 import numpy as np
 
 
+# The version of the engine's numerics: a kernel change that changes any bit of any output
+# bumps it, so that nothing computed by the old kernels (a persisted prefix-cache snapshot,
+# say) is taken for the new ones' result. 1: the numba GEMMs (separate multiply and add);
+# 2: the C GEMMs (one FMA per k; int8-q8's integer blocks).
+NUMERICS_VERSION = 2
+
+
 class WeightFormat(enum.Enum):
-    """How a linear layer's weight matrix is held in host memory."""
+    """How a linear layer's weight matrix is held in host memory, and which arithmetic multiplies it.
+
+    A new format (a GGUF block format, say) adds a member here, says in `storage` what a
+    loader converts the checkpoint to, and registers its host kernel in kernels/host/formats.py;
+    the start-up self-check then covers it.
+    """
 
     FP32 = "fp32"  # float32 [N, K]
     BF16 = "bf16"  # uint16 [N, K] holding bfloat16 bits, widened to fp32 inside the kernel
     INT8 = "int8"  # int8 [N, K] with one fp32 scale per output row (symmetric, per channel)
+    # INT8's weights against activations quantized per row in blocks of 32 (one fp32 scale
+    # each, as llama.cpp's q8_0): exact integer block sums, a looser parity bound (README)
+    INT8_Q8 = "int8-q8"
+
+    @property
+    def storage(self) -> "WeightFormat":
+        """The format whose data a loader produces for this one (INT8_Q8 holds INT8's data)."""
+        return WeightFormat.INT8 if self is WeightFormat.INT8_Q8 else self
 
     @classmethod
     def parse(cls, value: str) -> "WeightFormat":
@@ -36,26 +56,28 @@ class LinearWeight:
     """A linear layer y = x @ W.T (+ bias), W held in `fmt`.
 
     As loaded, `data` is [N, K] ("rows"). A backend may re-lay it out once at load time
-    (`Backend.prepare_linear`); the host backend uses column tiles, [ceil(N / T), K, T]
-    zero-padded, and records the true N in `out_features`.
+    (`Backend.prepare_linear`); the host backend's layouts are in kernels/host/formats.py
+    (column tiles [ceil(N / T), K, T] zero-padded, for instance). Any layout but "rows"
+    records the true N and K in `out_features` and `in_features`.
     """
 
     fmt: WeightFormat
-    data: np.ndarray  # rows: [N, K]; tiles: [ceil(N / T), K, T]. float32, uint16 (bf16 bits) or int8
-    scale: np.ndarray | None = None  # [N] float32, INT8 only
+    data: np.ndarray  # rows: [N, K]; otherwise the backend's layout. float32, uint16 (bf16 bits) or int8
+    scale: np.ndarray | None = None  # [N] float32, INT8 and INT8_Q8 only
     bias: np.ndarray | None = None  # [N] float32
     layout: str = "rows"
     out_features: int = 0  # derived from `data` for the rows layout
+    in_features: int = 0  # derived from `data` for the rows and tiles layouts
 
     def __post_init__(self) -> None:
         if self.layout == "rows":
             object.__setattr__(self, "out_features", int(self.data.shape[0]))
         elif self.out_features <= 0:
             raise ValueError(f"LinearWeight: layout {self.layout!r} needs out_features")
-
-    @property
-    def in_features(self) -> int:
-        return int(self.data.shape[1])
+        if self.layout in ("rows", "tiles") and self.in_features == 0:
+            object.__setattr__(self, "in_features", int(self.data.shape[1]))
+        elif self.in_features <= 0:
+            raise ValueError(f"LinearWeight: layout {self.layout!r} needs in_features")
 
     @property
     def nbytes(self) -> int:

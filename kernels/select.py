@@ -37,13 +37,14 @@ class RowwiseBackend:
 def default_backend() -> Backend:
     """The host backend, after its batch-invariance self-check on this machine (run once).
 
-    If any row of an M-row GEMM (M = 1..16) differs in its bits from the one-row call, the
-    result is logged and the row-at-a-time wrapper is returned instead.
+    If any row of an M-row GEMM (M = 1..64: decode, verify, prefill chunks) differs in its
+    bits from the one-row call, the result is logged and the row-at-a-time wrapper is
+    returned instead.
     """
     global _default
     with _lock:
         if _default is None:
-            from kernels.host import HostBackend, check_batch_invariance, num_threads
+            from kernels.host import CHECK_ROWS, HostBackend, check_batch_invariance, num_threads
 
             host = HostBackend()
             failures = check_batch_invariance(host)
@@ -51,7 +52,7 @@ def default_backend() -> Backend:
                 log.warning("kernel_self_check_failed", backend=host.name, failures=failures, fallback="rowwise")
                 _default = RowwiseBackend(host)
             else:
-                log.info("kernel_self_check_passed", backend=host.name, rows="1..16", threads=num_threads())
+                log.info("kernel_self_check_passed", backend=host.name, rows=f"1..{CHECK_ROWS}", threads=num_threads())
                 _default = host
         return _default
 
@@ -76,7 +77,7 @@ def select_backend(kind: str = "auto", xrt_design: str | None = None) -> tuple[B
         if kind == "xrt":
             raise xrt.XrtUnavailable(why)
         return host, f"host backend: {why}"
-    from kernels.host import check_batch_invariance
+    from kernels.host import CHECK_ROWS, check_batch_invariance
 
     backend = xrt.XrtBackend(xrt.GemmDesign.load(xrt_design), host)
     failures = check_batch_invariance(backend)
@@ -85,5 +86,5 @@ def select_backend(kind: str = "auto", xrt_design: str | None = None) -> tuple[B
         if kind == "xrt":
             raise xrt.XrtUnavailable(f"the NPU GEMM is not batch-invariant on this device: {failures}")
         return host, f"host backend: NPU GEMM failed the invariance self-check ({failures[0]}, ...)"
-    log.info("kernel_self_check_passed", backend="xrt", rows="1..16")
+    log.info("kernel_self_check_passed", backend="xrt", rows=f"1..{CHECK_ROWS}")
     return backend, why

@@ -139,7 +139,7 @@ class XrtBackend:
             raise ValueError(f"weight [{n}, {k}] exceeds the NPU design's limits [{d.max_n}, {d.max_k}]")
         if w.fmt is WeightFormat.BF16:
             dense = (w.data.astype(np.uint32) << 16).view(np.float32)
-        elif w.fmt is WeightFormat.INT8:
+        elif w.fmt.storage is WeightFormat.INT8:
             dense = w.data.astype(np.float32) * w.scale[:, None]
         else:
             dense = w.data

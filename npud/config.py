@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_CONFIG_PATH = Path("/etc/npud/npud.toml")
-WEIGHT_FORMATS = ("fp32", "bf16", "int8")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-q8")  # kernels.base.WeightFormat's values
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

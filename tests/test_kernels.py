@@ -12,7 +12,7 @@ import torch
 
 from kernels.select import RowwiseBackend, select_backend
 from kernels.base import LinearWeight, WeightFormat
-from kernels.host import TILE, HostBackend, check_batch_invariance, pack_tiles
+from kernels.host import KERNELS, QB, TILE, HostBackend, check_batch_invariance, native, pack_q8, pack_tiles
 from kernels import xrt
 
 
@@ -21,23 +21,49 @@ def host():
     return HostBackend()
 
 
+@pytest.fixture
+def isa_and_threads():
+    """Restores the kernel path and thread count a test changes."""
+    isa, threads = native.isa(), native.threads()
+    yield
+    native.set_isa(isa)
+    native.set_threads(threads)
+
+
 def test_self_check_passes_on_this_machine(host):
     assert check_batch_invariance(host) == []
+
+
+def test_self_check_covers_every_registered_format_and_the_prefill_rows():
+    calls = []
+
+    class Recording(HostBackend):
+        def linear(self, x, w):
+            calls.append((w.fmt, x.shape[0]))
+            return super().linear(x, w)
+
+    assert check_batch_invariance(Recording()) == []
+    assert {fmt for fmt, _ in calls} == set(KERNELS) == set(WeightFormat)
+    assert {m for _, m in calls} == set(range(1, 65))  # decode, verify and every prefill chunk size
+
+
+def _dense(lw: LinearWeight) -> np.ndarray:
+    """The [N, K] float64 matrix a rows-layout weight stands for (scale applied)."""
+    if lw.fmt is WeightFormat.BF16:
+        return (lw.data.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if lw.scale is not None:
+        return lw.data.astype(np.float64) * lw.scale[:, None]
+    return lw.data.astype(np.float64)
 
 
 class _NumpyBackend(HostBackend):
     """BLAS GEMM: gemv for one row, gemm for several — the thing the contract rules out."""
 
+    def prepare_linear(self, w):
+        return w
+
     def linear(self, x, w):
-        dense = w.data.transpose(0, 2, 1).reshape(-1, w.data.shape[1])[: w.out_features].astype(np.float32)
-        if w.fmt is WeightFormat.BF16:
-            dense = (w.data.transpose(0, 2, 1).reshape(-1, w.data.shape[1])[: w.out_features].astype(np.uint32) << 16).view(np.float32)
-        out = x @ dense.T
-        if w.scale is not None:
-            out = out * w.scale
-        if w.bias is not None:
-            out = out + w.bias
-        return out
+        return (x @ _dense(w).astype(np.float32).T + (0 if w.bias is None else w.bias)).astype(np.float32)
 
 
 def test_self_check_catches_a_blas_gemm():
@@ -49,25 +75,93 @@ def test_rowwise_fallback_is_invariant():
     assert check_batch_invariance(RowwiseBackend(_NumpyBackend()), k=1024, n=256) == []
 
 
+def _paths() -> list[str]:
+    """The kernel paths this CPU can run, from the generic C up to the best."""
+    return list(native.ISA_NAMES[: native.ISA_NAMES.index(native.best_isa()) + 1])
+
+
+@pytest.mark.parametrize("fmt", list(WeightFormat))
+def test_every_path_and_thread_count_gives_the_same_bits(host, fmt, isa_and_threads):
+    # the generic C (fmaf), its AVX2 build and the AVX-512 / VNNI intrinsics compute the
+    # same chain per element; threads split columns, never k
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((13, 333)).astype(np.float32)
+    w = host.prepare_linear(KERNELS[fmt].sample(rng, 200, 333))
+    results = []
+    for path in _paths():
+        assert native.set_isa(path) == path
+        for threads in (1, 2, 3):
+            native.set_threads(threads)
+            results.append((path, threads, np.ascontiguousarray(host.linear(x, w)).view(np.uint32).copy()))
+    for path, threads, bits in results[1:]:
+        assert np.array_equal(bits, results[0][2]), (path, threads)
+
+
+def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    # a * b is exact in float64 for float32 inputs; one more rounding to float32 gives fma's
+    # result except in double-rounding ties, which these fixed inputs do not hit
+    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.FP32, WeightFormat.BF16, WeightFormat.INT8])
+def test_float_path_is_one_fma_per_k_in_k_order(host, fmt):
+    # the documented chain, element by element: acc = fma(x[k], w[k], acc) for k = 0..K-1,
+    # then * scale, then + bias; a reassociated or contracted kernel fails this
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((3, 70)).astype(np.float32)
+    lw = KERNELS[fmt].sample(rng, 20, 70)
+    w = _dense(LinearWeight(fmt, lw.data)).astype(np.float32)  # widened, unscaled
+    acc = np.zeros((3, 20), np.float32)
+    for k in range(70):
+        acc = _fma32(np.repeat(x[:, k : k + 1], 20, axis=1), np.broadcast_to(w[:, k], (3, 20)), acc)
+    if lw.scale is not None:
+        acc = acc * lw.scale
+    want = acc + lw.bias
+    got = host.linear(x, host.prepare_linear(lw))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def _q8_rows(x: np.ndarray):
+    """llama.cpp's q8_0 activation blocks: per 32 values d = max|x| / 127, q = round(x / d) (half away)."""
+    m, k = x.shape
+    kp = -(-k // QB) * QB
+    xp = np.zeros((m, kp), np.float32)
+    xp[:, :k] = x
+    blocks = xp.reshape(m, kp // QB, QB)
+    d = (np.abs(blocks).max(axis=2) / np.float32(127)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    t = (blocks * inv[:, :, None]).astype(np.float32)
+    q = np.clip(np.sign(t) * np.floor(np.abs(t) + 0.5), -127, 127).astype(np.int32)
+    return q, d
+
+
+def test_q8_path_is_exact_integer_block_sums_and_one_fma_per_block(host):
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((4, 100)).astype(np.float32)
+    lw = KERNELS[WeightFormat.INT8_Q8].sample(rng, 70, 100)
+    q, d = _q8_rows(x)
+    wq = np.zeros((70, q.shape[1] * QB), np.int32)
+    wq[:, :100] = lw.data
+    isum = np.einsum("mbk,nbk->mnb", q, wq.reshape(70, -1, QB))  # exact integers
+    acc = np.zeros((4, 70), np.float32)
+    for b in range(q.shape[1]):
+        acc = _fma32(isum[:, :, b].astype(np.float32), np.repeat(d[:, b : b + 1], 70, axis=1), acc)
+    want = acc * lw.scale + lw.bias
+    got = host.linear(x, host.prepare_linear(lw))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.parametrize("fmt", list(WeightFormat))
 def test_linear_matches_float64_reference(host, fmt):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((5, 130)).astype(np.float32)
-    w = rng.standard_normal((70, 130)).astype(np.float32)
-    bias = rng.standard_normal(70).astype(np.float32)
-    if fmt is WeightFormat.FP32:
-        lw, dense = LinearWeight(fmt, w, None, bias), w
-    elif fmt is WeightFormat.BF16:
-        bits = torch.from_numpy(w).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        lw, dense = LinearWeight(fmt, bits, None, bias), torch.from_numpy(w).to(torch.bfloat16).float().numpy()
-    else:
-        scale = (np.abs(w).max(1) / 127).astype(np.float32)
-        q = np.rint(w / scale[:, None]).astype(np.int8)
-        lw, dense = LinearWeight(fmt, q, scale, bias), q * scale[:, None]
+    lw = KERNELS[fmt].sample(rng, 70, 130)
     got = host.linear(x, host.prepare_linear(lw))
-    want = x.astype(np.float64) @ dense.astype(np.float64).T + bias
+    want = x.astype(np.float64) @ _dense(lw).T + lw.bias
     assert got.shape == (5, 70)
-    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+    # q8 activations: each block's values are off by up to half a step of max|block| / 127
+    bound = 1e-2 if fmt is WeightFormat.INT8_Q8 else 1e-5
+    assert np.abs(got - want).max() < bound * np.abs(want).max()
 
 
 def test_pack_tiles_layout():
@@ -78,17 +172,22 @@ def test_pack_tiles_layout():
     assert np.all(t[1, :, 70 - TILE :] == 0)  # padded columns
 
 
-def test_embed_reads_rows_of_tiled_table(host):
-    rng = np.random.default_rng(2)
-    table = rng.standard_normal((200, 16)).astype(np.float32)
-    bits = torch.from_numpy(table).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+def test_pack_q8_layout():
+    q = np.random.default_rng(10).integers(-127, 128, (70, 40)).astype(np.int8)
+    t = pack_q8(q)
+    assert t.shape == (2, 64 // 4, TILE, 4) and t.dtype == np.uint8  # K padded to 64
+    assert int(t[1, 37 // 4, 5, 37 % 4]) - 128 == q[TILE + 5, 37]
+    assert np.all(t[:, 10:] == 128) and np.all(t[1, :, 70 - TILE :] == 128)  # padding holds 0
+
+
+@pytest.mark.parametrize("fmt", list(WeightFormat))
+def test_embed_reads_rows_of_the_prepared_table(host, fmt):
+    lw = KERNELS[fmt].sample(np.random.default_rng(2), 200, 45)
     ids = np.array([0, 63, 64, 199])
-    for lw, dense in ((LinearWeight(WeightFormat.FP32, table), table),
-                      (LinearWeight(WeightFormat.BF16, bits), torch.from_numpy(table).to(torch.bfloat16).float().numpy())):
-        got = host.embed(host.prepare_linear(lw), ids)
-        assert np.array_equal(got, dense[ids])
+    got = host.embed(host.prepare_linear(lw), ids)
+    assert np.array_equal(got, _dense(lw)[ids].astype(np.float32))
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        host.embed(host.prepare_linear(LinearWeight(WeightFormat.FP32, table)), np.array([200]))
+        host.embed(host.prepare_linear(lw), np.array([200]))
 
 
 def test_attention_window_and_gqa_match_reference(host):

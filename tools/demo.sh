@@ -6,4 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e .
+# the host GEMMs: compiled once with gcc into the kernel cache (~/.cache/npud), reused by every start
+.venv/bin/python -m kernels.host
 exec .venv/bin/python tools/demo.py "$@"

@@ -146,7 +146,7 @@ def _linear(ref: TensorRef, fmt: WeightFormat, bias: np.ndarray | None) -> Linea
     if fmt is WeightFormat.BF16:
         data = ref.array().copy() if ref.dtype == "BF16" else f32_to_bf16_bits(_f32(ref))
         return LinearWeight(fmt, data, None, bias)
-    if fmt is WeightFormat.INT8:
+    if fmt.storage is WeightFormat.INT8:
         data, scale = quantize_int8_rows(_f32(ref))
         return LinearWeight(fmt, data, scale, bias)
     return LinearWeight(fmt, _f32(ref), None, bias)

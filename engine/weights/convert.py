@@ -47,6 +47,7 @@ def quantize_int8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _convert_matrix(ref: TensorRef, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray | None]:
     """Returns (data, scale) of a [N, K] tensor in `fmt`, converting a block of rows at a time."""
+    fmt = fmt.storage  # a format that shares another's data (INT8_Q8) converts as that one
     src = ref.array()
     n, k = src.shape
     rows = max(1, _CHUNK_ELEMENTS // max(k, 1))

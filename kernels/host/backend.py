@@ -1,0 +1,152 @@
+"""The host (CPU) backend: the Backend interface over the C GEMMs and the numba kernels."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kernels.base import LinearWeight, WeightFormat
+from kernels.host import pointwise, recurrent
+from kernels.host.formats import PARALLEL_MIN_BYTES, kernel_for
+
+PARALLEL_MIN_WORK = 1 << 21  # attention elements below which waking a second thread costs more than it saves
+
+
+class HostBackend:
+    """Exact, batch-invariant CPU kernels (kernels/host/__init__.py gives the argument)."""
+
+    name = "host"
+
+    def __init__(self, parallel: bool = True):
+        self.parallel = parallel
+
+    def prepare_linear(self, w: LinearWeight) -> LinearWeight:
+        kernel = kernel_for(w.fmt)
+        if w.layout == kernel.layout:
+            return w
+        if w.layout != "rows":
+            raise ValueError(f"host backend cannot use weight layout {w.layout!r} for {w.fmt.value}")
+        return kernel.prepare(w)
+
+    def linear(self, x: np.ndarray, w: LinearWeight) -> np.ndarray:
+        # x: [M, K], w: [N, K] in its format's layout -> [M, N]
+        kernel = kernel_for(w.fmt)
+        if w.layout != kernel.layout:
+            w = self.prepare_linear(w)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != w.in_features:
+            raise ValueError(f"linear: x has shape {x.shape}, weight expects [M, {w.in_features}]")
+        # by weight size alone, so a step and a verify of the same layer split alike (the
+        # bits do not depend on the split either way: threads divide columns, never k)
+        return kernel.linear(x, w, self.parallel and w.data.nbytes >= PARALLEL_MIN_BYTES)
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        out = np.empty_like(flat)
+        pointwise.rms_norm(flat, weight, float(eps), out)
+        return out.reshape(shape)
+
+    def rope(self, x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty_like(x)
+        pointwise.rope(x, np.ascontiguousarray(positions, dtype=np.int64), inv_freq, out)
+        return out
+
+    def attention(self, q, k_cache, v_cache, positions, window, scale):
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        out = np.empty_like(q)
+        work = q.shape[0] * q.shape[1] * k_cache.shape[0] * q.shape[2]
+        pointwise.ATTENTION[self.parallel and work >= PARALLEL_MIN_WORK](
+            q,
+            k_cache,
+            v_cache,
+            np.ascontiguousarray(positions, dtype=np.int64),
+            int(window),
+            np.float32(scale),
+            out,
+        )
+        return out
+
+    def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        out = np.empty_like(gate)
+        pointwise.silu_mul(gate, up, out)
+        return out
+
+    def embed(self, table: LinearWeight, tokens: np.ndarray) -> np.ndarray:
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        vocab = table.out_features
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
+            bad = int(tokens[(tokens < 0) | (tokens >= vocab)][0])
+            raise ValueError(f"token id {bad} is outside the vocabulary of {vocab}")
+        table = self.prepare_linear(table)
+        return kernel_for(table.fmt).embed(table, tokens)
+
+    def argmax(self, logits: np.ndarray) -> np.ndarray:
+        return np.argmax(logits, axis=-1)
+
+    # ---------------------------------------------- gemma4 / qwen3_5 (kernels/host/recurrent.py)
+
+    def gelu_tanh_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        gate = np.ascontiguousarray(gate, dtype=np.float32)
+        up = np.ascontiguousarray(up, dtype=np.float32)
+        out = np.empty_like(gate)
+        recurrent.gelu_tanh_mul(gate, up, out)
+        return out
+
+    def sigmoid_mul(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty_like(x)
+        recurrent.sigmoid_mul(x, np.ascontiguousarray(gate, dtype=np.float32), out)
+        return out
+
+    def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty_like(x)
+        recurrent.softcap(x, np.float32(cap), out)
+        return out
+
+    def l2_norm(self, x: np.ndarray, eps: float) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        flat = x.reshape(-1, x.shape[-1])
+        out = np.empty_like(flat)
+        recurrent.l2_norm(flat, np.float32(eps), out)
+        return out.reshape(x.shape)
+
+    def causal_conv1d_silu(self, x: np.ndarray, state: np.ndarray, weight: np.ndarray):
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        m, c = x.shape
+        taps = weight.shape[1]
+        out = np.empty_like(x)
+        states = np.empty((m, c, taps - 1), np.float32)
+        recurrent.causal_conv1d_silu(x, np.ascontiguousarray(state, dtype=np.float32), weight, out, states)
+        return out, states
+
+    def gdn_gates(self, a: np.ndarray, b: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray):
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        log_decay = np.empty_like(a)
+        beta = np.empty_like(a)
+        recurrent.gdn_gates(a, np.ascontiguousarray(b, dtype=np.float32), a_log, dt_bias, log_decay, beta)
+        return log_decay, beta
+
+    def gated_delta_rule(self, q, k, v, log_decay, beta, state):
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        k = np.ascontiguousarray(k, dtype=np.float32)
+        v = np.ascontiguousarray(v, dtype=np.float32)
+        m, hv, dv = v.shape
+        out = np.empty((m, hv, dv), np.float32)
+        states = np.empty((m,) + state.shape, np.float32)
+        recurrent.GATED_DELTA[self.parallel and m * state.size >= PARALLEL_MIN_WORK // 8](
+            q, k, v, np.ascontiguousarray(log_decay), np.ascontiguousarray(beta),
+            np.ascontiguousarray(state, dtype=np.float32), out, states,
+        )
+        return out, states
+
+    def gated_rms_norm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty_like(x)
+        recurrent.gated_rms_norm(x, np.ascontiguousarray(z, dtype=np.float32), weight, np.float32(eps), out)
+        return out
+
+
+__all__ = ["HostBackend", "WeightFormat"]

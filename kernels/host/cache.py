@@ -1,0 +1,34 @@
+"""Where compiled host kernels live between starts: one cache directory per user or service.
+
+The first of NPUD_CACHE_DIR, systemd's CACHE_DIRECTORY (set by `CacheDirectory=npud`),
+$XDG_CACHE_HOME/npud and ~/.cache/npud. numba's cache goes into its `numba` subdirectory
+unless NUMBA_CACHE_DIR says otherwise; this module must be imported before any kernel is
+decorated (kernels/host/__init__.py does so first), because numba picks the directory then.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numba
+
+
+def cache_dir() -> Path:
+    """The kernel cache directory (not created here)."""
+    for var in ("NPUD_CACHE_DIR", "CACHE_DIRECTORY"):
+        value = os.environ.get(var, "")
+        if value:
+            # systemd may list several directories separated by ':'; the first is ours
+            return Path(value.split(":")[0])
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "npud"
+
+
+def numba_cache_dir() -> Path:
+    """numba's cache directory, as numba will use it."""
+    return Path(numba.config.CACHE_DIR) if numba.config.CACHE_DIR else cache_dir() / "numba"
+
+
+if not numba.config.CACHE_DIR:
+    numba.config.CACHE_DIR = str(cache_dir() / "numba")

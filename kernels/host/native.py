@@ -1,0 +1,203 @@
+"""The host GEMM kernels: a small C library, compiled once per machine with gcc, called through ctypes.
+
+Why C rather than numba: the contract needs exact control of each output element's chain of
+operations (an explicit FMA per k, in k order, never reassociated), and speed needs control
+of the registers (a block of rows x 64 columns held in zmm registers for the whole k loop,
+each weight vector widened once per k for all rows), of prefetch, and of VNNI's vpdpbusd.
+Intrinsics give all of that directly; and a shared object compiled once and kept in the
+cache directory costs nothing at start-up, where numba recompiled the closure kernels at
+every start (issue 19). The library picks its path at run time from cpuid: AVX-512 (+VNNI),
+AVX2+FMA (the generic C built for it), or the generic C that every x86-64 runs. Every path
+computes the same chain per element (the generic one with fmaf), so they give the same bits,
+which tests/test_kernels.py checks. gemm.c says how each element is computed.
+
+Threads: a persistent pool inside the library (workers spin briefly, then sleep), each
+call's output tiles split into contiguous ranges, one per thread; k is never split, so the
+bits do not depend on the number of threads. ctypes releases the GIL for the call.
+
+Build: on first use, or ahead of time with `python -m kernels.host` (tools/test.sh and
+tools/demo.sh do so after installing). The shared object is named by a digest of the source
+and flags, in cache_dir(); a build writes a temporary file and renames it, so concurrent
+starts are safe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import structlog
+
+from kernels.host.cache import cache_dir
+
+log = structlog.get_logger(__name__)
+
+TILE = 64  # output columns per weight tile (gemm.c's TILE)
+QB = 32  # activation quantization block (gemm.c's QB)
+ISA_NAMES = ("generic", "avx2", "avx512", "avx512-vnni")
+FMT_F32, FMT_BF16, FMT_I8, FMT_Q8 = 0, 1, 2, 3
+
+SOURCE = Path(__file__).with_name("gemm.c")
+# -ffp-contract=off: the only FMAs are the explicit ones; no -ffast-math: no reassociation
+CFLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-pthread", "-std=gnu11")
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_threads = 0
+_isa_in_use = ""
+
+_P = ctypes.c_void_p
+_L = ctypes.c_long
+_I = ctypes.c_int
+
+
+class BuildError(RuntimeError):
+    """The C kernels could not be compiled (no gcc, or it failed); the message says which."""
+
+
+def library_path(directory: Path | None = None) -> Path:
+    """Where the shared object for this source and these flags lives."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + platform.machine().encode())
+    return (directory or cache_dir()) / f"npud_gemm-{digest.hexdigest()[:16]}.so"
+
+
+def build(directory: Path | None = None) -> Path:
+    """Compile gemm.c into the cache directory unless it is there; returns the shared object's path.
+
+    Raises BuildError when gcc is missing or fails.
+    """
+    path = library_path(directory)
+    if path.exists():
+        return path
+    cc = os.environ.get("CC", "gcc")
+    if shutil.which(cc) is None:
+        raise BuildError(f"the host kernels need a C compiler: {cc!r} was not found (install gcc)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.stem, suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise BuildError(f"{cc} failed to build the host kernels:\n{res.stderr[-2000:]}")
+        os.replace(tmp, path)  # atomic: a concurrent start sees the old state or the whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    # an upgrade leaves the old version behind: drop versions not rebuilt for a day (not at
+    # once: two checkouts of different versions sharing the cache would rebuild in turn)
+    for stale in path.parent.glob("npud_gemm-*.so"):
+        if stale != path and time.time() - stale.stat().st_mtime > 86400:
+            stale.unlink(missing_ok=True)
+    log.info("host_kernels_built", path=str(path))
+    return path
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernel library (built on first use)."""
+    global _lib, _isa_in_use
+    with _lock:
+        if _lib is None:
+            try:
+                path = build()
+            except OSError as e:  # an unwritable cache directory: build into a private one
+                log.warning("kernel_cache_unwritable", dir=str(cache_dir()), error=str(e))
+                path = build(Path(tempfile.mkdtemp(prefix="npud-kernels-")))
+            lib = ctypes.CDLL(str(path))
+            lib.npud_isa_best.restype = _I
+            lib.npud_set_isa.argtypes = [_I]
+            lib.npud_set_isa.restype = _I
+            lib.npud_gemm.argtypes = [_I, _P, _L, _L, _P, _L, _L, _P, _P, _P, _I]
+            lib.npud_gemm.restype = _I
+            lib.npud_linear_q8.argtypes = [_P, _L, _L, _L, _P, _L, _L, _P, _P, _P, _I]
+            lib.npud_linear_q8.restype = _I
+            lib.npud_embed.argtypes = [_I, _P, _L, _L, _P, _L, _P, _P]
+            lib.npud_embed.restype = None
+            wanted = os.environ.get("NPUD_HOST_ISA", "")  # tests and benchmarks: force a slower path
+            _isa_in_use = ISA_NAMES[lib.npud_set_isa(ISA_NAMES.index(wanted) if wanted in ISA_NAMES else -1)]
+            _lib = lib
+        return _lib
+
+
+def best_isa() -> str:
+    """The fastest path this CPU can run."""
+    return ISA_NAMES[library().npud_isa_best()]
+
+
+def set_isa(name: str | None) -> str:
+    """Use path `name` (None: the best; a path the CPU lacks falls back to the best); returns the one in use."""
+    global _isa_in_use
+    if name is not None and name not in ISA_NAMES:
+        raise ValueError(f"unknown kernel path {name!r}; expected one of {ISA_NAMES}")
+    _isa_in_use = ISA_NAMES[library().npud_set_isa(-1 if name is None else ISA_NAMES.index(name))]
+    return _isa_in_use
+
+
+def isa() -> str:
+    """The path in use."""
+    library()
+    return _isa_in_use
+
+
+def threads() -> int:
+    """Threads a GEMM splits its output columns across (NPUD_HOST_THREADS, else the CPUs this process may use)."""
+    global _threads
+    if _threads == 0:
+        env = os.environ.get("NPUD_HOST_THREADS", "")
+        _threads = int(env) if env.isdigit() and int(env) > 0 else len(os.sched_getaffinity(0))
+    return _threads
+
+
+def set_threads(n: int) -> None:
+    """Use n threads from the next call on (the bits do not depend on it)."""
+    global _threads
+    if n < 1:
+        raise ValueError(f"threads must be >= 1, got {n}")
+    _threads = n
+
+
+def _ptr(a: np.ndarray | None) -> int | None:
+    return None if a is None else a.ctypes.data
+
+
+def gemm(fmt: int, x: np.ndarray, w: np.ndarray, n: int, scale: np.ndarray | None, bias: np.ndarray | None,
+         parallel: bool) -> np.ndarray:
+    """x: [M, K] f32, w: tiles [T, K, TILE] -> [M, T * TILE] f32 (columns >= n are padding).
+
+    Raises MemoryError when the transposed copy of x cannot be allocated."""
+    m, k = x.shape
+    tiles = w.shape[0]
+    out = np.empty((m, tiles * TILE), np.float32)
+    if library().npud_gemm(fmt, x.ctypes.data, m, k, w.ctypes.data, tiles, n, _ptr(scale), _ptr(bias),
+                           out.ctypes.data, threads() if parallel else 1) != 0:
+        raise MemoryError(f"no memory for a transposed copy of a [{m}, {k}] activation")
+    return out
+
+
+def linear_q8(x: np.ndarray, w: np.ndarray, n: int, scale: np.ndarray, bias: np.ndarray | None,
+              parallel: bool) -> np.ndarray:
+    """x: [M, K] f32 quantized per row in blocks of QB, w: [T, Kp / 4, TILE, 4] uint8 (int8 + 128)
+    -> [M, T * TILE] f32. Raises MemoryError when the row buffer cannot be allocated."""
+    m, k = x.shape
+    tiles, kp = w.shape[0], w.shape[1] * 4
+    out = np.empty((m, tiles * TILE), np.float32)
+    if library().npud_linear_q8(x.ctypes.data, m, k, kp, w.ctypes.data, tiles, n, scale.ctypes.data, _ptr(bias),
+                                out.ctypes.data, threads() if parallel else 1) != 0:
+        raise MemoryError(f"no memory for the q8 rows of a [{m}, {kp}] activation")
+    return out
+
+
+def embed(fmt: int, w: np.ndarray, k: int, d: int, tokens: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
+    """Rows `tokens` [M] (int64, in range) of a tiled table with k stored columns -> [M, d] f32."""
+    out = np.empty((tokens.shape[0], d), np.float32)
+    library().npud_embed(fmt, w.ctypes.data, k, d, tokens.ctypes.data, tokens.shape[0], _ptr(scale), out.ctypes.data)
+    return out
+

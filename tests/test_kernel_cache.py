@@ -1,0 +1,69 @@
+"""Kernels compiled once: a second and third engine start add nothing to the kernel cache.
+
+Each start runs in its own process with NPUD_CACHE_DIR pointing at one fresh directory: the
+first compiles the C GEMMs and the numba kernels into it; the later ones must only read it
+(no new file, none rewritten), which is what makes a warm start fast and the cache bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.testing.checkpoints import build_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# One engine start: load, self-check, prefill, a step and a verify, and every other host kernel
+# (serial and parallel builds) once, so that everything a server could compile is compiled.
+CHILD = r"""
+import sys
+import numpy as np
+from engine.forward import Forward
+from engine.model import Model
+from kernels.host import pointwise, recurrent
+from kernels.host.backend import HostBackend
+
+for fmt in ("bf16", "int8-q8"):
+    f = Forward(Model.load(sys.argv[1], fmt))
+    f.prefill([1, 2, 3])
+    f.step(4, 3)
+    f.step_batch_all([5, 6], 4)
+b = HostBackend()
+r = np.random.default_rng(0).standard_normal
+x = r((2, 8)).astype(np.float32)
+b.gelu_tanh_mul(x, x); b.sigmoid_mul(x, x); b.softcap(x, 30.0); b.l2_norm(x, 1e-6)
+b.gated_rms_norm(x, x, np.ones(8, np.float32), 1e-6)
+b.causal_conv1d_silu(x, np.zeros((8, 3), np.float32), np.ones((8, 4), np.float32))
+b.gdn_gates(x[:, :2], x[:, :2], np.zeros(2, np.float32), np.zeros(2, np.float32))
+q = r((2, 2, 4)).astype(np.float32)
+for parallel in (False, True):
+    out = np.empty_like(q)
+    pointwise.ATTENTION[parallel](q, q, q, np.array([0, 1]), 0, np.float32(0.5), out)
+    recurrent.GATED_DELTA[parallel](q, q, q, np.zeros((2, 2), np.float32), np.ones((2, 2), np.float32),
+                                    np.zeros((2, 4, 4), np.float32), out, np.empty((2, 2, 4, 4), np.float32))
+"""
+
+
+def _snapshot(cache: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(cache)): (p.stat().st_size, p.stat().st_mtime_ns) for p in cache.rglob("*") if p.is_file()}
+
+
+@pytest.mark.slow
+def test_engine_starts_after_the_first_add_nothing_to_the_kernel_cache(tmp_path):
+    ckpt = build_tiny_checkpoint(tmp_path / "ckpt")
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "CACHE_DIRECTORY")}
+    env["NPUD_CACHE_DIR"] = str(cache)
+    snapshots = []
+    for _ in range(3):
+        subprocess.run([sys.executable, "-c", CHILD, str(ckpt)], check=True, cwd=ROOT, env=env, timeout=600)
+        snapshots.append(_snapshot(cache))
+    assert any(name.startswith("npud_gemm-") for name in snapshots[0])  # the C library
+    assert any(name.startswith("numba/") for name in snapshots[0])  # the numba kernels
+    assert snapshots[1] == snapshots[0]  # no file added, none rewritten
+    assert snapshots[2] == snapshots[0]
