@@ -182,11 +182,13 @@ class DraftModelHead:
     Raises DraftMismatchError at construction when the tokenizers disagree.
     """
 
-    def __init__(self, forward, base_tokenizer, draft_tokenizer, sampling: SamplingParams = SamplingParams()) -> None:
+    def __init__(self, forward, base_tokenizer, draft_tokenizer, sampling: SamplingParams = SamplingParams(),
+                 allowed: np.ndarray | None = None) -> None:
         check_same_tokenizer(base_tokenizer, draft_tokenizer)
         self.forward = forward
         forward.truncate(0)
-        self.sampler = Sampler(sampling)
+        # allowed: the draft's logit ids the tokenizer decodes; a padded id would only be rejected
+        self.sampler = Sampler(sampling, allowed)
         # a stream of its own: the job's sampler has the same seed, and drafts drawn with the
         # uniforms the accept test then reuses would be correlated with it
         self.sampler.rng = np.random.default_rng([sampling.seed, _DRAFT_STREAM])
@@ -206,7 +208,7 @@ class DraftModelHead:
         tokens, probs = [], []
         for i in range(k):
             if self.sampler.config.greedy:
-                tokens.append(int(np.argmax(logits)))
+                tokens.append(self.sampler.choose(logits))
             else:
                 q = self.sampler.probs(logits)
                 tokens.append(self.sampler.draw(q))

@@ -69,7 +69,8 @@ class Generation:
             self.finish_reason = FinishReason.CANCELLED
             return
         yield []
-        sampler = Sampler(self.params.sampling)
+        # ids of a padded vocabulary that the tokenizer cannot decode are never chosen
+        sampler = Sampler(self.params.sampling, self.tokenizer.decodable(self.forward.config.vocab_size))
         common = dict(
             max_new_tokens=self.params.max_tokens,
             sampler=sampler,

@@ -21,7 +21,9 @@ writes the entries that are only in memory (call it when idle and before exit); 
 is bounded by `max_disk_bytes` (LRU; an entry evicted from disk is gone). Pinned entries
 are never evicted, and pins are kept in `pins.json`. At start-up the index is rebuilt from
 the directory: a truncated, corrupt or incomplete file, or one of another geometry, is
-deleted with a log line; a file of another model (fingerprint) is left alone, unindexed.
+deleted with a log line, and so are the files under another key (engine/fingerprint.py:
+the model's weights, weight format, backend or engine numerics changed), with one log line
+for all of them: a snapshot is only ever restored into the numerics that computed it.
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ class PrefixCache:
         block_size: int = 32,
     ):
         """`state` is a (fresh) `ModelState` of the model: entries must fit its planes.
+        `fingerprint` keys every entry: for a served model, engine/fingerprint.py's
+        numerics_key (weights, format, backend, engine numerics), so that no snapshot is
+        restored into numerics other than those that computed it.
 
         Raises PrefixCacheError for a bad argument; with `state_dir`, creates it and
         rebuilds the index from the files in it.
@@ -458,12 +463,12 @@ class PrefixCache:
         """Index the files of this model in the state dir; drop the bad ones."""
         for tmp in self.state_dir.glob("*.tmp"):
             store.unlink(tmp)  # an interrupted write
-        found = []
+        found, stale = [], []
         for path in self.state_dir.glob(f"*{store.SUFFIX}"):
             try:
                 entry = self._index_file(path)
-            except store.OtherModel as exc:
-                log.info("prefix_cache_file_ignored", path=str(path), reason=str(exc))
+            except store.OtherModel:
+                stale.append(path)
                 continue
             except (store.BadFile, OSError) as exc:
                 log.warning("prefix_cache_file_dropped", path=str(path), reason=str(exc))
@@ -471,6 +476,14 @@ class PrefixCache:
                 store.unlink(path)
                 continue
             found.append((path.stat().st_mtime_ns, entry))
+        if stale:
+            # snapshots of other numerics (weights, format, backend, kernels): never restored
+            for path in stale:
+                store.unlink(path)
+            self._counts["files_dropped"] += len(stale)
+            log.warning("prefix_cache_stale_dropped", files=len(stale), directory=str(self.state_dir),
+                        reason="their key is not this model's: its weights, weight format, backend or "
+                               "engine numerics changed since they were written")
         for _, entry in sorted(found, key=lambda f: f[0]):
             self._add(entry)
         self._load_pins()

@@ -36,7 +36,8 @@ class BadFile(Exception):
 
 
 class OtherModel(Exception):
-    """A well-formed file of another model: not ours to load, nor to delete."""
+    """A well-formed file under another key (another model, or the same one computed with
+    other numerics): never to be loaded."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -6,6 +6,11 @@ fully accepted chain. With temperature 0 both are argmax, so speculation is byte
 plain greedy decode; with temperature > 0 the rule of Leviathan et al. / Chen et al. makes
 every emitted token distributed exactly as plain sampling would (not byte-equal: the random
 stream is consumed differently).
+
+A checkpoint may pad its embedding past the tokenizer (Qwen: 151,936 rows for 151,669 ids).
+A sampler built with `allowed` never returns a padded id: `choose`, `judge` and `probs` all
+read the logits through `masked`, so plain decode, every verify and the resample after a
+reject see the same masked distribution and speculation stays byte-equal to plain greedy.
 """
 
 from __future__ import annotations
@@ -16,11 +21,29 @@ from engine.api import SamplingParams
 
 
 class Sampler:
-    """Chooses tokens from logits under one `SamplingParams`, with its own seeded stream."""
+    """Chooses tokens from logits under one `SamplingParams`, with its own seeded stream.
 
-    def __init__(self, config: SamplingParams = SamplingParams()) -> None:
+    `allowed` (bool [V], or None for all) names the ids it may return: the ones the tokenizer
+    can decode (engine.tokenizer.Tokenizer.decodable).
+    """
+
+    def __init__(self, config: SamplingParams = SamplingParams(), allowed: np.ndarray | None = None) -> None:
         self.config = config
         self.rng = np.random.default_rng(config.seed)
+        self.allowed = None if allowed is None else np.asarray(allowed, dtype=bool)
+        self._masked_ids = None if allowed is None else np.flatnonzero(~self.allowed)
+
+    def masked(self, logits: np.ndarray) -> np.ndarray:
+        """logits [..., V] with every id outside `allowed` at -inf (a copy; the input itself when
+        all ids are allowed). Raises ValueError when V is not the width of `allowed`."""
+        logits = np.asarray(logits)
+        if self.allowed is None:
+            return logits
+        if logits.shape[-1] != self.allowed.size:
+            raise ValueError(f"logits of width {logits.shape[-1]} for a sampler that allows ids of {self.allowed.size}")
+        out = np.array(logits, copy=True)
+        out[..., self._masked_ids] = -np.inf
+        return out
 
     def probs(self, logits: np.ndarray) -> np.ndarray:
         """The distribution a token is drawn from: [V] float64 summing to 1.
@@ -28,7 +51,7 @@ class Sampler:
         Greedy is the one-hot of the argmax. Otherwise softmax(logits / T), restricted to the
         top_k largest and then to the smallest set whose mass reaches top_p, renormalised.
         """
-        logits = np.asarray(logits)
+        logits = self.masked(logits)
         if self.config.greedy:
             p = np.zeros(logits.shape[-1], dtype=np.float64)
             p[int(np.argmax(logits))] = 1.0
@@ -51,7 +74,7 @@ class Sampler:
     def choose(self, logits: np.ndarray) -> int:
         """The next token: argmax when greedy, else one draw from `probs(logits)`."""
         if self.config.greedy:
-            return int(np.argmax(logits))
+            return int(np.argmax(self.masked(logits)))
         return self.draw(self.probs(logits))
 
     def judge(self, draft: int, q: np.ndarray | None, logits: np.ndarray) -> int | None:
@@ -62,7 +85,7 @@ class Sampler:
         draft is accepted, else the token to emit in its place (after which the round stops).
         """
         if self.config.greedy:
-            choice = int(np.argmax(logits))
+            choice = int(np.argmax(self.masked(logits)))
             return None if choice == draft else choice
         p = self.probs(logits)
         q_draft = 1.0 if q is None else float(q[draft])

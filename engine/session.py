@@ -14,6 +14,9 @@ import dataclasses
 import time
 from pathlib import Path
 
+import numpy as np
+import structlog
+
 from engine.api import (
     GenerateRequest,
     GenerationParams,
@@ -28,14 +31,19 @@ from engine.api import (
 )
 from engine.dflash import DFlashDraft, DFlashHead
 from engine.drafters import DraftModelHead, PromptLookupHead, check_same_tokenizer
+from engine.fingerprint import MEMO_FILE, DigestMemo, numerics_key
 from engine.forward import Forward
 from engine.generate import Generation
 from engine.model import Model
 from engine.prefix_cache import PrefixCache, PrefixCacheError
 from engine.state import ModelState
 from engine.tokenizer import Tokenizer, TokenizerError
+from engine.weights import checkpoint_files
+from kernels.base import numerics_identity
 from kernels.select import select_backend
 from kernels.xrt import XrtUnavailable
+
+log = structlog.get_logger(__name__)
 
 
 class LoadedModel:
@@ -61,6 +69,15 @@ class LoadedModel:
         self.prefix_cache = prefix_cache
         self.max_context = model.config.max_position_embeddings
         self.backend_reason = "given by the caller"
+        # the logit ids the tokenizer decodes (None: all); the generation masks the rest
+        self.allowed = tokenizer.decodable(model.config.vocab_size)
+        if self.allowed is not None:
+            masked = np.flatnonzero(~self.allowed)
+            log.info("vocab_padded", model=name, vocab_size=model.config.vocab_size,
+                     decodable=int(self.allowed.sum()), masked=len(masked), first_masked=int(masked[0]))
+        if tokenizer.vocab_size > model.config.vocab_size:
+            log.warning("vocab_short", model=name, vocab_size=model.config.vocab_size,
+                        tokenizer_ids=tokenizer.vocab_size)
 
     @classmethod
     def load(
@@ -93,8 +110,9 @@ class LoadedModel:
             draft = Model.load(draft_dir, weight_format, kernels)
             draft_tokenizer = Tokenizer.from_dir(draft_dir)
             check_same_tokenizer(tokenizer, draft_tokenizer)
+        cache_key = _cache_key(checkpoint_dir, cache_dir, weight_format, kernels)
         cache = PrefixCache(
-            model.fingerprint,
+            cache_key,
             ModelState.for_config(model.config),
             state_dir=cache_dir,
             max_bytes=cache_bytes,
@@ -140,6 +158,11 @@ class LoadedModel:
             raise RequestError(str(exc)) from exc
         if not ids:
             raise RequestError("the prompt encodes to no tokens")
+        rows = self.model.config.vocab_size
+        if max(ids) >= rows:
+            # a tokenizer with more ids than the embedding has rows: such an id has no embedding
+            raise RequestError(f"the prompt holds token id {max(ids)}, past the "
+                                              f"{rows} rows of model {self.name!r}'s embedding")
         return ids
 
     def count_prompt_tokens(self, request: GenerateRequest) -> int:
@@ -172,12 +195,11 @@ class LoadedModel:
         if method == "dflash":
             if self.dflash is None:
                 raise RequestError(f"model {self.name!r} has no DFlash drafter (speculative method 'dflash')")
-            return DFlashHead(self.dflash, sampling)
+            return DFlashHead(self.dflash, sampling, pick=self.dflash.proposer(sampling, self.allowed))
         if self.draft is None:
             raise RequestError(f"model {self.name!r} has no draft model (speculative method 'draft')")
-        return DraftModelHead(Forward(self.draft), self.tokenizer, self.draft_tokenizer, sampling)
-
-    # -- the prefix cache, as the daemon's cache.* methods see it ----------------------------
+        return DraftModelHead(Forward(self.draft), self.tokenizer, self.draft_tokenizer, sampling,
+                              self.tokenizer.decodable(self.draft.config.vocab_size))
 
     @property
     def has_prefix_cache(self) -> bool:
@@ -225,6 +247,19 @@ class LoadedModel:
         if self.prefix_cache is None:
             raise RuntimeError(f"model {self.name!r} has no prefix cache")  # callers check has_prefix_cache
         return self.prefix_cache
+
+
+def _cache_key(checkpoint_dir, cache_dir, weight_format: str, backend) -> str:
+    """The prefix-cache key of the base (engine/fingerprint.py), its file digests remembered in
+    the cache directory. Raises WeightsError or FingerprintError."""
+    started = time.perf_counter()
+    memo = DigestMemo(None if cache_dir is None else Path(cache_dir) / MEMO_FILE)
+    key = numerics_key(checkpoint_files(checkpoint_dir), memo, weight_format=weight_format, backend=backend)
+    log.info("prefix_cache_key", key=key[:16], weight_format=weight_format, backend=numerics_identity(backend),
+             files_read=memo.files_read, seconds=round(time.perf_counter() - started, 3))
+    return key
+
+    # -- the prefix cache, as the daemon's cache.* methods see it ----------------------------
 
 
 class ModelSession:

@@ -18,6 +18,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
+import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 
@@ -179,6 +180,7 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
         added = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
         self.special_token_ids: frozenset[int] = frozenset(added | set(ids.values()) | set(extra_special_ids))
+        self._decodable: dict[int, np.ndarray | None] = {}  # width -> Tokenizer.decodable(width)
         self._templates: dict[str, jinja2.Template] = {}
         env = _environment()
         for name, text in (chat_templates or {}).items():
@@ -299,6 +301,19 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TokenizerError(f"text must be a str, got {type(text).__name__}")
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decodable(self, width: int) -> np.ndarray | None:
+        """Which of a model's `width` logit ids this tokenizer can decode: bool [width], or None
+        when it can decode them all. A checkpoint that pads its embedding past the tokenizer
+        (Qwen: 151,936 rows for 151,669 ids) has ids that must never be sampled."""
+        if width not in self._decodable:
+            ids = np.fromiter(self._backend.get_vocab(with_added_tokens=True).values(), dtype=np.int64)
+            known = np.zeros(width, dtype=bool)
+            # decode() refuses ids at or past vocab_size (a count), so those stay masked too
+            known[ids[ids < min(width, self.vocab_size)]] = True
+            known.flags.writeable = False
+            self._decodable[width] = None if known.all() else known
+        return self._decodable[width]
 
     def _check_ids(self, ids) -> list[int]:
         out = []

@@ -14,10 +14,19 @@ from typing import Protocol
 import numpy as np
 
 
+def numerics_identity(backend) -> str:
+    """What a backend's numbers depend on besides the weights: its name, its design where it
+    has one, and the path its activations take. A backend says it through `numerics_id()`;
+    one that does not is taken at its word in `Backend` (fp32 activations) under its name."""
+    numerics_id = getattr(backend, "numerics_id", None)
+    return numerics_id() if callable(numerics_id) else f"{backend.name}/activations=fp32"
+
+
 # The version of the engine's numerics: a kernel change that changes any bit of any output
 # bumps it, so that nothing computed by the old kernels (a persisted prefix-cache snapshot,
 # say) is taken for the new ones' result. 1: the numba GEMMs (separate multiply and add);
-# 2: the C GEMMs (one FMA per k; int8-q8's integer blocks).
+# 2: the C GEMMs (one FMA per k; int8-q8's integer blocks). Part of every prefix-cache key
+# (engine/fingerprint.py); an op's formula in engine/forward.py counts as a kernel change too.
 NUMERICS_VERSION = 2
 
 
@@ -93,6 +102,8 @@ class Backend(Protocol):
     """Row-wise kernels. Shapes are written [rows, features]; all activations are fp32."""
 
     name: str
+
+    # optional: numerics_id() -> str, the backend's numerics identity (see numerics_identity)
 
     def prepare_linear(self, w: LinearWeight) -> LinearWeight:
         """Re-lay out a loaded [N, K] weight for this backend (done once, at load)."""

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import structlog
 
-from kernels.base import Backend, LinearWeight
+from kernels.base import Backend, LinearWeight, numerics_identity
 
 log = structlog.get_logger(__name__)
 
@@ -26,6 +26,10 @@ class RowwiseBackend:
     def __init__(self, inner: Backend):
         self.inner = inner
         self.name = f"{inner.name}-rowwise"
+
+    def numerics_id(self) -> str:
+        # its own, not the inner backend's through __getattr__: the GEMM runs another way
+        return f"rowwise({numerics_identity(self.inner)})"
 
     def linear(self, x: np.ndarray, w: LinearWeight) -> np.ndarray:
         return np.concatenate([self.inner.linear(x[i : i + 1], w) for i in range(x.shape[0])])

@@ -21,6 +21,7 @@ built, and its absence is reported by `probe()`, never raised at import time.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,17 @@ class GemmDesign:
                 raise XrtUnavailable(f"{path}: {f} file {getattr(design, f)} does not exist")
         return design
 
+    def identity(self) -> str:
+        """A sha256 over the xclbin's and the instruction stream's bytes and the tile fields:
+        another build of the design is another identity. Raises OSError."""
+        h = hashlib.sha256()
+        for path in (self.xclbin, self.insts):
+            data = path.read_bytes()
+            h.update(b"%d\0" % len(data))
+            h.update(data)
+        h.update(json.dumps([self.kernel, self.tile_m, self.tile_k, self.tile_n, self.max_k, self.max_n]).encode())
+        return h.hexdigest()
+
 
 def probe(accel_dir: str | Path = "/dev/accel") -> tuple[bool, str]:
     """Whether an amdxdna NPU and the XRT binding are usable here, and why (not)."""
@@ -122,6 +134,11 @@ class XrtBackend:
         self._weights: dict[int, tuple] = {}  # id(data) -> (bo, Kp, Np)
         self._a = None  # activation buffer, grown to the largest K seen
         self._c = None
+
+    def numerics_id(self) -> str:
+        """The design's identity (its program files and tiles) and the activation path: an
+        explicit method, since __getattr__ would answer with the host's."""
+        return f"xrt/design={self.design.identity()}/activations=bf16/accumulate=fp32"
 
     def _bo(self, nbytes: int, flags, arg: int):
         return self._xrt.bo(self.device, int(nbytes), flags, self.kernel.group_id(arg))

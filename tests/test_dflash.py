@@ -66,16 +66,18 @@ def _raw_config(layers=2, dflash=None, **top) -> dict:
     return raw
 
 
-def write_random_dflash(out: Path, variant=Variant.DFLASH, layers=2, seed=0, bare_codebooks=True, **dflash) -> Path:
+def write_random_dflash(out: Path, variant=Variant.DFLASH, layers=2, seed=0, bare_codebooks=True, top=None,
+                       **dflash) -> Path:
     """A random draft checkpoint in the published layout, written without the reference (the
-    DFlash 2 codebooks under their bare names, as the published checkpoints store them)."""
+    DFlash 2 codebooks under their bare names, as the published checkpoints store them);
+    `top` overrides top-level config fields (a padded base's vocab_size, say)."""
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(seed)
     extra = dict(dflash)
     if variant is Variant.DFLASH2:
         extra = {**DFLASH2, **extra}
-    raw = _raw_config(layers, extra, architectures=[variant.value])
+    raw = _raw_config(layers, extra, architectures=[variant.value], **(top or {}))
     cfg = parse_dflash_config(raw)
     d, f, v = cfg.model.hidden_size, cfg.model.intermediate_size, cfg.model.vocab_size
     spec = cfg.model.layers[0]

@@ -468,12 +468,19 @@ def test_garbage_in_the_tensor_data_is_dropped_when_read(tmp_path):
     assert not path.exists() and cache.stats().entries == 0 and cache.stats().misses == 1
 
 
-def test_file_of_another_model_is_ignored_not_deleted(tmp_path):
-    path = _one_file(tmp_path, fingerprint="another-model")
+def test_files_under_another_key_are_dropped_with_one_line(tmp_path):
+    # another key: the same model computed with other numerics (engine/fingerprint.py)
+    _one_file(tmp_path / "a", fingerprint="other-numerics")
+    old = PrefixCache("other-numerics", make_state(), state_dir=tmp_path / "a", block_size=B)
+    old.insert(P[100:132], state_after(P[100:132]).snapshot())
+    old.flush()
+    paths = sorted((tmp_path / "a").glob("*.safetensors"))
+    assert len(paths) == 2
     with capture_logs() as logs:
-        cache = cache_with(tmp_path)
-    assert [e["event"] for e in logs] == ["prefix_cache_file_ignored"] and "fingerprint" in logs[0]["reason"]
-    assert path.exists() and cache.stats().entries == 0 and cache.stats().disk_bytes == 0
+        cache = cache_with(tmp_path / "a")
+    assert [e["event"] for e in logs] == ["prefix_cache_stale_dropped"] and logs[0]["files"] == 2
+    assert not any(p.exists() for p in paths)
+    assert cache.stats().entries == 0 and cache.stats().disk_bytes == 0 and cache.stats().files_dropped == 2
     assert cache.lookup(P[:40]) is None
 
 

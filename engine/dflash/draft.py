@@ -146,11 +146,12 @@ class DFlashDraft:
             logits = np.tanh(logits / np.float32(cap)) * np.float32(cap)
         return logits
 
-    def proposer(self, sampling: SamplingParams = SamplingParams()) -> Pick:
+    def proposer(self, sampling: SamplingParams = SamplingParams(), allowed: np.ndarray | None = None) -> Pick:
         """The rule that turns drafted rows into a Draft: argmax of the logits (DFlash) or the
         candidate selector's path (DFlash 2); with a temperature, drawn from the distribution
-        the Draft carries (the loop's accept/resample rule needs it)."""
-        return _Proposer(self, sampling)
+        the Draft carries (the loop's accept/resample rule needs it). Ids outside `allowed`
+        (bool [V], see engine.sampling.Sampler) are never proposed."""
+        return _Proposer(self, sampling, allowed)
 
     def _kv(self, spec, aw: AttentionWeights, h: np.ndarray, positions: np.ndarray):
         b, eps, rows = self.backend, self.config.model.rms_norm_eps, h.shape[0]
@@ -196,14 +197,14 @@ _DRAFT_STREAM = 0xDF1A5  # keeps the draft's draws apart from the loop's accept 
 
 
 class _Proposer:
-    def __init__(self, draft: DFlashDraft, sampling: SamplingParams) -> None:
+    def __init__(self, draft: DFlashDraft, sampling: SamplingParams, allowed: np.ndarray | None = None) -> None:
         self.draft = draft
-        self.sampler = Sampler(sampling)
+        self.sampler = Sampler(sampling, allowed)  # a padded id (not decodable) is never proposed
         # an independent stream: the accept test must not reuse the numbers that drew the drafts
         self.sampler.rng = np.random.default_rng([sampling.seed, _DRAFT_STREAM])
 
     def __call__(self, hidden: np.ndarray, context: Sequence[int]) -> Draft:
-        logits = self.draft.logits(hidden)
+        logits = self.sampler.masked(self.draft.logits(hidden))
         if self.draft.weights.selector is not None:
             return self._select(hidden, logits, int(context[-1]))
         if self.sampler.config.greedy:

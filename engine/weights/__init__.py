@@ -9,6 +9,7 @@ Qwen3.5 one. The names below are the package's public surface (`from engine.weig
 from engine.weights.checkpoint import (
     TensorRef,
     WeightsError,
+    checkpoint_files,
     checkpoint_fingerprint,
     open_checkpoint,
     read_safetensors_header,
@@ -32,6 +33,7 @@ __all__ = [
     "ModelWeights",
     "TensorRef",
     "WeightsError",
+    "checkpoint_files",
     "checkpoint_fingerprint",
     "f32_to_bf16_bits",
     "load_weights",

@@ -203,13 +203,28 @@ def open_checkpoint(checkpoint_dir) -> dict[str, TensorRef]:
     return refs
 
 
+def checkpoint_files(checkpoint_dir) -> list[Path]:
+    """Returns the files a checkpoint's numbers come from: config.json, the shard index when
+    there is one, and every weight file (what engine/fingerprint.py hashes whole); a
+    checkpoint that is one file (a .gguf) is its own list. Raises WeightsError when the
+    weight files cannot be found."""
+    directory = Path(checkpoint_dir)
+    if directory.is_file():
+        return [directory]
+    files, _ = _weight_files(directory)
+    index = [directory / INDEX_FILE] if (directory / INDEX_FILE).is_file() else []
+    return [directory / "config.json", *index, *files]
+
+
 FINGERPRINT_SAMPLES = 64  # data chunks hashed per weight file
 FINGERPRINT_CHUNK = 1 << 16
 
 
 def checkpoint_fingerprint(checkpoint_dir) -> str:
     """Returns a sha256 hex digest over config.json, every weight file's header, its size
-    and FINGERPRINT_SAMPLES chunks of its data spread evenly over the file.
+    and FINGERPRINT_SAMPLES chunks of its data spread evenly over the file: the identity of
+    a checkpoint (a DFlash draft's training.json records its base's). The prefix cache is
+    keyed by engine/fingerprint.py's whole-content key instead.
 
     Retrained weights of the same shapes change it (every chunk of a retrained file
     differs), which keeps a persisted prefix cache or a drafter from being used with a
