@@ -24,7 +24,7 @@ from engine.state import ModelState, PlaneKind, PlaneSnapshot, StateSnapshot
 
 log = structlog.get_logger(__name__)
 
-FORMAT_VERSION = 2  # 2: "scope" (whose entry; files of 1 had none and are dropped)
+FORMAT_VERSION = 2  # 2: "scope" (whose entry); files of 1 had none and are dropped, whatever their key
 META_KEY = "npud_prefix"
 SUFFIX = ".safetensors"
 META_FIELDS = ("format", "fingerprint", "block_size", "key", "scope", "positions", "tokens", "planes", "digest")

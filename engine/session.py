@@ -201,6 +201,8 @@ class LoadedModel:
         return DraftModelHead(Forward(self.draft), self.tokenizer, self.draft_tokenizer, sampling,
                               self.tokenizer.decodable(self.draft.config.vocab_size))
 
+    # -- the prefix cache, as the daemon's cache.* methods see it ----------------------------
+
     @property
     def has_prefix_cache(self) -> bool:
         return self.prefix_cache is not None
@@ -258,8 +260,6 @@ def _cache_key(checkpoint_dir, cache_dir, weight_format: str, backend) -> str:
     log.info("prefix_cache_key", key=key[:16], weight_format=weight_format, backend=numerics_identity(backend),
              files_read=memo.files_read, seconds=round(time.perf_counter() - started, 3))
     return key
-
-    # -- the prefix cache, as the daemon's cache.* methods see it ----------------------------
 
 
 class ModelSession:

@@ -624,3 +624,33 @@ def test_scopes_survive_a_restart(tmp_path):
     again = cache_with(tmp_path)
     assert again.lookup(P[:80], "uid:6") is None and again.lookup(P[:80]) is None
     assert again.lookup(P[:80], "uid:5").key == key
+
+
+def test_a_file_of_format_1_under_this_key_is_dropped(tmp_path):
+    # format 1 had no scope: its entry would be found from every owner's scope
+    path = _one_file(tmp_path)
+
+    def to_format_1(header, meta):
+        meta["format"] = 1
+        meta.pop("scope")
+
+    _rewrite_header(path, to_format_1)
+    _reopen_expecting_drop(tmp_path, path, "lacks ['scope']")
+
+
+def test_a_scoped_file_under_another_key_is_dropped_as_stale(tmp_path):
+    # the owner scope and the numerics key are both in the chain: neither survives a key change
+    old = PrefixCache("other-numerics", make_state(), state_dir=tmp_path, block_size=B)
+    insert_in(old, P[:64], "uid:5")
+    assert old.flush() == 1
+    with capture_logs() as logs:
+        cache = cache_with(tmp_path)
+    assert [e["event"] for e in logs] == ["prefix_cache_stale_dropped"] and logs[0]["files"] == 1
+    assert not list(tmp_path.glob("*.safetensors")) and cache.lookup(P[:80], "uid:5") is None
+
+
+def test_the_key_and_the_scope_both_salt_the_block_chain():
+    a, b = PrefixCache("key-a", make_state(), block_size=B), PrefixCache("key-b", make_state(), block_size=B)
+    tokens = np.asarray(P[:64])
+    chains = {(c.fingerprint, s): tuple(c._chain(tokens, s)) for c in (a, b) for s in (None, "uid:1", "uid:2")}
+    assert len(set(chains.values())) == 6
