@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import socket
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from npud.protocol import ErrorCode, LineReader, LineTooLong, encode
 
 DEFAULT_SOCKET = "/run/npud/npud.sock"
 MAX_REPLY_BYTES = 1 << 30  # a result of many prompts is one line
+SUBMIT_RETRIES = 2  # a submit whose connection is lost is sent again this often (same idempotency key)
 
 
 def default_socket_path() -> str:
@@ -176,9 +178,18 @@ class _Methods:
     def submit(self, prompts: list[str] | None = None, *, chats: list[list[dict]] | None = None,
                model: str | None = None, max_tokens: int | None = None, sampling: dict | None = None,
                stop: list[str] | None = None, spec: dict | None = None, use_prefix_cache: bool | None = None,
-               priority: str | None = None):
-        return self._call("submit", {"prompts": prompts, "chats": chats, "priority": priority,
-                                     **_generation(model, max_tokens, sampling, stop, spec, use_prefix_cache)})
+               priority: str | None = None, idempotency_key: str | None = None, retries: int = SUBMIT_RETRIES):
+        """Queue a job; returns its status. The request carries an idempotency key (a new random
+        one unless given), and a connection lost before the reply is retried `retries` times on
+        a new connection with the same key: the daemon answers with the job the lost attempt
+        made, never a second one."""
+        params = {"prompts": prompts, "chats": chats, "priority": priority,
+                  "idempotency_key": idempotency_key or uuid.uuid4().hex,
+                  **_generation(model, max_tokens, sampling, stop, spec, use_prefix_cache)}
+        return self._call_retrying("submit", params, retries)
+
+    def _call_retrying(self, method: str, params: dict, retries: int) -> Any:
+        raise NotImplementedError
 
     def complete(self, prompt: str | None = None, *, messages: list[dict] | None = None, model: str | None = None,
                  max_tokens: int | None = None, sampling: dict | None = None, stop: list[str] | None = None,
@@ -268,14 +279,28 @@ class Client(_Methods):
 
     def __init__(self, path: str | None = None, *, timeout: float | None = None) -> None:
         self.path = path or default_socket_path()
+        self.timeout = timeout
+        self._connect()
+
+    def _connect(self) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout)
+        self._sock.settimeout(self.timeout)
         try:
             self._sock.connect(self.path)
         except OSError as exc:
             self._sock.close()
             raise _connect_error(self.path, exc) from None
         self._framing = Framing()
+
+    def _call_retrying(self, method: str, params: dict, retries: int) -> Any:
+        for attempt in range(retries + 1):
+            try:
+                return self._call(method, params)
+            except ConnectionLost:
+                if attempt == retries:
+                    raise
+                self._sock.close()
+                self._connect()  # NotRunning here ends the retries: nobody to ask
 
     def close(self) -> None:
         self._sock.close()
@@ -399,6 +424,22 @@ class AsyncClient(_Methods):
 
     async def _call(self, method: str, params: dict | None = None) -> Any:
         return await AsyncStream(self, method, params).wait()
+
+    async def _call_retrying(self, method: str, params: dict, retries: int) -> Any:
+        import trio
+
+        for attempt in range(retries + 1):
+            try:
+                return await self._call(method, params)
+            except ConnectionLost:
+                if attempt == retries:
+                    raise
+                await trio.aclose_forcefully(self._stream_conn)
+                try:
+                    self._stream_conn = await trio.open_unix_socket(self.path)
+                except OSError as exc:
+                    raise _connect_error(self.path, exc) from None
+                self._framing = Framing()
 
     def _stream(self, method: str, params: dict | None = None) -> AsyncStream:
         return AsyncStream(self, method, params)

@@ -203,10 +203,17 @@ class GenerateRequest:
     prompt: str | None = None
     messages: tuple[dict, ...] | None = None
     params: GenerationParams = field(default_factory=GenerationParams)
+    # Whose prefix-cache entries the request may restore and makes: entries of one scope are
+    # never found from another, so a cache hit says nothing about another scope's prompts.
+    # None is the shared scope (the entries an operator pins with cache_pin(text=...)); a
+    # scoped request also restores those, and only those, of the shared scope.
+    cache_scope: str | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ConfigError("GenerateRequest needs exactly one of prompt and messages")
+        if self.cache_scope is not None and (not isinstance(self.cache_scope, str) or not self.cache_scope):
+            raise ConfigError(f"GenerateRequest.cache_scope must be a non-empty string or None, got {self.cache_scope!r}")
         if self.prompt is not None and not isinstance(self.prompt, str):
             raise ConfigError(f"GenerateRequest.prompt must be a string, got {type(self.prompt).__name__}")
         if self.messages is not None and not (

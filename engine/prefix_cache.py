@@ -67,6 +67,7 @@ class _Entry:
     file_bytes: int = 0
     last_used: int = 0
     pins: set[str] = field(default_factory=set)
+    scope: str | None = None  # whose entry (GenerateRequest.cache_scope); None: the shared scope
 
     @property
     def num_tokens(self) -> int:
@@ -135,21 +136,29 @@ class PrefixCache:
         b = self.block_size
         return ((num_tokens - 1) // b) * b if self._recurrent and num_tokens > 0 else (num_tokens // b) * b
 
-    def lookup(self, tokens: Sequence[int]) -> PrefixMatch | None:
+    def lookup(self, tokens: Sequence[int], scope: str | None = None) -> PrefixMatch | None:
         """Returns the longest cached prefix of `tokens` shorter than the whole prompt, or None.
 
-        At least one token is always left to prefill: the first sampled token needs the
-        last prompt row's logits, which a snapshot does not hold.
+        Only entries of `scope` are found, and the pinned entries of the shared scope (None);
+        a lookup in the shared scope finds all of its entries. At least one token is always
+        left to prefill: the first sampled token needs the last prompt row's logits, which a
+        snapshot does not hold.
         """
         tokens = _as_tokens(tokens)
         with self._lock:
             limit = len(tokens) - 1
-            hashes = self._chain(tokens)
-            for depth_blocks in range(len(hashes), 0, -1):
+            # (the chain of block keys, the scope its entries must have, pinned ones only)
+            chains = [(self._chain(tokens, scope), scope, False)]
+            if scope is not None:
+                chains.append((self._chain(tokens, None), None, True))
+            for depth_blocks in range(len(chains[0][0]), 0, -1):
                 depth = depth_blocks * self.block_size
                 found = []
-                for key in self._blocks.get(hashes[depth_blocks - 1], ()):
-                    e = self._entries[key]
+                candidates = [(self._entries[key], want, pinned_only) for hashes, want, pinned_only in chains
+                              for key in self._blocks.get(hashes[depth_blocks - 1], ())]
+                for e, want, pinned_only in candidates:
+                    if e.scope != want or (pinned_only and not e.pins):
+                        continue  # another owner's entry, or a shared one no operator pinned
                     if not np.array_equal(e.tokens[:depth], tokens[:depth]):
                         continue  # a hash is not trusted alone
                     if e.recurrent:
@@ -173,7 +182,8 @@ class PrefixCache:
             return None
 
     def prefill(
-        self, forward, prompt: Sequence[int], *, rest: bool = True, restore: bool = True, defer_insert: bool = False
+        self, forward, prompt: Sequence[int], *, rest: bool = True, restore: bool = True, defer_insert: bool = False,
+        scope: str | None = None,
     ) -> CachedPrefill:
         """The caller protocol: restore the longest cached prefix of `prompt` into `forward`,
         prefill to the last block boundary, offer that state to the cache, prefill the rest.
@@ -184,6 +194,7 @@ class PrefixCache:
         session does this). With `restore=False` nothing is looked up, but the state is still
         offered. With `defer_insert`, an insert at the very end of the prompt is returned as
         `CachedPrefill.insert` instead of run (the state stays there until the next step).
+        Lookups and inserts are in `scope` (see lookup).
 
         Returns the match (None on a miss or without restore), the logits of the last
         prefilled row (None when nothing was prefilled; with `rest` always set, as a lookup
@@ -193,7 +204,7 @@ class PrefixCache:
         end = len(prompt) if rest else len(prompt) - 1
         if end <= 0:
             return CachedPrefill(None, None, None)
-        match = self.lookup(prompt) if restore else None  # at most len(prompt) - 1 tokens
+        match = self.lookup(prompt, scope) if restore else None  # at most len(prompt) - 1 tokens
         if match is not None:
             forward.state.restore(match.snapshot)
         boundary = self.insert_boundary(end)
@@ -201,15 +212,16 @@ class PrefixCache:
         if forward.positions_held < boundary:
             logits = forward.prefill(prompt[forward.positions_held : boundary])
             if defer_insert and boundary == len(prompt):
-                insert = lambda: self.insert(prompt, forward.state.snapshot())  # noqa: E731
+                insert = lambda: self.insert(prompt, forward.state.snapshot(), scope)  # noqa: E731
             else:
-                self.insert(prompt[:boundary], forward.state.snapshot())
+                self.insert(prompt[:boundary], forward.state.snapshot(), scope)
         if rest and forward.positions_held < end:
             logits = forward.prefill(prompt[forward.positions_held : end])
         return CachedPrefill(match, logits, insert)
 
-    def insert(self, tokens: Sequence[int], snapshot: StateSnapshot) -> str | None:
-        """Cache `snapshot`, the state after `tokens[:snapshot.positions]`; returns its key.
+    def insert(self, tokens: Sequence[int], snapshot: StateSnapshot, scope: str | None = None) -> str | None:
+        """Cache `snapshot`, the state after `tokens[:snapshot.positions]`, in `scope` (its
+        block keys are chained from a root salted with the scope); returns its key.
 
         The entry is keyed at the longest full-block boundary <= snapshot.positions; a
         KV-only snapshot past it is cut there (copied), while a snapshot with a recurrent
@@ -234,7 +246,7 @@ class PrefixCache:
         with self._lock:
             tokens = tokens[:boundary].copy()
             tokens.flags.writeable = False
-            hashes = self._chain(tokens)
+            hashes = self._chain(tokens, scope)
             key = hashes[-1].hex()
             old = self._entries.get(key)
             if old is not None:
@@ -246,7 +258,7 @@ class PrefixCache:
             if boundary != snapshot.positions:
                 snapshot = _owned(snapshot.prefix(boundary))
             _freeze(snapshot)
-            entry = _Entry(key, tokens, tuple(hashes), recurrent, snapshot.nbytes, snapshot)
+            entry = _Entry(key, tokens, tuple(hashes), recurrent, snapshot.nbytes, snapshot, scope=scope)
             self._add(entry)
             if not recurrent:
                 self._drop_superseded(entry)
@@ -324,10 +336,13 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ internals
 
-    def _chain(self, tokens: np.ndarray) -> list[bytes]:
-        """The chained key of every full block of `tokens`."""
+    def _chain(self, tokens: np.ndarray, scope: str | None) -> list[bytes]:
+        """The chained key of every full block of `tokens` in `scope`: the chain starts at the
+        cache's root, salted with the scope unless it is the shared one."""
         b = self.block_size
         out, parent = [], self._root
+        if scope is not None:
+            parent = hashlib.blake2b(parent + b"scope\0" + scope.encode(), digest_size=16).digest()
         for start in range(0, len(tokens) - b + 1, b):
             parent = hashlib.blake2b(parent + tokens[start : start + b].astype("<i8").tobytes(), digest_size=16).digest()
             out.append(parent)
@@ -429,7 +444,8 @@ class PrefixCache:
         path = self.state_dir / f"{entry.key}{store.SUFFIX}"
         try:
             size = store.write_entry(path, entry.snapshot, fingerprint=self.fingerprint,
-                                     block_size=self.block_size, key=entry.key, tokens=entry.tokens.tolist())
+                                     block_size=self.block_size, key=entry.key, tokens=entry.tokens.tolist(),
+                                     scope=entry.scope)
         except OSError as exc:
             log.warning("prefix_cache_write_failed", path=str(path), error=str(exc))
             return False
@@ -479,12 +495,12 @@ class PrefixCache:
                                      template=self._template)
         tokens = np.asarray(info.tokens, dtype=np.int64)
         tokens.flags.writeable = False
-        hashes = self._chain(tokens)
+        hashes = self._chain(tokens, info.scope)
         key = hashes[-1].hex()
         if info.key != key or path.name != f"{key}{store.SUFFIX}":
             raise store.BadFile(f"key {info.key!r} (file {path.name}) is not the hash of its tokens, {key}")
         recurrent = any(p.kind is PlaneKind.RECURRENT for p in self._template.planes)
-        return _Entry(key, tokens, tuple(hashes), recurrent, info.nbytes, None, path, info.size)
+        return _Entry(key, tokens, tuple(hashes), recurrent, info.nbytes, None, path, info.size, scope=info.scope)
 
     def _save_pins(self) -> None:
         if self.state_dir is None:

@@ -24,10 +24,10 @@ from engine.state import ModelState, PlaneKind, PlaneSnapshot, StateSnapshot
 
 log = structlog.get_logger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: "scope" (whose entry); files of 1 had none and are dropped, whatever their key
 META_KEY = "npud_prefix"
 SUFFIX = ".safetensors"
-META_FIELDS = ("format", "fingerprint", "block_size", "key", "positions", "tokens", "planes", "digest")
+META_FIELDS = ("format", "fingerprint", "block_size", "key", "scope", "positions", "tokens", "planes", "digest")
 _MAX_HEADER_BYTES = 16 * 1024 * 1024
 
 
@@ -46,12 +46,13 @@ class EntryInfo:
 
     key: str
     tokens: list[int]
+    scope: str | None  # the entry's cache scope (engine.api.GenerateRequest.cache_scope)
     nbytes: int  # bytes of the snapshot's arrays
     size: int  # bytes of the file
 
 
 def write_entry(path: Path, snap: StateSnapshot, *, fingerprint: str, block_size: int, key: str,
-                tokens: list[int]) -> int:
+                tokens: list[int], scope: str | None = None) -> int:
     """Write `snap` to `path` atomically (tmp + fsync + rename + fsync of the directory).
 
     Returns the file size; raises OSError.
@@ -62,6 +63,7 @@ def write_entry(path: Path, snap: StateSnapshot, *, fingerprint: str, block_size
         "fingerprint": fingerprint,
         "block_size": block_size,
         "key": key,
+        "scope": scope,
         "positions": snap.positions,
         "tokens": tokens,
         "planes": [
@@ -121,8 +123,10 @@ def read_entry_info(path: Path, *, fingerprint: str, block_size: int, template: 
         raise BadFile(f"geometry: tensors {sorted(got.items())} are not the model's {sorted(want.items())}")
     if not isinstance(meta["key"], str):
         raise BadFile(f"key {meta['key']!r} is not a string")
+    if meta["scope"] is not None and not isinstance(meta["scope"], str):
+        raise BadFile(f"scope {meta['scope']!r} is not a string or null")
     nbytes = sum(4 * int(np.prod(s)) for s in want.values())
-    return EntryInfo(meta["key"], tokens, nbytes, size)
+    return EntryInfo(meta["key"], tokens, meta["scope"], nbytes, size)
 
 
 def read_entry_snapshot(path: Path, *, fingerprint: str, tokens: list[int]) -> StateSnapshot:

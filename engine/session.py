@@ -222,6 +222,8 @@ class LoadedModel:
         return DraftModelHead(Forward(self.draft), self.tokenizer, self.draft_tokenizer, sampling,
                               self.tokenizer.decodable(self.draft.config.vocab_size))
 
+    # -- the prefix cache, as the daemon's cache.* methods see it ----------------------------
+
     @property
     def has_prefix_cache(self) -> bool:
         return self.prefix_cache is not None
@@ -279,8 +281,6 @@ def _cache_key(checkpoint_dir, cache_dir, weight_format: str, backend) -> str:
     log.info("prefix_cache_key", key=key[:16], weight_format=weight_format, backend=numerics_identity(backend),
              files_read=memo.files_read, seconds=round(time.perf_counter() - started, 3))
     return key
-
-    # -- the prefix cache, as the daemon's cache.* methods see it ----------------------------
 
 
 class ModelSession:
@@ -343,7 +343,8 @@ class ModelSession:
 
         The decode loop runs the prompt's last token itself, so the state covers prompt[:-1].
         """
-        done = self._cache.prefill(self.forward, self.prompt_ids, rest=False, restore=self._restore_allowed)
+        done = self._cache.prefill(self.forward, self.prompt_ids, rest=False, restore=self._restore_allowed,
+                                   scope=self.request.cache_scope)
         if done.match is not None:
             self.num_cached_tokens = done.match.num_cached_tokens
 

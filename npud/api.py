@@ -16,7 +16,7 @@ from npud.config import DaemonConfig
 from npud.jobs import store_api_error
 from npud.jobspec import api_error, parse_spec
 from npud.metrics import render_prometheus
-from npud.protocol import PROTOCOL_VERSION, ApiError, ErrorCode, Params, Request
+from npud.protocol import INT64_MAX, PROTOCOL_VERSION, ApiError, ErrorCode, Params, Request
 from npud.store import StoreError
 from npud.tickets import Outcome, Priority, TicketState
 
@@ -34,6 +34,7 @@ log = structlog.get_logger(__name__)
 Emit = Callable[[str, dict], Awaitable[None]]
 JOB_STATES = ("queued", "running", "done", "failed", "cancelled")
 MAX_LIST = 1000
+MAX_KEY_CHARS = 128
 
 
 def _require_admin(peer: "Peer", method: str) -> None:
@@ -93,7 +94,8 @@ class Api:
             "device": {"kind": self.device.kind, "reason": self.device.reason},
             "limits": {"max_line_bytes": limits.max_line_bytes, "max_prompt_tokens": limits.max_prompt_tokens,
                        "max_tokens": limits.max_tokens, "max_prompts_per_job": limits.max_prompts_per_job,
-                       "max_queued_jobs_per_user": limits.max_queued_jobs_per_user},
+                       "max_queued_jobs_per_user": limits.max_queued_jobs_per_user,
+                       "max_queued_bytes_per_user": limits.max_queued_bytes_per_user},
         }
 
     # -- jobs ----------------------------------------------------------------------------
@@ -106,9 +108,13 @@ class Api:
     async def submit(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         spec = self._spec(p, single=False)
         priority = Priority.parse(p.str("priority", "batch", choices=("batch", "interactive")))
+        key = p.str("idempotency_key", None, nonempty=True, max_len=MAX_KEY_CHARS)
         p.finish()
-        job, _ = await self.job_manager.submit(peer.caller, spec, priority)
-        return {**job.status(), "queue_position": self.queue.position(job.id)}
+        if key is not None:  # a retry of a submit whose reply was lost gets the job it made
+            status = await self.job_manager.submit_once(peer.caller, spec, priority, key)
+        else:
+            status = (await self.job_manager.submit(peer.caller, spec, priority))[0].status()
+        return {**status, "queue_position": self.queue.position(status["job"])}
 
     async def complete(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         spec = self._spec(p, single=True)
@@ -164,8 +170,9 @@ class Api:
     async def result(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         job_id = p.int("job", min=1)
         prompts = p.list("prompts", None, max_items=100_000)
-        if prompts is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in prompts):
-            raise p.bad("prompts", "expected a list of integers")
+        if prompts is not None and not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= INT64_MAX
+                                           for i in prompts):
+            raise p.bad("prompts", f"expected a list of integers in [0, {INT64_MAX}]")
         p.finish()
         return await self.job_manager.results(peer.caller, job_id, prompts)
 
@@ -216,7 +223,10 @@ class Api:
             served = registry.resident(name)
             if served is None or not served.has_prefix_cache:
                 continue
-            out.append({"model": name, **await self.owner.engine_call(served.cache_info)})
+            info = await self.owner.engine_call(served.cache_info)
+            if not peer.caller.admin:  # counters of every user's lookups: an operator's business
+                info = {"pins": info["pins"]}
+            out.append({"model": name, **info})
         return {"models": out}
 
     async def cache_pin(self, peer: "Peer", p: Params, emit: Emit) -> dict:
@@ -262,7 +272,12 @@ class Api:
         p.finish()
         q = self.queue.quarantine
         site, why = self.gemm_site()
-        return {**self.device.to_wire(), "quarantine": None if q is None else q.to_wire(),
+        quarantine = None if q is None else q.to_wire()
+        if quarantine is not None and not peer.caller.admin:  # the faulted job may be another user's
+            job = self.job_manager.active.get(q.job) if q.job is not None else None
+            if job is None or job.owner_uid != peer.uid:
+                quarantine = {**quarantine, "job": None, "ticket": None}
+        return {**self.device.to_wire(), "quarantine": quarantine,
                 "thermal": self.thermal.to_wire(), "errors": self.errors.to_wire(),
                 "gemms": {"site": site, "reason": why}, "other_holders": self.other_holders()}
 
@@ -277,6 +292,20 @@ class Api:
         p.finish()
         return {"models": self.registry.describe()}
 
+    def _visible(self, peer: "Peer", granted: dict | None) -> dict | None:
+        """The device holder as `peer` may see it: another user's job and ticket are hidden
+        from non-admins (only that the device is held, and at which priority)."""
+        if granted is None or peer.caller.admin:
+            return granted
+        job = self.job_manager.active.get(granted["job"])
+        if job is not None and job.owner_uid == peer.uid:
+            return granted
+        return {"ticket": None, "job": None, "priority": granted["priority"], "state": "granted"}
+
+    def _snapshot(self, peer: "Peer") -> dict:
+        snap = self.snapshot()
+        return {**snap, "holding": self._visible(peer, snap["holding"])}
+
     async def stats(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         p.finish()
         jobs, tickets = await self.job_manager.counts()
@@ -285,15 +314,16 @@ class Api:
             "uptime_s": round(time.monotonic() - self.started_mono, 3), "version": __version__,
             "connections": self.connections(), "jobs": jobs, "tickets": tickets,
             "tokens_generated": self.job_manager.tokens_generated, "queue": self.queue.counts(),
-            "granted": None if granted is None else granted.to_wire(),
+            "granted": self._visible(peer, None if granted is None else granted.to_wire()),
             "quarantined": self.queue.quarantine is not None,
-            "metrics": self.snapshot(),
+            "store": self.job_manager.store_status(),
+            "metrics": self._snapshot(peer),
         }
 
     async def metrics(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         fmt = p.str("format", "json", choices=("json", "prometheus"))
         p.finish()
-        snap = self.snapshot()
+        snap = self._snapshot(peer)
         if fmt == "prometheus":
             return {"format": "prometheus", "text": render_prometheus(snap)}
         return snap

@@ -7,6 +7,7 @@ and the bad value. `npud --check-config` runs exactly this code and exits.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import tomllib
 import types
@@ -34,8 +35,10 @@ class DaemonConfigError(ValueError):
 
 
 def _positive(name: str, value: float) -> None:
-    if value <= 0:
+    if not value > 0:  # `not >` so that NaN is refused too
         raise DaemonConfigError(name, value, "must be > 0")
+    if value == math.inf:
+        raise DaemonConfigError(name, value, "must be finite")
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,6 +48,8 @@ class ServerConfig:
     socket_mode: int = 0o660
     admin_group: str = "npud-admin"  # root is always admin; a missing group means root only
     max_connections: int = 512
+    max_connections_per_uid: int = 32  # one user cannot hold every slot (root and the admin group are exempt)
+    admin_reserved_connections: int = 4  # the last slots of max_connections: root and the admin group only
     max_inflight_per_connection: int = 32
     idle_timeout_s: float = 600.0  # a connection with no request in flight and no input
     line_timeout_s: float = 30.0  # a started line must end within this
@@ -59,9 +64,12 @@ class ServerConfig:
             raise DaemonConfigError("server.socket_mode", self.socket_mode, "must be a permission mode like 0o660")
         if self.socket_mode & 0o007:
             raise DaemonConfigError("server.socket_mode", oct(self.socket_mode), "must not grant access to other users")
-        for name in ("max_connections", "max_inflight_per_connection", "idle_timeout_s", "line_timeout_s",
-                     "drain_timeout_s"):
+        for name in ("max_connections", "max_connections_per_uid", "max_inflight_per_connection", "idle_timeout_s",
+                     "line_timeout_s", "drain_timeout_s"):
             _positive(f"server.{name}", getattr(self, name))
+        if not 0 <= self.admin_reserved_connections < self.max_connections:
+            raise DaemonConfigError("server.admin_reserved_connections", self.admin_reserved_connections,
+                                    f"must be >= 0 and below server.max_connections ({self.max_connections})")
 
 
 @dataclass(slots=True, frozen=True)
@@ -71,6 +79,7 @@ class LimitsConfig:
     max_tokens: int = 4096
     max_prompts_per_job: int = 1024
     max_queued_jobs_per_user: int = 64
+    max_queued_bytes_per_user: int = 32 << 20  # prompt bytes of one user's unfinished jobs
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -270,6 +279,8 @@ def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise DaemonConfigError(where, value, "expected a number")
+        if not math.isfinite(value):  # TOML has nan and inf; no setting means either
+            raise DaemonConfigError(where, value, "must be a finite number")
         return float(value)
     if hint is str:
         if not isinstance(value, str):

@@ -33,26 +33,30 @@ class Limits:
 
 
 class ConnectionState:
-    """What to do with a connection's input: `receive(data)` returns, in order, the requests to
-    run and the error replies to send; `finished()` is called when a run request has replied."""
+    """What to do with a connection's input: `receive(data, now)` returns, in order, the requests
+    to run and the error replies to send; `finished(now)` is called when a run request has replied.
+    `deadline()` is when the connection times out, on the caller's clock (trio.current_time())."""
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, now: float) -> None:
         self.limits = limits
         self.inflight = 0
         self._reader = LineReader(limits.max_line_bytes)
+        self._idle_since = now  # when the last request replied (or the connection opened)
+        self._line_started: float | None = None  # when the first byte of the unfinished line came
 
     @property
     def partial(self) -> bool:
         """True while a request line has started but not ended."""
         return self._reader.partial
 
-    def read_timeout(self) -> float:
-        """Seconds the next read may wait: a started line must end in time, an idle connection
-        closes, and one with requests in flight may stay silent (a stream has no deadline)."""
-        if self._reader.partial:
-            return self.limits.line_timeout_s
+    def deadline(self) -> float:
+        """When the connection times out: a started line must end line_timeout_s after its first
+        byte (however slowly it drips), an idle connection closes idle_timeout_s after its last
+        reply, and one with requests in flight may stay silent (a stream has no deadline)."""
+        if self._line_started is not None:
+            return self._line_started + self.limits.line_timeout_s
         if self.inflight == 0:
-            return self.limits.idle_timeout_s
+            return self._idle_since + self.limits.idle_timeout_s
         return math.inf
 
     def timed_out(self) -> list[dict]:
@@ -63,9 +67,9 @@ class ConnectionState:
                 ErrorCode.BAD_REQUEST, f"the request line did not end within {self.limits.line_timeout_s} s"))]
         return []
 
-    def receive(self, data: bytes) -> list[Request | dict]:
-        """Bytes from the client: a Request to run (counted in flight) or an error reply (a
-        dict) for each complete line, in order. Blank lines are skipped."""
+    def receive(self, data: bytes, now: float) -> list[Request | dict]:
+        """Bytes from the client at time `now`: a Request to run (counted in flight) or an error
+        reply (a dict) for each complete line, in order. Blank lines are skipped."""
         out: list[Request | dict] = []
         for line in self._reader.feed(data):
             if isinstance(line, LineTooLong):
@@ -88,8 +92,16 @@ class ConnectionState:
                 continue
             self.inflight += 1
             out.append(req)
+        if not self._reader.partial:
+            self._line_started = None
+        elif self._line_started is None or b"\n" in data:  # a line ended in `data` and another began
+            self._line_started = now
+        if b"\n" in data:  # a complete line is input: the idle time counts from it
+            self._idle_since = now
         return out
 
-    def finished(self) -> None:
-        """A request returned by receive() has sent its reply."""
+    def finished(self, now: float) -> None:
+        """A request returned by receive() has sent its reply at time `now`."""
         self.inflight -= 1
+        if self.inflight == 0:
+            self._idle_since = now

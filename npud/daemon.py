@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import resource
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from npud.jobs import JobManager
 from npud.logsetup import setup_logging
 from npud.metrics import Metrics, snapshot
 from npud.registry import ModelRegistry
+from npud import signals
 from npud.server import Server
 from npud.store import Store
 from npud.systemd import report_status, run_watchdog, sd_notify, watchdog_interval
@@ -69,9 +69,11 @@ class Daemon:
                        gemm_site=self.gemm_site, other_holders=lambda: self.other_holders)
         self.server = Server(cfg, self.api)
         self._stop = trio.Event()
+        self._hurried = False
+        self._drain_scope: trio.CancelScope | None = None
 
     async def run(self, *, handle_signals: bool = False, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Serve until request_stop() (or SIGTERM/SIGINT with handle_signals); then drain and return."""
+        """Serve until request_stop() (or a stop signal with handle_signals, npud/signals.py); then drain and return."""
         site, site_why = self.gemm_site()
         log.info("daemon_starting", version=__version__, device=self.device.kind, device_reason=self.device.reason,
                  fw_version=self.device.fw_version, gemms=site, gemms_reason=site_why,
@@ -158,7 +160,8 @@ class Daemon:
 
     async def _drain(self) -> None:
         """SIGTERM: stop accepting, let the running round end, release the device; what was
-        running stays queued in the store and resumes on the next start."""
+        running stays queued in the store and resumes on the next start. hurry() (a second stop
+        signal) cuts the waiting short: the round is abandoned and the prefix caches not flushed."""
         sd_notify("STOPPING=1", "STATUS=stopping: finishing the running round, then releasing the device")
         deadline = self.cfg.server.drain_timeout_s
         log.info("shutdown_started", drain_timeout_s=deadline, holding=None if self.owner.holding is None
@@ -166,29 +169,49 @@ class Daemon:
         self.jobs.accepting = False
         self.server.stop_accepting()
         self.queue.stop()
-        with trio.move_on_after(deadline) as scope:
+        with self._drain_step(deadline) as scope:
             await self.owner.wait_idle()
         if scope.cancelled_caught:
             # the round is abandoned in its thread; the ticket is released as preempted (shutdown)
-            log.warning("shutdown_deadline_passed", drain_timeout_s=deadline)
+            log.warning("shutdown_deadline_passed" if not self._hurried else "shutdown_hurried",
+                        drain_timeout_s=deadline)
             return
-        with trio.move_on_after(deadline):
+        with self._drain_step(deadline):
             try:
                 written = await self.owner.engine_call(self.registry.flush_caches)
                 log.info("prefix_caches_flushed", entries=written)
             except Exception:  # a cache that cannot be written is lost, the jobs are not
                 log.exception("prefix_cache_flush_failed")
 
+    def _drain_step(self, seconds: float) -> trio.CancelScope:
+        """A scope for one step of the drain: ends after `seconds`, or at once when hurried."""
+        self._drain_scope = trio.CancelScope(deadline=trio.current_time() + seconds)
+        if self._hurried:
+            self._drain_scope.cancel()
+        return self._drain_scope
+
+    def hurry(self) -> None:
+        """Stop now: end the drain's current wait and skip what remains of it."""
+        self._hurried = True
+        self.request_stop()
+        if self._drain_scope is not None:
+            self._drain_scope.cancel()
+
     async def _signals(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        with signals.receiver() as received:
             task_status.started()
-            async for signum in signals:
-                if signum == signal.SIGHUP:
+            async for signum in received:
+                if signum == signals.RELOAD:
                     sd_notify("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
                     await self.reload()
                     sd_notify("READY=1", f"STATUS={self.status_line()}")
+                elif signum == signals.STATUS:
+                    log.info("daemon_status", status=self.status_line())
+                elif self._stop.is_set():  # a stop signal during the drain: only hurry it
+                    log.warning("signal_received", signal=signals.name(signum), action="hurry")
+                    self.hurry()
                 else:
-                    log.info("signal_received", signal=signal.Signals(signum).name)
+                    log.info("signal_received", signal=signals.name(signum), action="drain")
                     self.request_stop()
 
     async def reload(self) -> None:

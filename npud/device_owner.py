@@ -63,6 +63,18 @@ def result_body(result: GenerationResult) -> dict:
             "stats": jsonable(dict(result.stats))}
 
 
+def prompt_error(exc: Exception) -> ApiError:
+    """The error recorded for one prompt that failed with `exc`: an ApiError or an engine error
+    as it is; anything else is an engine bug, logged with its traceback and shown to the client
+    as internal_error with a plain message (no exception text, no paths)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, EngineError):
+        return api_error(exc)
+    log.error("prompt_failed", exc_info=exc)
+    return ApiError(ErrorCode.INTERNAL_ERROR, "the engine failed on this prompt; the daemon log has the details")
+
+
 class DeviceOwner:
     def __init__(self, cfg: DaemonConfig, queue: TicketQueue, jobs: JobManager, registry: ModelRegistry,
                  thermal: ThermalGuard, errors: ErrorCountGuard, metrics: Metrics | None = None) -> None:
@@ -126,7 +138,7 @@ class DeviceOwner:
                     ticket.fault_lines = (f"{type(exc).__name__}: {exc}",)
                 else:
                     log.exception("device_owner_error")
-                    job.error = ApiError(ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
+                    job.error = ApiError(ErrorCode.INTERNAL_ERROR, "the job failed in the daemon; its log has the details")
                     outcome, reason = Outcome.FAILED, ErrorCode.INTERNAL_ERROR.value
             finally:
                 with trio.CancelScope(shield=True):
@@ -145,34 +157,40 @@ class DeviceOwner:
                     await self.jobs.on_released(job, ticket, yielded)
 
     async def _work(self, job: Job, ticket: Ticket) -> tuple[Outcome, str | None, YieldReason | None]:
-        """Run the job's prompts until it is done or must yield; returns (outcome, reason, yielded)."""
+        """Run the job's prompts until it is done or must yield; returns (outcome, reason, yielded).
+
+        A prompt that fails (an engine error, or an exception the engine should not have raised)
+        gets that failure as its result and the next prompt runs."""
         served = await self.engine_call(self.registry.get, job.spec.model, keep=self.models_in_use())
         while (prompt := job.next_prompt()) is not None:
             session = job.session if job.session_prompt == prompt else None
-            if session is None:
-                if job.cancel_requested:
-                    return Outcome.CANCELLED, None, None
-                try:
+            if session is None and job.cancel_requested:
+                return Outcome.CANCELLED, None, None
+            try:
+                if session is None:
                     session = await self.engine_call(self._start, served, job, prompt)
-                except ApiError as exc:  # this prompt cannot run; the others still can
-                    await self.jobs.commit_result(job, prompt, {"error": exc.to_wire()}, 0)
-                    continue
-                job.session, job.session_prompt = session, prompt
-            while not session.done:
-                if job.cancel_requested:
-                    session.cancel()  # the next round ends the session with finish_reason "cancelled"
-                else:
-                    yielded = self.queue.should_yield(ticket)
-                    if yielded is not None:
-                        return Outcome.PREEMPTED, yielded.value, yielded
-                events = await self.engine_call(session.run_round)
-                if events:
-                    # an event without a token id releases held-back text at the end of a run
-                    token_ids = [int(e.token_id) for e in events if e.token_id is not None]
-                    self.jobs.count_tokens(job, ticket, len(token_ids))
-                    self.jobs.publish(job, "token", {"prompt": prompt, "text": "".join(e.text for e in events),
-                                                     "token_ids": token_ids})
-            result = session.result()
+                    job.session, job.session_prompt = session, prompt
+                while not session.done:
+                    if job.cancel_requested:
+                        session.cancel()  # the next round ends the session with finish_reason "cancelled"
+                    else:
+                        yielded = self.queue.should_yield(ticket)
+                        if yielded is not None:
+                            return Outcome.PREEMPTED, yielded.value, yielded
+                    events = await self.engine_call(session.run_round)
+                    if events:
+                        # an event without a token id releases held-back text at the end of a run
+                        token_ids = [int(e.token_id) for e in events if e.token_id is not None]
+                        self.jobs.count_tokens(job, ticket, len(token_ids))
+                        self.jobs.publish(job, "token", {"prompt": prompt, "text": "".join(e.text for e in events),
+                                                         "token_ids": token_ids})
+                result = session.result()
+            except Exception as exc:  # this prompt cannot run; the others still can
+                job.session = job.session_prompt = None
+                if self.errors.poll() > ticket.errors_at_grant:
+                    return Outcome.FAULTED, "amdxdna_errors", None  # the device erred: the prompt runs again
+                await self.jobs.commit_result(job, prompt, {"error": prompt_error(exc).to_wire()}, 0)
+                continue
             job.session = job.session_prompt = None
             if self.errors.poll() > ticket.errors_at_grant:
                 return Outcome.FAULTED, "amdxdna_errors", None  # not committed: made while the device erred
@@ -186,18 +204,14 @@ class DeviceOwner:
     def _start(self, served: ServedModel, job: Job, prompt: int) -> Session:
         """Check the prompt's length and start its session (blocking; in the engine thread).
 
-        Raises ApiError with the code of why this prompt cannot run; any exception that is not
-        an EngineError is an engine bug and fails the job as internal_error (hold() logs it)."""
+        Raises ApiError(prompt_too_long), EngineError, or whatever an engine bug raises."""
         limit = self.cfg.limits.max_prompt_tokens
-        request = job.spec.engine_request(prompt)
-        try:
-            num_tokens = served.count_prompt_tokens(request)
-            if num_tokens > limit:
-                raise ApiError(ErrorCode.PROMPT_TOO_LONG,
-                               f"the prompt has {num_tokens} tokens, more than limits.max_prompt_tokens = {limit}")
-            return served.start(request)
-        except EngineError as exc:
-            raise api_error(exc) from None
+        request = job.spec.engine_request(prompt, job.owner_uid)
+        num_tokens = served.count_prompt_tokens(request)
+        if num_tokens > limit:
+            raise ApiError(ErrorCode.PROMPT_TOO_LONG,
+                           f"the prompt has {num_tokens} tokens, more than limits.max_prompt_tokens = {limit}")
+        return served.start(request)
 
     def _account(self, ticket: Ticket, prompt: int, stats: dict) -> None:
         ticket.drafted += int(stats.get("drafted") or 0)

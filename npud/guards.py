@@ -13,6 +13,7 @@ import collections
 import errno
 import glob
 import os
+import stat
 
 import psutil
 import structlog
@@ -38,6 +39,7 @@ class ThermalGuard:
         self.state = "disabled" if not cfg.enabled else "ok"
         self.npu_power_w: float | None = None  # hwmon amdxdna NPU_power, where the driver has it
         self._said_no_sensor = False
+        self._had_reading = False  # a sensor has been read since start-up: losing it fails closed
 
     def read(self) -> tuple[float | None, list[str]]:
         """The temperature to act on in degrees C (None if no sensor could be read) and its sources.
@@ -77,6 +79,14 @@ class ThermalGuard:
         """Move the hold/abort state for a new reading and tell the queue."""
         cfg, q = self.cfg, self.queue
         self.reading_c = reading
+        if reading is None and self._had_reading:
+            # A sensor that was read and now is not may be failing because the part is hot:
+            # fail closed, keeping whatever hold or abort is in force, and say so.
+            if self.state != "sensor_lost":
+                log.error("guard_thermal_sensor_lost", hold=q.thermal_hold, abort=q.thermal_abort,
+                          chips=list(cfg.psutil_chips), paths=list(cfg.paths))
+            self.state = "sensor_lost"
+            return
         if reading is None:
             if not self._said_no_sensor:
                 log.warning("guard_thermal_no_sensor", chips=list(cfg.psutil_chips), paths=list(cfg.paths))
@@ -85,6 +95,9 @@ class ThermalGuard:
             if q.thermal_hold or q.thermal_abort:
                 q.set_thermal(hold=False, abort=False)
             return
+        if self.state == "sensor_lost":
+            log.warning("guard_thermal_sensor_back", reading_c=reading)
+        self._had_reading = True
         hold, abort = q.thermal_hold, reading > cfg.abort_above_c
         if reading > cfg.hold_above_c:
             hold = True
@@ -152,11 +165,14 @@ class ErrorCountGuard:
             if cfg.enabled:
                 self.open()
 
-    def open(self) -> bool:
+    def open(self, *, at_end: bool = True) -> bool:
+        """Open the source; at_end: count only what is written from now on (else the whole
+        file: a recreated log holds only new records). Returns whether it could be opened."""
+        self._partial = b""
         try:
             self._fd = os.open(self.cfg.source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             try:
-                self._pos = os.lseek(self._fd, 0, os.SEEK_END)  # count what happens from now on
+                self._pos = os.lseek(self._fd, 0, os.SEEK_END if at_end else os.SEEK_SET)
             except OSError as exc:
                 if exc.errno != errno.ESPIPE:  # a pipe has no past to skip
                     raise
@@ -181,6 +197,26 @@ class ErrorCountGuard:
         fd = self._fd
         if fd is None:  # disabled, or the source could not be opened (said once, at open)
             return self.count
+        self._read(fd)
+        if self._replaced(fd):  # a log file rotated or recreated: follow the new one from its start
+            self.close()
+            if self.open(at_end=False):
+                log.warning("guard_errors_source_reopened", source=self.cfg.source)
+                self._read(self._fd)
+        return self.count
+
+    def _replaced(self, fd: int) -> bool:
+        """Whether the source path now names another file than the one open (regular files only:
+        /dev/kmsg is never replaced)."""
+        try:
+            st = os.stat(self.cfg.source)
+        except OSError:
+            return False  # gone for now: keep reading the old one until a new one appears
+        old = os.fstat(fd)
+        return stat.S_ISREG(old.st_mode) and (st.st_dev, st.st_ino) != (old.st_dev, old.st_ino)
+
+    def _read(self, fd: int) -> None:
+        """Count the records written to `fd` since the last read."""
         size = os.fstat(fd).st_size
         if 0 < size < self._pos:  # a regular file was truncated
             self._pos = os.lseek(fd, 0, os.SEEK_SET)
@@ -202,7 +238,6 @@ class ErrorCountGuard:
             self._partial = lines.pop()
             for raw in lines:
                 self._record(raw.decode("utf-8", "replace"))
-        return self.count
 
     def _record(self, line: str) -> None:
         record = parse(line)

@@ -8,6 +8,7 @@ did through the `on_*` methods; clients read and cancel through the rest.
 from __future__ import annotations
 
 import enum
+import json
 import functools
 import time
 from collections.abc import Callable
@@ -28,15 +29,26 @@ log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 SUBSCRIBER_BUFFER = 4096  # events a slow client may fall behind before its stream is ended
+STORE_RETRY_S = 5.0  # how often the final state of jobs the store could not take is written again
+RETENTION_EVERY_S = 3600.0
 
 
 STORE_CODES = {StoreCode.FULL: ErrorCode.STORE_FULL, StoreCode.READONLY: ErrorCode.STORE_READONLY,
                StoreCode.ERROR: ErrorCode.STORE_ERROR}
 
 
+STORE_MESSAGES = {
+    StoreCode.FULL: "the job store is full (no space left on its disk); nothing was recorded",
+    StoreCode.READONLY: "the job store is not writable; nothing was recorded",
+    StoreCode.ERROR: "the job store failed; nothing was recorded",
+}
+
+
 def store_api_error(exc: StoreError) -> ApiError:
-    """The protocol error a client sees for a store failure (same code name, same message)."""
-    return ApiError(STORE_CODES[exc.code], exc.message)
+    """The protocol error a client sees for a store failure: the same code, a plain message
+    (the store's own message names its path and SQLite's error: it goes to the log)."""
+    log.warning("store_failed", code=exc.code.value, message=exc.message)
+    return ApiError(STORE_CODES[exc.code], STORE_MESSAGES[exc.code])
 
 
 class JobState(enum.Enum):
@@ -113,9 +125,14 @@ class JobManager:
         self.queue = queue
         self.wall = wall
         self.active: dict[int, Job] = {}
+        # Ended jobs whose final state the store could not take (a full disk): memory answers
+        # for them until a retry stores it, so clients never see a stale "running".
+        self.unsaved: dict[int, Job] = {}
+        self.store_error: ApiError | None = None  # the last failed write; None once a write succeeds
         self.accepting = True
         self.tokens_generated = 0
-        self._db_limiter = trio.CapacityLimiter(1)  # the store's connection is used by one thread at a time
+        self._db_limiter = trio.CapacityLimiter(1)
+        self._keyed = trio.Lock()  # the store's connection is used by one thread at a time
         queue.observers.append(self._on_ticket_change)
 
     async def db(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
@@ -134,7 +151,7 @@ class JobManager:
                       JobSpec.from_json(row["request"]), row["created_at"], done_prompts=done,
                       started_at=row["started_at"], tokens=row["tokens"], num_tickets=row["tickets"])
             self.active[job.id] = job
-            job.ticket = self.queue.enqueue(job.id, job.priority)
+            job.ticket = self.queue.enqueue(job.id, job.priority, job.owner_uid)
             log.info("job_requeued", job=job.id, done_prompts=len(done), num_prompts=job.spec.num_prompts)
         if rows or closed:
             log.info("store_recovered", jobs_requeued=len(rows), tickets_closed=closed)
@@ -142,34 +159,58 @@ class JobManager:
 
     # -- client side ---------------------------------------------------------------------
 
+    async def submit_once(self, caller: Caller, spec: JobSpec, priority: Priority, key: str) -> dict:
+        """Accept a job unless the caller already submitted one with idempotency key `key`;
+        returns the status of the job the key names (new or earlier). Raises bad_request when
+        the key was used for a different request, else as submit()."""
+        async with self._keyed:  # one keyed submit at a time: look-up and insert cannot interleave
+            found = await self.db(self.store.job_by_key, caller.uid, key)
+            if found is None:
+                job, _ = await self.submit(caller, spec, priority, key=key)
+                return job.status()
+            if found["request"] != json.loads(json.dumps(spec.to_json())) or found["priority"] != priority.label:
+                raise ApiError(ErrorCode.BAD_REQUEST, f"params.idempotency_key: already used for job {found['job']},"
+                                                      " which asked for something else")
+            log.info("job_resubmitted", job=found["job"], owner_uid=caller.uid)
+            return await self.status(caller, found["job"])
+
     async def submit(self, caller: Caller, spec: JobSpec, priority: Priority, *, interactive: bool = False,
-                     subscribe: bool = False) -> tuple[Job, Subscriber | None]:
+                     subscribe: bool = False, key: str | None = None) -> tuple[Job, Subscriber | None]:
         """Accept a job: store it, then queue its ticket. Raises overloaded / shutting_down / store_*."""
         if not self.accepting:
             raise ApiError(ErrorCode.SHUTTING_DOWN, "npud is shutting down and accepts no new work")
-        limit = self.cfg.limits.max_queued_jobs_per_user
-        if sum(1 for j in self.active.values() if j.owner_uid == caller.uid) >= limit:
+        limits = self.cfg.limits
+        mine = [j for j in self.active.values() if j.owner_uid == caller.uid]
+        if len(mine) >= limits.max_queued_jobs_per_user:
+            raise ApiError(ErrorCode.OVERLOADED, f"you have {limits.max_queued_jobs_per_user} unfinished jobs, "
+                                                 "the limit (limits.max_queued_jobs_per_user)")
+        # prompts wait in memory until they have run: their bytes are bounded per user too
+        held = sum(j.spec.num_bytes for j in mine)
+        if held + spec.num_bytes > limits.max_queued_bytes_per_user:
             raise ApiError(ErrorCode.OVERLOADED,
-                           f"you have {limit} unfinished jobs, the limit (limits.max_queued_jobs_per_user)")
+                           f"your unfinished jobs hold {held} bytes of prompts and this one {spec.num_bytes}, more "
+                           f"than limits.max_queued_bytes_per_user = {limits.max_queued_bytes_per_user}")
         created = self.wall()
         # Shielded: once the row is committed, the job must also be queued, whatever the client does.
         with trio.CancelScope(shield=True):
             job_id = await self.db(self.store.insert_job, owner_uid=caller.uid, priority=priority.label,
                                    interactive=interactive, model=spec.model, request=spec.to_json(),
-                                   num_prompts=spec.num_prompts, created_at=created)
+                                   num_prompts=spec.num_prompts, created_at=created, idempotency_key=key)
             job = Job(job_id, caller.uid, priority, interactive, spec, created)
             self.active[job_id] = job
             sub = self.subscribe(job) if subscribe else None
-            job.ticket = self.queue.enqueue(job_id, priority)
+            job.ticket = self.queue.enqueue(job_id, priority, caller.uid)
         log.info("job_accepted", job=job_id, owner_uid=caller.uid, priority=priority.label, model=spec.model,
                  num_prompts=spec.num_prompts)
         return job, sub
 
     async def status(self, caller: Caller, job_id: int) -> dict:
-        job = self.active.get(job_id)
+        job = self.active.get(job_id) or self.unsaved.get(job_id)
         if job is not None:
             self._check_access(caller, job.owner_uid, job_id)
             out = job.status()
+            if job_id in self.unsaved and self.store_error is not None:
+                out["store_error"] = self.store_error.to_wire()  # the store still says otherwise
         else:
             row = await self.db(self.store.job, job_id)
             if row is None:
@@ -181,8 +222,10 @@ class JobManager:
 
     @staticmethod
     def _check_access(caller: Caller, owner_uid: int, job_id: int) -> None:
+        # the same answer as for a job that does not exist: job ids cannot be probed for
+        # other users' work
         if not caller.may_access(owner_uid):
-            raise ApiError(ErrorCode.FORBIDDEN, f"job {job_id} belongs to another user")
+            raise ApiError(ErrorCode.NOT_FOUND, f"no job {job_id}")
 
     async def results(self, caller: Caller, job_id: int, prompts: list[int] | None) -> dict:
         status = await self.status(caller, job_id)
@@ -196,7 +239,8 @@ class JobManager:
         rows = await self.db(self.store.jobs, owner_uid=None if all_users else caller.uid, states=states,
                              limit=limit, before=before)
         # the store has the durable fields; live counters of active jobs come from memory
-        return [self.active[r["job"]].status() if r["job"] in self.active else r for r in rows]
+        live = {**self.unsaved, **self.active}
+        return [live[r["job"]].status() if r["job"] in live else r for r in rows]
 
     async def cancel(self, caller: Caller, job_id: int) -> dict:
         status = await self.status(caller, job_id)  # raises not_found / forbidden
@@ -298,7 +342,8 @@ class JobManager:
         job.session = job.session_prompt = None
         job.ticket = None
         self.active.pop(job.id, None)
-        await self._write_state(job, ticket)
+        if not await self._write_state(job, ticket):
+            self.unsaved[job.id] = job
         job.finished.set()
         for sub in list(job.subscribers):
             self.unsubscribe(job, sub)
@@ -307,17 +352,39 @@ class JobManager:
                  elapsed_ms=round((job.finished_at - job.created_at) * 1000, 1),
                  error=None if job.error is None else job.error.code)
 
-    async def _write_state(self, job: Job, ticket: Ticket | None = None) -> None:
-        """Store the job's state (and the ticket that changed it) in one commit."""
+    async def _write_state(self, job: Job, ticket: Ticket | None = None) -> bool:
+        """Store the job's state (and the ticket that changed it) in one commit; returns whether
+        the store took it. A failure is logged and kept in `store_error` (shown by `stats`)."""
         try:
             await self.db(self.store.set_job_state, job.id, job.state.value, started_at=job.started_at,
                           finished_at=job.finished_at, error=None if job.error is None else job.error.to_wire(),
                           ticket=None if ticket is None else ticket.to_wire())
         except StoreError as exc:
-            # Nothing more can be done here: the store keeps the last state it could write, and
-            # a restart redoes the job from that state. The operator sees why.
+            # The store keeps the last state it could write; a restart redoes the job from that
+            # state. Until then memory answers for the job (see `unsaved`).
             log.error("store_write_failed", job=job.id, ticket=None if ticket is None else ticket.id,
                       code=exc.code, message=exc.message)
+            self.store_error = store_api_error(exc)
+            return False
+        self.store_error = None
+        return True
+
+    async def save_unsaved(self) -> int:
+        """Write the final state of the jobs the store could not take before; returns how many
+        are still unsaved."""
+        for job in list(self.unsaved.values()):
+            if await self._write_state(job):
+                self.unsaved.pop(job.id, None)
+                log.info("store_write_recovered", job=job.id, state=job.state.value)
+            else:
+                break  # the store is still failing; try again later
+        return len(self.unsaved)
+
+    def store_status(self) -> dict:
+        """Whether the last store write succeeded, and the jobs whose final state waits in memory."""
+        return {"writable": self.store_error is None,
+                "error": None if self.store_error is None else self.store_error.to_wire(),
+                "unsaved_jobs": len(self.unsaved)}
 
     # -- queries -------------------------------------------------------------------------
 
@@ -378,12 +445,17 @@ class JobManager:
         return removed
 
     async def run_retention(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Prune finished history at start-up and then every hour."""
+        """Prune finished history at start-up and then every hour; store the final states that
+        a failing store did not take, every STORE_RETRY_S."""
         task_status.started()
+        next_prune = trio.current_time()
         while True:
-            try:
-                await self.prune(self.cfg.store.retention_days)
-            except StoreError as exc:
-                log.error("history_prune_failed", code=exc.code, message=exc.message)
-            await trio.sleep(3600)
-
+            if trio.current_time() >= next_prune:
+                next_prune = trio.current_time() + RETENTION_EVERY_S
+                try:
+                    await self.prune(self.cfg.store.retention_days)
+                except StoreError as exc:
+                    log.error("history_prune_failed", code=exc.code, message=exc.message)
+            if self.unsaved:
+                await self.save_unsaved()
+            await trio.sleep(STORE_RETRY_S)

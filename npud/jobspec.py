@@ -23,7 +23,7 @@ from engine.api import (
     SpecParams,
 )
 from npud.config import LimitsConfig
-from npud.protocol import ApiError, ErrorCode, Params
+from npud.protocol import ApiError, ErrorCode, Params, check_text
 
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
@@ -57,6 +57,13 @@ class JobSpec:
     def num_prompts(self) -> int:
         return len(self.prompts) if self.prompts is not None else len(self.chats or ())
 
+    @property
+    def num_bytes(self) -> int:
+        """The UTF-8 bytes of the prompts (or of the chats' roles and contents)."""
+        if self.prompts is not None:
+            return sum(len(p.encode()) for p in self.prompts)
+        return sum(len(m["role"].encode()) + len(m["content"].encode()) for c in self.chats or () for m in c)
+
     def to_json(self) -> dict:
         """The spec as stored with the job; `from_json` reads it back (and rows of older daemons)."""
         return {"model": self.model, "prompts": None if self.prompts is None else list(self.prompts),
@@ -72,10 +79,17 @@ class JobSpec:
             params=_from_json(GenerationParams, raw),
         )
 
-    def engine_request(self, index: int) -> GenerateRequest:
-        """The engine's request for prompt `index`."""
+    def engine_request(self, index: int, owner_uid: int) -> GenerateRequest:
+        """The engine's request for prompt `index` of a job of `owner_uid`, whose prefix-cache
+        entries are that owner's alone (engine.api.GenerateRequest.cache_scope)."""
         return GenerateRequest(prompt=None if self.prompts is None else self.prompts[index],
-                               messages=None if self.chats is None else self.chats[index], params=self.params)
+                               messages=None if self.chats is None else self.chats[index], params=self.params,
+                               cache_scope=cache_scope(owner_uid))
+
+
+def cache_scope(owner_uid: int) -> str:
+    """The prefix-cache scope of a user's requests."""
+    return f"uid:{owner_uid}"
 
 
 def _to_json(value: object) -> object:
@@ -117,6 +131,8 @@ def _messages(p: Params, name: str, value: object) -> tuple[dict, ...]:
     for i, msg in enumerate(value):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
             raise p.bad(f"{name}[{i}]", 'expected {"role": string, "content": string}')
+        for key in ("role", "content"):
+            check_text(p, f"{name}[{i}].{key}", msg[key])
     return tuple(value)
 
 

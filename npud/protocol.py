@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 PROTOCOL_VERSION = 1
 MAX_ID_CHARS = 64
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # what SQLite stores, and the range of every integer param
 
 
 class ErrorCode(enum.StrEnum):
@@ -48,8 +50,15 @@ class ApiError(Exception):
 
 
 def encode(message: dict) -> bytes:
-    """One message as a line of UTF-8 JSON ending in a newline."""
-    return json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+    """One message as a line of UTF-8 JSON ending in a newline.
+
+    A string with a lone surrogate (valid JSON, "\\ud800", but not encodable as UTF-8; a
+    client may send one as an id or in a param that an error message quotes) is written
+    with JSON's \\u escapes instead, so every message can be sent."""
+    try:
+        return json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+    except UnicodeEncodeError:
+        return json.dumps(message, ensure_ascii=True, separators=(",", ":")).encode() + b"\n"
 
 
 def reply(req_id: Any, result: Any) -> dict:
@@ -142,15 +151,19 @@ def parse_request(line: bytes) -> Request:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise _with_id(None, ApiError(ErrorCode.BAD_REQUEST, f"the request is not valid JSON: {exc.msg} at column {exc.colno}"))
+    except ValueError:  # an integer of more digits than Python converts (sys.get_int_max_str_digits())
+        raise _with_id(None, ApiError(ErrorCode.BAD_REQUEST, "the request has an integer with too many digits"))
     except RecursionError:
         raise _with_id(None, ApiError(ErrorCode.BAD_REQUEST, "the request is nested too deeply"))
     if not isinstance(obj, dict):
         raise _with_id(None, ApiError(ErrorCode.BAD_REQUEST, f"a request is a JSON object, got {_type_name(obj)}"))
     req_id = obj.get("id")
     if isinstance(req_id, bool) or not isinstance(req_id, (int, str)) or (
-        isinstance(req_id, str) and len(req_id) > MAX_ID_CHARS
+        isinstance(req_id, str) and len(req_id) > MAX_ID_CHARS) or (
+        isinstance(req_id, int) and not INT64_MIN <= req_id <= INT64_MAX
     ):
-        raise _with_id(None, ApiError(ErrorCode.BAD_REQUEST, f"id: expected an integer or a string of at most {MAX_ID_CHARS} characters"))
+        raise _with_id(None, ApiError(ErrorCode.BAD_REQUEST, f"id: expected a 64-bit integer or a string of at most "
+                                                             f"{MAX_ID_CHARS} characters"))
     unknown = set(obj) - {"id", "method", "params"}
     if unknown:
         raise _with_id(req_id, ApiError(ErrorCode.BAD_REQUEST, f"unknown keys in the request: {sorted(unknown)}"))
@@ -169,6 +182,15 @@ def _with_id(req_id: Any, error: ApiError) -> ApiError:
 
 
 _MISSING = object()
+
+
+def check_text(p: "Params", name: str, value: str) -> None:
+    """Raise bad_request naming `name` unless `value` is text: JSON lets a string hold a lone
+    surrogate ("\\ud800"), which no tokenizer, file or UTF-8 encoder accepts."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise p.bad(name, f"is not valid text (a lone surrogate at character {exc.start})") from None
 
 
 class Params:
@@ -197,14 +219,16 @@ class Params:
     def has(self, name: str) -> bool:
         return self._params.get(name) is not None
 
-    def int(self, name: str, default: Any = _MISSING, *, min: int | None = None, max: int | None = None) -> Any:
+    def int(self, name: str, default: Any = _MISSING, *, min: int = INT64_MIN, max: int = INT64_MAX) -> Any:
+        """An integer in [min, max]; the bounds default to 64 bits (what SQLite stores)."""
         value = self._get(name, default)
         if value is default:
             return value
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.bad(name, f"expected an integer, got {_type_name(value)}")
-        if (min is not None and value < min) or (max is not None and value > max):
-            raise self.bad(name, f"{value} is out of range [{min}, {max}]")
+        if not min <= value <= max:
+            shown = value if -10**20 < value < 10**20 else ("a huge number" if value > 0 else "a huge negative number")
+            raise self.bad(name, f"{shown} is out of range [{min}, {max}]")
         return value
 
     def number(self, name: str, default: Any = _MISSING, *, min: float | None = None, max: float | None = None,
@@ -214,11 +238,17 @@ class Params:
             return value
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.bad(name, f"expected a number, got {_type_name(value)}")
-        if value != value or (min is not None and (value < min or (min_exclusive and value == min))) or (
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond any float
+            raise self.bad(name, "a huge number is out of range (a number must be finite)") from None
+        if not math.isfinite(value):  # 1e400 parses as inf
+            raise self.bad(name, f"{value} is out of range (a number must be finite)")
+        if (min is not None and (value < min or (min_exclusive and value == min))) or (
             max is not None and value > max
         ):
             raise self.bad(name, f"{value} is out of range {'(' if min_exclusive else '['}{min}, {max}]")
-        return float(value)
+        return value
 
     def bool(self, name: str, default: Any = _MISSING) -> Any:
         value = self._get(name, default)
@@ -233,6 +263,7 @@ class Params:
             return value
         if not isinstance(value, str):
             raise self.bad(name, f"expected a string, got {_type_name(value)}")
+        check_text(self, name, value)
         if choices is not None and value not in choices:
             raise self.bad(name, f"{value!r} is not one of {list(choices)}")
         if max_len is not None and len(value) > max_len:
@@ -262,6 +293,7 @@ class Params:
         for i, item in enumerate(value):
             if not isinstance(item, str):
                 raise self.bad(f"{name}[{i}]", f"expected a string, got {_type_name(item)}")
+            check_text(self, f"{name}[{i}]", item)
             if nonempty_items and not item:
                 raise self.bad(f"{name}[{i}]", "must not be empty")
         return value

@@ -83,9 +83,11 @@ class ModelRegistry:
                 backend=self.backend, xrt_design=self.xrt_design, assistant_dir=entry.assistant_dir,
                 xrt_timeout_ms=self.xrt_timeout_ms)
         except (EngineError, OSError) as exc:  # ConfigError, WeightsError, TokenizerError, missing files
-            log.error("model_load_failed", model=name, error=f"{type(exc).__name__}: {exc}")
+            log.error("model_load_failed", model=name, checkpoint_dir=entry.checkpoint_dir,
+                      error=f"{type(exc).__name__}: {exc}")
+            # paths and exception texts stay in the log; clients see the model's name
             raise ApiError(ErrorCode.MODEL_ERROR,
-                           f"model {name!r} ({entry.checkpoint_dir}) does not load: {type(exc).__name__}: {exc}") from None
+                           f"model {name!r} does not load; the daemon log says why (model_load_failed)") from None
         self._resident[name] = served
         log.info("model_loaded", model=name, nbytes=served.nbytes,
                  load_ms=round((time.perf_counter() - started) * 1000, 1))

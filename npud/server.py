@@ -10,6 +10,7 @@ connection carries on.
 
 from __future__ import annotations
 
+import collections
 import grp
 import itertools
 import os
@@ -124,6 +125,7 @@ class Connection:
         self.send_timeout_s = send_timeout_s
         self.closed = False
         self._send_lock = trio.Lock()
+        self.read_scope: trio.CancelScope | None = None  # the pending read; its deadline moves with the state
 
     async def send(self, message: dict) -> None:
         """Write one message; a client that stops reading for send_timeout_s is disconnected."""
@@ -147,6 +149,7 @@ class Server:
         self.cfg = cfg
         self.handler = handler
         self.connections = 0
+        self.by_uid: collections.Counter[int] = collections.Counter()  # open connections per peer uid
         self._ids = itertools.count(1)
         self._accept_scope: trio.CancelScope | None = None
         self._listener: trio.SocketListener | None = None
@@ -202,6 +205,25 @@ class Server:
             self.connections -= 1
             await trio.aclose_forcefully(stream)
 
+    def _refusal(self, uid: int, admin: bool) -> ApiError | None:
+        """Why a new connection of `uid` is refused, or None. Counts include it. One uid holds at
+        most max_connections_per_uid, and the last admin_reserved_connections slots are kept for
+        root and the admin group, so an operator can act while someone holds every other slot."""
+        server = self.cfg.server
+        if self.connections > server.max_connections:
+            return ApiError(ErrorCode.OVERLOADED,
+                            f"npud has {server.max_connections} connections, its limit (server.max_connections)")
+        if admin:
+            return None
+        if self.by_uid[uid] > server.max_connections_per_uid:
+            return ApiError(ErrorCode.OVERLOADED, f"uid {uid} has {server.max_connections_per_uid} connections, "
+                                                  "its limit (server.max_connections_per_uid)")
+        if self.connections > server.max_connections - server.admin_reserved_connections:
+            return ApiError(ErrorCode.OVERLOADED,
+                            f"npud has {server.max_connections - server.admin_reserved_connections} connections; "
+                            "the rest are reserved for the admin group (server.admin_reserved_connections)")
+        return None
+
     async def _handle(self, stream: trio.SocketStream, conn_id: int) -> None:
         server = self.cfg.server
         try:
@@ -211,28 +233,39 @@ class Server:
             return
         peer = Peer(conn_id, pid, uid, gid, Caller(uid, is_admin(uid, gid, server.admin_group)))
         conn = Connection(stream, peer, server.idle_timeout_s)
-        if self.connections > server.max_connections:
-            log.warning("connection_refused", uid=uid, pid=pid, reason="max_connections")
-            await self._send_quietly(conn, error_reply(None, ApiError(
-                ErrorCode.OVERLOADED, f"npud has {server.max_connections} connections, its limit (server.max_connections)")))
-            return
-        log.debug("connection_opened", uid=uid, pid=pid)
-        state = ConnectionState(Limits.from_config(self.cfg))
+        self.by_uid[uid] += 1
+        try:
+            refusal = self._refusal(uid, peer.caller.admin)
+            if refusal is not None:
+                log.warning("connection_refused", uid=uid, pid=pid, reason=refusal.message)
+                await self._send_quietly(conn, error_reply(None, refusal))
+                return
+            log.debug("connection_opened", uid=uid, pid=pid)
+            await self._serve_connection(conn)
+        finally:
+            self.by_uid[uid] -= 1
+            if not self.by_uid[uid]:
+                del self.by_uid[uid]
+
+    async def _serve_connection(self, conn: Connection) -> None:
+        stream = conn.stream
+        state = ConnectionState(Limits.from_config(self.cfg), trio.current_time())
         async with trio.open_nursery() as tasks:
             while not conn.closed:
                 data = None
-                with trio.move_on_after(state.read_timeout()):
+                with trio.CancelScope(deadline=state.deadline()) as conn.read_scope:
                     try:
                         data = await stream.receive_some(RECEIVE_BYTES)
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                         data = b""
+                conn.read_scope = None
                 if data is None:
                     for message in state.timed_out():
                         await self._send_quietly(conn, message)
                     break
                 if not data:
                     break  # the client closed its end
-                for item in state.receive(data):
+                for item in state.receive(data, trio.current_time()):
                     if isinstance(item, Request):
                         tasks.start_soon(self._run_request, conn, state, item)
                     else:
@@ -253,12 +286,15 @@ class Server:
                 message = error_reply(req.id, exc)
             except trio.ClosedResourceError:
                 return  # the client went away while we streamed to it
-            except Exception as exc:
+            except Exception:  # the traceback goes to the log, never to the client
                 log.exception("internal_error", method=req.method)
-                message = error_reply(req.id, ApiError(ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}"))
+                message = error_reply(req.id, ApiError(ErrorCode.INTERNAL_ERROR,
+                                                       "the request failed in the daemon; its log has the details"))
             await self._send_quietly(conn, message)
         finally:
-            state.finished()
+            state.finished(trio.current_time())
+            if conn.read_scope is not None:  # the last reply re-arms the idle deadline of the pending read
+                conn.read_scope.deadline = state.deadline()
 
     @staticmethod
     async def _send_quietly(conn: Connection, message: dict) -> None:

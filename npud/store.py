@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 DB_NAME = "npud.sqlite3"
-SCHEMA_VERSION = 2  # 2: tickets.fw_version
+SCHEMA_VERSION = 3  # 2: tickets.fw_version; 3: jobs.idempotency_key (each migration checks its column)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -34,7 +34,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     finished_at REAL,
     error_code TEXT,
     error_message TEXT,
-    tokens INTEGER NOT NULL DEFAULT 0
+    tokens INTEGER NOT NULL DEFAULT 0,
+    idempotency_key TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 CREATE INDEX IF NOT EXISTS jobs_owner ON jobs(owner_uid, id);
@@ -131,6 +132,11 @@ class Store:
             columns = {r["name"] for r in conn.execute("PRAGMA table_info(tickets)")}
             if "fw_version" not in columns:  # a store written by schema 1
                 conn.execute("ALTER TABLE tickets ADD COLUMN fw_version TEXT")
+            columns = {r["name"] for r in conn.execute("PRAGMA table_info(jobs)")}
+            if "idempotency_key" not in columns:  # a store written before schema 3
+                conn.execute("ALTER TABLE jobs ADD COLUMN idempotency_key TEXT")
+            conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs(owner_uid, idempotency_key)"
+                         " WHERE idempotency_key IS NOT NULL")
             conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as exc:
             raise _store_error(exc, path, "opening") from None
@@ -164,13 +170,25 @@ class Store:
     # -- jobs ----------------------------------------------------------------------------
 
     def insert_job(self, *, owner_uid: int, priority: str, interactive: bool, model: str, request: dict,
-                   num_prompts: int, created_at: float) -> int:
+                   num_prompts: int, created_at: float, idempotency_key: str | None = None) -> int:
+        """Store a new job as queued; returns its id. At most one job per (owner, key): a
+        second insert with the same key fails (StoreError); look it up with job_by_key first."""
         (cur,) = self._write("accepting a job", [(
-            "INSERT INTO jobs (owner_uid, priority, interactive, model, request, num_prompts, state, created_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, 'queued', ?)",
-            (owner_uid, priority, int(interactive), model, json.dumps(request), num_prompts, created_at),
+            "INSERT INTO jobs (owner_uid, priority, interactive, model, request, num_prompts, state, created_at,"
+            " idempotency_key) VALUES (?, ?, ?, ?, ?, ?, 'queued', ?, ?)",
+            (owner_uid, priority, int(interactive), model, json.dumps(request), num_prompts, created_at,
+             idempotency_key),
         )])
         return int(cur.lastrowid)
+
+    def job_by_key(self, owner_uid: int, idempotency_key: str) -> dict | None:
+        """{"job", "priority", "request"} of the owner's job submitted with that key, or None."""
+        rows = self._read("looking up an idempotency key",
+                          "SELECT id, priority, request FROM jobs WHERE owner_uid = ? AND idempotency_key = ?",
+                          (owner_uid, idempotency_key))
+        if not rows:
+            return None
+        return {"job": rows[0]["id"], "priority": rows[0]["priority"], "request": json.loads(rows[0]["request"])}
 
     def set_job_state(self, job_id: int, state: str, *, started_at: float | None = None,
                       finished_at: float | None = None, error: dict | None = None,

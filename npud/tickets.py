@@ -81,6 +81,7 @@ class Ticket:
     tokens: int = 0  # tokens generated while this ticket was held
     drafted: int = 0
     accepted: int = 0
+    owner_uid: int = 0  # the job's owner: grants rotate between owners within a class
 
     def to_wire(self) -> dict:
         return {
@@ -120,6 +121,8 @@ class TicketQueue:
     stopping: bool = False
     observers: list[Callable[[Ticket], None]] = field(default_factory=list)
     _queued: list[Ticket] = field(default_factory=list)
+    _last_grant: dict[int, int] = field(default_factory=dict)  # owner uid -> number of the grant it last had
+    _grants: itertools.count = field(default_factory=itertools.count)
     _ids: itertools.count = field(init=False)
     _seqs: itertools.count = field(default_factory=itertools.count)
     _changed: trio.Event = field(default_factory=trio.Event)
@@ -136,9 +139,9 @@ class TicketQueue:
             for observer in self.observers:
                 observer(ticket)
 
-    def enqueue(self, job_id: int, priority: Priority) -> Ticket:
+    def enqueue(self, job_id: int, priority: Priority, owner_uid: int = 0) -> Ticket:
         """Queue a new ticket at the back of its class."""
-        ticket = Ticket(next(self._ids), job_id, priority, next(self._seqs), self.wall())
+        ticket = Ticket(next(self._ids), job_id, priority, next(self._seqs), self.wall(), owner_uid=owner_uid)
         self._queued.append(ticket)
         log.info("ticket_queued", ticket=ticket.id, job=job_id, priority=priority.label)
         self._notify(ticket)
@@ -149,7 +152,7 @@ class TicketQueue:
         if ticket.state is not TicketState.RELEASED:
             raise ValueError(f"ticket {ticket.id} is {ticket.state.value}, not released")
         seq = ticket.seq if keep_place else next(self._seqs)
-        new = Ticket(next(self._ids), ticket.job_id, ticket.priority, seq, self.wall())
+        new = Ticket(next(self._ids), ticket.job_id, ticket.priority, seq, self.wall(), owner_uid=ticket.owner_uid)
         self._queued.append(new)
         log.info("ticket_queued", ticket=new.id, job=new.job_id, priority=new.priority.label,
                  requeued_from=ticket.id, keep_place=keep_place)
@@ -165,11 +168,17 @@ class TicketQueue:
             and bool(self._queued)
         )
 
+    def _grant_order(self, t: Ticket) -> tuple[Priority, int, int]:
+        # the highest class first; in it, the owner whose last grant is oldest (never: first),
+        # so that one user's many jobs cannot starve another user's one; FIFO within an owner
+        return t.priority, self._last_grant.get(t.owner_uid, -1), t.seq
+
     def grant(self) -> Ticket | None:
-        """Grant the first ticket of the highest class, or None when nothing may be granted."""
+        """Grant the next ticket (see queued()), or None when nothing may be granted."""
         if not self.can_grant():
             return None
-        ticket = min(self._queued, key=lambda t: (t.priority, t.seq))
+        ticket = min(self._queued, key=self._grant_order)
+        self._last_grant[ticket.owner_uid] = next(self._grants)
         self._queued.remove(ticket)
         ticket.state = TicketState.GRANTED
         ticket.granted_at = self.wall()
@@ -248,8 +257,9 @@ class TicketQueue:
     # -- queries -------------------------------------------------------------------------
 
     def queued(self) -> list[Ticket]:
-        """Queued tickets in the order they would be granted."""
-        return sorted(self._queued, key=lambda t: (t.priority, t.seq))
+        """Queued tickets in the order they would be granted now: interactive before batch; in
+        a class, owners in the order of their last grants (oldest first), each owner's FIFO."""
+        return sorted(self._queued, key=self._grant_order)
 
     def queued_ticket(self, job_id: int) -> Ticket | None:
         return next((t for t in self._queued if t.job_id == job_id), None)

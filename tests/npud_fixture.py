@@ -5,7 +5,7 @@ The process is the daemon tests' harness (test_npud_support.DaemonProc: `python 
 --config`, host backend, a sensor file at 40 C and a kernel-log file of its own); this adds
 the model, the environment of client processes, and a way to be another user. When the
 tests run as root, the socket's group is `nogroup` so that a relay running as `nobody` can
-connect, which is how the tests see `forbidden`.
+connect, which is how the tests see another user's view (`not_found`, `forbidden`).
 """
 
 from __future__ import annotations

@@ -43,6 +43,16 @@ def test_defaults_are_valid_and_frozen():
     ({"models": [{"name": "a", "checkpoint_dir": "x"}, {"name": "a", "checkpoint_dir": "y"}]}, "models.name"),
     ({"models": [{"name": "a", "checkpoint_dir": "x"}], "default_model": "b"}, "default_model"),
     ({"modles": []}, "modles"),
+    # TOML has nan and inf: an idle timeout of nan reset every connection, a drain timeout of nan made
+    # SIGTERM exit 1 (issue 17, defect 7)
+    ({"server": {"idle_timeout_s": float("nan")}}, "server.idle_timeout_s"),
+    ({"server": {"drain_timeout_s": float("nan")}}, "server.drain_timeout_s"),
+    ({"server": {"line_timeout_s": float("inf")}}, "server.line_timeout_s"),
+    ({"server": {"idle_timeout_s": -1.0}}, "server.idle_timeout_s"),
+    ({"thermal": {"hold_above_c": float("nan")}}, "thermal.hold_above_c"),
+    ({"scheduler": {"quantum_ms": float("-inf")}}, "scheduler.quantum_ms"),
+    ({"server": {"max_connections_per_uid": 0}}, "server.max_connections_per_uid"),
+    ({"server": {"max_connections": 4, "admin_reserved_connections": 4}}, "server.admin_reserved_connections"),
 ])
 def test_bad_values_name_the_field(raw, field):
     with pytest.raises(DaemonConfigError) as info:

@@ -117,16 +117,40 @@ async def test_engine_errors_are_bad_requests_and_anything_else_is_internal(nurs
         rejected, fine = (await c.result(job))["results"]
         assert rejected["error"] == {"code": "bad_request", "message": "this model cannot run that"}
         assert fine["text"] == fakes.expected_text("fine", 2)
+        # an engine bug fails its prompt, not the job (issue 17, defect 2): the later prompts run,
+        # and the client sees a plain message while the traceback goes to the log
         with structlog.testing.capture_logs() as logs:
-            job = (await c.submit(["bug"], max_tokens=2))["job"]
-            status = await wait_state(c, job, ("failed",))
-        assert status["error"]["code"] == "internal_error"
-        assert [e["log_level"] for e in logs if e["event"] == "device_owner_error"] == ["error"]
+            job = (await c.submit(["first", "bug", "last"], max_tokens=2))["job"]
+            status = await wait_state(c, job, ("done",))
+        assert status["error"] is None and status["done_prompts"] == 3
+        first, bug, last = (await c.result(job))["results"]
+        assert bug["error"]["code"] == "internal_error"
+        assert "ValueError" not in bug["error"]["message"] and "a bug in the engine" not in bug["error"]["message"]
+        assert first["text"] == fakes.expected_text("first", 2) and last["text"] == fakes.expected_text("last", 2)
+        [failed] = [e for e in logs if e["event"] == "prompt_failed"]
+        assert failed["log_level"] == "error" and isinstance(failed["exc_info"], ValueError)
+    daemon.request_stop()
+
+
+async def test_a_prompt_that_is_not_text_is_refused_at_submit_by_its_index(nursery, workdir):
+    # a lone surrogate is valid JSON but no tokenizer's text; before, the job was accepted and
+    # failed as a whole with internal_error when the tokenizer met it (issue 17, defect 2)
+    daemon = await start(nursery, make_config(workdir))
+    async with await connect(daemon) as c:
+        with pytest.raises(BadRequest, match=r"params\.prompts\[2\]: is not valid text"):
+            await c.submit(["a", "b", "c\ud800d"])
+        with pytest.raises(BadRequest, match=r"params\.chats\[1\]\[0\]\.content: is not valid text"):
+            await c.submit(chats=[[{"role": "user", "content": "a"}], [{"role": "user", "content": "\udfff"}]])
+        with pytest.raises(BadRequest, match=r"params\.prompt: is not valid text"):
+            await c.complete("\ud800").wait()
+        with pytest.raises(BadRequest, match=r"params\.stop\[0\]"):
+            await c.submit(["a"], stop=["\ud800"])
+        assert (await c.jobs())["jobs"] == []
     daemon.request_stop()
 
 
 async def test_queued_jobs_per_user_and_connections_are_limited(nursery, workdir):
-    cfg = make_config(workdir, limits={"max_queued_jobs_per_user": 2}, server={"max_connections": 3})
+    cfg = make_config(workdir, limits={"max_queued_jobs_per_user": 2}, server={"max_connections": 3, "admin_reserved_connections": 1})
     daemon = await start(nursery, cfg)
     daemon.queue.set_thermal(hold=True, abort=False)  # keep jobs queued
     async with await connect(daemon) as c:

@@ -272,3 +272,48 @@ def test_npu_the_real_amdxdna_sensor_reads():
     # the labels npud looks for; if this fails, list /sys/class/hwmon/hwmon*/ of the amdxdna device
     assert sensors.npu_temp_c is not None and 0 < sensors.npu_temp_c < 125
     assert sensors.npu_power_w is None or 0 <= sensors.npu_power_w < 100
+
+
+# -- fail closed, and follow a replaced log (issue 17, defect 10) -----------------------------------
+
+def test_a_sensor_that_goes_bad_during_a_hold_keeps_the_hold(tmp_path):
+    guard, q, temp = _thermal(tmp_path)
+    _set(temp, 95)
+    guard.poll()
+    assert q.thermal_hold
+    temp.write_text("garbage\n")  # the sensor turns unreadable while it is hot
+    guard.poll()
+    # before: the guard switched to no_sensor and lifted the hold
+    assert guard.state == "sensor_lost" and q.thermal_hold and guard.to_wire()["state"] == "sensor_lost"
+    temp.unlink()
+    guard.poll()
+    assert guard.state == "sensor_lost" and q.thermal_hold
+    _set(temp, 70)  # back, and cool
+    guard.poll()
+    assert guard.state == "ok" and not q.thermal_hold
+
+
+def test_a_sensor_lost_during_an_abort_keeps_the_abort(tmp_path):
+    guard, q, temp = _thermal(tmp_path)
+    _set(temp, 101)
+    guard.poll()
+    temp.write_text("")
+    guard.poll()
+    assert guard.state == "sensor_lost" and q.thermal_hold and q.thermal_abort
+
+
+def test_a_replaced_kernel_log_is_reopened(tmp_path):
+    log_file = tmp_path / "kmsg"
+    log_file.write_text("")
+    guard = ErrorCountGuard(ErrorsConfig(source=str(log_file)))
+    guard.open()
+    with open(log_file, "a") as f:
+        f.write(ERROR + "\n")
+    assert guard.poll() == 1
+    log_file.unlink()  # rotated away: unlink + recreate
+    log_file.write_text(ERROR + "\n")
+    # before: the guard kept reading the unlinked file and counted nothing more
+    assert guard.poll() == 2
+    with open(log_file, "a") as f:
+        f.write(ERROR + "\n")
+    assert guard.poll() == 3

@@ -67,14 +67,15 @@ def test_complete_takes_one_prompt_or_one_message_list():
 
 def test_engine_request_for_one_prompt():
     s = spec({"prompts": ["a", "b"], "max_tokens": 5, "stop": ["x"], "spec": {"method": "none"}})
-    req = s.engine_request(1)
+    req = s.engine_request(1, 1000)
     assert isinstance(req, GenerateRequest)
+    assert req.cache_scope == "uid:1000"  # the owner's prefix-cache entries only
     assert (req.prompt, req.messages, req.params.max_tokens, req.params.stop, req.params.spec.method) == (
         "b", None, 5, ("x",), "none")
     assert req.params.sampling.seed == 0  # absent: the engine's default stream
     chat = spec({"chats": [[{"role": "user", "content": "hi"}]], "sampling": {"temperature": 0.5, "seed": 9}})
-    assert chat.engine_request(0).messages == ({"role": "user", "content": "hi"},)
-    assert chat.engine_request(0).params.sampling.seed == 9
+    assert chat.engine_request(0, 0).messages == ({"role": "user", "content": "hi"},)
+    assert chat.engine_request(0, 0).params.sampling.seed == 9
 
 
 def test_rows_stored_before_a_field_existed_read_with_its_default():

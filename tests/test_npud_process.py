@@ -581,7 +581,9 @@ def test_another_uid_cannot_read_or_cancel_a_job(new_daemon, system_users):
         job = c.submit(PROMPTS[:2], max_tokens=8)["job"]
         seen = _run_as(member, member_gid, [sock_gid], [d.socket, str(job)])
         assert seen["hello"][0] == "ok" and seen["hello"][1]["uid"] == member and not seen["hello"][1]["admin"]
-        for name in ("status", "result", "stream", "cancel", "jobs_all", "device_clear"):
+        for name in ("status", "result", "stream", "cancel"):  # as if it did not exist (issue 17)
+            assert seen[name] == ["not_found", f"no job {job}"], (name, seen[name])
+        for name in ("jobs_all", "device_clear"):
             assert seen[name][0] == "forbidden", (name, seen[name])
         assert job not in seen["jobs"][1]
         assert seen["tickets"] == ["ok", []]  # asked before it had a job: root's ticket is not shown

@@ -266,3 +266,35 @@ async def test_wait_grant_wakes_on_enqueue():
         await trio.testing.wait_all_tasks_blocked()
         q.enqueue(7, I)
     assert granted[0].job_id == 7
+
+
+# -- owners take turns (issue 17, defect 14) -----------------------------------------------------
+
+def test_owners_take_turns_within_a_class():
+    q, _ = make_queue()
+    for job in range(1, 6):
+        q.enqueue(job, B, owner_uid=1000)  # one user's many jobs
+    q.enqueue(10, B, owner_uid=1001)  # then another user's one
+    q.enqueue(11, B, owner_uid=1001)
+    # before: FIFO, so 1001 waited for all five of 1000's jobs
+    assert drain_order(q) == [1, 10, 2, 11, 3, 4, 5]
+
+
+def test_a_new_owner_goes_before_owners_already_served_and_queued_shows_the_grant_order():
+    q, _ = make_queue()
+    q.enqueue(1, B, owner_uid=1)
+    q.enqueue(2, B, owner_uid=1)
+    t = q.grant()
+    q.release(t, Outcome.DONE)
+    q.enqueue(3, B, owner_uid=2)
+    q.enqueue(4, I, owner_uid=1)
+    assert [t.job_id for t in q.queued()] == [4, 3, 2] and q.position(3) == 1
+    assert drain_order(q) == [4, 3, 2]
+
+
+def test_a_requeued_ticket_keeps_its_owner():
+    q, _ = make_queue()
+    q.enqueue(1, B, owner_uid=7)
+    t = q.grant()
+    q.release(t, Outcome.PREEMPTED)
+    assert q.requeue(t, keep_place=True).owner_uid == 7

@@ -146,7 +146,7 @@ def test_token_ids_are_rechecked_when_hashes_agree(monkeypatch):
     cache = cache_with()
     real = cache._chain
     # every prompt of a length now hashes alike: only the token comparison tells them apart
-    monkeypatch.setattr(cache, "_chain", lambda tokens: real(np.zeros_like(tokens)))
+    monkeypatch.setattr(cache, "_chain", lambda tokens, scope: real(np.zeros_like(tokens), scope))
     insert(cache, P[:64])
     assert cache.lookup([t + 1 for t in P[:80]]) is None
     assert cache.lookup(P[:80]).num_cached_tokens == 64
@@ -584,3 +584,73 @@ def test_the_cache_imports_no_daemon_machinery():
     code = "import sys, engine.prefix_cache; print(sorted(m for m in ('trio', 'sqlite3') if m in sys.modules))"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=60)
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr
+
+
+# -- scopes: one owner's entries are never found from another's (issue 17, defect 3) ---------------
+
+def insert_in(cache, tokens, scope) -> str | None:
+    return cache.insert(tokens, state_after(tokens).snapshot(), scope)
+
+
+def test_an_entry_is_found_only_in_its_own_scope():
+    cache = cache_with()
+    insert_in(cache, P[:64], "uid:1000")
+    assert cache.lookup(P[:80], "uid:1001") is None  # before: 64 cached tokens told uid 1001 the prompt
+    assert cache.lookup(P[:80]) is None  # nor in the shared scope
+    assert cache.lookup(P[:80], "uid:1000").num_cached_tokens == 64  # the owner keeps the benefit
+
+
+def test_the_same_prefix_in_two_scopes_is_two_entries_with_their_own_keys():
+    cache = cache_with()
+    a, b = insert_in(cache, P[:64], "uid:1"), insert_in(cache, P[:64], "uid:2")
+    assert a != b and cache.lookup(P[:80], "uid:1").key == a and cache.lookup(P[:80], "uid:2").key == b
+
+
+def test_a_scoped_lookup_finds_shared_entries_only_when_pinned():
+    cache = cache_with()
+    key = insert_in(cache, P[:64], None)  # e.g. a system prompt run by an operator
+    assert cache.lookup(P[:80], "uid:7") is None  # shared but not pinned: nobody else's business
+    cache.pin("system", key)
+    assert cache.lookup(P[:80], "uid:7").key == key
+    own = insert_in(cache, P[:96], "uid:7")
+    assert cache.lookup(P[:120], "uid:7").key == own  # the longer own entry wins
+    assert cache.lookup(P[:80]).key == key  # the shared scope finds every shared entry
+
+
+def test_scopes_survive_a_restart(tmp_path):
+    cache = cache_with(tmp_path)
+    key = insert_in(cache, P[:64], "uid:5")
+    assert cache.flush() == 1
+    again = cache_with(tmp_path)
+    assert again.lookup(P[:80], "uid:6") is None and again.lookup(P[:80]) is None
+    assert again.lookup(P[:80], "uid:5").key == key
+
+
+def test_a_file_of_format_1_under_this_key_is_dropped(tmp_path):
+    # format 1 had no scope: its entry would be found from every owner's scope
+    path = _one_file(tmp_path)
+
+    def to_format_1(header, meta):
+        meta["format"] = 1
+        meta.pop("scope")
+
+    _rewrite_header(path, to_format_1)
+    _reopen_expecting_drop(tmp_path, path, "lacks ['scope']")
+
+
+def test_a_scoped_file_under_another_key_is_dropped_as_stale(tmp_path):
+    # the owner scope and the numerics key are both in the chain: neither survives a key change
+    old = PrefixCache("other-numerics", make_state(), state_dir=tmp_path, block_size=B)
+    insert_in(old, P[:64], "uid:5")
+    assert old.flush() == 1
+    with capture_logs() as logs:
+        cache = cache_with(tmp_path)
+    assert [e["event"] for e in logs] == ["prefix_cache_stale_dropped"] and logs[0]["files"] == 1
+    assert not list(tmp_path.glob("*.safetensors")) and cache.lookup(P[:80], "uid:5") is None
+
+
+def test_the_key_and_the_scope_both_salt_the_block_chain():
+    a, b = PrefixCache("key-a", make_state(), block_size=B), PrefixCache("key-b", make_state(), block_size=B)
+    tokens = np.asarray(P[:64])
+    chains = {(c.fingerprint, s): tuple(c._chain(tokens, s)) for c in (a, b) for s in (None, "uid:1", "uid:2")}
+    assert len(set(chains.values())) == 6
