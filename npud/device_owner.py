@@ -185,6 +185,9 @@ class DeviceOwner:
                         self.jobs.publish(job, "token", {"prompt": prompt, "text": "".join(e.text for e in events),
                                                          "token_ids": token_ids})
                 result = session.result()
+            except DeviceFault:  # the device failed, not the prompt: the round is void and the ticket faults
+                job.session = job.session_prompt = None
+                raise
             except Exception as exc:  # this prompt cannot run; the others still can
                 job.session = job.session_prompt = None
                 if self.errors.poll() > ticket.errors_at_grant:
