@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import socket
+import stat
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,9 +31,35 @@ MAX_REPLY_BYTES = 1 << 30  # a result of many prompts is one line
 SUBMIT_RETRIES = 2  # a submit whose connection is lost is sent again this often (same idempotency key)
 
 
+def user_socket_path() -> str | None:
+    """Where a per-user npud (`npud --model PATH`) listens, by npud/userdirs.py's rule:
+    $XDG_RUNTIME_DIR/npud/npud.sock, else /tmp/npud-<uid>/npud.sock, but only when that
+    directory is this user's own and closed to others (anyone can make a directory in /tmp and
+    listen there as if it were npud, to read the prompts); None when there is no such place."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(runtime):
+        return os.path.join(runtime, "npud", "npud.sock")
+    directory = f"/tmp/npud-{os.getuid()}"
+    try:
+        st = os.lstat(directory)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        return None
+    return os.path.join(directory, "npud.sock")
+
+
 def default_socket_path() -> str:
-    """$NPUD_SOCKET, else the packaged default."""
-    return os.environ.get("NPUD_SOCKET") or DEFAULT_SOCKET
+    """The socket when none is given: $NPUD_SOCKET; else the system daemon's if it exists;
+    else a per-user daemon's if it exists; else the system daemon's path (to say nothing listens there)."""
+    if os.environ.get("NPUD_SOCKET"):
+        return os.environ["NPUD_SOCKET"]
+    if os.path.exists(DEFAULT_SOCKET):
+        return DEFAULT_SOCKET
+    user = user_socket_path()
+    if user is not None and os.path.exists(user):
+        return user
+    return DEFAULT_SOCKET
 
 
 # -- errors --------------------------------------------------------------------------------
@@ -99,7 +126,7 @@ def _connect_error(path: str, exc: OSError) -> NpudError:
     if exc.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR):
         return NotRunning(
             f"npud is not running (nothing listens at {path}). Start it with `sudo systemctl start npud`, "
-            "or run `npud --config FILE`; set NPUD_SOCKET if it listens elsewhere.")
+            "or serve a model as yourself with `npud --model PATH`; set NPUD_SOCKET if it listens elsewhere.")
     if exc.errno in (errno.EACCES, errno.EPERM):
         return PermissionDenied(f"cannot connect to {path}: permission denied; the socket is for the group "
                                 "that owns it (`ls -l` it) — add yourself to that group and log in again")

@@ -36,7 +36,8 @@ exit codes:
   130  interrupted (Ctrl-C)
 
 environment:
-  NPUD_SOCKET  the daemon's socket when --socket is not given (default /run/npud/npud.sock)
+  NPUD_SOCKET  the daemon's socket when --socket is not given (default /run/npud/npud.sock
+               if it exists, else a per-user npud's $XDG_RUNTIME_DIR/npud/npud.sock)
 
 Errors are printed as `error: <message>` on stderr. Tables and progress bars are drawn
 only on a terminal; otherwise every row or event is one plain line (tables as
@@ -113,7 +114,8 @@ def _common(sub: bool) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", default=argparse.SUPPRESS if sub else False,
                    help="print machine-readable JSON (the daemon's reply) instead of text")
     p.add_argument("--socket", metavar="PATH", default=argparse.SUPPRESS if sub else None,
-                   help="the daemon's socket (default: $NPUD_SOCKET, else /run/npud/npud.sock)")
+                   help="the daemon's socket (default: $NPUD_SOCKET, else /run/npud/npud.sock if it exists, "
+                        "else $XDG_RUNTIME_DIR/npud/npud.sock)")
     return p
 
 

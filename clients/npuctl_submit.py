@@ -63,6 +63,10 @@ class PlainReporter:
                        f"{self.p.tokens_per_s():.1f} tok/s, acceptance {fmt_rate(self.p.accepted, self.p.drafted)}\n")
         self.out.flush()
 
+    def loading(self, model: str) -> None:
+        self.out.write(f"loading model {model}\n")
+        self.out.flush()
+
     def update(self) -> None:
         pass
 
@@ -77,6 +81,9 @@ class BarReporter:
     def prompt_done(self, line: Line | None, job: int, result: dict | None) -> None:
         self.bar.update(force=True)
 
+    def loading(self, model: str) -> None:
+        self.bar.update(force=True)  # the bar's state says "loading model ..."
+
     def update(self) -> None:
         self.bar.update()
 
@@ -86,6 +93,9 @@ class BarReporter:
 
 class QuietReporter:
     def prompt_done(self, line: Line | None, job: int, result: dict | None) -> None:
+        pass
+
+    def loading(self, model: str) -> None:
         pass
 
     def update(self) -> None:
@@ -126,6 +136,12 @@ def _follow(c: Client, aux: Client, plans: list[JobPlan], statuses: list[dict], 
                 progress.on_tokens(job, d.get("prompt", 0), len(d.get("token_ids") or ()))
             elif ev.name == "ticket":
                 progress.state = d.get("outcome") or ("running" if d.get("state") == "granted" else d.get("state"))
+            elif ev.name == "model_loading":  # a cold start: the wait is the load, not generation
+                progress.state = f"loading model {d.get('model')}"
+                reporter.loading(str(d.get("model")))
+            elif ev.name == "model_loaded":
+                progress.load_s += float(d.get("load_ms") or 0) / 1000
+                progress.state = "running"
             elif ev.name == "progress" and "prompt" in d:  # a prompt finished
                 report(aux.result(job, prompts=[d["prompt"]])["results"])
             elif ev.name == "progress":  # the counts when the stream began
@@ -247,7 +263,11 @@ def cmd_complete(args: argparse.Namespace) -> int:
         started = time.monotonic()
         try:
             for ev in stream:
-                if ev.name == "token" and not args.json:
+                if ev.name == "model_loading" and is_tty(sys.stderr) and not args.json:
+                    sys.stderr.write(f"[loading model {ev.data.get('model')}]\n")
+                elif ev.name == "model_loaded":  # load time is not generation time
+                    started += float(ev.data.get("load_ms") or 0) / 1000
+                elif ev.name == "token" and not args.json:
                     piece = ev.data.get("text", "")
                     streamed.append(piece)
                     sys.stdout.write(piece)

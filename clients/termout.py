@@ -99,6 +99,7 @@ class Progress:
         self.failed = 0
         self.job: int | None = None
         self.state = "queued"
+        self.load_s = 0.0  # time the daemon spent loading models (model_loaded events): not generation
 
     @property
     def done(self) -> int:
@@ -109,7 +110,7 @@ class Progress:
         return self.finished_tokens + sum(self.live_tokens.values())
 
     def tokens_per_s(self) -> float:
-        elapsed = self.clock() - self.started
+        elapsed = self.clock() - self.started - self.load_s
         return self.tokens / elapsed if elapsed > 0 else 0.0
 
     def on_tokens(self, job: int, prompt: int, count: int) -> None:

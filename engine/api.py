@@ -348,10 +348,13 @@ def load_model(name: str, checkpoint_dir: str | Path, *, draft_dir: str | Path |
 
 
 def describe_checkpoint(path: str | Path) -> dict:
-    """What a single-file checkpoint (.gguf) is, from its header alone: architecture, model_type,
-    quant_mix, parameters, file_bytes, context_length (standard types only). Blocking. Raises
-    ValueError (the engine's ConfigError / WeightsError) naming an unsupported architecture or
-    a tensor of a type npud cannot run, so `npud --check-config` fails there."""
-    from engine.session import describe_checkpoint as describe  # the engine proper, only when a .gguf is configured
+    """What a checkpoint is without loading its weights: a .gguf file from its header
+    (architecture, model_type, quant_mix, parameters, file_bytes, context_length), a checkpoint
+    directory from its config.json, tokenizer and safetensors headers (format, model_type,
+    tensors, parameters, file_bytes, context_length); standard types only. Blocking. Raises
+    ValueError (the engine's ConfigError / WeightsError / TokenizerError) naming an unsupported
+    architecture, a bad file or a tensor of a type npud cannot run, so `npud --check-config`
+    fails there."""
+    from engine.session import describe_checkpoint as describe  # the engine proper, only when asked
 
     return describe(path)

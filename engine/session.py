@@ -366,7 +366,30 @@ class ModelSession:
 
 
 def describe_checkpoint(path) -> dict:
-    """engine.api.describe_checkpoint: a .gguf file's header, checked and described."""
+    """engine.api.describe_checkpoint: a .gguf file's header, or a checkpoint directory's
+    config, tokenizer and weight headers, checked and described."""
+    if Path(path).is_dir():
+        return _describe_directory(Path(path))
     from engine.gguf.describe import describe_gguf
 
     return describe_gguf(path)
+
+
+def _describe_directory(directory: Path) -> dict:
+    """What a load reads of a checkpoint directory but the tensor data: a config npud cannot
+    run, a tokenizer that does not load, or weight files that are missing or malformed fail
+    here (the files are memory-mapped, not read)."""
+    from engine.config import load_config
+    from engine.weights.checkpoint import open_checkpoint
+
+    config = load_config(directory)
+    Tokenizer.from_dir(directory)
+    tensors = open_checkpoint(directory)
+    return {
+        "format": "safetensors",
+        "model_type": config.model_type,
+        "tensors": len(tensors),
+        "parameters": sum(int(np.prod(ref.shape)) for ref in tensors.values()),
+        "file_bytes": sum(p.stat().st_size for p in checkpoint_files(directory)),
+        "context_length": config.max_position_embeddings,
+    }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import tomllib
 import types
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from npud.hfcache import NotCached, looks_like_repo_id, resolve_repo
 from npud.kmsg import PRE_HANG_PATTERNS
 
 DEFAULT_CONFIG_PATH = Path("/etc/npud/npud.toml")
@@ -214,6 +216,7 @@ class ModelEntry:
     dflash_dir: str | None = None  # a DFlash / DFlash 2 block drafter trained on this base
     assistant_dir: str | None = None  # a Gemma 4 assistant (gemma4_assistant) made for this base
     weight_format: str = "bf16"
+    preload: bool = False  # loaded when the daemon starts, not on the first request
 
     def __post_init__(self) -> None:
         if not MODEL_NAME_RE.match(self.name):
@@ -296,6 +299,38 @@ def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
     raise TypeError(f"no coercion for {hint!r}")
 
 
+_ENV_VAR_RE = re.compile(r"\$(?:(\w+)|\{(\w+)\})")
+
+
+def is_path_field(name: str) -> bool:
+    """Whether a setting names a file or directory (and so gets ~ and $VAR expanded)."""
+    return name.endswith(("_path", "_dir")) or name in ("paths", "source", "xrt_design")
+
+
+def expand_path(where: str, value: str) -> str:
+    """`value` with $VAR / ${VAR} replaced from the environment and a leading ~ or ~user made a
+    home directory. An unset variable is an error naming it (not left in the path as text)."""
+    def var(m: re.Match) -> str:
+        name = m.group(1) or m.group(2)
+        if name not in os.environ:
+            raise DaemonConfigError(where, value, f"the environment variable {name} is not set")
+        return os.environ[name]
+    return os.path.expanduser(_ENV_VAR_RE.sub(var, value))
+
+
+def model_path(where: str, value: str, base_dir: Path | None) -> str:
+    """A model's checkpoint (or drafter) as a path: relative to base_dir; a value that names no
+    file there but reads like a Hugging Face repo id (org/name) is that repo's snapshot in the
+    local cache (npud/hfcache.py). Raises DaemonConfigError when such a repo is not cached."""
+    path = Path(value) if base_dir is None else base_dir / value
+    if path.exists() or not looks_like_repo_id(value):
+        return str(path)
+    try:
+        return str(resolve_repo(value))
+    except NotCached as exc:
+        raise DaemonConfigError(where, value, f"no such file or directory, and {exc}") from None
+
+
 def _build(cls: type, raw: Any, section: str) -> Any:
     if not isinstance(raw, dict):
         raise DaemonConfigError(section, raw, "expected a table")
@@ -308,7 +343,13 @@ def _build(cls: type, raw: Any, section: str) -> Any:
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if required and f.name not in raw:
             raise DaemonConfigError(f"{section}.{f.name}", None, "is required")
-    return cls(**{k: _coerce(section, k, hints[k], v) for k, v in raw.items()})
+    values = {k: _coerce(section, k, hints[k], v) for k, v in raw.items()}
+    for k, v in values.items():
+        if is_path_field(k) and isinstance(v, str):
+            values[k] = expand_path(f"{section}.{k}", v)
+        elif is_path_field(k) and isinstance(v, tuple):
+            values[k] = tuple(expand_path(f"{section}.{k}[{i}]", p) for i, p in enumerate(v))
+    return cls(**values)
 
 
 _SECTIONS = {
@@ -334,15 +375,10 @@ def parse_config(raw: dict, base_dir: Path | None = None) -> DaemonConfig:
     models = []
     for i, entry in enumerate(models_raw):
         model = _build(ModelEntry, entry, f"models[{i}]")
-        if base_dir is not None:
-            model = dataclasses.replace(
-                model,
-                checkpoint_dir=str(base_dir / model.checkpoint_dir),
-                draft_dir=None if model.draft_dir is None else str(base_dir / model.draft_dir),
-                dflash_dir=None if model.dflash_dir is None else str(base_dir / model.dflash_dir),
-                assistant_dir=None if model.assistant_dir is None else str(base_dir / model.assistant_dir),
-            )
-        models.append(model)
+        dirs = {label: model_path(f"models[{model.name}].{label}", getattr(model, label), base_dir)
+                for label in ("checkpoint_dir", "draft_dir", "dflash_dir", "assistant_dir")
+                if getattr(model, label) is not None}
+        models.append(dataclasses.replace(model, **dirs))
     default_model = raw.get("default_model")
     if default_model is not None and not isinstance(default_model, str):
         raise DaemonConfigError("default_model", default_model, "expected a string")
@@ -363,8 +399,10 @@ def load_config(path: Path) -> DaemonConfig:
 
 
 def check_models(cfg: DaemonConfig) -> list[str]:
-    """Problems with the model directories that a --check-config should report (no weights
-    loaded; a .gguf checkpoint's metadata and tensor table are read and checked)."""
+    """Problems a --check-config reports, one per model file that would not load: the base
+    checkpoint and a draft model are read as a load reads them but for the tensor data
+    (engine.api.describe_checkpoint: config.json, tokenizer, safetensors headers, or a .gguf's
+    metadata and tensor table); a drafter directory must hold a config.json."""
     problems = []
     for m in cfg.models:
         for label, d in (("checkpoint_dir", m.checkpoint_dir), ("draft_dir", m.draft_dir),
@@ -372,8 +410,8 @@ def check_models(cfg: DaemonConfig) -> list[str]:
             if d is None:
                 continue
             p = Path(d)
-            if label == "checkpoint_dir" and p.suffix == ".gguf":
-                problems.extend(_check_gguf(m.name, d))
+            if label in ("checkpoint_dir", "draft_dir") and (p.is_dir() or p.suffix == ".gguf"):
+                problems.extend(_describe(f"models[{m.name}].{label}", d))
             elif not p.is_dir():
                 problems.append(f"models[{m.name}].{label} = {d!r}: not a directory")
             elif not (p / "config.json").is_file():
@@ -381,17 +419,17 @@ def check_models(cfg: DaemonConfig) -> list[str]:
     return problems
 
 
-def _check_gguf(name: str, path: str) -> list[str]:
-    """A .gguf checkpoint's header read by the engine: an unsupported architecture or tensor
-    type is reported here, not on the first request."""
+def _describe(where: str, path: str) -> list[str]:
+    """A checkpoint read by the engine without its weights: an unsupported architecture, a
+    broken config or tokenizer, a missing weight file is reported here, not on the first request."""
     from engine.api import describe_checkpoint
 
-    if not Path(path).is_file():
-        return [f"models[{name}].checkpoint_dir = {path!r}: no such GGUF file"]
+    if not Path(path).exists():
+        return [f"{where} = {path!r}: no such GGUF file"]
     try:
         describe_checkpoint(path)
-    except ValueError as exc:  # engine ConfigError / WeightsError
-        return [f"models[{name}].checkpoint_dir: {exc}"]
+    except (ValueError, OSError) as exc:  # engine ConfigError / WeightsError / TokenizerError
+        return [f"{where}: {exc}"]
     return []
 
 

@@ -24,6 +24,7 @@ from npud.guards import ErrorCountGuard, ThermalGuard
 from npud.jobs import JobManager
 from npud.logsetup import setup_logging
 from npud.metrics import Metrics, snapshot
+from npud.protocol import ApiError
 from npud.registry import ModelRegistry
 from npud import signals
 from npud.server import Server
@@ -95,12 +96,14 @@ class Daemon:
                 await nursery.start(self.metrics.run, self.metrics_snapshot)
                 await nursery.start(self.owner.run)
                 await nursery.start(self.server.serve)
+                nursery.start_soon(self._preload)
                 # READY=1 once clients can connect and the store is open (Type=notify)
                 status = self.status_line()
                 if sd_notify("READY=1", f"STATUS={status}"):  # a service manager listens: keep it told
                     await nursery.start(functools.partial(report_status, self.status_line, self.queue.wait_changed,
                                                           sent=status))
-                log.info("daemon_ready", socket=self.cfg.server.socket_path,
+                log.info("daemon_ready", socket=self.cfg.server.socket_path, state_dir=self.cfg.store.state_dir,
+                         config=None if self.config_path is None else str(self.config_path),
                          socket_activated=self.server.socket_activated, watchdog_s=watchdog_s)
                 task_status.started(self)
                 await self._stop.wait()
@@ -111,6 +114,17 @@ class Daemon:
             self.store.close()
             self.metrics.remove_textfile()  # a stopped npud exports nothing rather than stale numbers
             log.info("daemon_stopped")
+
+    async def _preload(self) -> None:
+        """Load the models marked `preload = true` once the socket is up, so that their first
+        request does not wait for the load (one that comes during it waits, told `model_loading`).
+        A model that does not load is logged (model_load_failed) and fails its requests as before."""
+        for entry in self.cfg.models:
+            if entry.preload and self.registry.resident(entry.name) is None:
+                try:
+                    await self.owner.engine_call(self.registry.get, entry.name, keep=self.owner.models_in_use())
+                except ApiError:
+                    pass
 
     def request_stop(self) -> None:
         self._stop.set()

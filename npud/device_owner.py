@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -161,7 +162,7 @@ class DeviceOwner:
 
         A prompt that fails (an engine error, or an exception the engine should not have raised)
         gets that failure as its result and the next prompt runs."""
-        served = await self.engine_call(self.registry.get, job.spec.model, keep=self.models_in_use())
+        served = await self._model(job)
         while (prompt := job.next_prompt()) is not None:
             session = job.session if job.session_prompt == prompt else None
             if session is None and job.cancel_requested:
@@ -203,6 +204,20 @@ class DeviceOwner:
             if result.finish_reason == FinishReason.CANCELLED:
                 return Outcome.CANCELLED, None, None
         return Outcome.DONE, None, None
+
+    async def _model(self, job: Job) -> ServedModel:
+        """The job's model, loaded if it is not resident. A load is told to the job's followers
+        (`model_loading`, then `model_loaded` with its time) so that clients show it as such,
+        not as slow generation."""
+        name = job.spec.model
+        if self.registry.resident(name) is not None:
+            return await self.engine_call(self.registry.get, name, keep=self.models_in_use())
+        self.jobs.publish(job, "model_loading", {"model": name})
+        started = time.perf_counter()
+        served = await self.engine_call(self.registry.get, name, keep=self.models_in_use())
+        self.jobs.publish(job, "model_loaded", {"model": name,
+                                                "load_ms": round((time.perf_counter() - started) * 1000, 1)})
+        return served
 
     def _start(self, served: ServedModel, job: Job, prompt: int) -> Session:
         """Check the prompt's length and start its session (blocking; in the engine thread).

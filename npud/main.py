@@ -1,17 +1,26 @@
-"""`npud`: the command line. Exit codes: 0 clean stop, 1 failed at start-up, 2 bad configuration."""
+"""`npud`: the command line. Exit codes: 0 clean stop, 1 failed at start-up, 2 bad configuration.
+
+The configuration file is --config, else $NPUD_CONFIG, else /etc/npud/npud.toml. `npud
+--model PATH` with neither --config nor $NPUD_CONFIG needs no file: it serves that model as
+whoever runs it, with the socket and the store in the XDG directories (npud/userdirs.py).
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import os
+import re
 import sys
 from pathlib import Path
 
 import trio
 
 from engine.api import ModelLoader, load_model
-from npud import __version__
-from npud.config import DEFAULT_CONFIG_PATH, DaemonConfigError, DaemonConfig, check_models, load_config
+from npud import __version__, userdirs
+from npud.config import (DEFAULT_CONFIG_PATH, DaemonConfigError, DaemonConfig, ModelEntry, ServerConfig,
+                         StoreConfig, check_models, load_config, model_path)
 from npud.logsetup import setup_logging
 from npud.store import StoreError
 
@@ -21,9 +30,15 @@ EXIT_BAD_CONFIG = 2
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="npud", description="Serve local LLMs on an AMD Ryzen AI NPU (or the CPU).")
-    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH,
-                   help=f"TOML configuration file (default {DEFAULT_CONFIG_PATH})")
-    p.add_argument("--check-config", action="store_true", help="validate the configuration and exit")
+    p.add_argument("--config", type=Path,
+                   help=f"TOML configuration file (default $NPUD_CONFIG, else {DEFAULT_CONFIG_PATH})")
+    p.add_argument("--model", action="append", metavar="PATH",
+                   help="serve this checkpoint: a directory, a .gguf file, or a Hugging Face repo id (org/name) "
+                        "in the local Hugging Face cache. Without --config and $NPUD_CONFIG no file is read and npud "
+                        "runs as you, listening on $XDG_RUNTIME_DIR/npud/npud.sock; with one, the model is added "
+                        "before the configured ones. Repeatable")
+    p.add_argument("--check-config", action="store_true",
+                   help="validate the configuration, read every model's config, tokenizer and weight headers, and exit")
     p.add_argument("--socket", help="override server.socket_path")
     p.add_argument("--state-dir", help="override store.state_dir")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="override logging.level")
@@ -45,6 +60,50 @@ def _overrides(args: argparse.Namespace):
     return apply
 
 
+NO_CONFIG_HELP = """npud: error: no configuration file ({path} does not exist). Either
+  npud --model PATH    serve one model as yourself, no file needed (PATH: a checkpoint directory,
+                       a .gguf file, or a Hugging Face repo id in the local cache), or
+  npud --config FILE   run from a configuration file (or set NPUD_CONFIG=FILE); systemd/npud.toml
+                       is the example and README.md says how to add a model to it."""
+
+
+class NoConfig(Exception):
+    """Neither a configuration file nor --model: nothing to serve."""
+
+
+def model_entry(value: str) -> ModelEntry:
+    """A --model argument as a model entry, named after its directory, file or repo (loaded at start)."""
+    path = model_path("--model", value, None)
+    if not os.path.exists(path):
+        raise DaemonConfigError("--model", value, "no such file or directory")
+    stem = Path(value).name.removesuffix(".gguf")
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", stem).lstrip("._-")[:64] or "model"
+    return ModelEntry(name=name, checkpoint_dir=os.path.abspath(path), preload=True)
+
+
+def user_config(models: tuple[ModelEntry, ...], socket: str | None, state_dir: str | None) -> DaemonConfig:
+    """The configuration of a per-user npud without a file: the defaults, the socket and store
+    in the XDG directories (or where --socket / --state-dir say), the socket for this user only."""
+    socket = socket or str(userdirs.socket_path())
+    state_dir = state_dir or str(userdirs.state_dir())
+    return DaemonConfig(server=ServerConfig(socket_path=socket, socket_mode=0o600),
+                        store=StoreConfig(state_dir=state_dir), models=models)
+
+
+def _load(args: argparse.Namespace) -> tuple[DaemonConfig, Path | None]:
+    """The configuration (overrides not yet applied) and the file it came from (None: no file).
+    Raises DaemonConfigError, NoConfig, or UserDirError when no per-user directory is safe."""
+    models = tuple(model_entry(value) for value in args.model or ())
+    path = args.config or (Path(os.environ["NPUD_CONFIG"]).expanduser() if os.environ.get("NPUD_CONFIG") else None)
+    if path is None and models:
+        return user_config(models, args.socket, args.state_dir), None
+    path = path or DEFAULT_CONFIG_PATH
+    if path == DEFAULT_CONFIG_PATH and not path.exists():
+        raise NoConfig(NO_CONFIG_HELP.format(path=path))
+    cfg = load_config(path)
+    return (cfg if not models else cfg.replace(models=models + cfg.models)), path
+
+
 def _leaves(exc: BaseException) -> list[BaseException]:
     if isinstance(exc, BaseExceptionGroup):
         return [leaf for e in exc.exceptions for leaf in _leaves(e)]
@@ -56,10 +115,17 @@ def main(argv: list[str] | None = None, *, loader: ModelLoader = load_model) -> 
     args = _parser().parse_args(argv)
     overrides = _overrides(args)
     try:
-        cfg = overrides(load_config(args.config))
+        cfg, config_path = _load(args)
+        cfg = overrides(cfg)
     except DaemonConfigError as exc:
         hint = "; pass --config or create it (systemd/ has an example)" if exc.field == "--config" else ""
         print(f"npud: error: {exc}{hint}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    except NoConfig as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    except userdirs.UserDirError as exc:
+        print(f"npud: error: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     if args.check_config:
         problems = check_models(cfg)
@@ -67,15 +133,19 @@ def main(argv: list[str] | None = None, *, loader: ModelLoader = load_model) -> 
             print(f"npud: error: {problem}", file=sys.stderr)
         if problems:
             return EXIT_BAD_CONFIG
-        print(f"{args.config}: OK ({len(cfg.models)} model(s), socket {cfg.server.socket_path}, "
+        print(f"{config_path or '--model'}: OK ({len(cfg.models)} model(s), socket {cfg.server.socket_path}, "
               f"state {cfg.store.state_dir})")
         return 0
     setup_logging(cfg.logging)
     from npud.daemon import Daemon  # after logging is set up: loggers are bound at import
 
     async def serve() -> None:
-        daemon = Daemon(cfg, config_path=args.config, overrides=overrides, loader=loader)
-        await daemon.run(handle_signals=True)
+        daemon = Daemon(cfg, config_path=config_path, overrides=overrides, loader=loader)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(daemon.run, handle_signals=True))
+            # the log has it too (daemon_ready); this line is for whoever started npud by hand
+            print(f"npud: listening on {cfg.server.socket_path} (models: {', '.join(daemon.registry.names) or 'none'}; "
+                  f"state in {cfg.store.state_dir})", file=sys.stderr, flush=True)
 
     try:
         trio.run(serve)

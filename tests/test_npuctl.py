@@ -366,8 +366,8 @@ def test_daemon_down(tmp_path):
         run = npuctl(*args, socket_path=missing)
         assert run.returncode == 3
         assert run.stderr == (f"error: npud is not running (nothing listens at {missing}). Start it with "
-                              "`sudo systemctl start npud`, or run `npud --config FILE`; set NPUD_SOCKET if it "
-                              "listens elsewhere.\n")
+                              "`sudo systemctl start npud`, or serve a model as yourself with `npud --model PATH`; "
+                              "set NPUD_SOCKET if it listens elsewhere.\n")
     # a socket file left behind by a daemon that died: connection refused
     stale = tmp_path / "stale.sock"
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -93,11 +93,8 @@ def _npud(*args):
 
 
 def test_check_config_command(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text("{}")
-    good = tmp_path / "good.toml"
-    good.write_text('[[models]]\nname = "m"\ncheckpoint_dir = "ckpt"\n')
+    good = tmp_path / "good.toml"  # the bundled model: --check-config reads its config, tokenizer and weights
+    good.write_text(f'[[models]]\nname = "m"\ncheckpoint_dir = "{REPO / "npud" / "models" / "pycode-base"}"\n')
     done = _npud("--check-config", "--config", str(good))
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr
     bad = tmp_path / "bad.toml"
