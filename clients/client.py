@@ -27,6 +27,7 @@ from typing import Any
 from npud.protocol import ErrorCode, LineReader, LineTooLong, encode
 
 DEFAULT_SOCKET = "/run/npud/npud.sock"
+USER_FALLBACK_DIR = "/tmp/npud-{uid}"  # a per-user npud's socket directory without $XDG_RUNTIME_DIR
 MAX_REPLY_BYTES = 1 << 30  # a result of many prompts is one line
 SUBMIT_RETRIES = 2  # a submit whose connection is lost is sent again this often (same idempotency key)
 
@@ -39,7 +40,7 @@ def user_socket_path() -> str | None:
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
     if os.path.isabs(runtime):
         return os.path.join(runtime, "npud", "npud.sock")
-    directory = f"/tmp/npud-{os.getuid()}"
+    directory = USER_FALLBACK_DIR.format(uid=os.getuid())
     try:
         st = os.lstat(directory)
     except OSError:

@@ -157,6 +157,8 @@ class Api:
         try:
             await emit("progress", {"done_prompts": len(job.done_prompts), "num_prompts": job.spec.num_prompts,
                                     "state": job.state.value})
+            if job.loading_model is not None:  # a load that began before this stream did
+                await emit("model_loading", {"model": job.loading_model})
             async for name, data in sub.receive:
                 if name != "token" or tokens:
                     await emit(name, data)

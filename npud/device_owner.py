@@ -213,8 +213,11 @@ class DeviceOwner:
         if self.registry.resident(name) is not None:
             return await self.engine_call(self.registry.get, name, keep=self.models_in_use())
         self.jobs.publish(job, "model_loading", {"model": name})
-        started = time.perf_counter()
-        served = await self.engine_call(self.registry.get, name, keep=self.models_in_use())
+        job.loading_model, started = name, time.perf_counter()
+        try:
+            served = await self.engine_call(self.registry.get, name, keep=self.models_in_use())
+        finally:
+            job.loading_model = None
         self.jobs.publish(job, "model_loaded", {"model": name,
                                                 "load_ms": round((time.perf_counter() - started) * 1000, 1)})
         return served

@@ -99,6 +99,7 @@ class Job:
     ticket: Ticket | None = None
     session: Session | None = None  # the engine session of `session_prompt`, kept across preemption
     session_prompt: int | None = None
+    loading_model: str | None = None  # the model being loaded for this job (a cold start), told to new streams
     last_result: dict | None = None  # the result last committed, as the store holds it
     subscribers: list[Subscriber] = field(default_factory=list)
     finished: trio.Event = field(default_factory=trio.Event)

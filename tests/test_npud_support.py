@@ -147,7 +147,8 @@ class FakeServedModel:
 def load_model(name: str, checkpoint_dir, *, draft_dir=None, dflash_dir=None, weight_format: str = "bf16",
                cache_dir=None, backend: str = "auto", xrt_design=None, assistant_dir=None,
                xrt_timeout_ms=None) -> FakeServedModel:
-    """The fake engine's engine.api.ModelLoader: knobs from <checkpoint_dir>/fake.json.
+    """The fake engine's engine.api.ModelLoader: knobs from <checkpoint_dir>/fake.json
+    (and load_sleep_s, how long the load takes).
 
     Raises FileNotFoundError without the file, ModelError when it is not JSON."""
     path = Path(checkpoint_dir) / "fake.json"
@@ -155,6 +156,7 @@ def load_model(name: str, checkpoint_dir, *, draft_dir=None, dflash_dir=None, we
         knobs = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ModelError(f"{path}: not JSON: {exc}") from None
+    time.sleep(float(knobs.get("load_sleep_s", 0.0)))  # a load that takes a while (a cold start)
     return FakeServedModel(name, knobs)
 
 
