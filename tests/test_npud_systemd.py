@@ -125,6 +125,37 @@ def test_the_installed_units_pass_systemd_analyze_verify(installed, tmp_path):
     assert any("ProtectHomes" in p for p in verify_problems(broken, units / "npud.socket"))
 
 
+def test_the_user_unit_passes_systemd_analyze_verify_and_uses_the_user_paths(tmp_path):
+    """systemd/user/npud.service, checked by `systemd-analyze --user verify` (which needs a
+    runtime directory for the user manager it models) with ExecStart= naming a real npud."""
+    unit = tmp_path / "npud.service"
+    text = (SYSTEMD / "user" / "npud.service").read_text()
+    assert "\nExecStart=%h/.local/bin/npud " in text
+    unit.write_text(text.replace("ExecStart=%h/.local/bin/npud ", f"ExecStart={npud_executable()} "))
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+
+    def problems(path: Path) -> list[str]:
+        run = subprocess.run([need("systemd-analyze"), "--user", "verify", str(path)], capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
+        found = [line for line in (run.stdout + run.stderr).splitlines() if "npud" in line]
+        return found + ([f"exit status {run.returncode}: {run.stderr.strip()}"] if run.returncode else [])
+
+    assert problems(unit) == []
+    broken = tmp_path / "broken" / "npud.service"
+    broken.parent.mkdir()
+    broken.write_text(unit.read_text().replace("NoNewPrivileges=", "NoNewPrivilege="))
+    assert any("NoNewPrivilege" in p for p in problems(broken))
+    service = unit_settings(SYSTEMD / "user" / "npud.service")["Service"]
+    # the socket and store where `npud --model` puts them (npud/userdirs.py): %t is
+    # $XDG_RUNTIME_DIR and %S is $XDG_STATE_HOME (~/.local/state) in a user manager
+    assert service["ExecStart"][0].endswith(" --config %E/npud/npud.toml --socket %t/npud/npud.sock "
+                                            "--state-dir %S/npud")
+    assert service["RuntimeDirectory"] == ["npud"] == service["StateDirectory"]
+    assert service["RuntimeDirectoryMode"] == ["0700"] and service["Type"] == ["notify"]
+    assert "User" not in service and "AmbientCapabilities" not in service  # a user manager grants neither
+
+
 def test_the_service_is_hardened(installed, tmp_path):
     analyze = need("systemd-analyze")
     service = installed / "etc" / "systemd" / "system" / "npud.service"
