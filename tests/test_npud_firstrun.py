@@ -115,6 +115,9 @@ def test_npud_config_names_the_file_and_config_beats_it(monkeypatch, tmp_path, c
     monkeypatch.setenv("NPUD_CONFIG", str(conf))
     assert npud_main.main(["--check-config"]) == 0
     assert capsys.readouterr().out.startswith(f"{conf}: OK (1 model(s)")
+    # --model with a file: one model more, the file's socket (not a per-user daemon)
+    assert npud_main.main(["--check-config", "--model", str(PYCODE)]) == 0
+    assert capsys.readouterr().out.startswith(f"{conf}: OK (2 model(s), socket /run/npud/npud.sock")
     other = tmp_path / "flag.toml"
     other.write_text("")
     assert npud_main.main(["--check-config", "--config", str(other)]) == 0
