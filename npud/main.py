@@ -47,8 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _overrides(args: argparse.Namespace):
+def _overrides(args: argparse.Namespace, models: tuple[ModelEntry, ...] = ()):
+    """What the command line changes in a configuration (at start and at each SIGHUP): the
+    flags, and the --model entries put before the configured models."""
     def apply(cfg: DaemonConfig) -> DaemonConfig:
+        if models:
+            cfg = cfg.replace(models=models + cfg.models)
         if args.socket:
             cfg = cfg.replace(server=dataclasses.replace(cfg.server, socket_path=args.socket))
         if args.state_dir:
@@ -81,27 +85,27 @@ def model_entry(value: str) -> ModelEntry:
     return ModelEntry(name=name, checkpoint_dir=os.path.abspath(path), preload=True)
 
 
-def user_config(models: tuple[ModelEntry, ...], socket: str | None, state_dir: str | None) -> DaemonConfig:
-    """The configuration of a per-user npud without a file: the defaults, the socket and store
-    in the XDG directories (or where --socket / --state-dir say), the socket for this user only."""
+def user_config(socket: str | None, state_dir: str | None) -> DaemonConfig:
+    """The configuration of a per-user npud without a file (its models come from --model): the
+    defaults, the socket and store in the XDG directories (or where --socket / --state-dir say),
+    the socket for this user only."""
     socket = socket or str(userdirs.socket_path())
     state_dir = state_dir or str(userdirs.state_dir())
     return DaemonConfig(server=ServerConfig(socket_path=socket, socket_mode=0o600),
-                        store=StoreConfig(state_dir=state_dir), models=models)
+                        store=StoreConfig(state_dir=state_dir))
 
 
 def _load(args: argparse.Namespace) -> tuple[DaemonConfig, Path | None]:
-    """The configuration (overrides not yet applied) and the file it came from (None: no file).
+    """The configuration (overrides not yet applied, so without the --model entries) and the
+    file it came from (None: no file).
     Raises DaemonConfigError, NoConfig, or UserDirError when no per-user directory is safe."""
-    models = tuple(model_entry(value) for value in args.model or ())
     path = args.config or (Path(os.environ["NPUD_CONFIG"]).expanduser() if os.environ.get("NPUD_CONFIG") else None)
-    if path is None and models:
-        return user_config(models, args.socket, args.state_dir), None
+    if path is None and args.model:
+        return user_config(args.socket, args.state_dir), None
     path = path or DEFAULT_CONFIG_PATH
     if path == DEFAULT_CONFIG_PATH and not path.exists():
         raise NoConfig(NO_CONFIG_HELP.format(path=path))
-    cfg = load_config(path)
-    return (cfg if not models else cfg.replace(models=models + cfg.models)), path
+    return load_config(path), path
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:
@@ -113,8 +117,8 @@ def _leaves(exc: BaseException) -> list[BaseException]:
 def main(argv: list[str] | None = None, *, loader: ModelLoader = load_model) -> int:
     """Run npud; returns the exit code. `loader` is where models come from (tests pass a fake engine's)."""
     args = _parser().parse_args(argv)
-    overrides = _overrides(args)
     try:
+        overrides = _overrides(args, tuple(model_entry(value) for value in args.model or ()))
         cfg, config_path = _load(args)
         cfg = overrides(cfg)
     except DaemonConfigError as exc:

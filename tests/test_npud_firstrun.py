@@ -28,6 +28,7 @@ from npud import main as npud_main
 from npud import userdirs
 from npud.config import DaemonConfigError, parse_config
 from npud_fixture import python_env
+from test_npud_support import load_model as fakes_load_model
 from test_npud_support import REPO, DaemonProc, make_config, short_tempdir, start, wait_for, write_fake_checkpoint
 
 PYCODE = REPO / "npud" / "models" / "pycode-base"
@@ -387,3 +388,23 @@ def test_npud_model_runs_as_an_ordinary_user_and_npuctl_finds_it():
         daemon.terminate()
         daemon.wait(30)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def test_a_reload_keeps_the_models_of_the_command_line(nursery, workdir):
+    cfg = make_config(workdir)  # the fake model in workdir/fake
+    conf = workdir / "npud.toml"
+    conf.write_text(f'[server]\nsocket_path = "{cfg.server.socket_path}"\n[store]\nstate_dir = "{workdir}/state"\n'
+                    f'[thermal]\nenabled = false\n[errors]\nsource = "{workdir}/kmsg"\n'
+                    f'[[models]]\nname = "configured"\ncheckpoint_dir = "{workdir}/fake"\n')
+    extra = write_fake_checkpoint(workdir / "extra")
+    args = npud_main._parser().parse_args(["--config", str(conf), "--model", str(extra)])
+    overrides = npud_main._overrides(args, (npud_main.model_entry(str(extra)),))
+    from npud.config import load_config
+    from npud.daemon import Daemon
+
+    daemon = await nursery.start(Daemon(overrides(load_config(conf)), config_path=conf, overrides=overrides,
+                                        loader=fakes_load_model).run)
+    assert daemon.registry.names == ("extra", "configured")
+    await daemon.reload()  # SIGHUP reads the file again; --model is not in it
+    assert daemon.registry.names == ("extra", "configured")
+    daemon.request_stop()
