@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import socket
+import stat
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -72,6 +73,13 @@ class NotRunning(NpudError):
     code = "not_running"
 
 
+class NotASocket(NotRunning):
+    """The socket path names something else (a file, a directory): a wrong NPUD_SOCKET or
+    --socket, not a stopped daemon."""
+
+    code = "not_a_socket"
+
+
 class PermissionDenied(NpudError):
     code = "permission_denied"
 
@@ -95,7 +103,23 @@ def error_from_wire(error: dict) -> NpudError:
     return cls(message) if cls is not None else NpudError(message, code)
 
 
+def _not_a_socket(path: str) -> str | None:
+    """What `path` is when it exists and is not a socket ("a regular file", "a directory", ...)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    return ("a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode)
+            else "a named pipe" if stat.S_ISFIFO(mode) else "not a file npud makes")
+
+
 def _connect_error(path: str, exc: OSError) -> NpudError:
+    what = _not_a_socket(path) if exc.errno in (errno.ECONNREFUSED, errno.ENOTSOCK) else None
+    if what is not None:  # connecting to a regular file is ECONNREFUSED, like a socket nobody listens at
+        return NotASocket(f"{path} is not a socket ({what}); point NPUD_SOCKET or --socket at the "
+                          "socket npud listens on (server.socket_path in its config)")
     if exc.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR):
         return NotRunning(
             f"npud is not running (nothing listens at {path}). Start it with `sudo systemctl start npud`, "

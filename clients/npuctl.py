@@ -2,13 +2,15 @@
 
 Exit codes: 0 ok, 1 an error reported by the daemon (or a job that failed), 2 a usage
 error (bad arguments, a bad input file), 3 the daemon is unreachable, 130 interrupted.
-Errors are printed as `error: <message>` on stderr.
+Errors are printed as `error: <message>` on stderr; with --json also as
+`{"error": {"code", "message"}}` on stdout, so a script keeps the daemon's code.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import re
 import sys
@@ -38,7 +40,11 @@ exit codes:
 environment:
   NPUD_SOCKET  the daemon's socket when --socket is not given (default /run/npud/npud.sock)
 
-Errors are printed as `error: <message>` on stderr. Tables and progress bars are drawn
+Errors are printed as `error: <message>` on stderr; with --json also as one line
+{"error": {"code": ..., "message": ...}} on stdout (code: the daemon's error code, or
+usage_error, not_running, not_a_socket, permission_denied, connection_lost,
+interrupted). A job that failed while --wait followed it is reported in its results
+instead. Tables and progress bars are drawn
 only on a terminal; otherwise every row or event is one plain line (tables as
 tab-separated columns without a header). --json prints the daemon's replies as JSON.
 """
@@ -97,13 +103,20 @@ def when(text: str, now: Callable[[], float] = time.time) -> float:
 
 # -- the parser --------------------------------------------------------------------------------------
 
+class ArgumentError(UsageError):
+    """A command line argparse rejects; `usage` is the usage line of the (sub)command."""
+
+    def __init__(self, message: str, usage: str) -> None:
+        super().__init__(message)
+        self.usage = usage
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse with npuctl's error format and exit code."""
+    """argparse with npuctl's error format and exit code (main() reports the error, so that
+    --json reports it as JSON too)."""
 
     def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        sys.stderr.write(f"error: {message}\n")
-        sys.exit(EXIT_USAGE)
+        raise ArgumentError(message, self.format_usage())
 
 
 def _common(sub: bool) -> argparse.ArgumentParser:
@@ -221,10 +234,12 @@ def build_parser() -> Parser:
                    help="status (the default) or clear")
 
     p = add("cache", cmd_cache, "list, pin or drop prefix-cache entries",
-            "The prefix caches of the resident models. ls: stats and entries; pin NAME (TEXT | --file F): "
-            "compute the prefix TEXT and keep it under NAME (admin); drop KEY: remove an entry (admin).")
+            "The prefix caches of the resident models. ls: counters (admin) and pinned entries; "
+            "pin NAME (TEXT | --file F): compute the prefix TEXT and keep it under NAME (admin); "
+            "drop KEY: remove an entry (admin).")
     cache = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    c = cache.add_parser("ls", help="list caches and entries", parents=[common], description="List the caches.")
+    c = cache.add_parser("ls", help="list caches and pins", parents=[common],
+                         description="List the caches: counters (to an admin) and the pinned entries, NAME and KEY.")
     c.add_argument("--model", help="only this model")
     c = cache.add_parser("pin", help="pin a prefix under a name (admin)", parents=[common],
                          description="Compute the prefix TEXT in MODEL and pin it under NAME.")
@@ -248,29 +263,41 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    as_json = "--json" in argv[:argv.index("--")] if "--" in argv else "--json" in argv
+    try:
+        args = build_parser().parse_args(argv)
+    except ArgumentError as exc:
+        if not as_json:
+            sys.stderr.write(exc.usage)
+        return _fail(EXIT_USAGE, "usage_error", str(exc), as_json)
     try:
         return args.func(args)
     except UsageError as exc:
-        return _fail(EXIT_USAGE, str(exc))
+        return _fail(EXIT_USAGE, "usage_error", str(exc), args.json)
     except (NotRunning, PermissionDenied, ConnectionLost) as exc:
-        return _fail(EXIT_UNREACHABLE, exc.message)
+        return _fail(EXIT_UNREACHABLE, exc.code, exc.message, args.json)
     except NpudError as exc:
-        return _fail(EXIT_UNREACHABLE if exc.code == "connection_failed" else EXIT_DAEMON, exc.message)
-    except Failed as exc:
-        return _fail(EXIT_DAEMON, str(exc))
+        return _fail(EXIT_UNREACHABLE if exc.code == "connection_failed" else EXIT_DAEMON, exc.code, exc.message,
+                     args.json)
+    except Failed as exc:  # the results (or the result) printed already carry the errors
+        return _fail(EXIT_DAEMON, "failed", str(exc), False)
     except (Interrupted, KeyboardInterrupt) as exc:
-        return _fail(EXIT_INTERRUPTED, str(exc) or "interrupted")
+        return _fail(EXIT_INTERRUPTED, "interrupted", str(exc) or "interrupted", args.json)
     except BrokenPipeError:
         # the reader went away (`npuctl jobs | head -1`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
 
 
-def _fail(code: int, message: str) -> int:
+def _fail(exit_code: int, code: str, message: str, as_json: bool) -> int:
+    """Report an error: `error: MESSAGE` on stderr, and with --json `{"error": {"code",
+    "message"}}` as one line on stdout; returns the exit code."""
+    if as_json:
+        sys.stdout.write(json.dumps({"error": {"code": code, "message": message}}, ensure_ascii=False) + "\n")
     sys.stdout.flush()
     sys.stderr.write(f"error: {message}\n")
-    return code
+    return exit_code
 
 
 if __name__ == "__main__":

@@ -377,6 +377,54 @@ def test_daemon_down(tmp_path):
     assert run.returncode == 3 and run.error_line.startswith("error: npud is not running")
 
 
+def test_a_socket_path_that_is_not_a_socket(tmp_path):
+    regular = tmp_path / "npud.sock"
+    regular.write_text("")
+    run = npuctl("jobs", socket_path=str(regular))
+    assert run.returncode == 3
+    assert run.stderr.startswith(f"error: {regular} is not a socket (a regular file); ")
+    run = npuctl("jobs", "--json", socket_path=str(regular))
+    assert run.returncode == 3 and json.loads(run.stdout)["error"]["code"] == "not_a_socket"
+
+
+def test_json_errors_keep_the_code_on_stdout(daemon, tmp_path):
+    def error_of(*args: str, socket_path: str | None = daemon.socket, exit_code: int) -> dict:
+        run = npuctl(*args, socket_path=socket_path)
+        assert run.returncode == exit_code, (args, run.stderr)
+        (line,) = run.stdout.splitlines()  # one JSON line, nothing else on stdout
+        error = json.loads(line)["error"]
+        assert set(error) == {"code", "message"}
+        assert run.stderr.endswith(f"error: {error['message']}\n")  # the same message for a human
+        return error
+
+    assert error_of("status", "999999", "--json", exit_code=1) == {"code": "not_found", "message": "no job 999999"}
+    assert error_of("--json", "result", "999999", exit_code=1)["code"] == "not_found"
+    error = error_of("complete", "x", "--max-tokens", "0", "--json", exit_code=1)
+    assert error["code"] == "bad_request" and "max_tokens" in error["message"]
+    missing = str(tmp_path / "none.sock")
+    assert error_of("jobs", "--json", socket_path=missing, exit_code=3)["code"] == "not_running"
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"promt": "x"}])
+    error = error_of("submit", str(bad), "--json", exit_code=2)
+    assert error["code"] == "usage_error" and error["message"].startswith(f"{bad}:1: unknown key 'promt'")
+    # an argument argparse rejects: usage_error too, and no usage text on stdout
+    error = error_of("status", "abc", "--json", exit_code=2)
+    assert error == {"code": "usage_error", "message": "argument JOB: a job id is a positive integer, got 'abc'"}
+    # without --json, stdout stays empty
+    run = npuctl("status", "999999", socket_path=daemon.socket)
+    assert run.returncode == 1 and run.stdout == "" and run.stderr == "error: no job 999999\n"
+
+
+def test_cache_ls_lists_the_pins(daemon, client):
+    text = "You are a careful assistant who writes short Python functions. " * 8  # longer than a cache block
+    key = client.cache_pin("house-style", text=text)["entry"]["key"]
+    run = npuctl("cache", "ls", socket_path=daemon.socket)
+    assert run.returncode == 0, run.stderr
+    assert f"house-style\t{key}\n" in run.stdout
+    rc, screen = npuctl_on_pty("cache", "ls", socket_path=daemon.socket)
+    assert rc == 0 and "PIN" in screen and "KEY" in screen
+    assert any(ln.split() == ["house-style", key] for ln in screen.splitlines())
+
+
 def test_connection_dropped_mid_stream(tmp_path):
     """A daemon that dies while streaming: exit 3 with what was streamed so far on stdout."""
     path = str(tmp_path / "dying.sock")
@@ -590,4 +638,25 @@ def test_progress_counts_tokens_once():
     bar = ProgressBar(None, p).line(80)
     width = bar.index("]") - 1
     assert bar[1:width + 1] == "#" * (width // 4) + "-" * (width - width // 4)
-    assert " 1/4 prompts  3.0 tok/s  acceptance 75% " in bar and len(bar) <= 79
+    assert " 1/4 prompts       3.0 tok/s  acceptance  75% " in bar and len(bar) <= 79
+
+
+def test_the_progress_bar_keeps_its_width():
+    now = [1.0]
+    p = Progress(120, clock=lambda: now[0])
+    p.started = 0.0
+    bar = ProgressBar(None, p)
+    lines = [bar.line(200)]
+    for step, state in enumerate(["queued", "running", "preempted", "running", "done"]):
+        p.state, p.job = state, 7 if step < 2 else 1234
+        p.on_tokens(p.job, step, 10 ** (step + 1))  # tok/s grows by digits
+        p.done_by_job = {p.job: min(120, 3 ** (step + 1))}
+        p.drafted, p.accepted = 10 * step, 9 * step
+        now[0] += 0.5
+        lines.append(bar.line(200))
+    assert len({len(line) for line in lines}) == 1, lines
+    assert len({line.index("]") for line in lines}) == 1
+    assert len({line.index("tok/s") for line in lines}) == 1
+    assert lines[-1].startswith("[" + "#" * 30 + "]") and " 120/120 prompts " in lines[-1]
+    assert lines[1].startswith("[" + "-" * 30 + "]") and "   3/120 prompts " in lines[1]
+    assert len(bar.line(40)) == 39  # a narrow terminal cuts the line
