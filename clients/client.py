@@ -202,12 +202,14 @@ class _Methods:
     def submit(self, prompts: list[str] | None = None, *, chats: list[list[dict]] | None = None,
                model: str | None = None, max_tokens: int | None = None, sampling: dict | None = None,
                stop: list[str] | None = None, spec: dict | None = None, use_prefix_cache: bool | None = None,
-               priority: str | None = None, idempotency_key: str | None = None, retries: int = SUBMIT_RETRIES):
-        """Queue a job; returns its status. The request carries an idempotency key (a new random
-        one unless given), and a connection lost before the reply is retried `retries` times on
-        a new connection with the same key: the daemon answers with the job the lost attempt
-        made, never a second one."""
-        params = {"prompts": prompts, "chats": chats, "priority": priority,
+               priority: str | None = None, prompt_settings: list[dict | None] | None = None,
+               idempotency_key: str | None = None, retries: int = SUBMIT_RETRIES):
+        """Queue a job; returns its status. `prompt_settings` (one entry per prompt, None for
+        the job's) gives prompts settings of their own. The request carries an idempotency key (a
+        new random one unless given), and a connection lost before the reply is retried
+        `retries` times on a new connection with the same key: the daemon answers with the job
+        the lost attempt made, never a second one."""
+        params = {"prompts": prompts, "chats": chats, "priority": priority, "prompt_settings": prompt_settings,
                   "idempotency_key": idempotency_key or uuid.uuid4().hex,
                   **_generation(model, max_tokens, sampling, stop, spec, use_prefix_cache)}
         return self._call_retrying("submit", params, retries)
