@@ -55,17 +55,27 @@ input format (JSONL, one prompt per line; blank lines are skipped):
   {"messages": [{"role": "user", "content": "Write a haiku"}], "max_tokens": 64}
   {"prompt": "def fib(n):", "id": "fib", "stop": ["\\n\\n"], "sampling": {"temperature": 0.7, "seed": 1}}
   "a bare JSON string is a prompt too"
+  {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+   "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}}
 
 per-line keys: prompt | messages (exactly one), id (any JSON value, echoed in the
 result), model, max_tokens, sampling {temperature, top_k, top_p, seed}, stop, spec
 {method, k, fallback_rounds}, use_prefix_cache, priority. A line's settings override the
-command line's; lines with different settings go to different jobs, so more than one
-job id may be printed.
+command line's. Lines go to one job unless their model, priority or kind (prompt or
+messages) differ, or a job is full (limits.max_prompts_per_job): each prompt keeps its
+own settings inside its job.
+
+OpenAI Batch request lines (url /v1/completions or /v1/chat/completions) are read too:
+body keys model, prompt | messages, max_tokens (max_completion_tokens), temperature,
+top_p, seed, stop, n (1), and "npud": {top_k, spec, use_prefix_cache, priority}.
 
 results (--wait): one JSON object per input line, in input order:
   {"index": 0, "line": 1, "id": ..., "job": 42, "prompt_in_job": 0, "text": "...",
    "token_ids": [...], "prompt_tokens": 9, "finish_reason": "stop", "stats": {...}}
 or with "error": {"code", "message"} in place of the text for a prompt that failed.
+With --format openai, OpenAI Batch output lines instead:
+  {"id": "batch_req_42_0", "custom_id": "r1", "response": {"status_code": 200,
+   "request_id": "npud-42-0", "body": {...a (chat) completion object...}}, "error": null}
 """
 
 
@@ -168,14 +178,17 @@ def build_parser() -> Parser:
         return p
 
     p = add("submit", cmd_submit, "queue a batch job from a JSONL file",
-            "Queue the prompts of FILE (JSONL; - reads stdin) as a batch job and print its id (one id per "
-            "line when the lines need several jobs). With --wait, follow the job(s): a progress bar (prompts "
+            "Queue the prompts of FILE (JSONL, npud's lines or OpenAI Batch requests; - reads stdin) as a batch "
+            "job and print its id (one id per line when the lines need several jobs). With --wait, follow the job(s): a progress bar (prompts "
             "done, tokens/s, acceptance) on a terminal, one line per finished prompt otherwise, both on "
             "stderr; then write the results as JSONL in input order to -o FILE (default stdout).",
             parents=(gen,), epilog=SUBMIT_INPUT_HELP)
     p.add_argument("file", metavar="FILE", help="JSONL input, one prompt per line; - for stdin")
     p.add_argument("--wait", action="store_true", help="wait for the job(s) and write the results")
     p.add_argument("-o", "--output", metavar="OUT", help="with --wait: write the results to OUT (default stdout)")
+    p.add_argument("--format", choices=("npud", "openai"), default="npud",
+                   help="with --wait: the shape of the result lines, npud's (the default) or the OpenAI Batch "
+                        "output's")
     p.add_argument("--priority", choices=("batch", "interactive"), help="queue class (default batch)")
 
     p = add("complete", cmd_complete, "stream a completion of a prompt",

@@ -141,9 +141,9 @@ def check_mixed_records(client: Client, records: list[dict]) -> None:
     assert [r["line"] for r in records] == MIXED_LINES
     assert records[0]["id"] == "first" and all("id" not in r for r in records[1:])
     jobs = [r["job"] for r in records]
-    # lines 1 and 3 share their settings: one job; the chat and the 3-token line get their own
-    assert jobs[0] == jobs[1] and len(set(jobs)) == 3
-    assert [r["prompt_in_job"] for r in records] == [0, 1, 0, 0]
+    # the prompts are one job, the 3-token line with its own max_tokens; the chat is another
+    assert jobs[0] == jobs[1] == jobs[3] != jobs[2] and len(set(jobs)) == 2
+    assert [r["prompt_in_job"] for r in records] == [0, 1, 0, 2]
     inputs = [MIXED[0], {"prompt": MIXED[2]}, MIXED[3], MIXED[4]]
     for record, line, max_tokens in zip(records, inputs, MIXED_MAX):
         assert "error" not in record
@@ -187,8 +187,8 @@ def test_submit_prints_job_ids_then_result_reads_them(daemon, client, tmp_path):
     run = npuctl("submit", str(src), "--max-tokens", "6", socket_path=daemon.socket)
     assert run.returncode == 0, run.stderr
     jobs = [int(x) for x in run.stdout.split()]
-    assert len(jobs) == 3 and jobs == sorted(jobs)
-    assert [client.status(j)["num_prompts"] for j in jobs] == [2, 1, 1]
+    assert len(jobs) == 2 and jobs == sorted(jobs)
+    assert [client.status(j)["num_prompts"] for j in jobs] == [3, 1]
     for job in jobs:
         client.stream(job, tokens=False).wait()
     out = tmp_path / "res.jsonl"
@@ -202,7 +202,7 @@ def test_submit_prints_job_ids_then_result_reads_them(daemon, client, tmp_path):
     for r in stored:
         drafted, accepted = r["stats"].get("drafted", 0), r["stats"].get("accepted", 0)
         rate = f"{100 * accepted / drafted:.0f}%" if drafted else "-"
-        expected += f"--- prompt {r['prompt']}: length, 6 tokens, acceptance {rate}\n"
+        expected += f"--- prompt {r['prompt']}: length, {[6, 6, 3][r['prompt']]} tokens, acceptance {rate}\n"
         expected += r["text"] + ("" if r["text"].endswith("\n") else "\n")
     assert run.stdout == expected
     run = npuctl("status", str(jobs[1]), socket_path=daemon.socket)
@@ -535,16 +535,34 @@ def test_bad_input_file_not_utf8_or_empty(daemon, tmp_path):
 
 
 def test_a_line_the_daemon_rejects_cancels_the_jobs_before_it(daemon, client, tmp_path):
+    # another priority: another job, submitted after the first
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "def add(a, b):", "max_tokens": 3000},
-                                              {"prompt": "x", "max_tokens": 0}])
+                                              {"prompt": "x", "max_tokens": 0, "priority": "interactive"}])
     before = job_ids(client)
     run = npuctl("submit", str(src), "--wait", socket_path=daemon.socket)
     assert run.returncode == 1
     (first,) = job_ids(client) - before
-    assert run.stderr == (f"error: {src}: line 2: params.max_tokens: 0 is out of range [1, 4096]; "
+    assert run.stderr == (f"error: {src}:2: max_tokens: 0 is out of range [1, 4096]; "
                           f"the job(s) submitted before it were cancelled: {first}\n")
     client.stream(first, tokens=False).wait()
     assert client.status(first)["state"] == "cancelled"
+
+
+def test_a_refused_prompt_names_its_line_in_the_one_file_error_format(daemon, client, tmp_path):
+    before = job_ids(client)
+    src = write_jsonl(tmp_path / "in.jsonl", ["a", "", {"prompt": "b", "max_tokens": 2},
+                                              {"prompt": "c", "sampling": {"top_p": 2}}])
+    run = npuctl("submit", "-", socket_path=daemon.socket, stdin=src.read_bytes())
+    assert run.returncode == 1  # the daemon's refusal, in the format of the client's own file errors
+    assert run.stderr == "error: <stdin>:4: sampling.top_p: 2.0 is out of range (0.0, 1.0]\n"
+    run = npuctl("submit", "-", socket_path=daemon.socket, stdin=b'"a"\n{"promt": "b"}\n')
+    assert run.returncode == 2 and run.stderr.startswith("error: <stdin>:2: unknown key 'promt'")
+    # a setting of the command line is the whole job's: its first line, and how many more
+    run = npuctl("submit", str(src), "--max-tokens", "0", socket_path=daemon.socket)
+    assert run.returncode == 1
+    assert run.stderr == (f"error: {src}:1: params.max_tokens: 0 is out of range [1, 4096] "
+                          "(for the job of this line and 2 more)\n")
+    assert job_ids(client) == before
 
 
 def test_usage_errors(daemon, tmp_path):
@@ -587,22 +605,31 @@ def test_help_is_complete():
 
 # -- the pieces, without a daemon ----------------------------------------------------------------------
 
-def test_plan_jobs_groups_by_settings_and_splits_at_the_job_limit():
-    text = ['"a"', '"b"', '{"prompt": "c", "max_tokens": 2}', '"d"', '"e"',
-            '{"messages": [{"role": "user", "content": "f"}]}']
+def test_plan_jobs_groups_by_model_priority_and_kind_and_splits_at_the_job_limit():
+    text = ['"a"', '"b"', '{"prompt": "c", "max_tokens": 2}', '"d"', '{"prompt": "e", "model": "n"}',
+            '{"messages": [{"role": "user", "content": "f"}]}', '{"prompt": "g", "sampling": {"seed": 5}}',
+            '{"prompt": "h", "priority": "interactive"}']
     lines = read_lines(text, "in", {"max_tokens": 4})
     plans = plan_jobs(lines, 2)
-    assert [[ln.number for ln in p.lines] for p in plans] == [[1, 2], [3], [4, 5], [6]]
+    assert [[ln.number for ln in p.lines] for p in plans] == [[1, 2], [3, 4], [5], [6], [7], [8]]
     assert [p.params() for p in plans][:2] == [{"max_tokens": 4, "prompts": ["a", "b"]},
-                                               {"max_tokens": 2, "prompts": ["c"]}]
+                                               {"max_tokens": 4, "prompts": ["c", "d"],
+                                                "prompt_settings": [{"max_tokens": 2}, None]}]
+    assert plans[2].params() == {"max_tokens": 4, "model": "n", "prompts": ["e"]}
     assert plans[3].params() == {"max_tokens": 4, "chats": [[{"role": "user", "content": "f"}]]}
-    assert [[ln.number for ln in p.lines] for p in plan_jobs(lines, 3)] == [[1, 2, 4], [3], [5], [6]]
+    assert plans[5].params() == {"max_tokens": 4, "priority": "interactive", "prompts": ["h"]}
+    plans = plan_jobs(lines, 1024)
+    assert [[ln.number for ln in p.lines] for p in plans] == [[1, 2, 3, 4, 7], [5], [6], [8]]
+    assert plans[0].params()["prompt_settings"] == [None, None, {"max_tokens": 2}, None, {"sampling": {"seed": 5}}]
 
 
 def test_line_settings_merge_over_the_command_line():
     (line,) = read_lines(['{"prompt": "a", "sampling": {"seed": 3}, "stop": ["x"]}'], "in",
                          {"sampling": {"temperature": 0.5, "seed": 1}, "stop": ["y"], "model": "m"})
     assert line.settings == {"sampling": {"temperature": 0.5, "seed": 3}, "stop": ["x"], "model": "m"}
+    # what is sent: the command line's as the job's, the line's own as its prompt_settings entry
+    assert line.job_settings == {"sampling": {"temperature": 0.5, "seed": 1}, "stop": ["y"], "model": "m"}
+    assert line.own == {"sampling": {"seed": 3}, "stop": ["x"]}
     with pytest.raises(InputError, match=r"^in: no prompts"):
         read_lines(["", "  "], "in", {})
 
