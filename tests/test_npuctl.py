@@ -182,6 +182,107 @@ def test_submit_wait_on_a_terminal_draws_a_progress_bar(daemon, client, tmp_path
     check_mixed_records(client, [json.loads(x) for x in out.read_text().splitlines()])
 
 
+def varied_lines(n: int) -> list:
+    """n lines whose settings vary line by line: max_tokens, stop, and for every fifth line
+    seeded sampling (without speculation, so the seed repeats the output); every seventh
+    line says nothing and runs with the command line's settings."""
+    lines: list = []
+    for i in range(n):
+        prompt = f"def f{i}(x):\n    return x + {i}"
+        if i % 7 == 0:
+            lines.append(prompt)
+            continue
+        line: dict = {"prompt": prompt, "max_tokens": 1 + i % 6, "id": i}
+        if i % 5 == 0:
+            line["sampling"] = {"temperature": 0.9, "seed": i}
+            line["spec"] = {"method": "none"}
+        if i % 4 == 0:
+            line["stop"] = ["\n"]
+        lines.append(line)
+    return lines
+
+
+def test_a_file_of_varied_settings_is_one_job_and_each_line_keeps_its_own(daemon, client, tmp_path):
+    lines = varied_lines(100)
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    before = job_ids(client)
+    run = npuctl("submit", str(src), "--wait", "--max-tokens", "8", "-o", str(out), socket_path=daemon.socket)
+    assert run.returncode == 0, run.stderr
+    (job,) = job_ids(client) - before
+    assert client.status(job)["num_prompts"] == 100
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["line"] for r in records] == list(range(1, 101)) and {r["job"] for r in records} == {job}
+    assert [r["prompt_in_job"] for r in records] == list(range(100))
+    for line, record in zip(lines, records):
+        own = {} if isinstance(line, str) else line
+        prompt = line if isinstance(line, str) else line["prompt"]
+        expected = client.complete(prompt, max_tokens=own.get("max_tokens", 8), sampling=own.get("sampling"),
+                                   spec=own.get("spec"), stop=own.get("stop")).wait()
+        assert (record["text"], record["token_ids"], record["finish_reason"]) == (
+            expected["text"], expected["token_ids"], expected["finish_reason"]), record["line"]
+    assert {len(r["token_ids"]) for r in records if r["finish_reason"] == "length"} >= {1, 2, 3, 4, 5, 6, 8}
+
+
+def test_openai_batch_lines_in_and_out(daemon, client, tmp_path):
+    lines = [
+        {"custom_id": "c-1", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 4, "stop": "\n\n\n"}},
+        {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Say hi"}], "max_completion_tokens": 3,
+                  "temperature": 0.8, "seed": 11, "npud": {"spec": {"method": "none"}}}},
+        {"prompt": "class Point:", "id": "mine", "max_tokens": 2},  # npud's own shape in the same file
+        {"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "x " * 5000, "max_tokens": 2}},
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    run = npuctl("submit", str(src), "--wait", "--format", "openai", socket_path=daemon.socket)
+    assert run.returncode == 1, run.stderr  # the last line's prompt fails
+    assert f"error: {src}:4: prompt of 5001 tokens plus max_tokens 2 exceeds the context" in run.stderr
+    records = [json.loads(x) for x in run.stdout.splitlines()]
+    assert [r["custom_id"] for r in records] == ["c-1", "chat-1", "mine", "too-long"]
+    for r in records:
+        assert set(r) == {"id", "custom_id", "response", "error"}
+    expected = [client.complete("def add(a, b):", max_tokens=4, stop=["\n\n\n"]).wait(),
+                client.complete(messages=lines[1]["body"]["messages"], max_tokens=3,
+                                sampling={"temperature": 0.8, "seed": 11}, spec={"method": "none"}).wait(),
+                client.complete("class Point:", max_tokens=2).wait()]
+    for r, exp, obj in zip(records, expected, ["text_completion", "chat.completion", "text_completion"]):
+        assert r["error"] is None and r["response"]["status_code"] == 200
+        body = r["response"]["body"]
+        assert body["object"] == obj and body["model"] == "tiny" and isinstance(body["created"], int)
+        (choice,) = body["choices"]
+        text = choice["text"] if obj == "text_completion" else choice["message"]["content"]
+        assert text == exp["text"] and choice["finish_reason"] == exp["finish_reason"]
+        assert body["usage"] == {"prompt_tokens": exp["prompt_tokens"], "completion_tokens": len(exp["token_ids"]),
+                                 "total_tokens": exp["prompt_tokens"] + len(exp["token_ids"])}
+        assert r["id"] == f"batch_req_{body['npud']['job']}_{body['npud']['prompt_in_job']}"
+    assert records[1]["response"]["body"]["choices"][0]["message"]["role"] == "assistant"
+    failed = records[3]
+    assert failed["error"] is None and failed["response"]["status_code"] == 400
+    error = failed["response"]["body"]["error"]
+    assert error["code"] == "prompt_too_long" and error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_openai_lines_that_are_not_requests_name_the_line(daemon, tmp_path):
+    good = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}
+    cases = [
+        ({**good, "url": "/v1/embeddings"}, '"url" must be "/v1/completions" or "/v1/chat/completions"'),
+        ({**good, "body": {"prompt": "x", "n": 2}}, "body: n must be 1"),
+        ({**good, "body": {"prompt": "x", "logprobs": 2}}, "body: unsupported key 'logprobs'"),
+        ({**good, "body": {"prompt": ["x", "y"]}}, 'body: "prompt" must be one string'),
+        ({**good, "custom_id": 3}, '"custom_id" must be a non-empty string'),
+        ({**good, "method": "GET"}, '"method" must be "POST"'),
+        ({**good, "body": {"messages": []}}, "body: unsupported key 'messages'"),
+        (good, "custom_id 'a' is on line 1 too"),
+    ]
+    for bad, message in cases:
+        src = write_jsonl(tmp_path / "bad.jsonl", [good, bad] if bad is good else ["x", bad])
+        run = npuctl("submit", str(src), "--wait", "--format", "openai", socket_path=daemon.socket)
+        assert run.returncode == 2, bad
+        assert run.stderr.startswith(f"error: {src}:2: {message}"), (bad, run.stderr)
+
+
 def test_submit_prints_job_ids_then_result_reads_them(daemon, client, tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", MIXED)
     run = npuctl("submit", str(src), "--max-tokens", "6", socket_path=daemon.socket)
