@@ -25,6 +25,7 @@ from clients.npuctl_common import (EXIT_DAEMON, EXIT_INTERRUPTED, EXIT_OK, EXIT_
 from clients.npuctl_show import (cmd_cache, cmd_cancel, cmd_device, cmd_jobs, cmd_models, cmd_result, cmd_stats,
                                  cmd_status, cmd_tickets)
 from clients.npuctl_submit import cmd_complete, cmd_submit
+from clients.shell_completion import bash_script, zsh_script
 from npud import __version__
 
 EXIT_CODES_HELP = """\
@@ -211,18 +212,18 @@ def build_parser() -> Parser:
 
     p = add("status", cmd_status, "show one job",
             "Show a job's state, progress, queue position, times and error.")
-    p.add_argument("job", type=job_id, metavar="JOB")
+    p.add_argument("job", type=job_id, metavar="JOB", help="a job id, from `npuctl submit` or `npuctl jobs`")
 
     p = add("result", cmd_result, "print a job's results",
             "Print the results a job has so far, in prompt order: a header line and the text of each "
             "prompt; --json prints the daemon's reply; -o writes one JSON result per line.")
-    p.add_argument("job", type=job_id, metavar="JOB")
+    p.add_argument("job", type=job_id, metavar="JOB", help="a job id, from `npuctl submit` or `npuctl jobs`")
     p.add_argument("--prompt", type=int, action="append", metavar="I", help="only prompt I, 0-based (repeatable)")
     p.add_argument("-o", "--output", metavar="OUT", help="write the results as JSONL to OUT (- for stdout)")
 
     p = add("cancel", cmd_cancel, "cancel jobs",
             "Cancel jobs: a queued job at once, a running one at its next round boundary.")
-    p.add_argument("jobs", type=job_id, nargs="+", metavar="JOB")
+    p.add_argument("jobs", type=job_id, nargs="+", metavar="JOB", help="the ids of the jobs to cancel")
 
     p = add("tickets", cmd_tickets, "show the ticket history (device holds)",
             "Show the history of device holds, newest first, as a table: ticket, job, user, priority, "
@@ -256,7 +257,7 @@ def build_parser() -> Parser:
     c.add_argument("--model", help="only this model")
     c = cache.add_parser("pin", help="pin a prefix under a name (admin)", parents=[common],
                          description="Compute the prefix TEXT in MODEL and pin it under NAME.")
-    c.add_argument("name", metavar="NAME")
+    c.add_argument("name", metavar="NAME", help="the name to pin the prefix under")
     c.add_argument("text", metavar="TEXT", nargs="?", help="the prefix text (or use --file)")
     c.add_argument("--file", metavar="FILE", help="read the prefix from FILE (- for stdin)")
     c.add_argument("--model", help="the model (default: the daemon's default)")
@@ -272,7 +273,22 @@ def build_parser() -> Parser:
         "who holds the device; then, since the daemon started, tickets by outcome, wait-time quantiles per "
         "class, tokens/s, speculative acceptance, prefix-cache hits, the thermal reading and the amdxdna "
         "error count.")
+
+    p = subs.add_parser("completion", help="print a shell completion script (bash or zsh)",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description=textwrap.fill("Print the completion script of SHELL for npuctl, generated from "
+                                                  "its options, on stdout.", 88),
+                        epilog="examples:\n  source <(npuctl completion bash)          # in ~/.bashrc\n"
+                               "  npuctl completion zsh > ~/.zfunc/_npuctl   # ~/.zfunc in $fpath before compinit\n")
+    p.add_argument("shell", choices=("bash", "zsh"), metavar="SHELL", help="bash or zsh")
+    p.set_defaults(func=cmd_completion)
     return parser
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    script = bash_script if args.shell == "bash" else zsh_script
+    sys.stdout.write(script(build_parser()))
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
