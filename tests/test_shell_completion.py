@@ -60,7 +60,7 @@ def files(tmp_path):
     ("npuctl device ", ["clear", "status"]),
     ("npuctl completion ", ["bash", "zsh"]),
     # an option's value is skipped when finding the command: --socket PATH, --model NAME
-    ("npuctl --socket cache cache ", ["drop", "ls", "pin"]),
+    ("npuctl --socket device cache ", ["drop", "ls", "pin"]),
     ("npuctl submit --model cache --no", ["--no-prefix-cache"]),
     # paths: the input file, -o and --socket take file names
     ("npuctl submit ", ["notes.txt", "out", "prompts.jsonl"]),
