@@ -96,11 +96,14 @@ wait_for() {  # read the terminal until a line holds $1 as output, not as the ec
   done
   return 1
 }
-zpty -w z "PROMPT='>'; bindkey -e; fpath=($1 \$fpath); autoload -U compinit; compinit -u -D; print SETUP-DONE"
+zpty -w z "PROMPT='READY>'; bindkey -e; fpath=($1 \$fpath); autoload -U compinit; compinit -u -D; print SETUP-DONE"
 wait_for SETUP-DONE
 # every match the completion system adds is also printed
 zpty -w z 'compadd () { local -a m; builtin compadd -A m "$@"; (( $#m )) && print -l -- "OFFERED:"${^m}; builtin compadd "$@" }; print FN-DONE'
 wait_for FN-DONE
+# type only once the line editor has the terminal: typed earlier, the line discipline
+# would take ^U (kill line) itself
+zpty -r z prompt '*READY>'
 zpty -w -n z "$2"$'\t'$'\x15'
 zpty -w z 'print CAPTURE-DONE'
 wait_for CAPTURE-DONE
