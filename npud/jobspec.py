@@ -31,12 +31,15 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 1024
 MAX_SPEC_K = 16
+MAX_FIM_EXTRA = 64  # context files of a fill-in-the-middle request
+MAX_FILENAME_CHARS = 1024
 
 ENGINE_CODES = {
     EngineCode.BAD_REQUEST: ErrorCode.BAD_REQUEST,
     EngineCode.PROMPT_TOO_LONG: ErrorCode.PROMPT_TOO_LONG,
     EngineCode.MODEL_ERROR: ErrorCode.MODEL_ERROR,
     EngineCode.NOT_FOUND: ErrorCode.NOT_FOUND,
+    EngineCode.FIM_UNSUPPORTED: ErrorCode.FIM_UNSUPPORTED,
 }
 
 
@@ -49,13 +52,17 @@ def api_error(exc: EngineError) -> ApiError:
 class JobSpec:
     """A job: the model, its prompts (strings, or chats of messages; exactly one of the two)
     and the engine's generation params: `params` for every prompt, unless `prompt_params`
-    (one entry per prompt, None for "the job's") gives a prompt its own."""
+    (one entry per prompt, None for "the job's") gives a prompt its own. A job of one prompt
+    may be a fill-in-the-middle request: `suffix` (and `fim_extra`) as
+    engine.api.GenerateRequest's."""
 
     model: str
     prompts: tuple[str, ...] | None  # exactly one of prompts / chats
     chats: tuple[tuple[dict, ...], ...] | None
     params: GenerationParams = dataclasses.field(default_factory=GenerationParams)
     prompt_params: tuple[GenerationParams | None, ...] | None = None  # None: every prompt has `params`
+    suffix: str | None = None
+    fim_extra: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.prompt_params is not None and len(self.prompt_params) != self.num_prompts:
@@ -69,7 +76,8 @@ class JobSpec:
     def num_bytes(self) -> int:
         """The UTF-8 bytes of the prompts (or of the chats' roles and contents)."""
         if self.prompts is not None:
-            return sum(len(p.encode()) for p in self.prompts)
+            fim = [self.suffix or "", *(part for chunk in self.fim_extra for part in chunk)]
+            return sum(len(p.encode()) for p in (*self.prompts, *fim))
         return sum(len(m["role"].encode()) + len(m["content"].encode()) for c in self.chats or () for m in c)
 
     def params_for(self, index: int) -> GenerationParams:
@@ -83,6 +91,7 @@ class JobSpec:
         them is stored as before it existed."""
         out = {"model": self.model, "prompts": None if self.prompts is None else list(self.prompts),
                "chats": None if self.chats is None else [list(c) for c in self.chats],
+               "suffix": self.suffix, "fim_extra": [list(c) for c in self.fim_extra],
                **_to_json(self.params)}
         if self.prompt_params is not None:
             out["prompt_params"] = [None if q is None else _to_json(q) for q in self.prompt_params]
@@ -98,6 +107,8 @@ class JobSpec:
             params=_from_json(GenerationParams, raw),
             prompt_params=None if own is None else tuple(None if q is None else _from_json(GenerationParams, q)
                                                          for q in own),
+            suffix=raw.get("suffix"),
+            fim_extra=tuple(tuple(c) for c in raw.get("fim_extra") or ()),
         )
 
     def engine_request(self, index: int, owner_uid: int) -> GenerateRequest:
@@ -105,7 +116,8 @@ class JobSpec:
         entries are that owner's alone (engine.api.GenerateRequest.cache_scope)."""
         return GenerateRequest(prompt=None if self.prompts is None else self.prompts[index],
                                messages=None if self.chats is None else self.chats[index],
-                               params=self.params_for(index), cache_scope=cache_scope(owner_uid))
+                               params=self.params_for(index), suffix=self.suffix, fim_extra=self.fim_extra,
+                               cache_scope=cache_scope(owner_uid))
 
 
 def cache_scope(owner_uid: int) -> str:
@@ -157,6 +169,30 @@ def _messages(p: Params, name: str, value: object) -> tuple[dict, ...]:
     return tuple(value)
 
 
+def _fim(p: Params, prompts: tuple[str, ...] | None) -> tuple[str | None, tuple[tuple[str, str], ...]]:
+    """`suffix` and `fim_extra` of a fill-in-the-middle request: one string prompt only."""
+    suffix = p.str("suffix", None)
+    raw = p.list("fim_extra", [], max_items=MAX_FIM_EXTRA)
+    if suffix is None:
+        if raw:
+            raise p.bad("fim_extra", "needs 'suffix' (it is context for fill-in-the-middle)")
+        return None, ()
+    if prompts is None or len(prompts) != 1:
+        raise p.bad("suffix", "fill-in-the-middle takes exactly one string prompt (not messages or chats)")
+    extra = []
+    for i, chunk in enumerate(raw):
+        if not (isinstance(chunk, dict) and set(chunk) <= {"filename", "text"} and isinstance(chunk.get("text"), str)
+                and isinstance(chunk.get("filename", ""), str)):
+            raise p.bad(f"fim_extra[{i}]", 'expected {"filename": string, "text": string}')
+        filename = chunk.get("filename", "")
+        if len(filename) > MAX_FILENAME_CHARS:
+            raise p.bad(f"fim_extra[{i}].filename", f"longer than {MAX_FILENAME_CHARS} characters")
+        for key, value in (("filename", filename), ("text", chunk["text"])):
+            check_text(p, f"fim_extra[{i}].{key}", value)
+        extra.append((filename, chunk["text"]))
+    return suffix, tuple(extra)
+
+
 def parse_spec(p: Params, *, limits: LimitsConfig, models: tuple[str, ...], default_model: str | None,
                single: bool) -> JobSpec:
     """Validate the generation params of `submit` (single=False) or `complete` (single=True).
@@ -183,15 +219,18 @@ def parse_spec(p: Params, *, limits: LimitsConfig, models: tuple[str, ...], defa
     else:
         raw = p.list("chats", min_items=1, max_items=limits.max_prompts_per_job)
         chats = tuple(_messages(p, f"chats[{i}]", c) for i, c in enumerate(raw))
+    suffix, fim_extra = _fim(p, prompts)
     params = _generation_params(p, limits, None, "params")
     prompt_params = None if single else _prompt_params(p, limits, params, len(prompts or chats))
-    return JobSpec(model=model, prompts=prompts, chats=chats, params=params, prompt_params=prompt_params)
+    return JobSpec(model=model, prompts=prompts, chats=chats, params=params, prompt_params=prompt_params,
+                   suffix=suffix, fim_extra=fim_extra)
 
 
 def _prompt_params(p: Params, limits: LimitsConfig, job: GenerationParams,
                    num_prompts: int) -> tuple[GenerationParams | None, ...] | None:
     """`prompt_settings`: one entry per prompt, null or an object of max_tokens, sampling,
-    stop, spec and use_prefix_cache that overrides the job's (`sampling` and `spec` key by key). None when no prompt differs."""
+    stop, spec and use_prefix_cache that overrides the job's (`sampling` and `spec` key by
+    key). None when no prompt differs."""
     raw = p.list("prompt_settings", None)
     if raw is None:
         return None
