@@ -3,6 +3,7 @@ host-side pieces (the rest of the NPU backend: tests/test_xrt.py)."""
 
 from __future__ import annotations
 
+import time
 
 import numpy as np
 import pytest
@@ -93,6 +94,33 @@ def test_every_path_and_thread_count_gives_the_same_bits(host, fmt, isa_and_thre
             results.append((path, threads, np.ascontiguousarray(host.linear(x, w)).view(np.uint32).copy()))
     for path, threads, bits in results[1:]:
         assert np.array_equal(bits, results[0][2]), (path, threads)
+
+
+@pytest.mark.parametrize("fmt", list(WeightFormat))
+@pytest.mark.parametrize("rows", [1, 8, 13])
+def test_chunks_taken_back_from_a_stalled_worker_give_the_same_bits(host, fmt, rows, isa_and_threads):
+    # a worker that sleeps on every chunk it takes stands for one descheduled on a shared
+    # core: the caller takes those chunks back and computes them itself; the bits are the
+    # one-thread bits, and the weights stay alive while the sleeping worker may read them
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((rows, 512)).astype(np.float32)
+    w = host.prepare_linear(KERNELS[fmt].sample(rng, 64 * 64, 512))
+    native.set_threads(1)
+    want = np.ascontiguousarray(host.linear(x, w)).view(np.uint32).copy()
+    native.set_threads(2)
+    native.stall_workers(50_000)
+    try:
+        stolen = native.pool_stats()[1]
+        got = np.ascontiguousarray(host.linear(x, w)).view(np.uint32)
+        assert native.pool_stats()[1] > stolen  # the caller took the sleeping worker's chunk back
+        assert np.array_equal(got, want)
+        assert native.held_calls() == 0 or native._held  # weights a worker may read are kept
+    finally:
+        native.stall_workers(0)
+    deadline = time.monotonic() + 10
+    while native.held_calls() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert native.held_calls() == 0 and not native._held  # released once the worker let go
 
 
 def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
