@@ -12,6 +12,7 @@ import torch
 from kernels.select import RowwiseBackend, select_backend
 from kernels.base import LinearWeight, WeightFormat
 from kernels.host import KERNELS, QB, TILE, HostBackend, check_batch_invariance, native, pack_q8, pack_tiles
+from kernels.host.formats import pair_bf16_columns
 from kernels import xrt
 
 
@@ -196,6 +197,16 @@ def test_pack_tiles_layout():
     assert t.shape == (2, 3, TILE)
     assert t[1, 2, 5] == w[TILE + 5, 2]
     assert np.all(t[1, :, 70 - TILE :] == 0)  # padded columns
+
+
+def test_bf16_tiles_hold_columns_in_pairs():
+    # each 32-bit word holds columns (c, c + 16) of a group of 32: low half c, high half c + 16
+    w = np.arange(130 * 2, dtype=np.uint16).reshape(130, 2)  # [N, K]
+    words = pair_bf16_columns(pack_tiles(w)).view(np.uint32)  # [3 tiles, K, 32 words]
+    assert words.shape == (3, 2, 32)
+    pair = words[1, 1, 16 + 5]  # tile 1, k 1, group 1, pair 5: columns 32 + 5 and 48 + 5
+    assert pair & 0xFFFF == w[TILE + 32 + 5, 1] and pair >> 16 == w[TILE + 48 + 5, 1]
+    assert words[0, 0, 0] & 0xFFFF == w[0, 0] and words[0, 0, 0] >> 16 == w[16, 0]
 
 
 def test_pack_q8_layout():

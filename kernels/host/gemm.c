@@ -82,10 +82,17 @@ static inline __attribute__((always_inline)) float store_value(const job_t *j, f
 
 /* ------------------------------------------------------------------ generic C (and its AVX2 build) */
 
+/* bf16 tiles hold each group of 32 columns as 16 pairs (c, c + 16), one 32-bit word a pair
+ * (formats.py's pair_bf16_columns), so that on AVX-512 a shift and a mask widen 32 columns
+ * without a shuffle. Where element i (= row * TILE + column) of a bf16 tile is stored: */
+static inline __attribute__((always_inline)) long bf16_pos(long i) {
+    return (i & ~31L) + 2 * (i & 15) + ((i >> 4) & 1);
+}
+
 static inline __attribute__((always_inline)) float widen1(int fmt, const void *w, long i) {
     if (fmt == FMT_F32) return ((const float *)w)[i];
     if (fmt == FMT_BF16) {
-        uint32_t b = (uint32_t)((const uint16_t *)w)[i] << 16;
+        uint32_t b = (uint32_t)((const uint16_t *)w)[bf16_pos(i)] << 16;
         float f;
         memcpy(&f, &b, 4);
         return f;
@@ -180,9 +187,11 @@ TILE_DRIVER(tile_avx2, __attribute__((noinline, target("avx2,fma"))), gen_float_
 
 static inline __attribute__((always_inline)) T512 __m512 widen16(int fmt, const char *w, long i) {
     if (fmt == FMT_F32) return _mm512_loadu_ps((const float *)w + i);
-    if (fmt == FMT_BF16)
-        return _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i))), 16));
+    if (fmt == FMT_BF16) { /* i: a multiple of 16; the words of pairs (c, c + 16) of its group of 32 */
+        const __m512i pairs = _mm512_loadu_si512((const uint16_t *)w + (i & ~31L));
+        return _mm512_castsi512_ps(i & 16 ? _mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000u))
+                                          : _mm512_slli_epi32(pairs, 16));
+    }
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)w + i))));
 }
 
