@@ -188,7 +188,7 @@ class PrefixCache:
                     self._counts["tokens_reused"] += served
                     if served != snap.positions:
                         snap = snap.prefix(served)
-                    self._enforce_budgets(e.scope)
+                    self._enforce_budgets()
                     return PrefixMatch(e.key, served, snap, source, e.num_tokens)
             self._counts["misses"] += 1
             return None
@@ -275,7 +275,7 @@ class PrefixCache:
             self._add(entry)
             if not recurrent:
                 self._drop_superseded(entry)
-            self._enforce_budgets(scope)
+            self._enforce_budgets()
             return key if key in self._entries else None
 
     # ------------------------------------------------------------------ pins and drops
@@ -427,18 +427,15 @@ class PrefixCache:
             log.info("prefix_cache_share_reclaimed", shares=self.max_scopes)
         self._shares[scope] = None
 
-    _EVERY_SCOPE = object()
-
-    def _enforce_budgets(self, scope: object = _EVERY_SCOPE) -> None:
+    def _enforce_budgets(self) -> None:
         """Spill or evict least recently used entries until each budget holds: the whole
-        cache's, or with max_scopes each scope's share (only `scope`'s when given)."""
+        cache's, or with max_scopes each scope's share."""
         if not self.max_scopes:
             self._enforce(list(self._entries.values()), self.max_bytes, self.max_disk_bytes)
             return
         groups: dict[str | None, list[_Entry]] = {}
         for entry in self._entries.values():  # least recently used first
-            if scope is self._EVERY_SCOPE or entry.scope == scope:
-                groups.setdefault(entry.scope, []).append(entry)
+            groups.setdefault(entry.scope, []).append(entry)
         shares = self.max_scopes + 1
         for entries in groups.values():
             self._enforce(entries, self.max_bytes // shares, self.max_disk_bytes // shares)
