@@ -184,6 +184,17 @@ def _generation(model, max_tokens, sampling, stop, spec, use_prefix_cache, suffi
             "use_prefix_cache": use_prefix_cache, "suffix": suffix, "fim_extra": fim_extra}
 
 
+def _key_unknown(exc: BadRequest) -> bool:
+    """Whether a submit was refused by an npud that predates `idempotency_key` (its reply
+    names the key as an unknown parameter; a key reused for another request is refused with
+    another message, and must not be dropped)."""
+    return "unknown parameter" in exc.message and "'idempotency_key'" in exc.message
+
+
+def _without_key(params: dict) -> dict:
+    return {k: v for k, v in params.items() if k != "idempotency_key"}
+
+
 class _Methods:
     """Every protocol method as a call; subclasses supply _call (one reply) and _stream."""
 
@@ -211,13 +222,15 @@ class _Methods:
         asks for fill-in-the-middle, `fim_extra` adds [{"filename", "text"}] context files. The
         request carries an idempotency key (a new random one unless given), and a connection
         lost before the reply is retried `retries` times on a new connection with the same key:
-        the daemon answers with the job the lost attempt made, never a second one."""
+        the daemon answers with the job the lost attempt made, never a second one. An npud older
+        than the key (it refuses the parameter) is asked once more without it, and then a lost
+        reply is not retried (it could run twice)."""
         params = {"prompts": prompts, "chats": chats, "priority": priority, "prompt_settings": prompt_settings,
                   "idempotency_key": idempotency_key or uuid.uuid4().hex,
                   **_generation(model, max_tokens, sampling, stop, spec, use_prefix_cache, suffix, fim_extra)}
-        return self._call_retrying("submit", params, retries)
+        return self._submit(params, retries)
 
-    def _call_retrying(self, method: str, params: dict, retries: int) -> Any:
+    def _submit(self, params: dict, retries: int) -> Any:
         raise NotImplementedError
 
     def complete(self, prompt: str | None = None, *, messages: list[dict] | None = None, model: str | None = None,
@@ -323,6 +336,14 @@ class Client(_Methods):
             self._sock.close()
             raise _connect_error(self.path, exc) from None
         self._framing = Framing()
+
+    def _submit(self, params: dict, retries: int) -> Any:
+        try:
+            return self._call_retrying("submit", params, retries)
+        except BadRequest as exc:
+            if not _key_unknown(exc):
+                raise
+        return self._call("submit", _without_key(params))
 
     def _call_retrying(self, method: str, params: dict, retries: int) -> Any:
         for attempt in range(retries + 1):
@@ -456,6 +477,14 @@ class AsyncClient(_Methods):
 
     async def _call(self, method: str, params: dict | None = None) -> Any:
         return await AsyncStream(self, method, params).wait()
+
+    async def _submit(self, params: dict, retries: int) -> Any:
+        try:
+            return await self._call_retrying("submit", params, retries)
+        except BadRequest as exc:
+            if not _key_unknown(exc):
+                raise
+        return await self._call("submit", _without_key(params))
 
     async def _call_retrying(self, method: str, params: dict, retries: int) -> Any:
         import trio
