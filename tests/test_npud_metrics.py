@@ -151,6 +151,17 @@ def test_prompt_stats_feed_acceptance_and_the_prefix_cache_counters():
     assert empty.counters()["prefix_cache"]["hit_rate"] is None
 
 
+def test_a_user_sees_the_prefix_cache_counts_of_their_own_prompts_only():
+    m, *_ = make_metrics()
+    m.on_prompt({"num_cached_tokens": 96}, 1000)
+    m.on_prompt({"num_cached_tokens": 32}, 1000)
+    m.on_prompt({"num_cached_tokens": 0}, 1001)
+    assert m.counters(1000)["prefix_cache"] == {"hits": 2, "misses": 0, "hit_rate": 1.0, "cached_tokens": 128}
+    assert m.counters(1001)["prefix_cache"] == {"hits": 0, "misses": 1, "hit_rate": 0.0, "cached_tokens": 0}
+    assert m.counters(1002)["prefix_cache"] == {"hits": 0, "misses": 0, "hit_rate": None, "cached_tokens": 0}
+    assert m.counters()["prefix_cache"] == {"hits": 2, "misses": 1, "hit_rate": 2 / 3, "cached_tokens": 128}
+
+
 def test_the_metrics_section_is_checked_where_it_is_read():
     assert parse_config({"metrics": {"textfile_path": "/run/npud/metrics/npud.prom"}}).metrics.textfile_interval_s == 15
     bad = [({"textfile_path": "/run/npud/npud.txt"}, "metrics.textfile_path", "end in .prom"),
@@ -363,8 +374,8 @@ async def test_the_text_file_follows_the_daemon_and_goes_when_it_stops(workdir):
         daemon = await start(nursery, cfg)
         async with await AsyncClient.connect(cfg.server.socket_path) as c:
             await wait_until(_exists(path), "the text file")
-            assert value(families(path.read_text()), "npud_tokens_generated_total") == 0
-            inode = path.stat().st_ino
+            first = path.open()  # the file as first written: a replacing write leaves it as it was
+            assert value(families(first.read()), "npud_tokens_generated_total") == 0
             job = (await c.submit(["a b c"], max_tokens=6))["job"]
             await done(c, job)
 
@@ -374,7 +385,11 @@ async def test_the_text_file_follows_the_daemon_and_goes_when_it_stops(workdir):
 
             fams = await wait_until(counted, "the text file to count the job")
             assert value(fams, "npud_tickets_released_total", outcome="done") == 1
-            assert path.stat().st_ino != inode
+            # replaced by a rename, never rewritten in place: what was first opened still reads 0
+            # (an inode comparison is not enough: a freed inode number comes back)
+            first.seek(0)
+            assert value(families(first.read()), "npud_tokens_generated_total") == 0
+            first.close()
             assert stat.S_IMODE(path.stat().st_mode) == 0o644
             assert sorted(os.listdir(path.parent)) == ["npud.prom"]
         daemon.request_stop()
