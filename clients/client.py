@@ -56,6 +56,7 @@ class NotFound(NpudError): code = ErrorCode.NOT_FOUND.value
 class Forbidden(NpudError): code = ErrorCode.FORBIDDEN.value
 class Overloaded(NpudError): code = ErrorCode.OVERLOADED.value
 class PromptTooLong(NpudError): code = ErrorCode.PROMPT_TOO_LONG.value
+class FimUnsupported(NpudError): code = ErrorCode.FIM_UNSUPPORTED.value
 class DeviceQuarantined(NpudError): code = ErrorCode.DEVICE_QUARANTINED.value
 class ModelError(NpudError): code = ErrorCode.MODEL_ERROR.value
 class Unsupported(NpudError): code = ErrorCode.UNSUPPORTED.value
@@ -82,7 +83,7 @@ class ConnectionLost(NpudError):
 
 ERRORS: dict[str, type[NpudError]] = {
     cls.code: cls for cls in (BadRequest, LineTooLongError, UnknownMethod, NotFound, Forbidden, Overloaded,
-                              PromptTooLong, DeviceQuarantined, ModelError, Unsupported, StoreError, StoreFull,
+                              PromptTooLong, FimUnsupported, DeviceQuarantined, ModelError, Unsupported, StoreError, StoreFull,
                               StoreReadOnly, ShuttingDown, InternalError)
 }
 
@@ -154,9 +155,9 @@ class Framing:
 
 # -- the methods, written once ---------------------------------------------------------------
 
-def _generation(model, max_tokens, sampling, stop, spec, use_prefix_cache) -> dict:
+def _generation(model, max_tokens, sampling, stop, spec, use_prefix_cache, suffix=None, fim_extra=None) -> dict:
     return {"model": model, "max_tokens": max_tokens, "sampling": sampling, "stop": stop, "spec": spec,
-            "use_prefix_cache": use_prefix_cache}
+            "use_prefix_cache": use_prefix_cache, "suffix": suffix, "fim_extra": fim_extra}
 
 
 class _Methods:
@@ -178,14 +179,16 @@ class _Methods:
     def submit(self, prompts: list[str] | None = None, *, chats: list[list[dict]] | None = None,
                model: str | None = None, max_tokens: int | None = None, sampling: dict | None = None,
                stop: list[str] | None = None, spec: dict | None = None, use_prefix_cache: bool | None = None,
-               priority: str | None = None, idempotency_key: str | None = None, retries: int = SUBMIT_RETRIES):
-        """Queue a job; returns its status. The request carries an idempotency key (a new random
+               priority: str | None = None, idempotency_key: str | None = None, retries: int = SUBMIT_RETRIES,
+               suffix: str | None = None, fim_extra: list[dict] | None = None):
+        """Queue a job; returns its status. `suffix` (with one prompt, the prefix) asks for
+        fill-in-the-middle, `fim_extra` adds [{"filename", "text"}] context files. The request carries an idempotency key (a new random
         one unless given), and a connection lost before the reply is retried `retries` times on
         a new connection with the same key: the daemon answers with the job the lost attempt
         made, never a second one."""
         params = {"prompts": prompts, "chats": chats, "priority": priority,
                   "idempotency_key": idempotency_key or uuid.uuid4().hex,
-                  **_generation(model, max_tokens, sampling, stop, spec, use_prefix_cache)}
+                  **_generation(model, max_tokens, sampling, stop, spec, use_prefix_cache, suffix, fim_extra)}
         return self._call_retrying("submit", params, retries)
 
     def _call_retrying(self, method: str, params: dict, retries: int) -> Any:
@@ -193,10 +196,13 @@ class _Methods:
 
     def complete(self, prompt: str | None = None, *, messages: list[dict] | None = None, model: str | None = None,
                  max_tokens: int | None = None, sampling: dict | None = None, stop: list[str] | None = None,
-                 spec: dict | None = None, use_prefix_cache: bool | None = None):
-        """A stream of `ticket` and `token` events; its `.result` is the prompt result."""
+                 spec: dict | None = None, use_prefix_cache: bool | None = None, suffix: str | None = None,
+                 fim_extra: list[dict] | None = None):
+        """A stream of `ticket` and `token` events; its `.result` is the prompt result.
+        `suffix` makes `prompt` the prefix of a fill-in-the-middle request (as submit)."""
         return self._stream("complete", {"prompt": prompt, "messages": messages,
-                                         **_generation(model, max_tokens, sampling, stop, spec, use_prefix_cache)})
+                                         **_generation(model, max_tokens, sampling, stop, spec, use_prefix_cache,
+                                                       suffix, fim_extra)})
 
     def stream(self, job: int, *, tokens: bool = True):
         """A stream of a job's events; its `.result` is the final job status."""

@@ -45,6 +45,7 @@ class EngineCode(enum.StrEnum):
     PROMPT_TOO_LONG = "prompt_too_long"
     MODEL_ERROR = "model_error"
     NOT_FOUND = "not_found"
+    FIM_UNSUPPORTED = "fim_unsupported"
 
 
 class EngineError(ValueError):
@@ -70,9 +71,17 @@ class RequestError(EngineError):
 
 
 class PromptTooLong(RequestError):
-    """The prompt plus max_tokens does not fit the model's context."""
+    """The prompt alone leaves no room in the model's context for a generated token (a prompt
+    that fits but leaves less than max_tokens has max_tokens clamped instead)."""
 
     code = EngineCode.PROMPT_TOO_LONG
+
+
+class FimUnsupported(RequestError):
+    """A fill-in-the-middle request (GenerateRequest.suffix) for a model whose tokenizer has no
+    FIM tokens; the message names the tokens it lacks."""
+
+    code = EngineCode.FIM_UNSUPPORTED
 
 
 class ModelError(EngineError):
@@ -198,11 +207,24 @@ class GenerationParams:
 class GenerateRequest:
     """One prompt (a string, or chat messages the model's template renders) and its params.
 
-    Raises ConfigError unless exactly one of prompt and messages is given."""
+    Fill-in-the-middle when `suffix` is not None: `prompt` is the text before the gap, `suffix`
+    the text after it (may be empty), and the model writes the middle. The engine renders
+    prefix and suffix between the tokenizer's FIM tokens (prefix, suffix, middle order), and
+    stops at its FIM end tokens; a model without FIM tokens raises FimUnsupported. `fim_extra`
+    holds (filename, text) chunks of other files for context (llama.cpp's input_extra): with a
+    file-separator token (Qwen2.5-Coder's `<|file_sep|>`) each chunk is `<|file_sep|>filename`,
+    a newline and its text, and one more `<|file_sep|>` opens the file being edited, as in
+    Qwen2.5-Coder's repository-level format; without one, each chunk is plain text
+    "--- filename ---", a newline, its text and a newline, put in front of the prefix.
+
+    Raises ConfigError unless exactly one of prompt and messages is given, for a suffix with
+    messages, and for fim_extra without a suffix."""
 
     prompt: str | None = None
     messages: tuple[dict, ...] | None = None
     params: GenerationParams = field(default_factory=GenerationParams)
+    suffix: str | None = None
+    fim_extra: tuple[tuple[str, str], ...] = ()
     # Whose prefix-cache entries the request may restore and makes: entries of one scope are
     # never found from another, so a cache hit says nothing about another scope's prompts.
     # None is the shared scope (the entries an operator pins with cache_pin(text=...)); a
@@ -222,6 +244,16 @@ class GenerateRequest:
             raise ConfigError("GenerateRequest.messages must be a tuple of {'role', 'content'} dicts")
         if not isinstance(self.params, GenerationParams):
             raise ConfigError(f"GenerateRequest.params must be GenerationParams, got {type(self.params).__name__}")
+        if self.suffix is not None:
+            if not isinstance(self.suffix, str):
+                raise ConfigError(f"GenerateRequest.suffix must be a string or None, got {type(self.suffix).__name__}")
+            if self.messages is not None:
+                raise ConfigError("GenerateRequest.suffix (fill-in-the-middle) needs a prompt, not messages")
+        if not (isinstance(self.fim_extra, tuple) and all(
+                isinstance(c, tuple) and len(c) == 2 and all(isinstance(x, str) for x in c) for c in self.fim_extra)):
+            raise ConfigError("GenerateRequest.fim_extra must be a tuple of (filename, text) string pairs")
+        if self.fim_extra and self.suffix is None:
+            raise ConfigError("GenerateRequest.fim_extra needs a suffix (it is context for fill-in-the-middle)")
 
 
 # -- the result ----------------------------------------------------------------------------
@@ -248,13 +280,16 @@ class TokenEvent:
 @dataclass(slots=True, frozen=True)
 class GenerationResult:
     """A finished generation: the text, its token ids, the prompt's length in tokens, why it
-    ended, and the engine's counters (JSON-able: numbers, strings, lists, dicts, None)."""
+    ended, and the engine's counters (JSON-able: numbers, strings, lists, dicts, None).
+    `max_tokens_clamped_to` is the number of new tokens the context had room for when that was
+    fewer than max_tokens asked (None otherwise); reaching it ends the run with `length`."""
 
     text: str
     token_ids: tuple[int, ...]
     prompt_tokens: int
     finish_reason: FinishReason
     stats: dict
+    max_tokens_clamped_to: int | None = None
 
 
 # -- what the daemon drives ----------------------------------------------------------------
@@ -287,6 +322,7 @@ class ServedModel(Protocol):
     name: str
     nbytes: int  # resident bytes of weights (base + draft)
     max_context: int  # positions: prompt plus generated tokens
+    fim: bool  # the tokenizer has FIM tokens: a request with a suffix can run
 
     def describe(self) -> dict:
         """What the model is, as JSON for `models` (type, sizes, backend, ...)."""
@@ -295,8 +331,10 @@ class ServedModel(Protocol):
         """The request's prompt length in tokens; raises RequestError when it does not encode."""
 
     def start(self, request: GenerateRequest) -> Session:
-        """A session for the request; raises RequestError (PromptTooLong when prompt plus
-        max_tokens exceeds max_context, bad_request for a method the model lacks)."""
+        """A session for the request, its max_tokens clamped to the positions the context has
+        left after the prompt; raises RequestError (PromptTooLong when the prompt alone leaves
+        no room for a new token, FimUnsupported for a suffix on a model without FIM tokens,
+        bad_request for a method the model lacks)."""
 
     @property
     def has_prefix_cache(self) -> bool:

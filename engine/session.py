@@ -32,6 +32,7 @@ from engine.api import (
 from engine.assistant import Assistant, AssistantHead
 from engine.dflash import DFlashDraft, DFlashHead
 from engine.drafters import DraftModelHead, PromptLookupHead, check_same_tokenizer
+from engine.fim import find_fim_tokens, fim_prompt_ids
 from engine.fingerprint import MEMO_FILE, DigestMemo, numerics_key
 from engine.forward import Forward
 from engine.generate import Generation
@@ -71,6 +72,7 @@ class LoadedModel:
         self.assistant = assistant
         self.prefix_cache = prefix_cache
         self.max_context = model.config.max_position_embeddings
+        self.fim_tokens = find_fim_tokens(tokenizer)
         self.backend_reason = "given by the caller"
         # the logit ids the tokenizer decodes (None: all); the generation masks the rest
         self.allowed = tokenizer.decodable(model.config.vocab_size)
@@ -132,6 +134,10 @@ class LoadedModel:
         return served
 
     @property
+    def fim(self) -> bool:
+        return self.fim_tokens is not None
+
+    @property
     def nbytes(self) -> int:
         extra = sum(m.nbytes for m in (self.draft, self.assistant) if m is not None)
         return self.model.nbytes + extra
@@ -145,6 +151,7 @@ class LoadedModel:
             "hidden_size": cfg.hidden_size,
             "vocab_size": cfg.vocab_size,
             "max_context": self.max_context,
+            "fim": self.fim,
             "weights_bytes": self.nbytes,
             "draft": self.draft is not None,
             "dflash": self.dflash is not None,
@@ -160,13 +167,16 @@ class LoadedModel:
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
         """The request's prompt as token ids (chat messages rendered by the model's template).
 
-        Raises RequestError when the template fails or the prompt encodes to no tokens."""
+        Raises RequestError when the template fails or the prompt encodes to no tokens,
+        FimUnsupported for a suffix when the tokenizer has no FIM tokens."""
         try:
-            if req.messages is not None:
-                text = self.tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True)
+            if req.suffix is not None:
+                ids = fim_prompt_ids(self.tokenizer, self.fim_tokens, req.prompt, req.suffix, req.fim_extra)
+            elif req.messages is not None:
+                ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(list(req.messages),
+                                                                              add_generation_prompt=True))
             else:
-                text = req.prompt
-            ids = self.tokenizer.encode(text)
+                ids = self.tokenizer.encode(req.prompt)
         except TokenizerError as exc:  # a template that fails on these messages: the request's fault
             raise RequestError(str(exc)) from exc
         bos = self.tokenizer.bos_token_id
@@ -186,15 +196,13 @@ class LoadedModel:
         return len(self.prompt_ids(request))
 
     def start(self, request: GenerateRequest) -> "ModelSession":
-        """A session for `request`; raises RequestError when the prompt cannot run on this model
-        (PromptTooLong when it does not fit the context with max_tokens)."""
+        """A session for `request`, with max_tokens clamped to what the context has room for;
+        raises RequestError when the prompt cannot run on this model (PromptTooLong when the
+        prompt alone fills the context)."""
         ids = self.prompt_ids(request)
-        max_tokens = request.params.max_tokens
-        if len(ids) + max_tokens > self.max_context:
-            raise PromptTooLong(
-                f"prompt of {len(ids)} tokens plus max_tokens {max_tokens} exceeds the context of {self.max_context}"
-            )
-        return ModelSession(self, request, ids)
+        room = fitting_max_tokens(len(ids), request.params.max_tokens, self.max_context)
+        stop_ids = self.fim_tokens.stop_ids if request.suffix is not None else ()
+        return ModelSession(self, request, ids, max_tokens=room, stop_token_ids=stop_ids)
 
     def make_head(self, spec: SpecParams, sampling: SamplingParams):
         """The draft head of `spec.method` (None for "none"); raises RequestError for a method
@@ -283,17 +291,34 @@ def _cache_key(checkpoint_dir, cache_dir, weight_format: str, backend) -> str:
     return key
 
 
+def fitting_max_tokens(num_prompt_tokens: int, max_tokens: int, max_context: int) -> int:
+    """How many new tokens a prompt may generate: max_tokens, or fewer when the context has
+    fewer positions left after the prompt (each generated token takes one, the last included).
+
+    Raises PromptTooLong, naming both numbers, when the prompt leaves no position at all."""
+    room = max_context - num_prompt_tokens
+    if room < 1:
+        raise PromptTooLong(f"the prompt has {num_prompt_tokens} tokens and the model's context holds "
+                            f"{max_context}: no room for a new token")
+    return min(max_tokens, room)
+
+
 class ModelSession:
     """One request's generation; `run_round()` does one bounded unit of engine work (the
-    engine's engine.api.Session)."""
+    engine's engine.api.Session). `max_tokens` (at most the request's) is what the context has
+    room for; `stop_token_ids` end the run as EOS does (a FIM middle's end tokens)."""
 
-    def __init__(self, served: LoadedModel, req: GenerateRequest, prompt_ids: list[int]):
+    def __init__(self, served: LoadedModel, req: GenerateRequest, prompt_ids: list[int], max_tokens: int,
+                 stop_token_ids: tuple[int, ...] = ()):
         self.served = served
         self.request = req
         self.prompt_ids = prompt_ids
         self.forward = Forward(served.model)
         self.num_cached_tokens = 0
         params = req.params
+        self.max_tokens_clamped_to = max_tokens if max_tokens < params.max_tokens else None
+        if self.max_tokens_clamped_to is not None:
+            params = dataclasses.replace(params, max_tokens=max_tokens)
         head = served.make_head(params.spec, params.sampling)
         # a DFlash head reads the base's tap rows of every committed position, so it sees the
         # prompt run; a restored prefix would come without those rows (the head would refuse
@@ -301,7 +326,8 @@ class ModelSession:
         self._restore_allowed = not isinstance(head, DFlashHead)
         if isinstance(head, (DFlashHead, AssistantHead)):
             head.attach(self.forward)
-        self.generation = Generation(self.forward, served.tokenizer, prompt_ids, params, head=head)
+        self.generation = Generation(self.forward, served.tokenizer, prompt_ids, params, head=head,
+                                     stop_token_ids=stop_token_ids)
         self._rounds = self.generation.rounds()
         self._done = False
         self._cache = served.prefix_cache if params.use_prefix_cache else None
@@ -362,6 +388,7 @@ class ModelSession:
             prompt_tokens=len(self.prompt_ids),
             finish_reason=g.finish_reason,
             stats=stats,
+            max_tokens_clamped_to=self.max_tokens_clamped_to,
         )
 
 

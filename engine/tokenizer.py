@@ -316,6 +316,10 @@ class Tokenizer:
             raise TokenizerError(f"text must be a str, got {type(text).__name__}")
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def token_id(self, content: str) -> int | None:
+        """The id of the token whose text is exactly `content` (a special token's, say), or None."""
+        return self._backend.token_to_id(content)
+
     def decodable(self, width: int) -> np.ndarray | None:
         """Which of a model's `width` logit ids this tokenizer can decode: bool [width], or None
         when it can decode them all. A checkpoint that pads its embedding past the tokenizer

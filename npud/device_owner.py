@@ -60,7 +60,7 @@ def result_body(result: GenerationResult) -> dict:
     """A finished prompt as its stored and sent result."""
     return {"text": result.text, "token_ids": [int(t) for t in result.token_ids],
             "prompt_tokens": int(result.prompt_tokens), "finish_reason": str(result.finish_reason),
-            "stats": jsonable(dict(result.stats))}
+            "max_tokens_clamped_to": result.max_tokens_clamped_to, "stats": jsonable(dict(result.stats))}
 
 
 def prompt_error(exc: Exception) -> ApiError:

@@ -29,12 +29,15 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 1024
 MAX_SPEC_K = 16
+MAX_FIM_EXTRA = 64  # context files of a fill-in-the-middle request
+MAX_FILENAME_CHARS = 1024
 
 ENGINE_CODES = {
     EngineCode.BAD_REQUEST: ErrorCode.BAD_REQUEST,
     EngineCode.PROMPT_TOO_LONG: ErrorCode.PROMPT_TOO_LONG,
     EngineCode.MODEL_ERROR: ErrorCode.MODEL_ERROR,
     EngineCode.NOT_FOUND: ErrorCode.NOT_FOUND,
+    EngineCode.FIM_UNSUPPORTED: ErrorCode.FIM_UNSUPPORTED,
 }
 
 
@@ -46,12 +49,15 @@ def api_error(exc: EngineError) -> ApiError:
 @dataclass(slots=True, frozen=True)
 class JobSpec:
     """A job: the model, its prompts (strings, or chats of messages; exactly one of the two)
-    and the engine's generation params, shared by every prompt."""
+    and the engine's generation params, shared by every prompt. A job of one prompt may be a
+    fill-in-the-middle request: `suffix` (and `fim_extra`) as engine.api.GenerateRequest's."""
 
     model: str
     prompts: tuple[str, ...] | None  # exactly one of prompts / chats
     chats: tuple[tuple[dict, ...], ...] | None
     params: GenerationParams = dataclasses.field(default_factory=GenerationParams)
+    suffix: str | None = None
+    fim_extra: tuple[tuple[str, str], ...] = ()
 
     @property
     def num_prompts(self) -> int:
@@ -61,13 +67,15 @@ class JobSpec:
     def num_bytes(self) -> int:
         """The UTF-8 bytes of the prompts (or of the chats' roles and contents)."""
         if self.prompts is not None:
-            return sum(len(p.encode()) for p in self.prompts)
+            fim = [self.suffix or "", *(part for chunk in self.fim_extra for part in chunk)]
+            return sum(len(p.encode()) for p in (*self.prompts, *fim))
         return sum(len(m["role"].encode()) + len(m["content"].encode()) for c in self.chats or () for m in c)
 
     def to_json(self) -> dict:
         """The spec as stored with the job; `from_json` reads it back (and rows of older daemons)."""
         return {"model": self.model, "prompts": None if self.prompts is None else list(self.prompts),
                 "chats": None if self.chats is None else [list(c) for c in self.chats],
+                "suffix": self.suffix, "fim_extra": [list(c) for c in self.fim_extra],
                 **_to_json(self.params)}
 
     @classmethod
@@ -77,6 +85,8 @@ class JobSpec:
             prompts=None if raw["prompts"] is None else tuple(raw["prompts"]),
             chats=None if raw["chats"] is None else tuple(tuple(c) for c in raw["chats"]),
             params=_from_json(GenerationParams, raw),
+            suffix=raw.get("suffix"),
+            fim_extra=tuple(tuple(c) for c in raw.get("fim_extra") or ()),
         )
 
     def engine_request(self, index: int, owner_uid: int) -> GenerateRequest:
@@ -84,7 +94,7 @@ class JobSpec:
         entries are that owner's alone (engine.api.GenerateRequest.cache_scope)."""
         return GenerateRequest(prompt=None if self.prompts is None else self.prompts[index],
                                messages=None if self.chats is None else self.chats[index], params=self.params,
-                               cache_scope=cache_scope(owner_uid))
+                               suffix=self.suffix, fim_extra=self.fim_extra, cache_scope=cache_scope(owner_uid))
 
 
 def cache_scope(owner_uid: int) -> str:
@@ -136,6 +146,30 @@ def _messages(p: Params, name: str, value: object) -> tuple[dict, ...]:
     return tuple(value)
 
 
+def _fim(p: Params, prompts: tuple[str, ...] | None) -> tuple[str | None, tuple[tuple[str, str], ...]]:
+    """`suffix` and `fim_extra` of a fill-in-the-middle request: one string prompt only."""
+    suffix = p.str("suffix", None)
+    raw = p.list("fim_extra", [], max_items=MAX_FIM_EXTRA)
+    if suffix is None:
+        if raw:
+            raise p.bad("fim_extra", "needs 'suffix' (it is context for fill-in-the-middle)")
+        return None, ()
+    if prompts is None or len(prompts) != 1:
+        raise p.bad("suffix", "fill-in-the-middle takes exactly one string prompt (not messages or chats)")
+    extra = []
+    for i, chunk in enumerate(raw):
+        if not (isinstance(chunk, dict) and set(chunk) <= {"filename", "text"} and isinstance(chunk.get("text"), str)
+                and isinstance(chunk.get("filename", ""), str)):
+            raise p.bad(f"fim_extra[{i}]", 'expected {"filename": string, "text": string}')
+        filename = chunk.get("filename", "")
+        if len(filename) > MAX_FILENAME_CHARS:
+            raise p.bad(f"fim_extra[{i}].filename", f"longer than {MAX_FILENAME_CHARS} characters")
+        for key, value in (("filename", filename), ("text", chunk["text"])):
+            check_text(p, f"fim_extra[{i}].{key}", value)
+        extra.append((filename, chunk["text"]))
+    return suffix, tuple(extra)
+
+
 def parse_spec(p: Params, *, limits: LimitsConfig, models: tuple[str, ...], default_model: str | None,
                single: bool) -> JobSpec:
     """Validate the generation params of `submit` (single=False) or `complete` (single=True).
@@ -162,6 +196,7 @@ def parse_spec(p: Params, *, limits: LimitsConfig, models: tuple[str, ...], defa
     else:
         raw = p.list("chats", min_items=1, max_items=limits.max_prompts_per_job)
         chats = tuple(_messages(p, f"chats[{i}]", c) for i, c in enumerate(raw))
+    suffix, fim_extra = _fim(p, prompts)
     max_tokens = p.int("max_tokens", min(DEFAULT_MAX_TOKENS, limits.max_tokens), min=1, max=limits.max_tokens)
     # a parameter the request leaves out is left out here too: its default is the engine's
     sampling = p.obj("sampling")
@@ -184,4 +219,4 @@ def parse_spec(p: Params, *, limits: LimitsConfig, models: tuple[str, ...], defa
                                   **_given(use_prefix_cache=p.bool("use_prefix_cache", None)))
     except ConfigError as exc:  # the checks above are the wire's; these are the engine's own
         raise ApiError(ErrorCode.BAD_REQUEST, f"params: {exc.message}") from None
-    return JobSpec(model=model, prompts=prompts, chats=chats, params=params)
+    return JobSpec(model=model, prompts=prompts, chats=chats, params=params, suffix=suffix, fim_extra=fim_extra)

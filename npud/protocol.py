@@ -27,6 +27,7 @@ class ErrorCode(enum.StrEnum):
     FORBIDDEN = "forbidden"
     OVERLOADED = "overloaded"
     PROMPT_TOO_LONG = "prompt_too_long"
+    FIM_UNSUPPORTED = "fim_unsupported"
     DEVICE_QUARANTINED = "device_quarantined"
     MODEL_ERROR = "model_error"
     UNSUPPORTED = "unsupported"

@@ -131,6 +131,9 @@ class ModelRegistry:
                 "weight_format": entry.weight_format, "resident": served is not None,
                 "nbytes": None if served is None else served.nbytes,
                 "max_context": None if served is None else served.max_context,
+                # null until the model is loaded (a job or `npuctl models load` loads it)
+                "context_length": None if served is None else served.max_context,
+                "fim": None if served is None else served.fim,
                 "describe": None if served is None else served.describe(),
             })
         return out

@@ -30,8 +30,12 @@ ADMIN_GROUP = "npud-test-no-such-group"
 # 4096 positions: long enough that a completion of thousands of tokens runs for seconds,
 # which the cancel tests need
 MAX_CONTEXT = 4096
+# a model with Qwen's fill-in-the-middle tokens and a short context (start_daemon(fim=True))
+FIM_MODEL = "tiny-fim"
+FIM_CONTEXT = 256
 
 _checkpoint: Path | None = None
+_fim_checkpoint: Path | None = None
 
 
 def tiny_checkpoint(base: Path) -> Path:
@@ -42,6 +46,17 @@ def tiny_checkpoint(base: Path) -> Path:
 
         _checkpoint = build_tiny_checkpoint(base / "tiny-qwen3", "qwen3", max_position_embeddings=MAX_CONTEXT)
     return _checkpoint
+
+
+def fim_checkpoint(base: Path) -> Path:
+    """The qwen3 tiny checkpoint with FIM tokens and FIM_CONTEXT positions, built once per session."""
+    global _fim_checkpoint
+    if _fim_checkpoint is None or not (_fim_checkpoint / "config.json").is_file():
+        from engine.testing.checkpoints import build_tiny_checkpoint
+
+        _fim_checkpoint = build_tiny_checkpoint(base / "tiny-fim", "qwen3", fim="qwen",
+                                                max_position_embeddings=FIM_CONTEXT)
+    return _fim_checkpoint
 
 
 def nobody_can_connect() -> bool:
@@ -66,16 +81,18 @@ def python_env(socket_path: str | None) -> dict[str, str]:
     return env
 
 
-def start_daemon(tmp_base: Path) -> DaemonProc:
-    """A running npud on the tiny checkpoint (the daemon tests' harness, DaemonProc); stop it
-    with stop_daemon."""
+def start_daemon(tmp_base: Path, *, fim: bool = False) -> DaemonProc:
+    """A running npud on the tiny checkpoint (the daemon tests' harness, DaemonProc), and with
+    `fim` on the FIM one too (model FIM_MODEL); stop it with stop_daemon."""
     checkpoint = tiny_checkpoint(tmp_base)
+    models = [{"name": MODEL, "checkpoint_dir": str(checkpoint), "weight_format": "fp32"}]
+    if fim:
+        models.append({"name": FIM_MODEL, "checkpoint_dir": str(fim_checkpoint(tmp_base)), "weight_format": "fp32"})
     server = {"admin_group": ADMIN_GROUP}  # so only root is an admin
     if nobody_can_connect():
         server["socket_group"] = "nogroup"
     workdir = short_tempdir()  # short (a socket path has at most 107 bytes) and open to `nobody`
-    daemon = DaemonProc(workdir, [{"name": MODEL, "checkpoint_dir": str(checkpoint), "weight_format": "fp32"}],
-                        server=server)
+    daemon = DaemonProc(workdir, models, server=server)
     try:
         daemon.start(timeout=90.0)
     except BaseException:

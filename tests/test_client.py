@@ -116,7 +116,8 @@ async def test_sync_client_methods_against_a_daemon(nursery, workdir):
     assert out["events"][0] == "progress" and out["final"]["state"] == "done"
     assert out["result"]["results"] == [
         {"prompt": 1, "text": fakes.expected_text("two", 3), "token_ids": [fakes.token_id("two", i) for i in range(3)],
-         "prompt_tokens": 1, "finish_reason": "length", "stats": {"rounds": 3, "drafted": 0, "accepted": 0}}]
+         "prompt_tokens": 1, "finish_reason": "length", "max_tokens_clamped_to": None,
+         "stats": {"rounds": 3, "drafted": 0, "accepted": 0}}]
     assert out["status"]["done_prompts"] == 2 and out["jobs"]["jobs"][0]["state"] == "done"
     assert [t["outcome"] for t in out["tickets"]["tickets"]] == ["done"]
     assert "".join(out["tokens"]) == out["completion"]["text"] == fakes.expected_text("user: hi", 2)

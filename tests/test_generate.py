@@ -149,8 +149,8 @@ def test_session_chat_messages_use_the_template(served, tok):
 
 
 def test_session_rejects_what_the_model_cannot_run(served):
-    with pytest.raises(RequestError) as e:
-        served.start(GenerateRequest(prompt="x " * 400, params=GenerationParams(max_tokens=200)))
+    with pytest.raises(RequestError) as e:  # the prompt alone is longer than the context of 512
+        served.start(GenerateRequest(prompt="x " * 600, params=GenerationParams(max_tokens=1)))
     assert e.value.code == "prompt_too_long"
     with pytest.raises(ConfigError):
         GenerateRequest(prompt="a", messages=({"role": "user", "content": "b"},))

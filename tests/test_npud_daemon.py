@@ -14,8 +14,8 @@ import trio
 
 import test_npud_support as fakes
 from test_npud_support import make_config, start
-from clients.client import (AsyncClient, BadRequest, DeviceQuarantined, ModelError, NotFound, Overloaded,
-                            PromptTooLong, ShuttingDown, StoreFull, Unsupported)
+from clients.client import (AsyncClient, BadRequest, DeviceQuarantined, FimUnsupported, ModelError, NotFound,
+                            Overloaded, PromptTooLong, ShuttingDown, StoreFull, Unsupported)
 from engine.api import RequestError
 from npud import jobs as jobs_module
 from npud.daemon import Daemon
@@ -89,8 +89,62 @@ async def test_a_prompt_too_long_fails_alone(nursery, workdir):
         assert results[2]["text"] == fakes.expected_text("also short", 3)
         with pytest.raises(PromptTooLong):
             await c.complete("one two three four five six", max_tokens=3).wait()
-        with pytest.raises(PromptTooLong):  # the engine's own context check (fake context: 4096)
-            await c.complete("word " * 5, max_tokens=4095).wait()
+    daemon.request_stop()
+
+
+async def test_max_tokens_past_the_context_is_clamped_and_only_a_prompt_that_fills_it_fails(nursery, workdir):
+    daemon = await start(nursery, make_config(workdir, knobs={"max_context": 10}))
+    async with await connect(daemon) as c:
+        result = await c.complete("w " * 7, max_tokens=8).wait()  # 7 prompt tokens leave 3 positions
+        assert result["finish_reason"] == "length" and result["max_tokens_clamped_to"] == 3
+        assert result["text"] == fakes.expected_text("w " * 7, 3)
+        fits = await c.complete("w " * 7, max_tokens=3).wait()
+        assert fits["max_tokens_clamped_to"] is None and fits["text"] == result["text"]
+        job = (await c.submit(["w " * 10, "w"], max_tokens=2))["job"]
+        await wait_state(c, job)
+        results = (await c.result(job))["results"]
+        assert results[0]["error"]["code"] == "prompt_too_long"
+        assert "10 tokens" in results[0]["error"]["message"] and "holds 10" in results[0]["error"]["message"]
+        assert results[1]["text"] == fakes.expected_text("w", 2)
+    daemon.request_stop()
+
+
+async def test_fill_in_the_middle_params_reach_the_engine_and_are_checked(nursery, workdir):
+    cfg = make_config(workdir, models=[{"name": "fake", "checkpoint_dir": str(workdir / "fake")},
+                                       {"name": "fim", "checkpoint_dir": str(workdir / "fim")}])
+    fakes.write_fake_checkpoint(workdir / "fim", fim=True)
+    daemon = await start(nursery, cfg)
+    async with await connect(daemon) as c:
+        extra = [{"filename": "a.py", "text": "x = 1"}]
+        result = await c.complete("def f(", suffix=")\n", fim_extra=extra, model="fim", max_tokens=2).wait()
+        assert result["text"] == fakes.expected_text("a.py: x = 1\ndef f(\n<fim>\n)\n", 2)
+        job = (await c.submit(["def g("], suffix="", model="fim", max_tokens=2))["job"]
+        await wait_state(c, job)
+        [stored] = (await c.result(job))["results"]
+        assert stored["text"] == fakes.expected_text("def g(\n<fim>\n", 2)
+        with pytest.raises(FimUnsupported) as info:  # the fake model has no FIM tokens
+            await c.complete("def f(", suffix=")", model="fake", max_tokens=2).wait()
+        assert "<|fim_prefix|>" in info.value.message
+        models = {m["name"]: m for m in (await c.call("models"))["models"]}
+        assert (models["fim"]["fim"], models["fake"]["fim"]) == (True, False)
+        assert models["fim"]["context_length"] == 4096
+        bad = [
+            ({"prompts": ["a", "b"], "suffix": "x"}, "exactly one string prompt"),
+            ({"chats": [[{"role": "user", "content": "a"}]], "suffix": "x"}, "exactly one string prompt"),
+            ({"prompts": ["a"], "fim_extra": extra}, "needs 'suffix'"),
+            ({"prompts": ["a"], "suffix": 3}, "expected a string"),
+            ({"prompts": ["a"], "suffix": "", "fim_extra": "x"}, "expected a list"),
+            ({"prompts": ["a"], "suffix": "", "fim_extra": [{"text": 1}]}, "fim_extra[0]"),
+            ({"prompts": ["a"], "suffix": "", "fim_extra": [{"text": "t", "path": "p"}]}, "fim_extra[0]"),
+            ({"prompts": ["a"], "suffix": "", "fim_extra": [{"text": "t", "filename": "p" * 2000}]}, "filename"),
+        ]
+        for params, words in bad:
+            with pytest.raises(BadRequest) as info:
+                await c.call("submit", {"model": "fim", **params})
+            assert words in info.value.message, params
+        with pytest.raises(BadRequest) as info:
+            await c.complete(messages=[{"role": "user", "content": "a"}], suffix="x", model="fim").wait()
+        assert "exactly one string prompt" in info.value.message
     daemon.request_stop()
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from engine.api import (
     DeviceFault,
+    FimUnsupported,
     FinishReason,
     GenerateRequest,
     GenerationResult,
@@ -26,6 +27,8 @@ from engine.api import (
 
 
 def prompt_text(req: GenerateRequest) -> str:
+    if req.suffix is not None:  # fill-in-the-middle: the words of the files, prefix and suffix
+        return "\n".join([*(f"{name}: {text}" for name, text in req.fim_extra), req.prompt, "<fim>", req.suffix])
     if req.prompt is not None:
         return req.prompt
     return "\n".join(f"{m['role']}: {m['content']}" for m in req.messages)
@@ -55,6 +58,7 @@ class FakeSession:
         self.text = ""
         self._cancel = False
         self.finish_reason: FinishReason | None = None
+        self.max_tokens = min(req.params.max_tokens, model.max_context - model.count_prompt_tokens(req))
 
     @property
     def done(self) -> bool:
@@ -86,7 +90,7 @@ class FakeSession:
             if any(s in self.text for s in self.req.params.stop):
                 self.finish_reason = FinishReason.STOP
                 break
-            if len(self.ids) >= self.req.params.max_tokens:
+            if len(self.ids) >= self.max_tokens:
                 self.finish_reason = FinishReason.LENGTH
                 break
         with ROUNDS_LOCK:
@@ -96,13 +100,15 @@ class FakeSession:
     def result(self) -> GenerationResult:
         if not self.done:
             raise RuntimeError("result before the session is done")
+        clamped = self.max_tokens if self.max_tokens < self.req.params.max_tokens else None
         return GenerationResult(self.text, tuple(self.ids), self.model.count_prompt_tokens(self.req),
-                                self.finish_reason, {"rounds": len(self.ids), "drafted": 0, "accepted": 0})
+                                self.finish_reason, {"rounds": len(self.ids), "drafted": 0, "accepted": 0}, clamped)
 
 
 class FakeServedModel:
     """An engine.api.ServedModel without a prefix cache. Knobs from fake.json:
-    tokens_per_round, round_sleep_s, max_context, nbytes, fault_file (a round raises
+    tokens_per_round, round_sleep_s, max_context, fim (a request with a suffix runs), nbytes,
+    fault_file (a round raises
     DeviceFault, as a failed NPU run does, once for each time that file is created;
     fault_prompt and fault_at_token say where)."""
 
@@ -111,6 +117,7 @@ class FakeServedModel:
         self.tokens_per_round = int(knobs.get("tokens_per_round", 1))
         self.round_sleep_s = float(knobs.get("round_sleep_s", 0.0))
         self.max_context = int(knobs.get("max_context", 4096))
+        self.fim = bool(knobs.get("fim", False))
         self.nbytes = int(knobs.get("nbytes", 1000))
         self.fault_file = knobs.get("fault_file")
         self.fault_prompt = knobs.get("fault_prompt")  # only the prompt with this text faults (None: any)
@@ -123,8 +130,12 @@ class FakeServedModel:
         return len(prompt_text(request).split())
 
     def start(self, request: GenerateRequest) -> FakeSession:
-        if self.count_prompt_tokens(request) + request.params.max_tokens > self.max_context:
-            raise PromptTooLong(f"prompt + max_tokens exceed the context of {self.max_context}")
+        """As the engine: max_tokens clamped to the context, a prompt that fills it refused."""
+        if request.suffix is not None and not self.fim:
+            raise FimUnsupported("this model has no fill-in-the-middle tokens: its vocabulary lacks <|fim_prefix|>")
+        if self.count_prompt_tokens(request) >= self.max_context:
+            raise PromptTooLong(f"the prompt has {self.count_prompt_tokens(request)} tokens and the model's context "
+                                f"holds {self.max_context}")
         return FakeSession(self, request)
 
     @property

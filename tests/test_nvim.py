@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from clients.client import Client
-from npud_fixture import MODEL, REPO, python_env, start_daemon, stop_daemon
+from npud_fixture import FIM_CONTEXT, FIM_MODEL, MODEL, REPO, python_env, start_daemon, stop_daemon
 
 PLUGIN = REPO / "clients" / "nvim"
 NVIM = shutil.which("nvim")
@@ -69,7 +69,7 @@ end
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    d = start_daemon(tmp_path_factory.mktemp("nvim"))
+    d = start_daemon(tmp_path_factory.mktemp("nvim"), fim=True)
     yield d
     stop_daemon(d)
 
@@ -243,7 +243,7 @@ def test_daemon_errors_are_notifications_and_leave_the_buffer(daemon, tmp_path):
         T.wait_idle()
         T.dump(OUT, {{ busy = require('npud').busy() }})
     """, daemon.socket)
-    message = f"npud: no model 'no-such-model'; models: ['{MODEL}']"
+    message = f"npud: no model 'no-such-model'; models: ['{MODEL}', '{FIM_MODEL}']"
     assert [(n["msg"], n["level"]) for n in state["notes"]] == [(message, 4), (message, 4)]
     assert state["buffer"] == "\n".join(lines)
     assert state["extra"]["busy"] is False
@@ -282,3 +282,88 @@ def test_strip_fences(tmp_path):
         T.dump(OUT, {{ out = out }})
     """, None)
     assert state["extra"]["out"] == list(cases.values())
+
+
+def newest_result(client) -> dict:
+    job = client.jobs(limit=1)["jobs"][0]["job"]
+    (result,) = client.result(job)["results"]
+    return result
+
+
+def test_complete_sends_the_text_after_the_cursor_as_suffix_to_a_fim_model(daemon, client, tmp_path):
+    before, after = "x = 1\ndef add(a, b):\n    return ", "\n\nprint(add(1, 2))"
+    # the model is loaded by now, so `models` knows it has FIM tokens
+    expected = client.complete(before, suffix=after, model=FIM_MODEL, max_tokens=8).wait()
+    plain = client.complete(before, model=FIM_MODEL, max_tokens=8).wait()
+    assert expected["text"] != plain["text"]  # so the text says whether the suffix went along
+    state = run_nvim(tmp_path, f"""
+        require('npud').setup({{ model = {json.dumps(FIM_MODEL)}, max_tokens = 8 }})
+        vim.api.nvim_buf_set_lines(0, 0, -1, true, {lua_lines((before + after).split(chr(10)))})
+        vim.api.nvim_win_set_cursor(0, {{3, 10}})  -- on the space after 'return' (normal mode)
+        vim.cmd('NpuComplete')
+        T.wait_idle()
+        T.dump(OUT)
+    """, daemon.socket)
+    assert errors(state) == []
+    assert state["buffer"] == before + expected["text"] + after
+    assert newest_result(client)["prompt_tokens"] == expected["prompt_tokens"]
+
+
+def test_complete_sends_no_suffix_to_a_model_without_fim(daemon, client, tmp_path):
+    before, after = "x = 1\ndef add(a, b):", "\n# tail"
+    expected = client.complete(before, max_tokens=8).wait()["text"]  # loads the model: `models` knows it
+    with pytest.raises(Exception) as info:  # a suffix would fail the request
+        client.complete(before, suffix=after, max_tokens=8).wait()
+    assert info.value.code == "fim_unsupported"
+    state = run_nvim(tmp_path, f"""
+        require('npud').setup({{ max_tokens = 8 }})
+        vim.api.nvim_buf_set_lines(0, 0, -1, true, {lua_lines((before + after).split(chr(10)))})
+        vim.api.nvim_win_set_cursor(0, {{2, 13}})
+        vim.cmd('NpuComplete')
+        T.wait_idle()
+        T.dump(OUT)
+    """, daemon.socket)
+    assert errors(state) == []
+    assert state["buffer"] == before + expected + after
+
+
+def test_complete_trims_a_long_prefix_to_the_models_context(daemon, client, tmp_path):
+    lines = [f"v{i} = {i} * {i}" for i in range(200)]  # ~2,600 bytes: over the 256-token context
+    client.complete("x", model=FIM_MODEL, max_tokens=1).wait()  # loaded: `models` knows its context
+    state = run_nvim(tmp_path, f"""
+        require('npud').setup({{ model = {json.dumps(FIM_MODEL)}, max_tokens = 8, bytes_per_token = 1 }})
+        vim.api.nvim_buf_set_lines(0, 0, -1, true, {lua_lines(lines)})
+        vim.api.nvim_win_set_cursor(0, {{150, 0}})  -- 'v149 = ...': its first character is before
+        local before = table.concat(vim.api.nvim_buf_get_text(0, 0, 0, 149, 1, {{}}), '\\n')
+        local after = table.concat(vim.api.nvim_buf_get_text(0, 149, 1, 199, #{json.dumps(lines[-1])}, {{}}), '\\n')
+        vim.cmd('NpuComplete')
+        T.wait_idle()
+        local info = {{}}
+        local conn_done = false
+        require('npud.rpc').connect(require('npud.rpc').socket_path(nil), function(conn)
+          require('npud.context').model_info(conn, {json.dumps(FIM_MODEL)}, function(i) info = i; conn:close(); conn_done = true end)
+        end, function() conn_done = true end)
+        vim.wait(10000, function() return conn_done end, 5)
+        local prompt, suffix = require('npud.context').parts(before, after, info, require('npud').config)
+        T.dump(OUT, {{ prompt = prompt, suffix = suffix, info = info }})
+    """, daemon.socket)
+    assert errors(state) == []
+    extra = state["extra"]
+    assert extra["info"] == {"context_length": FIM_CONTEXT, "fim": True}
+    before = "\n".join(lines[:149]) + "\nv"
+    prompt, suffix = extra["prompt"], extra["suffix"]
+    # the lines nearest the cursor, whole, and room for max_tokens
+    assert before.endswith(prompt) and len(prompt) < len(before) and before[-len(prompt) - 1] == "\n"
+    # bytes_per_token 1: a budget of 256 - 8 (max_tokens) - 4 (FIM tokens, BOS) bytes, a quarter
+    # at most for the suffix; whole lines are at most 17 bytes, so the cut loses less than one
+    budget, longest = FIM_CONTEXT - 8 - 4, max(len(x) + 1 for x in lines)
+    assert 0 < len(suffix) <= budget // 4 and budget - longest < len(prompt) + len(suffix) <= budget
+    after = "149 = 149 * 149\n" + "\n".join(lines[150:])
+    assert (after + "\n").startswith(suffix + "\n") and budget // 4 - longest < len(suffix)
+    result = newest_result(client)
+    assert "error" not in result and result["prompt_tokens"] + 8 <= FIM_CONTEXT
+    assert result["max_tokens_clamped_to"] is None
+    expected = client.complete(prompt, suffix=suffix, model=FIM_MODEL, max_tokens=8).wait()
+    assert result["token_ids"] == expected["token_ids"] and result["prompt_tokens"] == expected["prompt_tokens"]
+    lines_after = lines[:149] + ["v" + expected["text"] + lines[149][1:]] + lines[150:]
+    assert state["buffer"] == "\n".join(lines_after)

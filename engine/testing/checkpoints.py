@@ -19,6 +19,13 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# fill-in-the-middle tokens a test tokenizer can be given (engine/fim.py), appended after the
+# trained vocabulary: "qwen" as Qwen2.5-Coder (with a file separator), "starcoder" without one
+FIM_TOKENS = {
+    "qwen": ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"],
+    "starcoder": ["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"],
+}
+
 _CORPUS = [
     "def add(a, b):\n    return a + b\n",
     "def greet(name):\n    print('hello, ' + name)\n",
@@ -47,11 +54,19 @@ def _tokenizer_json(vocab_size: int) -> str:
     return tok.to_str()
 
 
-def write_tokenizer(out_dir: Path, vocab_size: int = 320) -> None:
-    """tokenizer.json (byte-level BPE), tokenizer_config.json with a ChatML template."""
+def write_tokenizer(out_dir: Path, vocab_size: int = 320, fim: str | None = None) -> None:
+    """tokenizer.json (byte-level BPE), tokenizer_config.json with a ChatML template; with
+    `fim` (a key of FIM_TOKENS) those special tokens follow the trained ids."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "tokenizer.json").write_text(_tokenizer_json(vocab_size))
+    text = _tokenizer_json(vocab_size)
+    if fim is not None:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_str(text)
+        tok.add_special_tokens(FIM_TOKENS[fim])
+        text = tok.to_str()
+    (out_dir / "tokenizer.json").write_text(text)
     (out_dir / "tokenizer_config.json").write_text(
         json.dumps(
             {
@@ -88,9 +103,11 @@ def build_tiny_checkpoint(
     seed: int = 0,
     dtype: str = "float32",
     init_std: float = 0.2,
+    fim: str | None = None,
     **overrides,
 ) -> Path:
-    """Save a random transformers model of `model_type` (llama, mistral, qwen2, qwen3) with a tokenizer.
+    """Save a random transformers model of `model_type` (llama, mistral, qwen2, qwen3) with a tokenizer
+    (with the FIM tokens FIM_TOKENS[fim], and embedding rows for them, when `fim` is given).
 
     `init_std` is larger than transformers' default so that logits are spread and greedy
     choices are decided by clear margins (parity tests compare argmax sequences).
@@ -107,6 +124,8 @@ def build_tiny_checkpoint(
     }
     config_cls, model_cls = classes[model_type]
     params = dict(_BASE)
+    if fim is not None:
+        params["vocab_size"] += len(FIM_TOKENS[fim])
     if model_type == "qwen3":
         params["head_dim"] = 32
     params.update(overrides)
@@ -124,7 +143,7 @@ def build_tiny_checkpoint(
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
     out_dir = Path(out_dir)
     model.to(getattr(torch, dtype)).save_pretrained(out_dir, safe_serialization=True)
-    write_tokenizer(out_dir, vocab_size=min(params["vocab_size"], 320))
+    write_tokenizer(out_dir, vocab_size=min(params["vocab_size"], 320), fim=fim)
     return out_dir
 
 

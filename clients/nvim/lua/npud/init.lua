@@ -5,6 +5,7 @@
 -- extmarks, so edits elsewhere in the buffer while it streams do not disturb it, and the
 -- region ends up holding exactly the daemon's final text.
 
+local context = require('npud.context')
 local rpc = require('npud.rpc')
 
 local M = {}
@@ -13,6 +14,8 @@ M.config = {
   socket = nil, -- nil: g:npud_socket, then $NPUD_SOCKET, then /run/npud/npud.sock
   model = nil, -- nil: the daemon's default model
   max_tokens = 256,
+  context_length = nil, -- nil: the model's, from the daemon (see npud.context)
+  bytes_per_token = 2, -- how many bytes of text one token is assumed to hold when trimming
   stop = nil, -- a list of stop strings for :NpuComplete
   spec = nil, -- speculative decoding params, e.g. { method = 'ngram', k = 4 }
   edit_system_prompt = 'Rewrite the text the user gives you as the instruction says. '
@@ -179,7 +182,8 @@ local function on_reply(req, result, err)
   finish(req)
 end
 
--- Start a `complete` whose text goes between (sr, sc) and (er, ec) of `buf`.
+-- Start a `complete` whose text goes between (sr, sc) and (er, ec) of `buf`. `params` is
+-- a table, or a function of the model's facts (npud.context.model_info) returning one.
 local function start(kind, buf, region, params, original)
   if active ~= nil then
     notify('a request is already running; :NpuCancel stops it', vim.log.levels.WARN)
@@ -197,16 +201,15 @@ local function start(kind, buf, region, params, original)
   }
   active = req
   local cfg = M.config
-  params.model = cfg.model
-  params.max_tokens = cfg.max_tokens
-  params.spec = cfg.spec
-  rpc.connect(rpc.socket_path(cfg.socket), function(conn)
-    req.conn = conn
-    if req.cancelled then -- :NpuCancel before the connection was up
+  local function send(conn, p)
+    if req.cancelled then -- :NpuCancel before the request went out
       on_reply(req, { text = '', finish_reason = 'cancelled' }, nil)
       return
     end
-    conn:request('complete', params, function(result, err)
+    p.model = cfg.model
+    p.max_tokens = cfg.max_tokens
+    p.spec = cfg.spec
+    conn:request('complete', p, function(result, err)
       on_reply(req, result, err)
     end, function(name, data)
       if name == 'ticket' then
@@ -215,6 +218,18 @@ local function start(kind, buf, region, params, original)
         on_token(req, data)
       end
     end)
+  end
+  rpc.connect(rpc.socket_path(cfg.socket), function(conn)
+    req.conn = conn
+    if type(params) == 'function' then
+      context.model_info(conn, cfg.model, function(info)
+        if not req.finished then
+          send(conn, params(info))
+        end
+      end)
+    else
+      send(conn, params)
+    end
   end, function(message)
     req.conn = { close = function() end }
     finish(req)
@@ -222,8 +237,10 @@ local function start(kind, buf, region, params, original)
   end)
 end
 
--- :NpuComplete: continue the text before the cursor. From normal mode the character
--- under the cursor counts as before it (like `a`), so the end of a line is continued.
+-- :NpuComplete: continue the text before the cursor (trimmed to the model's context, the
+-- text nearest the cursor kept), with the text after it as the FIM suffix when the model
+-- has FIM tokens. From normal mode the character under the cursor counts as before it
+-- (like `a`), so the end of a line is continued.
 function M.complete()
   local buf = vim.api.nvim_get_current_buf()
   local row, col = unpack(vim.api.nvim_win_get_cursor(0))
@@ -231,13 +248,18 @@ function M.complete()
   if vim.api.nvim_get_mode().mode:sub(1, 1) ~= 'i' then
     col = col + #vim.fn.matchstr(line:sub(col + 1), '^.')
   end
-  local before = vim.api.nvim_buf_get_text(buf, 0, 0, row - 1, col, {})
-  local prompt = table.concat(before, '\n')
-  if prompt == '' then
+  local before = table.concat(vim.api.nvim_buf_get_text(buf, 0, 0, row - 1, col, {}), '\n')
+  if before == '' then
     notify('there is no text before the cursor to complete', vim.log.levels.WARN)
     return
   end
-  start('complete', buf, { row - 1, col, row - 1, col }, { prompt = prompt, stop = M.config.stop }, nil)
+  local last = vim.api.nvim_buf_line_count(buf)
+  local after = table.concat(vim.api.nvim_buf_get_text(buf, row - 1, col, last - 1,
+    #vim.api.nvim_buf_get_lines(buf, last - 1, last, true)[1], {}), '\n')
+  start('complete', buf, { row - 1, col, row - 1, col }, function(info)
+    local prompt, suffix = context.parts(before, after, info, M.config)
+    return { prompt = prompt, suffix = suffix, stop = M.config.stop }
+  end, nil)
 end
 
 -- The region of a command range: the characters of the last visual selection when it was
