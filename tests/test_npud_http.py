@@ -19,7 +19,7 @@ import pytest
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx2")  # openai's HTTP client library
 
-from npud_fixture import MODEL, NOBODY_UID, tiny_checkpoint  # noqa: E402
+from npud_fixture import FIM_CONTEXT, FIM_MODEL, MODEL, NOBODY_UID, fim_checkpoint, tiny_checkpoint  # noqa: E402
 from test_npud_support import DaemonProc, short_tempdir, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a real daemon on a real (tiny) model
@@ -29,9 +29,12 @@ PROMPT = "def add(a, b):"
 
 
 def start(tmp_path_factory, **http) -> DaemonProc:
-    checkpoint = tiny_checkpoint(tmp_path_factory.mktemp("http"))
+    """npud on the tiny model and its FIM twin (Qwen's FIM tokens, FIM_CONTEXT positions)."""
+    base = tmp_path_factory.mktemp("http")
     workdir = short_tempdir()
-    daemon = DaemonProc(workdir, [{"name": MODEL, "checkpoint_dir": str(checkpoint), "weight_format": "fp32"}],
+    models = [{"name": MODEL, "checkpoint_dir": str(tiny_checkpoint(base)), "weight_format": "fp32"},
+              {"name": FIM_MODEL, "checkpoint_dir": str(fim_checkpoint(base)), "weight_format": "fp32"}]
+    daemon = DaemonProc(workdir, models,
                         server={"admin_group": "npud-test-no-such-group"},
                         limits={"max_prompt_tokens": 512, "max_tokens": 3500}, http=http)
     try:
@@ -193,7 +196,7 @@ def test_npud_extension_speculation_and_priority(oa, client):
 
 def test_models_and_health(oa, raw):
     models = oa.models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    assert [m.id for m in models.data] == [MODEL, FIM_MODEL]
     assert models.data[0].owned_by == "npud"
     r = raw.get("/health")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
@@ -292,7 +295,9 @@ def test_garbage_is_a_400_and_the_daemon_carries_on(sock, raw):
         s.settimeout(30)
         s.connect(sock)
         s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
-        reply = s.recv(65536)
+        reply = b""
+        while chunk := s.recv(65536):  # the daemon closes the connection after its answer
+            reply += chunk
     assert reply.startswith(b"HTTP/1.1 400 ")
     assert b'"code":"bad_request"' in reply
     assert raw.get("/health").status_code == 200
@@ -301,6 +306,92 @@ def test_garbage_is_a_400_and_the_daemon_carries_on(sock, raw):
 def test_no_client_input_makes_an_internal_error(daemon):
     assert not [e for e in daemon.logs() if e.get("event") in ("internal_error", "connection_error")
                 or e.get("level") == "error"]
+
+
+# -- fill-in-the-middle -----------------------------------------------------------------------
+
+PREFIX, SUFFIX = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
+EXTRA = [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}]
+
+
+def test_infill_is_the_socket_fim_request(raw, client):
+    r = raw.post("/infill", json={"model": FIM_MODEL, "input_prefix": PREFIX, "prompt": "ret",
+                                  "input_suffix": SUFFIX, "input_extra": EXTRA, "n_predict": 10})
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    ref = socket_complete(client, model=FIM_MODEL, prompt=PREFIX + "ret", suffix=SUFFIX, fim_extra=EXTRA,
+                          max_tokens=10)
+    assert reply["content"] == ref["text"] and reply["stop"] is True
+    assert reply["tokens_predicted"] == len(ref["token_ids"]) <= 10
+    assert reply["tokens_evaluated"] == ref["prompt_tokens"]
+    assert reply["npud"]["job"] and reply["model"] == FIM_MODEL
+    # without input_extra the prompt differs, and so does its length
+    bare = raw.post("/infill", json={"model": FIM_MODEL, "input_prefix": PREFIX, "prompt": "ret",
+                                     "input_suffix": SUFFIX, "n_predict": 10}).json()
+    assert bare["tokens_evaluated"] < reply["tokens_evaluated"]
+
+
+def test_infill_takes_llama_vim_hints_and_its_unset_values(raw, client):
+    body = {"model": FIM_MODEL, "input_prefix": PREFIX, "input_suffix": SUFFIX, "prompt": "", "n_predict": 6,
+            "seed": -1, "top_k": 40, "top_p": 0.99, "n_indent": 4, "samplers": ["top_k", "top_p", "infill"],
+            "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1000, "stream": False,
+            "response_fields": ["content", "timings"], "stop": []}
+    reply = raw.post("/infill", json=body).json()
+    ref = socket_complete(client, model=FIM_MODEL, prompt=PREFIX, suffix=SUFFIX, max_tokens=6,
+                          sampling={"top_k": 40, "top_p": 0.99})
+    assert reply["content"] == ref["text"]
+    unlimited = raw.post("/infill", json={**body, "n_predict": -1, "n_indent": None}).json()
+    assert unlimited["stop"] is True and unlimited["npud"]["job"] > reply["npud"]["job"]
+
+
+def test_infill_stream_is_llama_cpp_events(raw):
+    body = {"model": FIM_MODEL, "input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 12}
+    whole = raw.post("/infill", json=body).json()
+    with raw.stream("POST", "/infill", json={**body, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line]
+    assert "".join(e["content"] for e in events) == whole["content"]
+    assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
+    assert events[-1]["tokens_predicted"] == whole["tokens_predicted"]
+
+
+def test_openai_suffix_is_fill_in_the_middle(oa, raw):
+    out = oa.completions.create(model=FIM_MODEL, prompt=PREFIX, suffix=SUFFIX, max_tokens=8)
+    infill = raw.post("/infill", json={"model": FIM_MODEL, "input_prefix": PREFIX, "input_suffix": SUFFIX,
+                                       "n_predict": 8}).json()
+    assert out.choices[0].text == infill["content"]
+
+
+def test_infill_on_a_model_without_fim_tokens_names_them(raw):
+    status, code, message = error_of(raw.post("/infill", json={"model": MODEL, "input_prefix": PREFIX,
+                                                               "input_suffix": SUFFIX}))
+    assert (status, code) == (400, "fim_unsupported")
+    assert "<|fim_prefix|>" in message
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"input_prefix": 3}, "body.input_prefix"),
+    ({"input_extra": [{"filename": "a.py"}]}, "body.input_extra[0]"),
+    ({"input_extra": "x"}, "body.input_extra"),
+    ({"n_predict": 0}, "body.max_tokens"),
+    ({"slot": 1}, "slot"),
+])
+def test_bad_infill_bodies(raw, body, words):
+    status, code, message = error_of(raw.post("/infill", json={"model": FIM_MODEL, **body}))
+    assert status == 400 and code == "bad_request" and words in message
+
+
+def test_a_prompt_that_leaves_little_room_has_max_tokens_clamped(oa):
+    prompt = "word " * 40
+    num_tokens = oa.completions.create(model=FIM_MODEL, prompt=prompt, max_tokens=1).usage.prompt_tokens
+    assert FIM_CONTEXT // 2 < num_tokens < FIM_CONTEXT
+    out = oa.completions.create(model=FIM_MODEL, prompt=prompt, max_tokens=3000,
+                                extra_body={"npud": {"spec": {"method": "none"}}})
+    clamped = out.model_extra["npud"]["max_tokens_clamped_to"]
+    assert clamped is not None and clamped < 3000
+    assert out.usage.prompt_tokens + clamped == FIM_CONTEXT
+    assert out.usage.completion_tokens <= clamped
+    if out.usage.completion_tokens == clamped:
+        assert out.choices[0].finish_reason == "length"
 
 
 # -- a client that goes away -----------------------------------------------------------------
@@ -358,7 +449,7 @@ def test_tcp_with_a_bearer_token(tmp_path_factory):
                 oa.models.list()
             assert info.value.status_code == 401 and info.value.code == "unauthorized"
         with openai.OpenAI(base_url=base, api_key=TOKEN, max_retries=0, timeout=120) as oa:
-            assert [m.id for m in oa.models.list().data] == [MODEL]
+            assert [m.id for m in oa.models.list().data] == [MODEL, FIM_MODEL]
             assert oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3).usage.completion_tokens <= 3
         # the Unix socket has peer credentials and needs no token
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(d.dir / "http.sock")), timeout=60) as c:

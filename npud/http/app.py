@@ -13,7 +13,18 @@ from typing import TYPE_CHECKING
 import structlog
 
 from npud.http import errors, sse
-from npud.http.translate import HttpJob, chat_request, chunk, completion_reply, completion_request, rename, usage
+from npud.http.translate import (
+    HttpJob,
+    chat_request,
+    chunk,
+    completion_reply,
+    completion_request,
+    infill_reply,
+    infill_request,
+    npud_reply,
+    rename,
+    usage,
+)
 from npud.jobs import store_api_error
 from npud.protocol import ApiError, ErrorCode
 from npud.store import StoreError
@@ -92,8 +103,12 @@ class Stream:
 
     async def finish(self, result: dict, include_usage: bool) -> None:
         self.job = result["job"]
+        if self.kind == "infill":  # llama.cpp's last event: the whole reply with an empty text
+            await self._send({**infill_reply(self.model, result), "content": ""})
+            await self.responder.end_stream()
+            return
         last = chunk(self.kind, self.model, self.job, None, result["finish_reason"], first=not self.responder.started)
-        last["npud"] = {"job": result["job"], "stats": result["stats"]}
+        last["npud"] = npud_reply(result)
         await self._send(last)
         if include_usage:  # OpenAI's shape: a chunk with no choices and the token counts
             await self._send({**chunk(self.kind, self.model, self.job, None), "choices": [], "usage": usage(result)})
@@ -107,6 +122,7 @@ class App:
         self.routes: dict[str, dict[str, Callable[["Peer", HttpRequest, Responder], Awaitable[None]]]] = {
             "/health": {"GET": self.health}, "/v1/models": {"GET": self.models},
             "/v1/completions": {"POST": self.completions}, "/v1/chat/completions": {"POST": self.chat},
+            "/infill": {"POST": self.infill},
         }
 
     async def __call__(self, peer: "Peer", request: HttpRequest, responder: Responder) -> None:
@@ -146,6 +162,9 @@ class App:
     async def chat(self, peer: "Peer", request: HttpRequest, responder: Responder) -> None:
         await self._run(peer, chat_request(parse_body(request.body)), responder)
 
+    async def infill(self, peer: "Peer", request: HttpRequest, responder: Responder) -> None:
+        await self._run(peer, infill_request(parse_body(request.body)), responder)
+
     async def _run(self, peer: "Peer", job: HttpJob, responder: Responder) -> None:
         """Run the request as a one-prompt job and answer with its result (or stream it)."""
         try:
@@ -156,6 +175,8 @@ class App:
         result = await self.api.run_single(peer, spec, job.priority, stream.emit if stream else _ignore)
         if stream is not None:
             await stream.finish(result, job.include_usage)
+        elif job.kind == "infill":
+            await responder.send_json(200, infill_reply(spec.model, result))
         else:
             await responder.send_json(200, completion_reply(job.kind, spec.model, result))
 

@@ -27,14 +27,15 @@ IGNORED = ("user", "metadata")  # labels with no effect on the generation
 
 # complete's params as the body names them (the longest prefix first)
 RENAMES = (("params.sampling.", "body."), ("params.spec.", "body.npud.spec."),
-           ("params.use_prefix_cache", "body.npud.use_prefix_cache"), ("params.", "body."))
+           ("params.use_prefix_cache", "body.npud.use_prefix_cache"), ("params.fim_extra", "body.input_extra"),
+           ("params.", "body."))
 
 
 @dataclass(slots=True, frozen=True)
 class HttpJob:
     """One HTTP request as a job: complete's params and how to answer."""
 
-    kind: str  # "completion", "chat" or "infill": the reply's shape
+    kind: str  # "completion", "chat" or "infill": the reply's shape (OpenAI's or llama.cpp's)
     params: dict  # complete's params (docs/protocol.md)
     priority: Priority
     stream: bool
@@ -104,13 +105,14 @@ def completion_request(body: dict) -> HttpJob:
     if prompt is None:
         raise b.bad("prompt", "is required")
     params["prompt"] = prompt
-    if b.str("suffix", None) is not None:
-        raise ApiError(ErrorCode.UNSUPPORTED, "body.suffix: fill-in-the-middle is not supported by this npud")
+    suffix = b.raw("suffix")  # OpenAI's fill-in-the-middle: the prompt is the text before the gap
+    if suffix is not None:
+        params["suffix"] = suffix
     b.finish()
     return HttpJob("completion", params, priority, stream, include_usage)
 
 
-def _content(b: Params, i: int, content: object) -> object:
+def _content(i: int, content: object) -> object:
     """A message's content: a string, or OpenAI's list of text parts joined."""
     if isinstance(content, list):
         texts = []
@@ -132,10 +134,36 @@ def chat_request(body: dict) -> HttpJob:
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise b.bad(f"messages[{i}]", 'expected {"role": string, "content": string}')
-        out.append({"role": msg.get("role"), "content": _content(b, i, msg.get("content"))})
+        out.append({"role": msg.get("role"), "content": _content(i, msg.get("content"))})
     params["messages"] = out
     b.finish()
     return HttpJob("chat", params, priority, stream, include_usage)
+
+
+# llama.cpp's /infill fields that steer its own server (slots, timings, samplers chain, indent
+# heuristic, which fields to answer with); npud has no such knobs and takes them as hints
+LLAMA_HINTS = ("n_indent", "samplers", "t_max_prompt_ms", "t_max_predict_ms", "response_fields", "id_slot",
+               "cache_prompt", "n_probs")
+
+
+def infill_request(body: dict) -> HttpJob:
+    """POST /infill, llama.cpp's shape: the gap between input_prefix (continued by `prompt`,
+    which llama.vim fills with the cursor line's start) and input_suffix, with input_extra
+    [{filename, text}] as context. n_predict is max_tokens; -1 (llama.cpp's "no limit") and a
+    seed of -1 (its "random") mean npud's defaults."""
+    b = Params({k: v for k, v in body.items() if not (k in ("n_predict", "seed") and v == -1)}, "body")
+    for name in LLAMA_HINTS:
+        b.raw(name)
+    params, priority, stream, include_usage = _common(b, ("n_predict", "max_tokens"))
+    prefix = b.str("input_prefix", "")
+    prompt = b.str("prompt", "")
+    params["prompt"] = prefix + prompt
+    params["suffix"] = b.str("input_suffix", "")
+    extra = b.raw("input_extra")
+    if extra is not None:
+        params["fim_extra"] = extra
+    b.finish()
+    return HttpJob("infill", params, priority, stream, include_usage)
 
 
 # -- replies ---------------------------------------------------------------------------------
@@ -148,9 +176,11 @@ def usage(result: dict) -> dict:
 
 
 def npud_reply(result: dict) -> dict:
-    """The `npud` object of a reply: the job, and the engine's counters (speculative rounds,
+    """The `npud` object of a reply: the job, the number of new tokens the context had room for
+    when that was below max_tokens (else null), and the engine's counters (speculative rounds,
     drafted and accepted tokens, prefix-cache hits)."""
-    return {"job": result["job"], "stats": result["stats"]}
+    return {"job": result["job"], "max_tokens_clamped_to": result.get("max_tokens_clamped_to"),
+            "stats": result["stats"]}
 
 
 def reply_id(kind: str, job: int | None) -> str:
@@ -172,6 +202,8 @@ def completion_reply(kind: str, model: str, result: dict) -> dict:
 def chunk(kind: str, model: str, job: int | None, text: str | None, finish_reason: str | None = None, *,
           first: bool = False) -> dict:
     """One streamed chunk: `text` (None in the last), or the finish reason."""
+    if kind == "infill":  # llama.cpp's: the text, and `stop` true in the last
+        return {"content": text or "", "stop": finish_reason is not None}
     if kind == "chat":
         delta: dict = {} if text is None else {"content": text}
         if first:
@@ -181,3 +213,11 @@ def chunk(kind: str, model: str, job: int | None, text: str | None, finish_reaso
         choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
     return {"id": reply_id(kind, job), "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def infill_reply(model: str, result: dict) -> dict:
+    """llama.cpp's /infill reply (and the last event of its stream, with the whole text)."""
+    return {"content": result["text"], "stop": True, "model": model,
+            "stop_type": "limit" if result["finish_reason"] == "length" else "eos",
+            "finish_reason": result["finish_reason"], "tokens_predicted": len(result["token_ids"]),
+            "tokens_evaluated": result["prompt_tokens"], "truncated": False, "npud": npud_reply(result)}
