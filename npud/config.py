@@ -83,7 +83,11 @@ def split_host_port(address: str) -> tuple[str, int]:
         raise ValueError("expected HOST:PORT with a port in [0, 65535], e.g. 127.0.0.1:8080")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    ipaddress.ip_address(host)  # a literal address: a name could resolve to anything
+    try:
+        ipaddress.ip_address(host)  # a literal address: a name could resolve to anything
+    except ValueError:
+        raise ValueError(f"{host!r} is not an IP address; expected HOST:PORT with a literal address, "
+                         "e.g. 127.0.0.1:8080 or [::1]:8080") from None
     return host, int(port)
 
 
