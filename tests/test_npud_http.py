@@ -303,6 +303,21 @@ def test_garbage_is_a_400_and_the_daemon_carries_on(sock, raw):
     assert raw.get("/health").status_code == 200
 
 
+def test_expect_100_continue_is_answered_before_the_body(sock):
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(sock)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: npud\r\nExpect: 100-continue\r\n"
+                  b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 100 ")
+        s.sendall(body)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200 OK\r\n") and b'"completion_tokens":' in reply
+
+
 def test_no_client_input_makes_an_internal_error(daemon):
     assert not [e for e in daemon.logs() if e.get("event") in ("internal_error", "connection_error")
                 or e.get("level") == "error"]

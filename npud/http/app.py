@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 
+class ClientGone(Exception):
+    """The client closed its connection or stopped reading (a Responder's sends raise it)."""
+
+
 @dataclass(slots=True, frozen=True)
 class HttpRequest:
     method: str
@@ -46,7 +50,8 @@ class HttpRequest:
 
 class Responder:
     """How a handler answers: one JSON reply, or a stream of server-sent events. The server
-    (npud/http/server.py) implements it over h11."""
+    (npud/http/server.py) implements it over h11; a send to a client that is gone raises
+    ClientGone."""
 
     started: bool  # the status line is sent: later errors can only go into the stream
 
@@ -140,6 +145,12 @@ class App:
             await send_error(responder, store_api_error(exc))
         except ApiError as exc:
             await send_error(responder, exc)
+        except ClientGone:
+            raise
+        except Exception:  # the traceback goes to the log, never to the client
+            log.exception("internal_error", method=request.method, path=request.path[:128])
+            await send_error(responder, ApiError(ErrorCode.INTERNAL_ERROR,
+                                                 "the request failed in the daemon; its log has the details"))
 
     async def health(self, peer: "Peer", request: HttpRequest, responder: Responder) -> None:
         api = self.api

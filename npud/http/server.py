@@ -23,7 +23,7 @@ import trio
 
 from npud.config import DaemonConfig, split_host_port
 from npud.http import errors
-from npud.http.app import App, HttpRequest, send_error
+from npud.http.app import App, ClientGone, HttpRequest, send_error
 from npud.jobs import Caller
 from npud.protocol import ApiError, ErrorCode, encode
 from npud.server import Peer, bind_unix, is_admin, peer_credentials
@@ -36,10 +36,6 @@ log = structlog.get_logger(__name__)
 
 RECEIVE_BYTES = 65536
 MAX_HEAD_BYTES = 16384  # the request line and headers
-
-
-class ClientGone(Exception):
-    """The client closed its connection or stopped reading."""
 
 
 class H11Responder:
@@ -69,6 +65,9 @@ class H11Responder:
             ("content-type", "application/json"), ("content-length", str(len(body)))]))
         await self._send(h11.Data(data=body))
         await self._send(h11.EndOfMessage())
+
+    async def send_continue(self) -> None:
+        await self._send(h11.InformationalResponse(status_code=100, headers=[]))
 
     async def start_stream(self) -> None:
         self.status, self.started = 200, True
@@ -138,9 +137,9 @@ class HttpServer:
     def _peer(self, stream: trio.SocketStream, conn_id: int, tcp: bool) -> Peer:
         """Who the connection acts for: SO_PEERCRED on the Unix socket; on TCP, which has no
         credentials, http.tcp_owner_uid and never an admin."""
-        if tcp:
+        if tcp:  # no process and no group to speak of: pid 0, gid -1
             uid = self.cfg.http.tcp_owner_uid
-            return Peer(conn_id, 0, uid, uid, Caller(uid, admin=False))
+            return Peer(conn_id, 0, uid, -1, Caller(uid, admin=False))
         pid, uid, gid = peer_credentials(stream.socket)
         return Peer(conn_id, pid, uid, gid, Caller(uid, is_admin(uid, gid, self.cfg.server.admin_group)))
 
@@ -151,12 +150,14 @@ class HttpServer:
         uid = None
         try:
             with structlog.contextvars.bound_contextvars(http_conn=conn_id):
-                peer = self._peer(stream, conn_id, tcp)
+                try:
+                    peer = self._peer(stream, conn_id, tcp)
+                except OSError as exc:
+                    log.warning("peer_credentials_failed", error=exc.strerror)
+                    return
                 uid = peer.uid
                 server.by_uid[uid] += 1
                 await self._serve_connection(stream, peer, tcp)
-        except OSError as exc:  # peer credentials
-            log.warning("peer_credentials_failed", error=exc.strerror)
         except ClientGone:
             pass
         except Exception:
@@ -220,6 +221,8 @@ class HttpServer:
             except h11.RemoteProtocolError as exc:
                 raise ApiError(ErrorCode.BAD_REQUEST, f"not an HTTP/1.1 request npud can read ({exc})") from None
             if event is h11.NEED_DATA:
+                if conn.they_are_waiting_for_100_continue:  # curl's `Expect: 100-continue` for a large body
+                    await H11Responder(stream, conn, server.idle_timeout_s).send_continue()
                 data = None
                 with trio.move_on_at(deadline):
                     try:
