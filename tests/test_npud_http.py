@@ -35,7 +35,7 @@ def start(tmp_path_factory, **http) -> DaemonProc:
     models = [{"name": MODEL, "checkpoint_dir": str(tiny_checkpoint(base)), "weight_format": "fp32"},
               {"name": FIM_MODEL, "checkpoint_dir": str(fim_checkpoint(base)), "weight_format": "fp32"}]
     daemon = DaemonProc(workdir, models,
-                        server={"admin_group": "npud-test-no-such-group"},
+                        server={"admin_group": "npud-test-no-such-group", "max_connections_per_uid": 4},
                         limits={"max_prompt_tokens": 512, "max_tokens": 3500}, http=http)
     try:
         daemon.start(timeout=90.0)
@@ -476,3 +476,30 @@ def test_tcp_with_a_bearer_token(tmp_path_factory):
     finally:
         stop(d)
     assert not (d.dir / "http.sock").exists()
+
+
+def test_tcp_connections_count_against_the_owners_limit(tcp, client):
+    host, port = tcp.rsplit(":", 1)
+
+    def get_health(s: socket.socket) -> bytes:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: npud\r\nConnection: close\r\n\r\n")
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+        return reply
+
+    baseline = client.stats()["connections"]  # the socket client, and the pooled HTTP clients of other tests
+    held = [socket.create_connection((host, int(port)), timeout=30) for _ in range(4)]  # max_connections_per_uid
+    try:
+        wait_for(lambda: client.stats()["connections"] >= baseline + 4, 30, what="the connections to be counted")
+        with socket.create_connection((host, int(port)), timeout=30) as fifth:
+            reply = get_health(fifth)
+        assert reply.startswith(b"HTTP/1.1 429 ") and b'"code":"overloaded"' in reply
+    finally:
+        for s in held:
+            s.close()
+    # closed connections are uncounted: one after another, more than the limit
+    for _ in range(6):
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            assert get_health(s).startswith(b"HTTP/1.1 200 ")
+    assert wait_for(lambda: client.stats()["connections"] <= baseline, 30, what="the closed ones to be uncounted")
