@@ -28,14 +28,14 @@ TOKEN = "a-test-bearer-token-0123456789"
 PROMPT = "def add(a, b):"
 
 
-def start(tmp_path_factory, **http) -> DaemonProc:
+def start(tmp_path_factory, server: dict | None = None, **http) -> DaemonProc:
     """npud on the tiny model and its FIM twin (Qwen's FIM tokens, FIM_CONTEXT positions)."""
     base = tmp_path_factory.mktemp("http")
     workdir = short_tempdir()
     models = [{"name": MODEL, "checkpoint_dir": str(tiny_checkpoint(base)), "weight_format": "fp32"},
               {"name": FIM_MODEL, "checkpoint_dir": str(fim_checkpoint(base)), "weight_format": "fp32"}]
     daemon = DaemonProc(workdir, models,
-                        server={"admin_group": "npud-test-no-such-group", "max_connections_per_uid": 4},
+                        server={"admin_group": "npud-test-no-such-group", "max_connections_per_uid": 4, **(server or {})},
                         limits={"max_prompt_tokens": 512, "max_tokens": 3500}, http=http)
     try:
         daemon.start(timeout=90.0)
@@ -318,11 +318,6 @@ def test_expect_100_continue_is_answered_before_the_body(sock):
     assert reply.startswith(b"HTTP/1.1 200 OK\r\n") and b'"completion_tokens":' in reply
 
 
-def test_no_client_input_makes_an_internal_error(daemon):
-    assert not [e for e in daemon.logs() if e.get("event") in ("internal_error", "connection_error")
-                or e.get("level") == "error"]
-
-
 # -- fill-in-the-middle -----------------------------------------------------------------------
 
 PREFIX, SUFFIX = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
@@ -442,6 +437,25 @@ def test_closing_a_waiting_request_cancels_its_job(sock, client, daemon):
     assert any(e.get("event") == "http_request" and e.get("client_gone") for e in daemon.logs())
 
 
+def test_a_client_that_stops_reading_is_dropped_and_its_job_cancelled(tmp_path_factory):
+    d = start(tmp_path_factory, server={"idle_timeout_s": 2.0})  # also the bound on one send
+    try:
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 3000, "stream": True}).encode()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, d.client() as client:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(str(d.dir / "http.sock"))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: npud\r\nContent-Length: " + str(len(body)).encode()
+                      + b"\r\n\r\n" + body)  # and never read the reply
+            job = wait_for(lambda: client.jobs()["jobs"], 60, what="the job")[0]["job"]
+            assert wait_state(client, job) == "cancelled"
+            assert client.status(job)["tokens"] < 3000
+        gone = [e for e in d.logs() if e.get("event") == "http_request"]
+        assert gone and gone[-1]["client_gone"] is True
+        assert not [e for e in d.logs() if e.get("event") in ("internal_error", "connection_error")]
+    finally:
+        stop(d)
+
+
 # -- TCP -------------------------------------------------------------------------------------
 
 
@@ -503,3 +517,14 @@ def test_tcp_connections_count_against_the_owners_limit(tcp, client):
         with socket.create_connection((host, int(port)), timeout=30) as s:
             assert get_health(s).startswith(b"HTTP/1.1 200 ")
     assert wait_for(lambda: client.stats()["connections"] <= baseline, 30, what="the closed ones to be uncounted")
+
+
+# -- last: the log of everything above -------------------------------------------------------
+
+
+def test_no_request_above_made_an_internal_error(daemon):
+    """Bad bodies, garbage, closed connections: all expected, none an internal_error or a
+    connection_error (a send to a client that is gone is not an error)."""
+    bad = [e for e in daemon.logs() if e.get("event") in ("internal_error", "connection_error")
+           or e.get("level") == "error"]
+    assert not bad, bad[:3]

@@ -280,17 +280,17 @@ class HttpServer:
                 if buffered > self.cfg.limits.max_line_bytes:
                     await trio.sleep_forever()  # not read further until this request is answered
 
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(watch, nursery.cancel_scope)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch, nursery.cancel_scope)
+            try:  # caught here, not around the nursery: it would come out wrapped in an ExceptionGroup
                 if tcp and not self._authorized(request):
                     await send_error(responder, ApiError(errors.UNAUTHORIZED, "this TCP listener needs "
                                                                               "Authorization: Bearer <http.bearer_token>"))
                 else:
                     await self.app(peer, request, responder)
-                nursery.cancel_scope.cancel()
-        except ClientGone:
-            return True
+            except ClientGone:  # a send failed: the client stopped reading, or reset the connection
+                gone = True
+            nursery.cancel_scope.cancel()
         return gone
 
     def _authorized(self, request: HttpRequest) -> bool:
