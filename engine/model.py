@@ -6,13 +6,12 @@ second job on the same model costs its KV rows, not another copy of the weights.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
 
 from engine.config import ModelConfig, load_config
-from engine.weights import ModelWeights, load_weights, weight_arrays
+from engine.weights import ModelWeights, load_weights, prepare_linears, weight_arrays
 from kernels.select import default_backend
 from kernels.base import Backend, LinearWeight, WeightFormat
 
@@ -23,7 +22,7 @@ class Model:
     def __init__(self, config: ModelConfig, weights: ModelWeights, backend: Backend | None = None):
         self.config = config
         self.backend = backend if backend is not None else default_backend()
-        self.weights = _prepare(weights, self.backend)
+        self.weights = prepare_linears(weights, self.backend)
         self.fingerprint = weights.fingerprint
         # what the checkpoint file says about itself (GGUF: architecture, quant mix, sizes); {} otherwise
         self.checkpoint_info: dict = {}
@@ -67,25 +66,6 @@ class Model:
         for layer in w.layers:
             total += sum(obj.nbytes for obj in weight_arrays(layer) if isinstance(obj, LinearWeight))
         return total
-
-
-def _prepare(weights: ModelWeights, backend: Backend) -> ModelWeights:
-    """Lay every linear out for the backend once; a tied head stays one object."""
-    seen: dict[int, LinearWeight] = {}
-
-    def prep(obj):
-        if isinstance(obj, LinearWeight):
-            if id(obj) not in seen:
-                seen[id(obj)] = backend.prepare_linear(obj)
-            return seen[id(obj)]
-        if isinstance(obj, list):
-            return [prep(item) for item in obj]
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            changes = {f.name: prep(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-            return dataclasses.replace(obj, **changes)
-        return obj
-
-    return prep(weights)
 
 
 def rows_equal(a: np.ndarray, b: np.ndarray) -> bool:

@@ -18,6 +18,7 @@ or ABORT (C left zeroed), or to raise, after a number of good runs.
 from __future__ import annotations
 
 import enum
+import importlib.util
 import json
 import sys
 import uuid as _uuid
@@ -309,3 +310,13 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
                                   dtype_in="bf16", dtype_out="f32", b_col_major=b_col_major))
     write_table(folder / "design.json", device, designs)
     return folder / "design.json"
+
+
+def build_tool():
+    """tools/build_npu_designs.py as a module (tools/ is no package)."""
+    path = Path(__file__).resolve().parent.parent / "tools" / "build_npu_designs.py"
+    spec = importlib.util.spec_from_file_location("build_npu_designs", path)
+    module = sys.modules.setdefault("build_npu_designs", importlib.util.module_from_spec(spec))
+    if not hasattr(module, "main"):
+        spec.loader.exec_module(module)  # registered first: its dataclasses look themselves up there
+    return module

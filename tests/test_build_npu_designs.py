@@ -3,26 +3,16 @@ itself needs the mlir-aie and llvm-aie wheels, which are not on the package inde
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+import fake_pyxrt
+
 from engine.testing.checkpoints import build_tiny_checkpoint
 from kernels.xrt_design import DesignTable
 
-def _load_tool():
-    """tools/build_npu_designs.py as a module (tools/ is no package)."""
-    path = Path(__file__).resolve().parent.parent / "tools" / "build_npu_designs.py"
-    spec = importlib.util.spec_from_file_location("build_npu_designs", path)
-    module = sys.modules.setdefault("build_npu_designs", importlib.util.module_from_spec(spec))
-    if not hasattr(module, "main"):
-        spec.loader.exec_module(module)  # registered first: its dataclasses look themselves up there
-    return module
-
-
-tool = _load_tool()
+tool = fake_pyxrt.build_tool()
 
 
 @pytest.fixture(scope="module")

@@ -158,7 +158,7 @@ def test_a_session_past_the_context_is_clamped_and_ends_with_length(models, meth
 
 
 def test_fill_in_the_middle_through_a_real_daemon(tmp_path_factory):
-    from clients.client import Client, FimUnsupported as ClientFimUnsupported
+    from clients.client import Client, FimUnsupported as ClientFimUnsupported, PromptTooLong as ClientPromptTooLong
     from npud_fixture import FIM_CONTEXT, FIM_MODEL, MODEL, fim_checkpoint, start_daemon, stop_daemon
 
     root = tmp_path_factory.mktemp("fimd")
@@ -173,6 +173,13 @@ def test_fill_in_the_middle_through_a_real_daemon(tmp_path_factory):
             models = {m["name"]: m for m in c.call("models")["models"]}
             assert (models[FIM_MODEL]["fim"], models[MODEL]["fim"]) == (True, False)
             assert models[FIM_MODEL]["context_length"] == FIM_CONTEXT
+            long = c.complete("def add(a, b):\n", model=FIM_MODEL, max_tokens=400, spec={"method": "none"}).wait()
+            room = FIM_CONTEXT - long["prompt_tokens"]
+            assert long["max_tokens_clamped_to"] == room and long["finish_reason"] == "length"
+            assert len(long["token_ids"]) == room
+            with pytest.raises(ClientPromptTooLong) as info:
+                c.complete("v = 1\n" * FIM_CONTEXT, model=FIM_MODEL, max_tokens=1).wait()
+            assert f"holds {FIM_CONTEXT}" in info.value.message
     finally:
         stop_daemon(daemon)
     served = LoadedModel.load("x", fim_checkpoint(root), weight_format="fp32")

@@ -367,3 +367,33 @@ def test_complete_trims_a_long_prefix_to_the_models_context(daemon, client, tmp_
     assert result["token_ids"] == expected["token_ids"] and result["prompt_tokens"] == expected["prompt_tokens"]
     lines_after = lines[:149] + ["v" + expected["text"] + lines[149][1:]] + lines[150:]
     assert state["buffer"] == "\n".join(lines_after)
+
+
+def test_context_budget_arithmetic(tmp_path):
+    # text without newlines is cut to the byte; 'é' is two bytes, never split
+    state = run_nvim(tmp_path, """
+        local parts = require('npud.context').parts
+        local a, b = string.rep('a', 1000), string.rep('b', 1000)
+        local out = {}
+        local function case(before, after, info, opts)
+          local prompt, suffix = parts(before, after, info, opts)
+          out[#out + 1] = { #prompt, suffix and #suffix or vim.NIL, prompt:sub(1, 2) }
+        end
+        case(a, b, { context_length = 256, fim = true }, { max_tokens = 8, bytes_per_token = 1 })
+        case(a, b, { context_length = 256, fim = true }, { max_tokens = 8, bytes_per_token = 2 })
+        case(a, b, { context_length = 256, fim = true }, { max_tokens = 250, bytes_per_token = 1 })
+        case(a, b, { context_length = 256, fim = false }, { max_tokens = 8, bytes_per_token = 1 })
+        case(a, b, { fim = false }, { max_tokens = 8, bytes_per_token = 1 })
+        case(a, b, { context_length = 4096, fim = false }, { max_tokens = 8, bytes_per_token = 1, context_length = 100 })
+        case(string.rep('é', 100), b, { context_length = 69, fim = false }, { max_tokens = 4, bytes_per_token = 1 })
+        T.dump(OUT, { out = out })
+    """, None)
+    assert state["extra"]["out"] == [
+        [244 - 61, 61, "aa"],  # 256 - 8 max_tokens - 4 reserved; a quarter (61) for the suffix
+        [488 - 122, 122, "aa"],  # two bytes a token
+        [60 - 15, 15, "aa"],  # max_tokens near the context: the prompt keeps a quarter of it (64 - 4)
+        [244, None, "aa"],  # no FIM: no suffix, the prefix has it all
+        [1000, None, "aa"],  # not loaded yet: 2048 assumed
+        [88, None, "aa"],  # the context_length option wins over the daemon's
+        [60, None, "é"],  # 61 bytes would start inside a character
+    ]

@@ -4,11 +4,8 @@ speculative method. Evidence about the backend's protocol and arithmetic, not ab
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import trio
@@ -22,17 +19,7 @@ from kernels import xrt
 from npud.config import parse_config
 from npud.daemon import Daemon
 
-def _load_tool():
-    """tools/build_npu_designs.py as a module (tools/ is no package)."""
-    path = Path(__file__).resolve().parent.parent / "tools" / "build_npu_designs.py"
-    spec = importlib.util.spec_from_file_location("build_npu_designs", path)
-    module = sys.modules.setdefault("build_npu_designs", importlib.util.module_from_spec(spec))
-    if not hasattr(module, "main"):
-        spec.loader.exec_module(module)  # registered first: its dataclasses look themselves up there
-    return module
-
-
-gemm_shapes = _load_tool().gemm_shapes
+gemm_shapes = fake_pyxrt.build_tool().gemm_shapes
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
 

@@ -11,7 +11,6 @@ scalars and the ordering are float32 / int64 whatever the format.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from engine.weights import (
     WeightsError,
     checkpoint_fingerprint,
     open_checkpoint,
+    prepare_linears,
 )
 # the checks and conversions every engine checkpoint goes through (package-private helpers)
 from engine.weights.convert import _convert_matrix, _vector
@@ -144,22 +144,7 @@ def prepare(weights: AssistantWeights, backend: Backend, keep_rows: bool = False
     keep_rows leaves lm_head in its [V, D] rows: the ordered-embedding path only gathers rows
     of it (gather_rows), which a tiled layout makes a strided walk over the whole table.
     """
-    seen: dict[int, LinearWeight] = {}
-    if keep_rows:
-        seen[id(weights.lm_head)] = weights.lm_head
-
-    def prep(obj):
-        if isinstance(obj, LinearWeight):
-            if id(obj) not in seen:
-                seen[id(obj)] = backend.prepare_linear(obj)
-            return seen[id(obj)]
-        if isinstance(obj, list):
-            return [prep(item) for item in obj]
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            return dataclasses.replace(obj, **{f.name: prep(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
-        return obj
-
-    return prep(weights)
+    return prepare_linears(weights, backend, keep=(weights.lm_head,) if keep_rows else ())
 
 
 def gather_rows(w: LinearWeight, ids: np.ndarray) -> np.ndarray:

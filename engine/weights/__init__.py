@@ -21,6 +21,7 @@ from engine.weights.layout import (
     LinearAttentionWeights,
     MlpWeights,
     ModelWeights,
+    prepare_linears,
     weight_arrays,
 )
 from engine.weights.load import load_weights
@@ -38,6 +39,7 @@ __all__ = [
     "f32_to_bf16_bits",
     "load_weights",
     "open_checkpoint",
+    "prepare_linears",
     "quantize_int8_rows",
     "read_safetensors_header",
     "weight_arrays",

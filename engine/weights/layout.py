@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.base import LinearWeight
+from kernels.base import Backend, LinearWeight
 
 
 @dataclass(slots=True)
@@ -93,3 +93,23 @@ def weight_arrays(obj):
         for f in dataclasses.fields(obj):
             yield from weight_arrays(getattr(obj, f.name))
 
+
+
+def prepare_linears(weights, backend: Backend, keep: tuple[LinearWeight, ...] = ()):
+    """`weights` (a weights dataclass, list or value) with every LinearWeight laid out for
+    `backend` once: a weight held twice (a tied head) stays one object, and those in `keep`
+    stay as they are."""
+    seen: dict[int, LinearWeight] = {id(w): w for w in keep}
+
+    def prep(obj):
+        if isinstance(obj, LinearWeight):
+            if id(obj) not in seen:
+                seen[id(obj)] = backend.prepare_linear(obj)
+            return seen[id(obj)]
+        if isinstance(obj, list):
+            return [prep(item) for item in obj]
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return dataclasses.replace(obj, **{f.name: prep(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
+        return obj
+
+    return prep(weights)
