@@ -3,6 +3,7 @@ host-side pieces (the rest of the NPU backend: tests/test_xrt.py)."""
 
 from __future__ import annotations
 
+import time
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import torch
 from kernels.select import RowwiseBackend, select_backend
 from kernels.base import LinearWeight, WeightFormat
 from kernels.host import KERNELS, QB, TILE, HostBackend, check_batch_invariance, native, pack_q8, pack_tiles
+from kernels.host.formats import pair_bf16_columns
 from kernels import xrt
 
 
@@ -95,6 +97,33 @@ def test_every_path_and_thread_count_gives_the_same_bits(host, fmt, isa_and_thre
         assert np.array_equal(bits, results[0][2]), (path, threads)
 
 
+@pytest.mark.parametrize("fmt", list(WeightFormat))
+@pytest.mark.parametrize("rows", [1, 8, 13])
+def test_chunks_taken_back_from_a_stalled_worker_give_the_same_bits(host, fmt, rows, isa_and_threads):
+    # a worker that sleeps on every chunk it takes stands for one descheduled on a shared
+    # core: the caller takes those chunks back and computes them itself; the bits are the
+    # one-thread bits, and the weights stay alive while the sleeping worker may read them
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((rows, 512)).astype(np.float32)
+    w = host.prepare_linear(KERNELS[fmt].sample(rng, 64 * 64, 512))
+    native.set_threads(1)
+    want = np.ascontiguousarray(host.linear(x, w)).view(np.uint32).copy()
+    native.set_threads(2)
+    native.stall_workers(50_000)
+    try:
+        stolen = native.pool_stats()[1]
+        got = np.ascontiguousarray(host.linear(x, w)).view(np.uint32)
+        assert native.pool_stats()[1] > stolen  # the caller took the sleeping worker's chunk back
+        assert np.array_equal(got, want)
+        assert native.held_calls() == 0 or native._held  # weights a worker may read are kept
+    finally:
+        native.stall_workers(0)
+    deadline = time.monotonic() + 10
+    while native.held_calls() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert native.held_calls() == 0 and not native._held  # released once the worker let go
+
+
 def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     # a * b is exact in float64 for float32 inputs; one more rounding to float32 gives fma's
     # result except in double-rounding ties, which these fixed inputs do not hit
@@ -168,6 +197,16 @@ def test_pack_tiles_layout():
     assert t.shape == (2, 3, TILE)
     assert t[1, 2, 5] == w[TILE + 5, 2]
     assert np.all(t[1, :, 70 - TILE :] == 0)  # padded columns
+
+
+def test_bf16_tiles_hold_columns_in_pairs():
+    # each 32-bit word holds columns (c, c + 16) of a group of 32: low half c, high half c + 16
+    w = np.arange(130 * 2, dtype=np.uint16).reshape(130, 2)  # [N, K]
+    words = pair_bf16_columns(pack_tiles(w)).view(np.uint32)  # [3 tiles, K, 32 words]
+    assert words.shape == (3, 2, 32)
+    pair = words[1, 1, 16 + 5]  # tile 1, k 1, group 1, pair 5: columns 32 + 5 and 48 + 5
+    assert pair & 0xFFFF == w[TILE + 32 + 5, 1] and pair >> 16 == w[TILE + 48 + 5, 1]
+    assert words[0, 0, 0] & 0xFFFF == w[0, 0] and words[0, 0, 0] >> 16 == w[16, 0]
 
 
 def test_pack_q8_layout():

@@ -14,7 +14,8 @@ registered formats are exactly WeightFormat's members).
 
 Registered here:
 - FP32 / BF16 / INT8 against fp32 activations: column tiles [ceil(N / 64), K, 64], each weight
-  widened to fp32 in registers, one FMA per k (gemm.c's float path).
+  widened to fp32 in registers, one FMA per k (gemm.c's float path); BF16 tiles hold each group
+  of 32 columns in pairs (c, c + 16), widened by a shift and a mask (pair_bf16_columns).
 - INT8_Q8: INT8's weights against activations quantized per row in blocks of 32 (llama.cpp's
   q8_0 activation blocks): tiles [ceil(N / 64), Kp / 4, 64, 4] holding w + 128 as uint8, exact
   integer block sums (VNNI's vpdpbusd where present), one FMA per block (gemm.c's q8 path).
@@ -76,6 +77,13 @@ def pack_tiles(data: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(tiles, TILE, k).transpose(0, 2, 1))
 
 
+def pair_bf16_columns(tiles: np.ndarray) -> np.ndarray:
+    """bf16 tiles [T, K, TILE] -> the same with each group of 32 columns stored as 16 pairs (c, c + 16),
+    so that the kernel widens a 32-bit word's halves by a shift and a mask (gemm.c's bf16_pos)."""
+    t, k, _ = tiles.shape
+    return np.ascontiguousarray(tiles.reshape(t, k, TILE // 32, 2, 16).transpose(0, 1, 2, 4, 3).reshape(t, k, TILE))
+
+
 def pack_q8(q: np.ndarray) -> np.ndarray:
     """int8 [N, K] -> uint8 [ceil(N / TILE), Kp / 4, TILE, 4] holding q + 128, Kp = K rounded up to QB;
     padding (columns past N, k past K) holds the value 0."""
@@ -101,7 +109,10 @@ class FloatTiles:
         self.fmt, self.code = fmt, code
 
     def prepare(self, w: LinearWeight) -> LinearWeight:
-        return LinearWeight(w.fmt, pack_tiles(w.data), w.scale, w.bias, self.layout, w.out_features, w.in_features)
+        tiles = pack_tiles(w.data)
+        if self.fmt is WeightFormat.BF16:
+            tiles = pair_bf16_columns(tiles)
+        return LinearWeight(w.fmt, tiles, w.scale, w.bias, self.layout, w.out_features, w.in_features)
 
     def linear(self, x: np.ndarray, w: LinearWeight, parallel: bool) -> np.ndarray:
         out = native.gemm(self.code, x, w.data, w.out_features, w.scale, w.bias, parallel)

@@ -6,7 +6,7 @@
  *                 integer dot product of the row's int8 block with the weights
  *   then y = acc * scale[n] (if any), then y = y + bias[n] (if any), each rounded.
  * Vector lanes run across output columns, never across k. Rows are blocked in registers,
- * columns in tiles of 64, k in chunks, threads take ranges of tiles: none of that changes
+ * columns in tiles of 64, k in chunks, threads take chunks of whole tiles: none of that changes
  * any element's chain, so every ISA path below gives the same bits as the generic C one.
  * Compile with -ffp-contract=off and without -ffast-math: the only FMAs are explicit.
  */
@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <x86intrin.h>
 
 #define TILE 64
 #define QB 32           /* activation quantization block (llama.cpp's q8_0 block) */
@@ -35,7 +37,7 @@
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2, FMT_Q8 = 3 };
 enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_VNNI = 3 };
 
-typedef struct {
+typedef struct job {
     int fmt;
     long M, K;               /* K: the float path's k; for q8 the padded Kp (multiple of QB) */
     const float *x;          /* [K, M]: the activations transposed, so a row block's values at one k
@@ -49,6 +51,13 @@ typedef struct {
     const int8_t *xq;        /* q8: [M, Kp] */
     const float *xs;         /* q8: [M, Kp / QB] */
     const int32_t *xsum;     /* q8: [M, Kp / QB], sum of each block's int8 values */
+    /* the thread pool's part (see the pool below) */
+    void (*tile)(const struct job *, long, float *, long);
+    long chunk, nchunks;     /* tiles per chunk; chunks */
+    atomic_long next;        /* the next chunk to offer */
+    _Atomic uint8_t *state;  /* [nchunks]: FREE, OWNED, PUBLISHING, DONE, CALLER */
+    struct job *retired;     /* next in the caller's list of jobs a stalled worker still holds */
+    int caller_cpu;          /* the CPU the caller ran on when it published the job */
 } job_t;
 
 static int isa_best = -1;
@@ -73,10 +82,17 @@ static inline __attribute__((always_inline)) float store_value(const job_t *j, f
 
 /* ------------------------------------------------------------------ generic C (and its AVX2 build) */
 
+/* bf16 tiles hold each group of 32 columns as 16 pairs (c, c + 16), one 32-bit word a pair
+ * (formats.py's pair_bf16_columns), so that on AVX-512 a shift and a mask widen 32 columns
+ * without a shuffle. Where element i (= row * TILE + column) of a bf16 tile is stored: */
+static inline __attribute__((always_inline)) long bf16_pos(long i) {
+    return (i & ~31L) + 2 * (i & 15) + ((i >> 4) & 1);
+}
+
 static inline __attribute__((always_inline)) float widen1(int fmt, const void *w, long i) {
     if (fmt == FMT_F32) return ((const float *)w)[i];
     if (fmt == FMT_BF16) {
-        uint32_t b = (uint32_t)((const uint16_t *)w)[i] << 16;
+        uint32_t b = (uint32_t)((const uint16_t *)w)[bf16_pos(i)] << 16;
         float f;
         memcpy(&f, &b, 4);
         return f;
@@ -88,14 +104,14 @@ static inline __attribute__((always_inline)) size_t elem_size(int fmt) {
     return fmt == FMT_F32 ? 4 : fmt == FMT_BF16 ? 2 : 1;
 }
 
-static inline __attribute__((always_inline)) void gen_float_block(int fmt, const job_t *j, long t, long r0, long R,
-                                                                  long k0, long k1) {
-    const long ldo = j->ntiles * TILE, K = j->K;
+static inline __attribute__((always_inline)) void gen_float_block(int fmt, const job_t *j, long t, float *o, long ldo,
+                                                                  long r0, long R, long k0, long k1) {
+    const long K = j->K;
     const char *wt = (const char *)j->w + (size_t)t * K * TILE * elem_size(fmt);
     float acc[MAXR][TILE];
     float wv[TILE];
     for (long r = 0; r < R; r++)
-        for (int c = 0; c < TILE; c++) acc[r][c] = k0 == 0 ? 0.0f : j->out[(r0 + r) * ldo + t * TILE + c];
+        for (int c = 0; c < TILE; c++) acc[r][c] = k0 == 0 ? 0.0f : o[(r0 + r) * ldo + c];
     for (long k = k0; k < k1; k++) {
         for (int c = 0; c < TILE; c++) wv[c] = widen1(fmt, wt, k * TILE + c);
         for (long r = 0; r < R; r++) {
@@ -105,17 +121,17 @@ static inline __attribute__((always_inline)) void gen_float_block(int fmt, const
     }
     for (long r = 0; r < R; r++)
         for (int c = 0; c < TILE; c++)
-            j->out[(r0 + r) * ldo + t * TILE + c] = k1 == K ? store_value(j, acc[r][c], t * TILE + c) : acc[r][c];
+            o[(r0 + r) * ldo + c] = k1 == K ? store_value(j, acc[r][c], t * TILE + c) : acc[r][c];
 }
 
-static inline __attribute__((always_inline)) void gen_q8_block(const job_t *j, long t, long r0, long R, long b0,
-                                                               long b1) {
-    const long ldo = j->ntiles * TILE, Kp = j->K, nb = Kp / QB;
+static inline __attribute__((always_inline)) void gen_q8_block(const job_t *j, long t, float *o, long ldo, long r0,
+                                                               long R, long b0, long b1) {
+    const long Kp = j->K, nb = Kp / QB;
     const uint8_t *wt = (const uint8_t *)j->w + (size_t)t * Kp * TILE;
     float acc[MAXR_Q8][TILE];
     int32_t isum[TILE];
     for (long r = 0; r < R; r++)
-        for (int c = 0; c < TILE; c++) acc[r][c] = b0 == 0 ? 0.0f : j->out[(r0 + r) * ldo + t * TILE + c];
+        for (int c = 0; c < TILE; c++) acc[r][c] = b0 == 0 ? 0.0f : o[(r0 + r) * ldo + c];
     for (long b = b0; b < b1; b++) {
         for (long r = 0; r < R; r++) {
             const int8_t *xq = j->xq + (r0 + r) * Kp + b * QB;
@@ -131,13 +147,14 @@ static inline __attribute__((always_inline)) void gen_q8_block(const job_t *j, l
     }
     for (long r = 0; r < R; r++)
         for (int c = 0; c < TILE; c++)
-            j->out[(r0 + r) * ldo + t * TILE + c] = b1 == nb ? store_value(j, acc[r][c], t * TILE + c) : acc[r][c];
+            o[(r0 + r) * ldo + c] = b1 == nb ? store_value(j, acc[r][c], t * TILE + c) : acc[r][c];
 }
 
-/* One tile of output columns for every row: row blocks of at most maxr rows; when there are
- * several, k goes in chunks so the chunk of the weight tile stays in cache across them. */
+/* One tile of output columns for every row, into o (row m at o + m * ldo): row blocks of at
+ * most maxr rows; when there are several, k goes in chunks so the chunk of the weight tile
+ * stays in cache across them (the partial sums wait in o, stored and reloaded exactly). */
 #define TILE_DRIVER(NAME, ATTR, BLOCK_FLOAT, BLOCK_Q8, MAXR_F)                                          \
-    ATTR static void NAME(const job_t *j, long t) {                                                  \
+    ATTR static void NAME(const job_t *j, long t, float *o, long ldo) {                              \
         const int q8 = j->fmt == FMT_Q8;                                                             \
         const int maxr = q8 ? MAXR_Q8 : (MAXR_F);                                                    \
         const long nblocks = (j->M + maxr - 1) / maxr;                                               \
@@ -151,10 +168,10 @@ static inline __attribute__((always_inline)) void gen_q8_block(const job_t *j, l
                 long r0, rn;                                                                         \
                 row_block(j->M, maxr, i, nblocks, &r0, &rn);                                         \
                 switch (j->fmt) {                                                                    \
-                case FMT_F32: BLOCK_FLOAT(FMT_F32, j, t, r0, rn, s0, s1); break;                     \
-                case FMT_BF16: BLOCK_FLOAT(FMT_BF16, j, t, r0, rn, s0, s1); break;                   \
-                case FMT_I8: BLOCK_FLOAT(FMT_I8, j, t, r0, rn, s0, s1); break;                       \
-                default: BLOCK_Q8(j, t, r0, rn, s0, s1); break;                                      \
+                case FMT_F32: BLOCK_FLOAT(FMT_F32, j, t, o, ldo, r0, rn, s0, s1); break;             \
+                case FMT_BF16: BLOCK_FLOAT(FMT_BF16, j, t, o, ldo, r0, rn, s0, s1); break;           \
+                case FMT_I8: BLOCK_FLOAT(FMT_I8, j, t, o, ldo, r0, rn, s0, s1); break;               \
+                default: BLOCK_Q8(j, t, o, ldo, r0, rn, s0, s1); break;                              \
                 }                                                                                    \
             }                                                                                        \
         }                                                                                            \
@@ -170,9 +187,11 @@ TILE_DRIVER(tile_avx2, __attribute__((noinline, target("avx2,fma"))), gen_float_
 
 static inline __attribute__((always_inline)) T512 __m512 widen16(int fmt, const char *w, long i) {
     if (fmt == FMT_F32) return _mm512_loadu_ps((const float *)w + i);
-    if (fmt == FMT_BF16)
-        return _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i))), 16));
+    if (fmt == FMT_BF16) { /* i: a multiple of 16; the words of pairs (c, c + 16) of its group of 32 */
+        const __m512i pairs = _mm512_loadu_si512((const uint16_t *)w + (i & ~31L));
+        return _mm512_castsi512_ps(i & 16 ? _mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000u))
+                                          : _mm512_slli_epi32(pairs, 16));
+    }
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)w + i))));
 }
 
@@ -189,13 +208,13 @@ static inline __attribute__((always_inline)) T512 void store16(const job_t *j, f
 /* R rows x 64 columns in 4R zmm accumulators for k in [k0, k1); each weight vector is loaded
  * and widened once per k and used for all R rows. */
 static inline __attribute__((always_inline)) T512 void avx512_rows(int fmt, const int R, const job_t *j, long t,
-                                                                   long r0, long k0, long k1) {
-    const long ldo = j->ntiles * TILE, K = j->K;
+                                                                   float *o, long ldo, long r0, long k0, long k1) {
+    const long K = j->K;
     const size_t es = elem_size(fmt);
     const char *wt = (const char *)j->w + (size_t)t * K * TILE * es;
     const float *x = j->x + r0;
     const long M = j->M;
-    float *o = j->out + r0 * ldo + t * TILE;
+    o += r0 * ldo;
     __m512 acc[MAXR][4];
     for (int r = 0; r < R; r++)
         for (int v = 0; v < 4; v++) acc[r][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + r * ldo + 16 * v);
@@ -221,26 +240,26 @@ static inline __attribute__((always_inline)) T512 void avx512_rows(int fmt, cons
         for (int v = 0; v < 4; v++) store16(j, o + r * ldo + 16 * v, acc[r][v], t * TILE + 16 * v, k1 == K);
 }
 
-static inline __attribute__((always_inline)) T512 void avx512_float_block(int fmt, const job_t *j, long t, long r0,
-                                                                          long R, long k0, long k1) {
+static inline __attribute__((always_inline)) T512 void avx512_float_block(int fmt, const job_t *j, long t, float *o,
+                                                                          long ldo, long r0, long R, long k0, long k1) {
     switch (R) {
-    case 1: avx512_rows(fmt, 1, j, t, r0, k0, k1); break;
-    case 2: avx512_rows(fmt, 2, j, t, r0, k0, k1); break;
-    case 3: avx512_rows(fmt, 3, j, t, r0, k0, k1); break;
-    case 4: avx512_rows(fmt, 4, j, t, r0, k0, k1); break;
-    case 5: avx512_rows(fmt, 5, j, t, r0, k0, k1); break;
-    default: avx512_rows(fmt, 6, j, t, r0, k0, k1); break;
+    case 1: avx512_rows(fmt, 1, j, t, o, ldo, r0, k0, k1); break;
+    case 2: avx512_rows(fmt, 2, j, t, o, ldo, r0, k0, k1); break;
+    case 3: avx512_rows(fmt, 3, j, t, o, ldo, r0, k0, k1); break;
+    case 4: avx512_rows(fmt, 4, j, t, o, ldo, r0, k0, k1); break;
+    case 5: avx512_rows(fmt, 5, j, t, o, ldo, r0, k0, k1); break;
+    default: avx512_rows(fmt, 6, j, t, o, ldo, r0, k0, k1); break;
     }
 }
 
 /* q8 with VNNI: vpdpbusd multiplies the weights' unsigned bytes (w + 128) by the row's signed
  * bytes in groups of 4 k; starting each block's int32 sum at -128 * sum(x block) makes it the
  * exact sum of x * w. The block sum then enters the float accumulator by one FMA. */
-static inline __attribute__((always_inline)) TVNNI void vnni_rows(const int R, const job_t *j, long t, long r0,
-                                                                  long b0, long b1) {
-    const long ldo = j->ntiles * TILE, Kp = j->K, nb = Kp / QB;
+static inline __attribute__((always_inline)) TVNNI void vnni_rows(const int R, const job_t *j, long t, float *o,
+                                                                  long ldo, long r0, long b0, long b1) {
+    const long Kp = j->K, nb = Kp / QB;
     const uint8_t *wt = (const uint8_t *)j->w + (size_t)t * Kp * TILE;
-    float *o = j->out + r0 * ldo + t * TILE;
+    o += r0 * ldo;
     __m512 acc[MAXR_Q8][4];
     for (int r = 0; r < R; r++)
         for (int v = 0; v < 4; v++) acc[r][v] = b0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + r * ldo + 16 * v);
@@ -277,12 +296,12 @@ static inline __attribute__((always_inline)) TVNNI void vnni_rows(const int R, c
         for (int v = 0; v < 4; v++) store16(j, o + r * ldo + 16 * v, acc[r][v], t * TILE + 16 * v, b1 == nb);
 }
 
-static inline __attribute__((always_inline)) TVNNI void vnni_q8_block(const job_t *j, long t, long r0, long R, long b0,
-                                                                      long b1) {
+static inline __attribute__((always_inline)) TVNNI void vnni_q8_block(const job_t *j, long t, float *o, long ldo,
+                                                                      long r0, long R, long b0, long b1) {
     switch (R) {
-    case 1: vnni_rows(1, j, t, r0, b0, b1); break;
-    case 2: vnni_rows(2, j, t, r0, b0, b1); break;
-    default: vnni_rows(3, j, t, r0, b0, b1); break;
+    case 1: vnni_rows(1, j, t, o, ldo, r0, b0, b1); break;
+    case 2: vnni_rows(2, j, t, o, ldo, r0, b0, b1); break;
+    default: vnni_rows(3, j, t, o, ldo, r0, b0, b1); break;
     }
 }
 
@@ -290,28 +309,38 @@ TILE_DRIVER(tile_avx512, __attribute__((noinline)) T512, avx512_float_block, gen
 TILE_DRIVER(tile_avx512_vnni, __attribute__((noinline)) TVNNI, avx512_float_block, vnni_q8_block, MAXR)
 
 /* ------------------------------------------------------------------ thread pool */
-/* Persistent workers. A call publishes its job under a new call number, and every thread,
- * the caller included, claims chunks of output tiles from one counter until none is left;
- * the caller then waits for the claimed chunks to finish. A worker that wakes late (the
- * machine is shared) finds nothing left, so the caller never waits for a thread that has
- * not started: it does the work itself. k is never split, so the bits do not depend on
- * who computes a tile. */
+/* Persistent workers and work stealing. A call's output tiles go in chunks, and every thread,
+ * the caller included, takes chunks from one counter. A worker computes its chunk into its
+ * own scratch and copies it out only if the chunk is still its own (OWNED -> PUBLISHING).
+ * The caller, once the counter is spent, waits about two of its own chunk times for the
+ * chunks workers hold, then takes them back (OWNED -> CALLER) and computes them itself: a
+ * worker descheduled in the middle of a chunk (the core is shared) costs the call one chunk,
+ * not a scheduler time slice. Every chunk runs the same tile function on the same job, whole
+ * (k is never split), so the bits do not depend on which thread computed it.
+ *
+ * A worker whose chunk was taken back may still read the job after the call has returned.
+ * The job (with the call's own copy of the activations) is freed only once no worker's hazard
+ * pointer names it; until then it waits in a retired list, and the npud_gemm* functions
+ * return how many jobs are retired so that the caller keeps the weights alive too (native.py). */
 
-typedef void (*tile_fn)(const job_t *, long);
+enum { FREE = 0, OWNED, PUBLISHING, DONE, CALLER };
+
+typedef void (*tile_fn)(const job_t *, long, float *, long);
 
 static struct {
     pthread_mutex_t mu, call_mu;
     pthread_cond_t cv;
-    _Atomic uint64_t claim; /* call number (16 bits) << 48 | tiles of the call << 24 | next tile */
-    atomic_long done;       /* tiles finished in this call */
-    int started;            /* workers running */
-    int active;             /* workers that take part in calls (threads - 1) */
-    const job_t *job;
-    long chunk;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, NULL, 1};
-
-#define TILE_MASK ((uint64_t)0xffffff)
-#define CALL_OF(v) ((uint16_t)((v) >> 48))
+    atomic_uint call;                      /* increments with every call the workers take part in */
+    _Atomic(job_t *) job;                  /* the current call's job; NULL between calls */
+    _Atomic(job_t *) hazard[MAX_THREADS];  /* the job each worker is reading, or NULL */
+    atomic_int active;                     /* workers that take part in calls (threads - 1) */
+    int started;                           /* workers running */
+    job_t *retired;                        /* jobs a worker may still read (caller's side only) */
+    atomic_long published, stolen, moved;  /* chunks workers delivered; chunks the caller took back;
+                                              workers that moved off the caller's CPU */
+    atomic_long stall_us;                  /* tests: workers sleep this long on each chunk they take
+                                              (and the caller lets one take the first) */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
 static tile_fn tile_for(int isa) {
     switch (isa) {
@@ -322,43 +351,131 @@ static tile_fn tile_for(int isa) {
     }
 }
 
-/* Claim and run chunks of the current call until none is left. The claim word carries the
- * call's tile count, so nothing of the job is read before a chunk is ours; once it is, the
- * caller waits for it, so the job stays valid while it runs. */
-static void run_claims(void) {
-    uint64_t v = atomic_load_explicit(&pool.claim, memory_order_acquire);
+/* A job with room for `ntiles` chunk states and `extra` bytes of the call's own buffers. */
+static job_t *job_new(long ntiles, size_t extra) {
+    const size_t head = (sizeof(job_t) + (size_t)ntiles + 63) / 64 * 64;
+    job_t *j = aligned_alloc(64, (head + extra + 63) / 64 * 64);
+    if (!j) return NULL;
+    memset(j, 0, sizeof(job_t));
+    j->state = (_Atomic uint8_t *)((char *)j + sizeof(job_t));
+    memset((void *)j->state, FREE, (size_t)ntiles);
+    return j;
+}
+
+static void *job_extra(job_t *j, long ntiles) {
+    return (char *)j + (sizeof(job_t) + (size_t)ntiles + 63) / 64 * 64;
+}
+
+/* Tiles [c * chunk, ...) of job j into o (row m of tile t0 at o + m * ldo). */
+static void run_chunk(const job_t *j, long c, float *o, long ldo) {
+    const long t0 = c * j->chunk, t1 = t0 + j->chunk < j->ntiles ? t0 + j->chunk : j->ntiles;
+    for (long t = t0; t < t1; t++) j->tile(j, t, o + (t - t0) * TILE, ldo);
+}
+
+/* A loaded machine's scheduler tends to wake a worker on its waker's CPU, where it can only
+ * take turns with the caller (and its spin and its stolen chunks cost the caller time): a
+ * worker that finds itself there moves to the other CPUs it may use, and stays off that one. */
+static void move_off(int cpu, const cpu_set_t *allowed) {
+    cpu_set_t set = *allowed;
+    CPU_CLR(cpu, &set);
+    if (CPU_COUNT(&set) > 0 && sched_setaffinity(0, sizeof set, &set) == 0)
+        atomic_fetch_add_explicit(&pool.moved, 1, memory_order_relaxed);
+}
+
+static void worker_chunks(job_t *j, float **scratch, size_t *cap) {
+    const size_t need = (size_t)j->M * j->chunk * TILE * sizeof(float);
+    if (need > *cap) {
+        free(*scratch);
+        *scratch = malloc(need);
+        *cap = *scratch ? need : 0;
+        if (!*scratch) return; /* the caller does the chunks */
+    }
+    const long ldo = j->ntiles * TILE, width = j->chunk * TILE;
     for (;;) {
-        const long next = (long)(v & TILE_MASK), n = (long)((v >> 24) & TILE_MASK);
-        if (next >= n) return;
-        const long t1 = next + pool.chunk < n ? next + pool.chunk : n;
-        if (!atomic_compare_exchange_weak_explicit(&pool.claim, &v, (v & ~TILE_MASK) | (uint64_t)t1,
-                                                   memory_order_acq_rel, memory_order_acquire))
-            continue; /* v now holds the current value */
-        const job_t *j = pool.job;
-        const tile_fn fn = tile_for(isa_used);
-        for (long t = next; t < t1; t++) fn(j, t);
-        atomic_fetch_add_explicit(&pool.done, t1 - next, memory_order_acq_rel);
-        v = atomic_load_explicit(&pool.claim, memory_order_acquire);
+        const long c = atomic_fetch_add(&j->next, 1);
+        if (c >= j->nchunks) return;
+        uint8_t st = FREE;
+        if (!atomic_compare_exchange_strong(&j->state[c], &st, OWNED)) continue;
+        const long stall = atomic_load_explicit(&pool.stall_us, memory_order_relaxed);
+        if (stall) {
+            const struct timespec ts = {stall / 1000000, stall % 1000000 * 1000};
+            nanosleep(&ts, NULL);
+        }
+        run_chunk(j, c, *scratch, width);
+        st = OWNED;
+        if (!atomic_compare_exchange_strong(&j->state[c], &st, PUBLISHING)) continue; /* taken back */
+        const long t0 = c * j->chunk, cols = (t0 + j->chunk < j->ntiles ? j->chunk : j->ntiles - t0) * TILE;
+        for (long m = 0; m < j->M; m++) memcpy(j->out + m * ldo + t0 * TILE, *scratch + m * width, cols * sizeof(float));
+        atomic_store_explicit(&j->state[c], DONE, memory_order_release);
+        atomic_fetch_add_explicit(&pool.published, 1, memory_order_relaxed);
+    }
+}
+
+/* The caller's part: chunks from the counter, then every chunk not yet done, taking back
+ * those a worker has held for longer than about two of the caller's own chunk times. */
+static void caller_chunks(job_t *j) {
+    const long ldo = j->ntiles * TILE;
+    uint64_t spent = 0, ran = 0;
+    if (atomic_load_explicit(&pool.stall_us, memory_order_relaxed)) /* tests: a worker takes the first chunk */
+        for (int i = 0; i < 100000 && atomic_load(&j->next) == 0; i++) sched_yield();
+    for (;;) {
+        const long c = atomic_fetch_add(&j->next, 1);
+        if (c >= j->nchunks) break;
+        uint8_t st = FREE;
+        if (!atomic_compare_exchange_strong(&j->state[c], &st, CALLER)) continue;
+        const uint64_t t = __rdtsc();
+        run_chunk(j, c, j->out + c * j->chunk * TILE, ldo);
+        spent += __rdtsc() - t;
+        ran++;
+    }
+    const uint64_t patience = ran ? 2 * spent / ran : 100000, since = __rdtsc();
+    for (long c = 0; c < j->nchunks; c++) {
+        long spins = 0;
+        for (;;) {
+            uint8_t st = atomic_load_explicit(&j->state[c], memory_order_acquire);
+            if (st == DONE || st == CALLER) break;
+            if (st == FREE || (st == OWNED && __rdtsc() - since > patience)) {
+                if (!atomic_compare_exchange_strong(&j->state[c], &st, CALLER)) continue;
+                run_chunk(j, c, j->out + c * j->chunk * TILE, ldo);
+                if (st == OWNED) atomic_fetch_add_explicit(&pool.stolen, 1, memory_order_relaxed);
+                break;
+            }
+            /* OWNED within patience, or PUBLISHING (a copy of a few KiB) */
+            if (++spins < 20000) _mm_pause();
+            else sched_yield();
+        }
     }
 }
 
 static void *worker(void *arg) {
-    const int index = (int)((uintptr_t)arg >> 16);  /* 0 for the first worker */
-    uint16_t seen = (uint16_t)(uintptr_t)arg;       /* the call number at creation */
+    const int index = (int)((uintptr_t)arg >> 32);
+    unsigned seen = (unsigned)(uintptr_t)arg; /* the call number at creation */
+    float *scratch = NULL;
+    size_t cap = 0;
+    cpu_set_t allowed; /* the CPUs the process may use (the caller's mask at creation) */
+    if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) CPU_ZERO(&allowed);
     for (;;) {
-        uint16_t call;
+        unsigned call;
         int spins = 0;
-        while ((call = CALL_OF(atomic_load_explicit(&pool.claim, memory_order_acquire))) == seen && spins < SPIN_WAIT) {
+        while ((call = atomic_load_explicit(&pool.call, memory_order_acquire)) == seen && spins < SPIN_WAIT) {
             _mm_pause();
             spins++;
         }
         if (call == seen) {
             pthread_mutex_lock(&pool.mu);
-            while ((call = CALL_OF(atomic_load(&pool.claim))) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
+            while ((call = atomic_load(&pool.call)) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
             pthread_mutex_unlock(&pool.mu);
         }
         seen = call;
-        if (index < pool.active) run_claims();
+        if (index >= atomic_load(&pool.active)) continue;
+        job_t *j;
+        do { /* name the job, then check it is still the current one: the caller frees only unnamed jobs */
+            j = atomic_load(&pool.job);
+            atomic_store(&pool.hazard[index], j);
+        } while (j && atomic_load(&pool.job) != j);
+        if (j && sched_getcpu() == j->caller_cpu) move_off(j->caller_cpu, &allowed);
+        if (j) worker_chunks(j, &scratch, &cap);
+        atomic_store(&pool.hazard[index], NULL);
     }
     return NULL;
 }
@@ -369,7 +486,7 @@ static void ensure_workers(int n) {
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        const uintptr_t arg = ((uintptr_t)pool.started << 16) | CALL_OF(atomic_load(&pool.claim));
+        const uintptr_t arg = ((uintptr_t)pool.started << 32) | atomic_load(&pool.call);
         const int ok = pthread_create(&th, &attr, worker, (void *)arg) == 0;
         pthread_attr_destroy(&attr);
         if (!ok) break;
@@ -377,35 +494,61 @@ static void ensure_workers(int n) {
     }
 }
 
-static void dispatch(const job_t *j, int threads) {
+static int named_by_worker(const job_t *j) {
+    for (int i = 0; i < pool.started; i++)
+        if (atomic_load(&pool.hazard[i]) == j) return 1;
+    return 0;
+}
+
+/* Free the retired jobs no worker names any more; returns how many are still named. Under call_mu. */
+static long reclaim(void) {
+    long held = 0;
+    for (job_t **p = &pool.retired; *p;) {
+        job_t *j = *p;
+        if (named_by_worker(j)) {
+            held++;
+            p = &j->retired;
+        } else {
+            *p = j->retired;
+            free(j);
+        }
+    }
+    return held;
+}
+
+/* Run job j (from job_new; this call owns it) on `threads` threads; returns the jobs still retired. */
+static long dispatch(job_t *j, int threads) {
     pthread_mutex_lock(&pool.call_mu);
+    j->tile = tile_for(isa_used);
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > j->ntiles) threads = (int)j->ntiles;
     if (threads > 1) ensure_workers(threads);
-    if (threads <= 1 || pool.started == 0 || (uint64_t)j->ntiles > TILE_MASK) {
-        const tile_fn fn = tile_for(isa_used);
-        for (long t = 0; t < j->ntiles; t++) fn(j, t);
-        pthread_mutex_unlock(&pool.call_mu);
-        return;
+    if (threads <= 1 || pool.started == 0) {
+        for (long t = 0; t < j->ntiles; t++) j->tile(j, t, j->out + t * TILE, j->ntiles * TILE);
+        free(j);
+    } else {
+        /* chunks: many per thread, so that taking one back costs little */
+        j->chunk = (j->ntiles + threads * 32 - 1) / (threads * 32);
+        j->nchunks = (j->ntiles + j->chunk - 1) / j->chunk;
+        j->caller_cpu = sched_getcpu();
+        atomic_store(&pool.active, threads - 1);
+        atomic_store(&pool.job, j);
+        pthread_mutex_lock(&pool.mu);
+        atomic_fetch_add(&pool.call, 1);
+        pthread_cond_broadcast(&pool.cv);
+        pthread_mutex_unlock(&pool.mu);
+        caller_chunks(j);
+        atomic_store(&pool.job, NULL);
+        if (named_by_worker(j)) {
+            j->retired = pool.retired;
+            pool.retired = j;
+        } else {
+            free(j);
+        }
     }
-    /* chunks: a few per thread, so a late or slow thread leaves work the others pick up */
-    const long chunk = j->ntiles / (threads * 8);
-    pool.chunk = chunk < 1 ? 1 : chunk;
-    pool.active = threads - 1;
-    pool.job = j;
-    atomic_store(&pool.done, 0);
-    const uint64_t call = (uint64_t)(uint16_t)(CALL_OF(atomic_load(&pool.claim)) + 1);
-    pthread_mutex_lock(&pool.mu);
-    atomic_store_explicit(&pool.claim, call << 48 | (uint64_t)j->ntiles << 24, memory_order_release);
-    pthread_cond_broadcast(&pool.cv);
-    pthread_mutex_unlock(&pool.mu);
-    run_claims();
-    int spins = 0;
-    while (atomic_load_explicit(&pool.done, memory_order_acquire) < j->ntiles) {
-        if (++spins < 20000) _mm_pause();
-        else sched_yield();
-    }
+    const long held = reclaim();
     pthread_mutex_unlock(&pool.call_mu);
+    return held;
 }
 
 /* ------------------------------------------------------------------ the interface (ctypes) */
@@ -434,21 +577,19 @@ int npud_set_isa(int isa) {
 }
 
 /* out[M, ntiles*TILE] = x[M, K] @ W.T, W float/bf16/int8 tiles [ntiles, K, TILE]; scale, bias [N] or NULL.
- * Returns -1 when the transposed copy of x cannot be allocated, else 0. */
-int npud_gemm(int fmt, const float *x, long M, long K, const void *w, long ntiles, long N, const float *scale,
-              const float *bias, float *out, int threads) {
+ * Returns -1 when the call's copy of x cannot be allocated, else how many jobs a worker may
+ * still read (then w, scale and bias must stay alive until npud_pool_held() says 0). */
+long npud_gemm(int fmt, const float *x, long M, long K, const void *w, long ntiles, long N, const float *scale,
+               const float *bias, float *out, int threads) {
     if (isa_used < 0) npud_set_isa(-1);
-    float *xt = NULL;
-    if (M > 1) {
-        xt = malloc((size_t)M * K * sizeof(float));
-        if (!xt) return -1;
-        for (long m = 0; m < M; m++)
-            for (long k = 0; k < K; k++) xt[k * M + m] = x[m * K + k];
-    }
-    job_t j = {fmt, M, K, xt ? xt : x, w, ntiles, N, scale, bias, out, NULL, NULL, NULL};
-    dispatch(&j, threads);
-    free(xt);
-    return 0;
+    job_t *j = job_new(ntiles, (size_t)M * K * sizeof(float));
+    if (!j) return -1;
+    float *xt = job_extra(j, ntiles); /* x transposed: [K, M] */
+    for (long m = 0; m < M; m++)
+        for (long k = 0; k < K; k++) xt[k * M + m] = x[m * K + k];
+    j->fmt = fmt, j->M = M, j->K = K, j->x = xt, j->w = w, j->ntiles = ntiles, j->N = N;
+    j->scale = scale, j->bias = bias, j->out = out;
+    return dispatch(j, threads);
 }
 
 /* Quantize rows of x [M, K] in blocks of QB (zero-padded to Kp): xq [M, Kp], xs and xsum [M, Kp/QB].
@@ -477,15 +618,6 @@ void npud_quantize_q8(const float *x, long M, long K, long Kp, int8_t *xq, float
     }
 }
 
-/* out[M, ntiles*TILE] from int8 weights [ntiles, Kp/4, TILE, 4] (stored w + 128) and the row's
- * q8 blocks; scale (per column), bias [N] or NULL. */
-void npud_gemm_q8(const int8_t *xq, const float *xs, const int32_t *xsum, long M, long Kp, const uint8_t *w,
-                  long ntiles, long N, const float *scale, const float *bias, float *out, int threads) {
-    if (isa_used < 0) npud_set_isa(-1);
-    job_t j = {FMT_Q8, M, Kp, NULL, w, ntiles, N, scale, bias, out, xq, xs, xsum};
-    dispatch(&j, threads);
-}
-
 /* Rows of an embedding table held as tiles (k = 0..K-1 stored, D of them real):
  * out[m, :D] = row tokens[m] widened (times scale[token] when scale is not NULL). */
 void npud_embed(int fmt, const void *w, long K, long D, const int64_t *tokens, long M, const float *scale, float *out) {
@@ -502,19 +634,41 @@ void npud_embed(int fmt, const void *w, long K, long D, const int64_t *tokens, l
     }
 }
 
-/* npud_quantize_q8 then npud_gemm_q8, with the q8 rows in a scratch buffer of this call. */
-int npud_linear_q8(const float *x, long M, long K, long Kp, const uint8_t *w, long ntiles, long N, const float *scale,
-                   const float *bias, float *out, int threads) {
+/* out[M, ntiles*TILE] from int8 weights [ntiles, Kp/4, TILE, 4] (stored w + 128) and x [M, K]
+ * quantized per row in q8 blocks (npud_quantize_q8); scale (per column), bias [N] or NULL.
+ * Returns as npud_gemm. */
+long npud_linear_q8(const float *x, long M, long K, long Kp, const uint8_t *w, long ntiles, long N, const float *scale,
+                    const float *bias, float *out, int threads) {
+    if (isa_used < 0) npud_set_isa(-1);
     const long nb = Kp / QB;
-    int8_t *xq = malloc((size_t)M * Kp);
-    float *xs = malloc((size_t)M * nb * sizeof(float));
-    int32_t *xsum = malloc((size_t)M * nb * sizeof(int32_t));
-    if (!xq || !xs || !xsum) {
-        free(xq), free(xs), free(xsum);
-        return -1;
-    }
+    const size_t qbytes = ((size_t)M * Kp + 63) / 64 * 64;
+    job_t *j = job_new(ntiles, qbytes + (size_t)M * nb * (sizeof(float) + sizeof(int32_t)));
+    if (!j) return -1;
+    int8_t *xq = job_extra(j, ntiles);
+    float *xs = (float *)((char *)xq + qbytes);
+    int32_t *xsum = (int32_t *)(xs + M * nb);
     npud_quantize_q8(x, M, K, Kp, xq, xs, xsum);
-    npud_gemm_q8(xq, xs, xsum, M, Kp, w, ntiles, N, scale, bias, out, threads);
-    free(xq), free(xs), free(xsum);
-    return 0;
+    j->fmt = FMT_Q8, j->M = M, j->K = Kp, j->w = w, j->ntiles = ntiles, j->N = N;
+    j->scale = scale, j->bias = bias, j->out = out, j->xq = xq, j->xs = xs, j->xsum = xsum;
+    return dispatch(j, threads);
 }
+
+/* How many finished calls a worker may still read (freeing those no worker reads now). */
+long npud_pool_held(void) {
+    pthread_mutex_lock(&pool.call_mu);
+    const long held = reclaim();
+    pthread_mutex_unlock(&pool.call_mu);
+    return held;
+}
+
+/* stats[0]: chunks workers delivered, [1]: chunks the caller took back from a worker,
+ * [2]: times a worker moved off the caller's CPU. */
+void npud_pool_stats(long *stats) {
+    stats[0] = atomic_load(&pool.published);
+    stats[1] = atomic_load(&pool.stolen);
+    stats[2] = atomic_load(&pool.moved);
+}
+
+/* Tests: workers sleep `us` microseconds on every chunk they take (a descheduled worker), and
+ * the caller waits for a worker to take the first chunk (0: back to normal). */
+void npud_pool_stall(long us) { atomic_store(&pool.stall_us, us); }

@@ -11,9 +11,15 @@ AVX2+FMA (the generic C built for it), or the generic C that every x86-64 runs. 
 computes the same chain per element (the generic one with fmaf), so they give the same bits,
 which tests/test_kernels.py checks. gemm.c says how each element is computed.
 
-Threads: a persistent pool inside the library (workers spin briefly, then sleep), each
-call's output tiles split into contiguous ranges, one per thread; k is never split, so the
-bits do not depend on the number of threads. ctypes releases the GIL for the call.
+Threads: a persistent pool inside the library (workers spin briefly, then sleep). A call's
+output tiles go in small chunks that every thread, the caller included, takes from one
+counter; the caller takes back the chunks of a worker that stalls (on a shared machine its
+core may be busy with someone else) instead of waiting a scheduler time slice for it. A
+chunk is whole tiles, k is never split, so the bits do not depend on who computed what.
+A worker the scheduler woke on the caller's CPU (where it could only take turns with the
+caller) moves to the other CPUs. A worker whose chunk was taken back may go on reading the
+weights after the call returns, so `_call` keeps the arrays of such calls alive until the
+library says no worker reads them. ctypes releases the GIL for the call.
 
 Build: on first use, or ahead of time with `python -m kernels.host` (tools/test.sh and
 tools/demo.sh do so after installing). The shared object is named by a digest of the source
@@ -51,6 +57,8 @@ SOURCE = Path(__file__).with_name("gemm.c")
 CFLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-pthread", "-std=gnu11")
 
 _lock = threading.Lock()
+_call_lock = threading.Lock()  # a call and the bookkeeping of what a stalled worker still reads
+_held: list = []  # arrays of finished calls a stalled worker may still read (gemm.c's pool)
 _lib: ctypes.CDLL | None = None
 _threads = 0
 _isa_in_use = ""
@@ -116,9 +124,14 @@ def library() -> ctypes.CDLL:
             lib.npud_set_isa.argtypes = [_I]
             lib.npud_set_isa.restype = _I
             lib.npud_gemm.argtypes = [_I, _P, _L, _L, _P, _L, _L, _P, _P, _P, _I]
-            lib.npud_gemm.restype = _I
+            lib.npud_gemm.restype = _L
             lib.npud_linear_q8.argtypes = [_P, _L, _L, _L, _P, _L, _L, _P, _P, _P, _I]
-            lib.npud_linear_q8.restype = _I
+            lib.npud_linear_q8.restype = _L
+            lib.npud_pool_held.restype = _L
+            lib.npud_pool_stats.argtypes = [_P]
+            lib.npud_pool_stats.restype = None
+            lib.npud_pool_stall.argtypes = [_L]
+            lib.npud_pool_stall.restype = None
             lib.npud_embed.argtypes = [_I, _P, _L, _L, _P, _L, _P, _P]
             lib.npud_embed.restype = None
             wanted = os.environ.get("NPUD_HOST_ISA", "")  # tests and benchmarks: force a slower path
@@ -168,6 +181,39 @@ def _ptr(a: np.ndarray | None) -> int | None:
     return None if a is None else a.ctypes.data
 
 
+def _call(fn, arrays: tuple, *args) -> int:
+    """fn(*args) under the call lock; keeps `arrays` alive while a stalled worker may read them."""
+    with _call_lock:
+        held = fn(*args)
+        if held > 0:
+            _held.append(arrays)
+        elif held == 0:
+            _held.clear()  # no worker reads any finished call's arrays now
+        return held
+
+
+def pool_stats() -> tuple[int, int, int]:
+    """So far: (chunks the pool's workers delivered, chunks the caller took back from a stalled
+    worker, times a worker moved off the caller's CPU)."""
+    stats = (ctypes.c_long * 3)()
+    library().npud_pool_stats(stats)
+    return tuple(stats)
+
+
+def stall_workers(microseconds: int) -> None:
+    """Tests: make every worker sleep this long on each chunk it takes (0: stop), as a descheduled one."""
+    library().npud_pool_stall(microseconds)
+
+
+def held_calls() -> int:
+    """Finished calls whose weights a stalled worker may still read (their arrays are kept until then)."""
+    with _call_lock:
+        held = library().npud_pool_held()
+        if held == 0:
+            _held.clear()
+        return held
+
+
 def gemm(fmt: int, x: np.ndarray, w: np.ndarray, n: int, scale: np.ndarray | None, bias: np.ndarray | None,
          parallel: bool) -> np.ndarray:
     """x: [M, K] f32, w: tiles [T, K, TILE] -> [M, T * TILE] f32 (columns >= n are padding).
@@ -176,8 +222,8 @@ def gemm(fmt: int, x: np.ndarray, w: np.ndarray, n: int, scale: np.ndarray | Non
     m, k = x.shape
     tiles = w.shape[0]
     out = np.empty((m, tiles * TILE), np.float32)
-    if library().npud_gemm(fmt, x.ctypes.data, m, k, w.ctypes.data, tiles, n, _ptr(scale), _ptr(bias),
-                           out.ctypes.data, threads() if parallel else 1) != 0:
+    if _call(library().npud_gemm, (w, scale, bias), fmt, x.ctypes.data, m, k, w.ctypes.data, tiles, n, _ptr(scale),
+             _ptr(bias), out.ctypes.data, threads() if parallel else 1) < 0:
         raise MemoryError(f"no memory for a transposed copy of a [{m}, {k}] activation")
     return out
 
@@ -189,8 +235,8 @@ def linear_q8(x: np.ndarray, w: np.ndarray, n: int, scale: np.ndarray, bias: np.
     m, k = x.shape
     tiles, kp = w.shape[0], w.shape[1] * 4
     out = np.empty((m, tiles * TILE), np.float32)
-    if library().npud_linear_q8(x.ctypes.data, m, k, kp, w.ctypes.data, tiles, n, scale.ctypes.data, _ptr(bias),
-                                out.ctypes.data, threads() if parallel else 1) != 0:
+    if _call(library().npud_linear_q8, (w, scale, bias), x.ctypes.data, m, k, kp, w.ctypes.data, tiles, n,
+             scale.ctypes.data, _ptr(bias), out.ctypes.data, threads() if parallel else 1) < 0:
         raise MemoryError(f"no memory for the q8 rows of a [{m}, {kp}] activation")
     return out
 
