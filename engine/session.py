@@ -18,6 +18,7 @@ import numpy as np
 import structlog
 
 from engine.api import (
+    DEFAULT_CACHE_USERS,
     GenerateRequest,
     GenerationParams,
     GenerationResult,
@@ -95,7 +96,7 @@ class LoadedModel:
         cache_dir: str | Path | None = None,
         cache_bytes: int = 1 << 30,
         cache_block: int = 32,
-        cache_scopes: int = 7,
+        cache_scopes: int = DEFAULT_CACHE_USERS,
         backend: str = "auto",
         xrt_design: str | Path | None = None,
         assistant_dir: str | Path | None = None,
@@ -128,7 +129,7 @@ class LoadedModel:
             state_dir=cache_dir,
             max_bytes=cache_bytes,
             block_size=cache_block,
-            max_scopes=cache_scopes,  # served to many users: each has a share (engine/prefix_cache.py)
+            max_scopes=cache_scopes,  # each user has a share of the budgets (engine/prefix_cache.py)
         )
         dflash = DFlashDraft.load(dflash_dir, model, weight_format) if dflash_dir is not None else None
         assistant = Assistant.load(assistant_dir, model, weight_format) if assistant_dir is not None else None

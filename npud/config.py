@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.api import DEFAULT_CACHE_USERS
 from npud.hfcache import NotCached, looks_like_repo_id, resolve_repo
 from npud.kmsg import PRE_HANG_PATTERNS
 
@@ -25,6 +26,7 @@ DEFAULT_CONFIG_PATH = Path("/etc/npud/npud.toml")
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-q8")  # kernels.base.WeightFormat's values
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
+MAX_CACHE_USERS = 64  # store.prefix_cache_users: more shares than this leave each too small to hold a prompt
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -160,10 +162,16 @@ class StoreConfig:
     state_dir: str = "/var/lib/npud"
     retention_days: float = 30.0  # finished jobs, their results and tickets are kept this long
     persist_prefix_cache: bool = True  # prefix-cache entries spill to <state_dir>/prefix-cache/<model>
+    # each model's prefix-cache budgets: a share for the shared scope and one for each of this
+    # many users (0: one budget for all, for a daemon only one user talks to)
+    prefix_cache_users: int = DEFAULT_CACHE_USERS
 
     def __post_init__(self) -> None:
         if not self.state_dir:
             raise DaemonConfigError("store.state_dir", self.state_dir, "must not be empty")
+        if not 0 <= self.prefix_cache_users <= MAX_CACHE_USERS:
+            raise DaemonConfigError("store.prefix_cache_users", self.prefix_cache_users,
+                                    f"must be in [0, {MAX_CACHE_USERS}]")
         _positive("store.retention_days", self.retention_days)
 
 

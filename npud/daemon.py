@@ -57,7 +57,7 @@ class Daemon:
             cfg.models, max_resident_bytes=cfg.device.max_resident_bytes,
             cache_root=Path(cfg.store.state_dir) / "prefix-cache" if cfg.store.persist_prefix_cache else None,
             loader=loader, backend=cfg.device.backend, xrt_design=cfg.device.xrt_design or None,
-            xrt_timeout_ms=cfg.device.xrt_timeout_ms)
+            xrt_timeout_ms=cfg.device.xrt_timeout_ms, cache_users=cfg.store.prefix_cache_users)
         self.jobs = JobManager(cfg, self.store, self.queue)
         self.metrics = Metrics(cfg.metrics, self.queue, lambda: self.jobs.tokens_generated)
         self.owner = DeviceOwner(cfg, self.queue, self.jobs, self.registry, self.thermal, self.errors,

@@ -88,11 +88,11 @@ def model_entry(value: str) -> ModelEntry:
 def user_config(socket: str | None, state_dir: str | None) -> DaemonConfig:
     """The configuration of a per-user npud without a file (its models come from --model): the
     defaults, the socket and store in the XDG directories (or where --socket / --state-dir say),
-    the socket for this user only."""
+    the socket for this user only, and one prefix-cache budget (no other user to share it with)."""
     socket = socket or str(userdirs.socket_path())
     state_dir = state_dir or str(userdirs.state_dir())
     return DaemonConfig(server=ServerConfig(socket_path=socket, socket_mode=0o600),
-                        store=StoreConfig(state_dir=state_dir))
+                        store=StoreConfig(state_dir=state_dir, prefix_cache_users=0))
 
 
 def _load(args: argparse.Namespace) -> tuple[DaemonConfig, Path | None]:

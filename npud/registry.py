@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import structlog
 
-from engine.api import EngineError, ModelLoader, ServedModel, load_model
+from engine.api import DEFAULT_CACHE_USERS, EngineError, ModelLoader, ServedModel, load_model
 from npud.config import ModelEntry
 from npud.protocol import ApiError, ErrorCode
 
@@ -36,8 +36,9 @@ def estimate_bytes(entry: ModelEntry) -> int:
 class ModelRegistry:
     def __init__(self, models: tuple[ModelEntry, ...], *, max_resident_bytes: int, cache_root: Path | None = None,
                  loader: ModelLoader = load_model, backend: str = "auto", xrt_design: str | None = None,
-                 xrt_timeout_ms: int | None = None) -> None:
+                 xrt_timeout_ms: int | None = None, cache_users: int = DEFAULT_CACHE_USERS) -> None:
         self._entries = {m.name: m for m in models}
+        self.cache_users = cache_users  # the prefix cache's per-user budget shares (engine.api.load_model)
         self.cache_root = cache_root  # prefix caches persist under cache_root/<model>; None: memory only
         self.backend = backend
         self.xrt_design = xrt_design
@@ -81,7 +82,7 @@ class ModelRegistry:
                 weight_format=entry.weight_format,
                 cache_dir=None if self.cache_root is None else self.cache_root / entry.name,
                 backend=self.backend, xrt_design=self.xrt_design, assistant_dir=entry.assistant_dir,
-                xrt_timeout_ms=self.xrt_timeout_ms)
+                xrt_timeout_ms=self.xrt_timeout_ms, cache_users=self.cache_users)
         except (EngineError, OSError) as exc:  # ConfigError, WeightsError, TokenizerError, missing files
             log.error("model_load_failed", model=name, checkpoint_dir=entry.checkpoint_dir,
                       error=f"{type(exc).__name__}: {exc}")

@@ -14,6 +14,7 @@ from engine.api import (
     RequestError,
     SamplingParams,
     SpecParams,
+    load_model,
 )
 from engine.forward import Forward
 from engine.generate import Generation, _longest_stop_prefix_suffix
@@ -128,6 +129,11 @@ def served(ckpt):
 def test_a_served_model_gives_each_user_a_share_of_its_prefix_cache(served):
     # one user's inserts must not evict another's entries (issue 17; engine/prefix_cache.py)
     assert served.prefix_cache.max_scopes == 7
+
+
+def test_a_single_user_daemon_keeps_one_prefix_cache_budget(ckpt):
+    served = load_model("tiny", ckpt, weight_format="fp32", cache_users=0)
+    assert served.prefix_cache.max_scopes == 0
 
 
 def drive(session):

@@ -29,6 +29,8 @@ def test_defaults_are_valid_and_frozen():
     ({"limits": {"max_line_bytes": 10}}, "limits.max_line_bytes"),
     ({"limits": {"max_prompt_tokens": True}}, "limits.max_prompt_tokens"),
     ({"store": {"retention_days": -1}}, "store.retention_days"),
+    ({"store": {"prefix_cache_users": -1}}, "store.prefix_cache_users"),
+    ({"store": {"prefix_cache_users": 65}}, "store.prefix_cache_users"),
     ({"scheduler": {"quantum_tokens": 0}}, "scheduler.quantum_tokens"),
     ({"thermal": {"resume_below_c": 96.0}}, "thermal.resume_below_c"),
     ({"thermal": {"abort_above_c": 90.0}}, "thermal.abort_above_c"),

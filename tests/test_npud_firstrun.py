@@ -128,6 +128,12 @@ def test_npud_config_names_the_file_and_config_beats_it(monkeypatch, tmp_path, c
     assert "missing.toml" in capsys.readouterr().err
 
 
+def test_a_per_user_daemon_gives_its_user_the_whole_prefix_cache():
+    # one user: no other to share the budget with (a system daemon splits it, docs/operations.md)
+    assert npud_main.user_config("/tmp/x.sock", "/tmp/x").store.prefix_cache_users == 0
+    assert parse_config({}).store.prefix_cache_users == 7
+
+
 def test_no_config_and_no_model_says_both_ways(monkeypatch, tmp_path, capsys):
     monkeypatch.delenv("NPUD_CONFIG", raising=False)
     monkeypatch.setattr(npud_main, "DEFAULT_CONFIG_PATH", tmp_path / "npud.toml")

@@ -3,7 +3,8 @@
 import pytest
 
 import test_npud_support as fakes
-from npud.config import ModelEntry
+from npud.config import ModelEntry, parse_config
+from npud.daemon import Daemon
 from npud.protocol import ApiError
 from npud.registry import ModelRegistry
 
@@ -14,6 +15,20 @@ def _registry(tmp_path, budget, sizes):
         fakes.write_fake_checkpoint(tmp_path / name, nbytes=nbytes)
         entries.append(ModelEntry(name, str(tmp_path / name)))
     return ModelRegistry(tuple(entries), max_resident_bytes=budget, loader=fakes.load_model), entries
+
+
+def test_the_prefix_cache_users_reach_the_loader(tmp_path):
+    fakes.write_fake_checkpoint(tmp_path / "a", nbytes=10)
+    seen = []
+
+    def loader(*args, **kwargs):
+        seen.append(kwargs["cache_users"])
+        return fakes.load_model(*args, **kwargs)
+
+    entries = (ModelEntry("a", str(tmp_path / "a")),)
+    ModelRegistry(entries, max_resident_bytes=100, loader=loader, cache_users=3).get("a")
+    ModelRegistry(entries, max_resident_bytes=100, loader=loader, cache_users=0).get("a")
+    assert seen == [3, 0]
 
 
 def test_load_once_and_keep_resident(tmp_path):
@@ -74,3 +89,9 @@ def test_reconfigure_unloads_changed_models_unless_in_use(tmp_path):
     reg.get("a")
     reg.reconfigure((entries[1],), 10_000, keep={"a"})
     assert reg.resident("a") is not None and reg.names == ("b",)
+
+
+def test_the_daemon_gives_its_models_the_configured_prefix_cache_users(tmp_path):
+    cfg = parse_config({"server": {"socket_path": str(tmp_path / "s.sock")},
+                        "store": {"state_dir": str(tmp_path), "prefix_cache_users": 5}})
+    assert Daemon(cfg, loader=fakes.load_model).registry.cache_users == 5
