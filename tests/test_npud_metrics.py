@@ -418,10 +418,11 @@ async def test_a_text_file_that_cannot_be_written_is_reported_once(workdir):
                 assert len(failures) == 1 and failures[0]["path"] == str(path)
                 blocker.unlink()  # the directory can be made now
 
-                async def written():
-                    return path.exists()
+                async def written():  # the log line comes after the rename, back on the event loop
+                    return any(e["event"] == "metrics_textfile_written" for e in logs)
 
                 await wait_until(written, "the text file")
+                assert path.exists()
                 assert [e["event"] for e in logs if e["event"].startswith("metrics_textfile")] == [
                     "metrics_textfile_failed", "metrics_textfile_written"]
             daemon.request_stop()
