@@ -1,8 +1,11 @@
 """The input of `npuctl submit`: a JSONL file of prompts with per-line settings, grouped into jobs.
 
-A job has one set of generation settings (docs/protocol.md, `submit`), so lines whose
-settings differ go to different jobs; the results are put back in input order. Only the
-shape of a line is checked here, with its line number; values are the daemon's to judge.
+A line is npud's own shape (`{"prompt"| "messages", "max_tokens", ...}`) or an OpenAI Batch
+request (clients/openai_batch.py). A job has one model and one priority, and holds each
+prompt's own generation settings (`prompt_settings`, docs/protocol.md), so lines go to
+different jobs only when their model, priority or kind (prompts or chats) differ, or a job
+is full; the results are put back in input order. Only the shape of a line is checked here,
+with its line number; values are the daemon's to judge.
 """
 
 from __future__ import annotations
@@ -11,6 +14,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from clients.openai_batch import Endpoint, from_openai_line, is_openai_line
+
+JOB_SETTINGS = ("model", "priority")  # one per job
+PROMPT_SETTINGS = ("max_tokens", "sampling", "stop", "spec", "use_prefix_cache")  # one per prompt
 SETTINGS = ("model", "max_tokens", "sampling", "stop", "spec", "use_prefix_cache", "priority")
 LINE_KEYS = ("prompt", "messages", "id", *SETTINGS)
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed")
@@ -27,13 +34,20 @@ class Line:
     index: int  # 0-based position among the prompts (blank lines do not count)
     prompt: str | None
     messages: list[dict] | None
-    settings: dict  # the submit params of this line, CLI defaults merged in
-    user_id: Any = None  # the line's optional "id", echoed in its result
+    job_settings: dict  # the job params this line needs: the CLI's settings, its own model and priority
+    own: dict  # the line's own PROMPT_SETTINGS, sent as its prompt_settings entry
+    user_id: Any = None  # the line's optional "id" (an OpenAI line's custom_id), echoed in its result
+    endpoint: Endpoint | None = None  # an OpenAI Batch line's url
+
+    @property
+    def settings(self) -> dict:
+        """What this prompt runs with: the line's settings over the command line's."""
+        return merge_settings(self.job_settings, self.own)
 
 
 @dataclass(slots=True)
 class JobPlan:
-    """One `submit`: lines with the same settings and the same kind (prompts or chats)."""
+    """One `submit`: lines with the same job settings and the same kind (prompts or chats)."""
 
     settings: dict
     lines: list[Line] = field(default_factory=list)
@@ -48,6 +62,8 @@ class JobPlan:
             body: dict = {"prompts": [line.prompt for line in self.lines]}
         else:
             body = {"chats": [line.messages for line in self.lines]}
+        if any(line.own for line in self.lines):
+            body["prompt_settings"] = [line.own or None for line in self.lines]
         return {**self.settings, **body}
 
 
@@ -120,6 +136,7 @@ def read_lines(raw_lines: Iterable[bytes | str], name: str, defaults: dict) -> l
     """Parse the input (lines of a file opened in binary mode, or strings); raises
     InputError("NAME:LINE: ...") for the first bad line, or for no prompts at all."""
     lines: list[Line] = []
+    custom_ids: dict[str, int] = {}
     for number, raw in enumerate(raw_lines, start=1):
         where = f"{name}:{number}"
         if isinstance(raw, bytes):
@@ -135,9 +152,22 @@ def read_lines(raw_lines: Iterable[bytes | str], name: str, defaults: dict) -> l
             raise InputError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})") from None
         except RecursionError:
             raise InputError(f"{where}: nested too deeply") from None
+        endpoint = user_id = None
+        if is_openai_line(obj):
+            try:
+                user_id, endpoint, obj = from_openai_line(obj)
+            except ValueError as exc:
+                raise InputError(f"{where}: {exc}") from None
+            if user_id in custom_ids:
+                raise InputError(f"{where}: custom_id {user_id!r} is on line {custom_ids[user_id]} too "
+                                 "(each request needs its own)")
+            custom_ids[user_id] = number
         obj = _check_line(where, obj)
-        lines.append(Line(number, len(lines), obj.get("prompt"), obj.get("messages"),
-                          merge_settings(defaults, obj), obj.get("id")))
+        job = {k: v for k, v in defaults.items() if v is not None}
+        job.update({k: obj[k] for k in JOB_SETTINGS if k in obj})
+        lines.append(Line(number, len(lines), obj.get("prompt"), obj.get("messages"), job,
+                          {k: obj[k] for k in PROMPT_SETTINGS if k in obj},
+                          obj.get("id") if endpoint is None else user_id, endpoint))
     if not lines:
         raise InputError(f"{name}: no prompts (one JSON object per line: "
                          "{\"prompt\": \"...\"} or {\"messages\": [...]})")
@@ -145,15 +175,16 @@ def read_lines(raw_lines: Iterable[bytes | str], name: str, defaults: dict) -> l
 
 
 def plan_jobs(lines: list[Line], max_prompts_per_job: int) -> list[JobPlan]:
-    """Group lines into jobs by settings and kind, in order of first appearance, at most
-    `max_prompts_per_job` prompts each."""
+    """Group lines into jobs by job settings (model, priority) and kind, in order of first
+    appearance, at most `max_prompts_per_job` prompts each; their other settings go with
+    each prompt."""
     groups: dict[str, list[JobPlan]] = {}
     order: list[JobPlan] = []
     for line in lines:
-        key = json.dumps([line.prompt is not None, line.settings], sort_keys=True)
+        key = json.dumps([line.prompt is not None, line.job_settings], sort_keys=True)
         plans = groups.setdefault(key, [])
         if not plans or len(plans[-1].lines) >= max_prompts_per_job:
-            plans.append(JobPlan(line.settings))
+            plans.append(JobPlan(line.job_settings))
             order.append(plans[-1])
         plans[-1].lines.append(line)
     return order

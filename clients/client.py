@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import socket
+import stat
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -73,6 +74,13 @@ class NotRunning(NpudError):
     code = "not_running"
 
 
+class NotASocket(NotRunning):
+    """The socket path names something else (a file, a directory): a wrong NPUD_SOCKET or
+    --socket, not a stopped daemon."""
+
+    code = "not_a_socket"
+
+
 class PermissionDenied(NpudError):
     code = "permission_denied"
 
@@ -96,7 +104,23 @@ def error_from_wire(error: dict) -> NpudError:
     return cls(message) if cls is not None else NpudError(message, code)
 
 
+def _not_a_socket(path: str) -> str | None:
+    """What `path` is when it exists and is not a socket ("a regular file", "a directory", ...)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    return ("a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode)
+            else "a named pipe" if stat.S_ISFIFO(mode) else "not a file npud makes")
+
+
 def _connect_error(path: str, exc: OSError) -> NpudError:
+    what = _not_a_socket(path) if exc.errno in (errno.ECONNREFUSED, errno.ENOTSOCK) else None
+    if what is not None:  # connecting to a regular file is ECONNREFUSED, like a socket nobody listens at
+        return NotASocket(f"{path} is not a socket ({what}); point NPUD_SOCKET or --socket at the "
+                          "socket npud listens on (server.socket_path in its config)")
     if exc.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR):
         return NotRunning(
             f"npud is not running (nothing listens at {path}). Start it with `sudo systemctl start npud`, "
@@ -160,6 +184,17 @@ def _generation(model, max_tokens, sampling, stop, spec, use_prefix_cache, suffi
             "use_prefix_cache": use_prefix_cache, "suffix": suffix, "fim_extra": fim_extra}
 
 
+def _key_unknown(exc: BadRequest) -> bool:
+    """Whether a submit was refused by an npud that predates `idempotency_key` (its reply
+    names the key as an unknown parameter; a key reused for another request is refused with
+    another message, and must not be dropped)."""
+    return "unknown parameter" in exc.message and "'idempotency_key'" in exc.message
+
+
+def _without_key(params: dict) -> dict:
+    return {k: v for k, v in params.items() if k != "idempotency_key"}
+
+
 class _Methods:
     """Every protocol method as a call; subclasses supply _call (one reply) and _stream."""
 
@@ -179,19 +214,23 @@ class _Methods:
     def submit(self, prompts: list[str] | None = None, *, chats: list[list[dict]] | None = None,
                model: str | None = None, max_tokens: int | None = None, sampling: dict | None = None,
                stop: list[str] | None = None, spec: dict | None = None, use_prefix_cache: bool | None = None,
-               priority: str | None = None, idempotency_key: str | None = None, retries: int = SUBMIT_RETRIES,
+               priority: str | None = None, prompt_settings: list[dict | None] | None = None,
+               idempotency_key: str | None = None, retries: int = SUBMIT_RETRIES,
                suffix: str | None = None, fim_extra: list[dict] | None = None):
-        """Queue a job; returns its status. `suffix` (with one prompt, the prefix) asks for
-        fill-in-the-middle, `fim_extra` adds [{"filename", "text"}] context files. The request carries an idempotency key (a new random
-        one unless given), and a connection lost before the reply is retried `retries` times on
-        a new connection with the same key: the daemon answers with the job the lost attempt
-        made, never a second one."""
-        params = {"prompts": prompts, "chats": chats, "priority": priority,
+        """Queue a job; returns its status. `prompt_settings` (one entry per prompt, None for
+        the job's) gives prompts settings of their own. `suffix` (with one prompt, the prefix)
+        asks for fill-in-the-middle, `fim_extra` adds [{"filename", "text"}] context files. The
+        request carries an idempotency key (a new random one unless given), and a connection
+        lost before the reply is retried `retries` times on a new connection with the same key:
+        the daemon answers with the job the lost attempt made, never a second one. An npud older
+        than the key (it refuses the parameter) is asked once more without it, and then a lost
+        reply is not retried (it could run twice)."""
+        params = {"prompts": prompts, "chats": chats, "priority": priority, "prompt_settings": prompt_settings,
                   "idempotency_key": idempotency_key or uuid.uuid4().hex,
                   **_generation(model, max_tokens, sampling, stop, spec, use_prefix_cache, suffix, fim_extra)}
-        return self._call_retrying("submit", params, retries)
+        return self._submit(params, retries)
 
-    def _call_retrying(self, method: str, params: dict, retries: int) -> Any:
+    def _submit(self, params: dict, retries: int) -> Any:
         raise NotImplementedError
 
     def complete(self, prompt: str | None = None, *, messages: list[dict] | None = None, model: str | None = None,
@@ -297,6 +336,14 @@ class Client(_Methods):
             self._sock.close()
             raise _connect_error(self.path, exc) from None
         self._framing = Framing()
+
+    def _submit(self, params: dict, retries: int) -> Any:
+        try:
+            return self._call_retrying("submit", params, retries)
+        except BadRequest as exc:
+            if not _key_unknown(exc):
+                raise
+        return self._call("submit", _without_key(params))
 
     def _call_retrying(self, method: str, params: dict, retries: int) -> Any:
         for attempt in range(retries + 1):
@@ -430,6 +477,14 @@ class AsyncClient(_Methods):
 
     async def _call(self, method: str, params: dict | None = None) -> Any:
         return await AsyncStream(self, method, params).wait()
+
+    async def _submit(self, params: dict, retries: int) -> Any:
+        try:
+            return await self._call_retrying("submit", params, retries)
+        except BadRequest as exc:
+            if not _key_unknown(exc):
+                raise
+        return await self._call("submit", _without_key(params))
 
     async def _call_retrying(self, method: str, params: dict, retries: int) -> Any:
         import trio

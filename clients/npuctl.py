@@ -2,13 +2,15 @@
 
 Exit codes: 0 ok, 1 an error reported by the daemon (or a job that failed), 2 a usage
 error (bad arguments, a bad input file), 3 the daemon is unreachable, 130 interrupted.
-Errors are printed as `error: <message>` on stderr.
+Errors are printed as `error: <message>` on stderr; with --json also as
+`{"error": {"code", "message"}}` on stdout, so a script keeps the daemon's code.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import re
 import sys
@@ -23,6 +25,7 @@ from clients.npuctl_common import (EXIT_DAEMON, EXIT_INTERRUPTED, EXIT_OK, EXIT_
 from clients.npuctl_show import (cmd_cache, cmd_cancel, cmd_device, cmd_jobs, cmd_models, cmd_result, cmd_stats,
                                  cmd_status, cmd_tickets)
 from clients.npuctl_submit import cmd_complete, cmd_submit
+from clients.shell_completion import bash_script, zsh_script
 from npud import __version__
 
 EXIT_CODES_HELP = """\
@@ -38,7 +41,11 @@ exit codes:
 environment:
   NPUD_SOCKET  the daemon's socket when --socket is not given (default /run/npud/npud.sock)
 
-Errors are printed as `error: <message>` on stderr. Tables and progress bars are drawn
+Errors are printed as `error: <message>` on stderr; with --json also as one line
+{"error": {"code": ..., "message": ...}} on stdout (code: the daemon's error code, or
+usage_error, not_running, not_a_socket, permission_denied, connection_lost,
+interrupted). A job that failed while --wait followed it is reported in its results
+instead. Tables and progress bars are drawn
 only on a terminal; otherwise every row or event is one plain line (tables as
 tab-separated columns without a header). --json prints the daemon's replies as JSON.
 """
@@ -49,17 +56,27 @@ input format (JSONL, one prompt per line; blank lines are skipped):
   {"messages": [{"role": "user", "content": "Write a haiku"}], "max_tokens": 64}
   {"prompt": "def fib(n):", "id": "fib", "stop": ["\\n\\n"], "sampling": {"temperature": 0.7, "seed": 1}}
   "a bare JSON string is a prompt too"
+  {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+   "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}}
 
 per-line keys: prompt | messages (exactly one), id (any JSON value, echoed in the
 result), model, max_tokens, sampling {temperature, top_k, top_p, seed}, stop, spec
 {method, k, fallback_rounds}, use_prefix_cache, priority. A line's settings override the
-command line's; lines with different settings go to different jobs, so more than one
-job id may be printed.
+command line's. Lines go to one job unless their model, priority or kind (prompt or
+messages) differ, or a job is full (limits.max_prompts_per_job): each prompt keeps its
+own settings inside its job.
+
+OpenAI Batch request lines (url /v1/completions or /v1/chat/completions) are read too:
+body keys model, prompt | messages, max_tokens (max_completion_tokens), temperature,
+top_p, seed, stop, n (1), and "npud": {top_k, spec, use_prefix_cache, priority}.
 
 results (--wait): one JSON object per input line, in input order:
   {"index": 0, "line": 1, "id": ..., "job": 42, "prompt_in_job": 0, "text": "...",
    "token_ids": [...], "prompt_tokens": 9, "finish_reason": "stop", "stats": {...}}
 or with "error": {"code", "message"} in place of the text for a prompt that failed.
+With --format openai, OpenAI Batch output lines instead:
+  {"id": "batch_req_42_0", "custom_id": "r1", "response": {"status_code": 200,
+   "request_id": "npud-42-0", "body": {...a (chat) completion object...}}, "error": null}
 """
 
 
@@ -97,13 +114,20 @@ def when(text: str, now: Callable[[], float] = time.time) -> float:
 
 # -- the parser --------------------------------------------------------------------------------------
 
+class ArgumentError(UsageError):
+    """A command line argparse rejects; `usage` is the usage line of the (sub)command."""
+
+    def __init__(self, message: str, usage: str) -> None:
+        super().__init__(message)
+        self.usage = usage
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse with npuctl's error format and exit code."""
+    """argparse with npuctl's error format and exit code (main() reports the error, so that
+    --json reports it as JSON too)."""
 
     def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        sys.stderr.write(f"error: {message}\n")
-        sys.exit(EXIT_USAGE)
+        raise ArgumentError(message, self.format_usage())
 
 
 def _common(sub: bool) -> argparse.ArgumentParser:
@@ -155,14 +179,17 @@ def build_parser() -> Parser:
         return p
 
     p = add("submit", cmd_submit, "queue a batch job from a JSONL file",
-            "Queue the prompts of FILE (JSONL; - reads stdin) as a batch job and print its id (one id per "
-            "line when the lines need several jobs). With --wait, follow the job(s): a progress bar (prompts "
+            "Queue the prompts of FILE (JSONL, npud's lines or OpenAI Batch requests; - reads stdin) as a batch "
+            "job and print its id (one id per line when the lines need several jobs). With --wait, follow the job(s): a progress bar (prompts "
             "done, tokens/s, acceptance) on a terminal, one line per finished prompt otherwise, both on "
             "stderr; then write the results as JSONL in input order to -o FILE (default stdout).",
             parents=(gen,), epilog=SUBMIT_INPUT_HELP)
     p.add_argument("file", metavar="FILE", help="JSONL input, one prompt per line; - for stdin")
     p.add_argument("--wait", action="store_true", help="wait for the job(s) and write the results")
     p.add_argument("-o", "--output", metavar="OUT", help="with --wait: write the results to OUT (default stdout)")
+    p.add_argument("--format", choices=("npud", "openai"), default="npud",
+                   help="with --wait: the shape of the result lines, npud's (the default) or the OpenAI Batch "
+                        "output's")
     p.add_argument("--priority", choices=("batch", "interactive"), help="queue class (default batch)")
 
     p = add("complete", cmd_complete, "stream a completion of a prompt",
@@ -185,18 +212,18 @@ def build_parser() -> Parser:
 
     p = add("status", cmd_status, "show one job",
             "Show a job's state, progress, queue position, times and error.")
-    p.add_argument("job", type=job_id, metavar="JOB")
+    p.add_argument("job", type=job_id, metavar="JOB", help="a job id, from `npuctl submit` or `npuctl jobs`")
 
     p = add("result", cmd_result, "print a job's results",
             "Print the results a job has so far, in prompt order: a header line and the text of each "
             "prompt; --json prints the daemon's reply; -o writes one JSON result per line.")
-    p.add_argument("job", type=job_id, metavar="JOB")
+    p.add_argument("job", type=job_id, metavar="JOB", help="a job id, from `npuctl submit` or `npuctl jobs`")
     p.add_argument("--prompt", type=int, action="append", metavar="I", help="only prompt I, 0-based (repeatable)")
     p.add_argument("-o", "--output", metavar="OUT", help="write the results as JSONL to OUT (- for stdout)")
 
     p = add("cancel", cmd_cancel, "cancel jobs",
             "Cancel jobs: a queued job at once, a running one at its next round boundary.")
-    p.add_argument("jobs", type=job_id, nargs="+", metavar="JOB")
+    p.add_argument("jobs", type=job_id, nargs="+", metavar="JOB", help="the ids of the jobs to cancel")
 
     p = add("tickets", cmd_tickets, "show the ticket history (device holds)",
             "Show the history of device holds, newest first, as a table: ticket, job, user, priority, "
@@ -221,14 +248,16 @@ def build_parser() -> Parser:
                    help="status (the default) or clear")
 
     p = add("cache", cmd_cache, "list, pin or drop prefix-cache entries",
-            "The prefix caches of the resident models. ls: stats and entries; pin NAME (TEXT | --file F): "
-            "compute the prefix TEXT and keep it under NAME (admin); drop KEY: remove an entry (admin).")
+            "The prefix caches of the resident models. ls: counters (admin) and pinned entries; "
+            "pin NAME (TEXT | --file F): compute the prefix TEXT and keep it under NAME (admin); "
+            "drop KEY: remove an entry (admin).")
     cache = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    c = cache.add_parser("ls", help="list caches and entries", parents=[common], description="List the caches.")
+    c = cache.add_parser("ls", help="list caches and pins", parents=[common],
+                         description="List the caches: counters (to an admin) and the pinned entries, NAME and KEY.")
     c.add_argument("--model", help="only this model")
     c = cache.add_parser("pin", help="pin a prefix under a name (admin)", parents=[common],
                          description="Compute the prefix TEXT in MODEL and pin it under NAME.")
-    c.add_argument("name", metavar="NAME")
+    c.add_argument("name", metavar="NAME", help="the name to pin the prefix under")
     c.add_argument("text", metavar="TEXT", nargs="?", help="the prefix text (or use --file)")
     c.add_argument("--file", metavar="FILE", help="read the prefix from FILE (- for stdin)")
     c.add_argument("--model", help="the model (default: the daemon's default)")
@@ -244,33 +273,60 @@ def build_parser() -> Parser:
         "who holds the device; then, since the daemon started, tickets by outcome, wait-time quantiles per "
         "class, tokens/s, speculative acceptance, prefix-cache hits, the thermal reading and the amdxdna "
         "error count.")
+
+    p = subs.add_parser("completion", help="print a shell completion script (bash or zsh)",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description=textwrap.fill("Print the completion script of SHELL for npuctl, generated from "
+                                                  "its options, on stdout.", 88),
+                        epilog="examples:\n  source <(npuctl completion bash)          # in ~/.bashrc\n"
+                               "  npuctl completion zsh > ~/.zfunc/_npuctl   # ~/.zfunc in $fpath before compinit\n")
+    p.add_argument("shell", choices=("bash", "zsh"), metavar="SHELL", help="bash or zsh")
+    p.set_defaults(func=cmd_completion)
     return parser
 
 
+def cmd_completion(args: argparse.Namespace) -> int:
+    script = bash_script if args.shell == "bash" else zsh_script
+    sys.stdout.write(script(build_parser()))
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    as_json = "--json" in argv[:argv.index("--")] if "--" in argv else "--json" in argv
+    try:
+        args = build_parser().parse_args(argv)
+    except ArgumentError as exc:
+        if not as_json:
+            sys.stderr.write(exc.usage)
+        return _fail(EXIT_USAGE, "usage_error", str(exc), as_json)
     try:
         return args.func(args)
     except UsageError as exc:
-        return _fail(EXIT_USAGE, str(exc))
+        return _fail(EXIT_USAGE, "usage_error", str(exc), args.json)
     except (NotRunning, PermissionDenied, ConnectionLost) as exc:
-        return _fail(EXIT_UNREACHABLE, exc.message)
+        return _fail(EXIT_UNREACHABLE, exc.code, exc.message, args.json)
     except NpudError as exc:
-        return _fail(EXIT_UNREACHABLE if exc.code == "connection_failed" else EXIT_DAEMON, exc.message)
-    except Failed as exc:
-        return _fail(EXIT_DAEMON, str(exc))
+        return _fail(EXIT_UNREACHABLE if exc.code == "connection_failed" else EXIT_DAEMON, exc.code, exc.message,
+                     args.json)
+    except Failed as exc:  # the results (or the result) printed already carry the errors
+        return _fail(EXIT_DAEMON, "failed", str(exc), False)
     except (Interrupted, KeyboardInterrupt) as exc:
-        return _fail(EXIT_INTERRUPTED, str(exc) or "interrupted")
+        return _fail(EXIT_INTERRUPTED, "interrupted", str(exc) or "interrupted", args.json)
     except BrokenPipeError:
         # the reader went away (`npuctl jobs | head -1`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
 
 
-def _fail(code: int, message: str) -> int:
+def _fail(exit_code: int, code: str, message: str, as_json: bool) -> int:
+    """Report an error: `error: MESSAGE` on stderr, and with --json `{"error": {"code",
+    "message"}}` as one line on stdout; returns the exit code."""
+    if as_json:
+        sys.stdout.write(json.dumps({"error": {"code": code, "message": message}}, ensure_ascii=False) + "\n")
     sys.stdout.flush()
     sys.stderr.write(f"error: {message}\n")
-    return code
+    return exit_code
 
 
 if __name__ == "__main__":

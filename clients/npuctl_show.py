@@ -217,16 +217,6 @@ def cmd_device(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_ENTRY_FIRST = ("key", "name", "pins", "tokens", "num_tokens", "nbytes", "bytes", "on_disk", "hits", "last_used")
-
-
-def _entry_columns(entries: list[dict]) -> list[str]:
-    keys: list[str] = [k for k in _ENTRY_FIRST if any(k in e for e in entries)]
-    for e in entries:
-        keys += [k for k, v in e.items() if k not in keys and not isinstance(v, dict)]
-    return keys
-
-
 def cmd_cache(args: argparse.Namespace) -> int:
     text = _pin_text(args) if args.action == "pin" else None
     with connect(args) as c:
@@ -246,8 +236,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
         for m in reply["models"]:
             stats = m.get("stats") or {}
             sys.stdout.write(f"model {m['model']}: " + ", ".join(f"{k} {v}" for k, v in stats.items()) + "\n")
-            cols = _entry_columns(m.get("entries") or [])
-            print_table(sys.stdout, cols, [[e.get(k) for k in cols] for e in m.get("entries") or []], tty=tty)
+            pins = m.get("pins") or {}  # the daemon sends pins only: its entries are users' prompts
+            print_table(sys.stdout, ("pin", "key"), sorted(pins.items()), tty=tty)
     elif args.action == "pin":
         entry = reply.get("entry") or {}
         sys.stdout.write(f"pinned {args.name!r} in model {reply.get('model')}\n")

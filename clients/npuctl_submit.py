@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from typing import Any, TextIO
 
 from clients.batchfile import InputError, JobPlan, Line, output_record, plan_jobs, read_lines
+from clients.openai_batch import Endpoint, openai_record
 from clients.client import Client, NpudError
 from clients.npuctl_common import (EXIT_OK, Failed, Interrupted, UsageError, connect, emit_json, generation_settings,
                                    is_tty, open_output)
@@ -23,6 +25,22 @@ def _lines_label(lines: list[Line]) -> str:
     return ("line " if len(lines) == 1 else "lines ") + ", ".join(numbers) + more
 
 
+# the prompt a submit error names: params.prompts[3], params.prompt_settings[3].max_tokens, ...
+_PROMPT_PARAM = re.compile(r"params\.(?:prompts|chats|prompt_settings)\[(\d+)\]\.?")
+
+
+def refusal(name: str, plan: JobPlan, message: str) -> str:
+    """A refused submit as a file error, `NAME:LINE: message`: the line of the prompt the
+    daemon's message names, else the job's first line (and how many more the job held)."""
+    m = _PROMPT_PARAM.search(message)
+    if m is not None and int(m.group(1)) < len(plan.lines):
+        line = plan.lines[int(m.group(1))]
+        return f"{name}:{line.number}: {_PROMPT_PARAM.sub('', message, count=1)}"
+    others = len(plan.lines) - 1
+    return f"{name}:{plan.lines[0].number}: {message}" + (
+        f" (for the job of this line and {others} more)" if others else "")
+
+
 def _submit_all(c: Client, plans: list[JobPlan], name: str) -> list[dict]:
     """Submit every job, or none: a refused job cancels the ones already queued."""
     statuses: list[dict] = []
@@ -30,7 +48,7 @@ def _submit_all(c: Client, plans: list[JobPlan], name: str) -> list[dict]:
         try:
             statuses.append(c.submit(**plan.params()))
         except NpudError as exc:
-            message = f"{name}: {_lines_label(plan.lines)}: {exc.message}"
+            message = refusal(name, plan, exc.message)
             cancelled, ended = [], []
             for status in statuses:
                 try:
@@ -144,6 +162,8 @@ def _follow(c: Client, aux: Client, plans: list[JobPlan], statuses: list[dict], 
 def cmd_submit(args: argparse.Namespace) -> int:
     if args.output is not None and not args.wait:
         raise UsageError("-o/--output needs --wait (without it, read the results later with `npuctl result JOB`)")
+    if args.format != "npud" and not args.wait:
+        raise UsageError("--format needs --wait (it is the shape of the results)")
     name = "<stdin>" if args.file == "-" else args.file
     defaults = generation_settings(args) | _priority(args)
     try:
@@ -208,7 +228,9 @@ def _wait(args: argparse.Namespace, c: Client, plans: list[JobPlan], statuses: l
         raise Interrupted(f"interrupted; the job(s) keep running: {' '.join(map(str, jobs))} "
                           f"(`npuctl result JOB` reads them later, `npuctl cancel JOB` stops them)") from None
     reporter.close()
+    name = "<stdin>" if args.file == "-" else args.file
     problems = []
+    records: list[tuple[int, dict]] = []  # (the line's position in the input, its record)
     for plan, final in zip(plans, finals):
         job = final["job"]
         error = final.get("error")
@@ -219,10 +241,18 @@ def _wait(args: argparse.Namespace, c: Client, plans: list[JobPlan], statuses: l
         missing = error or {"code": "cancelled", "message": f"job {job} was {final['state']} before this prompt ran"}
         for i, line in enumerate(plan.lines):
             result = results[job].get(i)
-            record = output_record(line, job, result, None if result is not None else missing)
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            if args.format == "openai":
+                record = openai_record(custom_id=line.user_id, endpoint=line.endpoint or _endpoint(line), job=job,
+                                       prompt=i, line=line.number, model=final.get("model"),
+                                       created=int(final.get("created_at") or time.time()), result=result,
+                                       missing=missing)
+            else:
+                record = output_record(line, job, result, None if result is not None else missing)
+            records.append((line.index, record))
             if result is not None and "error" in result:
-                problems.append(f"line {line.number}: {result['error'].get('message')}")
+                problems.append(f"{name}:{line.number}: {result['error'].get('message')}")
+    for _, record in sorted(records, key=lambda r: r[0]):  # jobs hold lines out of order: input order again
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
     out.flush()
     if not args.json:
         sys.stderr.write(f"done: {progress.summary()}\n")
@@ -230,6 +260,11 @@ def _wait(args: argparse.Namespace, c: Client, plans: list[JobPlan], statuses: l
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise Failed("; ".join(problems[:3]) + more)
     return EXIT_OK
+
+
+def _endpoint(line: Line) -> Endpoint:
+    """The OpenAI endpoint an npud line stands for: a chat or a plain completion."""
+    return Endpoint.COMPLETIONS if line.prompt is not None else Endpoint.CHAT
 
 
 # -- complete ------------------------------------------------------------------------------------

@@ -133,7 +133,13 @@ class Progress:
 
 
 class ProgressBar:
-    """A one-line bar redrawn in place on a terminal (at most every `interval` seconds)."""
+    """A one-line bar redrawn in place on a terminal (at most every `interval` seconds).
+
+    Every field has a fixed width, so the line keeps its length while the numbers grow:
+    the bar does not shrink as tokens/s reaches another digit."""
+
+    BAR_WIDTH = 30
+    STATE_WIDTH = max(len(s) for s in ("queued", "running", "preempted", "cancelled", "faulted", "failed", "done"))
 
     def __init__(self, out: TextIO, progress: Progress, interval: float = 0.1) -> None:
         self.out = out
@@ -142,12 +148,14 @@ class ProgressBar:
         self._last = 0.0
 
     def line(self, width: int) -> str:
+        """The bar, cut to the terminal's `width` (never wider than width - 1)."""
         p = self.p
-        tail = (f" {p.done}/{p.total} prompts  {p.tokens_per_s():.1f} tok/s  "
-                f"acceptance {fmt_rate(p.accepted, p.drafted)}  job {p.job if p.job is not None else '-'} {p.state}")
-        bar_width = max(10, min(40, width - len(tail) - 3))
-        filled = bar_width * p.done // p.total if p.total else bar_width
-        return f"[{'#' * filled}{'-' * (bar_width - filled)}]{tail}"[: max(width - 1, 20)]
+        total = str(p.total)
+        job = "-" if p.job is None else str(p.job)
+        tail = (f" {str(p.done).rjust(len(total))}/{total} prompts  {p.tokens_per_s():8.1f} tok/s  "
+                f"acceptance {fmt_rate(p.accepted, p.drafted):>4}  job {job:>6} {p.state:<{self.STATE_WIDTH}}")
+        filled = min(self.BAR_WIDTH, self.BAR_WIDTH * p.done // p.total) if p.total else self.BAR_WIDTH
+        return f"[{'#' * filled}{'-' * (self.BAR_WIDTH - filled)}]{tail}"[: max(width - 1, 20)]
 
     def update(self, force: bool = False) -> None:
         now = self.p.clock()

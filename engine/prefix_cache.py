@@ -15,7 +15,12 @@ bit-identical to a cold one. Its insert may wait until the first token has been 
 (`defer_insert`: the state is still at the boundary until the next step), which keeps the
 snapshot copy out of the time to first token.
 
-Memory is bounded by `max_bytes` (LRU). With a `state_dir`, an entry pushed out of memory
+Memory is bounded by `max_bytes` (LRU). With `max_scopes`, the budgets are split into one
+share per owner scope (and one for the shared scope), and the LRU runs within a scope: one
+owner's inserts never push out another's entries, so no owner's cache hits (or time to first
+token) tell of another's activity. An owner scope takes a share at its first insert and keeps
+it; only when all `max_scopes` shares are held does a scope new to the cache take the share of
+the scope used least recently (dropping that scope's entries). With a `state_dir`, an entry pushed out of memory
 is written to disk (a spill, engine/prefix_store.py) and read back on a hit; `flush()`
 writes the entries that are only in memory (call it when idle and before exit); the disk
 is bounded by `max_disk_bytes` (LRU; an entry evicted from disk is gone). Pinned entries
@@ -85,6 +90,7 @@ class PrefixCache:
         max_bytes: int = 1 << 30,
         max_disk_bytes: int = 8 << 30,
         block_size: int = 32,
+        max_scopes: int = 0,
     ):
         """`state` is a (fresh) `ModelState` of the model: entries must fit its planes.
         `fingerprint` keys every entry: for a served model, engine/fingerprint.py's
@@ -92,19 +98,22 @@ class PrefixCache:
         restored into numerics other than those that computed it.
 
         Raises PrefixCacheError for a bad argument; with `state_dir`, creates it and
-        rebuilds the index from the files in it.
+        rebuilds the index from the files in it. `max_scopes` > 0 splits `max_bytes` and
+        `max_disk_bytes` into max_scopes + 1 equal shares (see the module docstring); 0 keeps
+        one budget for every entry (a cache of one user's prompts).
         """
         if not isinstance(fingerprint, str) or not fingerprint:
             raise PrefixCacheError(f"fingerprint must be a non-empty string, got {fingerprint!r}")
         if not isinstance(block_size, int) or block_size < 1:
             raise PrefixCacheError(f"block_size must be an int >= 1, got {block_size!r}")
-        for name, value in (("max_bytes", max_bytes), ("max_disk_bytes", max_disk_bytes)):
+        for name, value in (("max_bytes", max_bytes), ("max_disk_bytes", max_disk_bytes), ("max_scopes", max_scopes)):
             if not isinstance(value, int) or value < 0:
                 raise PrefixCacheError(f"{name} must be an int >= 0, got {value!r}")
         self.fingerprint = fingerprint
         self.block_size = block_size
         self.max_bytes = max_bytes
         self.max_disk_bytes = max_disk_bytes
+        self.max_scopes = max_scopes
         self._template = state
         self._recurrent = any(p.kind is PlaneKind.RECURRENT for p in state.planes)
         self._root = hashlib.blake2b(
@@ -114,9 +123,10 @@ class PrefixCache:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._blocks: dict[bytes, set[str]] = {}  # block key -> entries that can serve it
         self._pins: dict[str, str] = {}
+        self._shares: OrderedDict[str, None] = OrderedDict()  # owner scopes holding a share, LRU first
         self._tick = 0
         self._counts = dict.fromkeys(("hits", "misses", "tokens_reused", "evictions", "spills",
-                                      "superseded", "files_dropped"), 0)
+                                      "superseded", "files_dropped", "shares_reclaimed"), 0)
         self._bytes_held = 0
         self._disk_bytes = 0
         self.state_dir = Path(state_dir) if state_dir is not None else None
@@ -146,6 +156,8 @@ class PrefixCache:
         """
         tokens = _as_tokens(tokens)
         with self._lock:
+            if scope in self._shares:
+                self._shares.move_to_end(scope)
             limit = len(tokens) - 1
             # (the chain of block keys, the scope its entries must have, pinned ones only)
             chains = [(self._chain(tokens, scope), scope, False)]
@@ -259,6 +271,7 @@ class PrefixCache:
                 snapshot = _owned(snapshot.prefix(boundary))
             _freeze(snapshot)
             entry = _Entry(key, tokens, tuple(hashes), recurrent, snapshot.nbytes, snapshot, scope=scope)
+            self._take_share(scope)
             self._add(entry)
             if not recurrent:
                 self._drop_superseded(entry)
@@ -398,23 +411,57 @@ class PrefixCache:
                     self._remove(other)
                     self._counts["superseded"] += 1
 
+    def _take_share(self, scope: str | None) -> None:
+        """Give owner scope `scope` its share of the budgets (taking the one of the scope used
+        least recently when all are held); the shared scope always has its own."""
+        if scope is None or not self.max_scopes:
+            return
+        if scope in self._shares:
+            self._shares.move_to_end(scope)
+            return
+        if len(self._shares) >= self.max_scopes:
+            loser, _ = self._shares.popitem(last=False)
+            for entry in [e for e in self._entries.values() if e.scope == loser and not e.pins]:
+                self._remove(entry)
+            self._counts["shares_reclaimed"] += 1
+            log.info("prefix_cache_share_reclaimed", shares=self.max_scopes)
+        self._shares[scope] = None
+
     def _enforce_budgets(self) -> None:
+        """Spill or evict least recently used entries until each budget holds: the whole
+        cache's, or with max_scopes each scope's share."""
+        if not self.max_scopes:
+            self._enforce(list(self._entries.values()), self.max_bytes, self.max_disk_bytes)
+            return
+        groups: dict[str | None, list[_Entry]] = {}
+        for entry in self._entries.values():  # least recently used first
+            groups.setdefault(entry.scope, []).append(entry)
+        shares = self.max_scopes + 1
+        for entries in groups.values():
+            self._enforce(entries, self.max_bytes // shares, self.max_disk_bytes // shares)
+
+    def _enforce(self, entries: list[_Entry], max_bytes: int, max_disk_bytes: int) -> None:
         # least recently used first; the entry just used or inserted is the newest
-        for entry in list(self._entries.values()):
-            if self._bytes_held <= self.max_bytes:
+        held = sum(e.nbytes for e in entries if e.snapshot is not None)
+        for entry in entries:
+            if held <= max_bytes:
                 break
             if entry.snapshot is None or entry.pins:
                 continue
+            held -= entry.nbytes
             if self.state_dir is not None and (entry.path is not None or self._write(entry)):
                 self._release(entry)
                 self._counts["spills"] += 1
             else:
                 self._remove(entry)
                 self._counts["evictions"] += 1
-        for entry in list(self._entries.values()):
-            if self._disk_bytes <= self.max_disk_bytes:
+        entries = [e for e in entries if self._entries.get(e.key) is e]
+        disk = sum(e.file_bytes for e in entries)
+        for entry in entries:
+            if disk <= max_disk_bytes:
                 break
             if entry.path is not None and not entry.pins:
+                disk -= entry.file_bytes
                 self._remove(entry)
                 self._counts["evictions"] += 1
 
@@ -485,6 +532,7 @@ class PrefixCache:
                         reason="their key is not this model's: its weights, weight format, backend or "
                                "engine numerics changed since they were written")
         for _, entry in sorted(found, key=lambda f: f[0]):
+            self._take_share(entry.scope)
             self._add(entry)
         self._load_pins()
         self._enforce_budgets()

@@ -46,6 +46,7 @@ class PrefixCacheStats:
     spills: int  # entries moved from memory to disk only by the memory budget
     superseded: int  # entries dropped because a longer KV-only entry serves all their prefixes
     files_dropped: int  # files found bad and deleted
+    shares_reclaimed: int  # owner scopes whose budget share a scope new to the cache took (max_scopes)
 
 
 @dataclass(slots=True, frozen=True)

@@ -95,12 +95,14 @@ class LoadedModel:
         cache_dir: str | Path | None = None,
         cache_bytes: int = 1 << 30,
         cache_block: int = 32,
+        cache_scopes: int = 7,
         backend: str = "auto",
         xrt_design: str | Path | None = None,
         assistant_dir: str | Path | None = None,
         xrt_timeout_ms: int | None = None,
     ) -> LoadedModel:
-        """Load base (and draft) and open the prefix cache (persistent under `cache_dir`, if given).
+        """Load base (and draft) and open the prefix cache (persistent under `cache_dir`, if given;
+        `cache_bytes` of memory shared out between `cache_scopes` users and the shared scope).
 
         Raises ConfigError, WeightsError, TokenizerError or DraftMismatchError (all
         EngineErrors) for model files that are not what they claim, ModelError when backend
@@ -126,6 +128,7 @@ class LoadedModel:
             state_dir=cache_dir,
             max_bytes=cache_bytes,
             block_size=cache_block,
+            max_scopes=cache_scopes,  # served to many users: each has a share (engine/prefix_cache.py)
         )
         dflash = DFlashDraft.load(dflash_dir, model, weight_format) if dflash_dir is not None else None
         assistant = Assistant.load(assistant_dir, model, weight_format) if assistant_dir is not None else None

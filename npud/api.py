@@ -303,7 +303,8 @@ class Api:
         return {"ticket": None, "job": None, "priority": granted["priority"], "state": "granted"}
 
     def _snapshot(self, peer: "Peer") -> dict:
-        snap = self.snapshot()
+        # prefix-cache counts of the peer's own prompts: whether another's hit tells of the cache
+        snap = self.snapshot(None if peer.caller.admin else peer.uid)
         return {**snap, "holding": self._visible(peer, snap["holding"])}
 
     async def stats(self, peer: "Peer", p: Params, emit: Emit) -> dict:

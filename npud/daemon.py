@@ -115,10 +115,11 @@ class Daemon:
     def request_stop(self) -> None:
         self._stop.set()
 
-    def metrics_snapshot(self) -> dict:
+    def metrics_snapshot(self, owner_uid: int | None = None) -> dict:
+        """The metrics as everyone's (the text file, admins) or as `owner_uid` may see them."""
         return snapshot(self.metrics, self.queue, device_kind=self.device.kind, jobs=self.jobs.live_states(),
                         connections=self.server.connections, thermal=self.thermal, errors=self.errors,
-                        gemms=self.gemm_site()[0])
+                        gemms=self.gemm_site()[0], owner_uid=owner_uid)
 
     def gemm_site(self) -> tuple[str, str]:
         """Where the GEMMs run ("npu" or "host") and why, for the loaded models."""

@@ -198,7 +198,7 @@ class DeviceOwner:
             if self.errors.poll() > ticket.errors_at_grant:
                 return Outcome.FAULTED, "amdxdna_errors", None  # not committed: made while the device erred
             body = result_body(result)
-            self._account(ticket, prompt, body["stats"])
+            self._account(job, ticket, prompt, body["stats"])
             await self.jobs.commit_result(job, prompt, body, len(body["token_ids"]))
             if result.finish_reason == FinishReason.CANCELLED:
                 return Outcome.CANCELLED, None, None
@@ -216,11 +216,11 @@ class DeviceOwner:
                            f"the prompt has {num_tokens} tokens, more than limits.max_prompt_tokens = {limit}")
         return served.start(request)
 
-    def _account(self, ticket: Ticket, prompt: int, stats: dict) -> None:
+    def _account(self, job: Job, ticket: Ticket, prompt: int, stats: dict) -> None:
         ticket.drafted += int(stats.get("drafted") or 0)
         ticket.accepted += int(stats.get("accepted") or 0)
         if self.metrics is not None:
-            self.metrics.on_prompt(stats)
+            self.metrics.on_prompt(stats, job.owner_uid)
         if stats.get("fell_back"):
             log.info("spec_fallback", prompt=prompt, fallbacks=stats.get("fallbacks"))
         cached = stats.get("num_cached_tokens")

@@ -21,6 +21,7 @@ import trio
 from engine.api import Session
 from npud.config import DaemonConfig
 from npud.jobspec import JobSpec
+from npud.memtrim import Trimmer
 from npud.protocol import ApiError, ErrorCode
 from npud.store import Store, StoreCode, StoreError
 from npud.tickets import Outcome, Priority, Ticket, TicketQueue, TicketState, YieldReason
@@ -133,6 +134,7 @@ class JobManager:
         self.tokens_generated = 0
         self._db_limiter = trio.CapacityLimiter(1)
         self._keyed = trio.Lock()  # the store's connection is used by one thread at a time
+        self.trimmer = Trimmer()
         queue.observers.append(self._on_ticket_change)
 
     async def db(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
@@ -345,6 +347,7 @@ class JobManager:
         if not await self._write_state(job, ticket):
             self.unsaved[job.id] = job
         job.finished.set()
+        self.trimmer.released(job.spec.num_bytes, idle=not self.active)
         for sub in list(job.subscribers):
             self.unsubscribe(job, sub)
         event = {JobState.DONE: "job_done", JobState.FAILED: "job_failed"}.get(state, "job_cancelled")

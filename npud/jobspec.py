@@ -2,7 +2,9 @@
 
 The wire params are parsed once, at the socket, into the engine's own request type
 (engine.api.GenerationParams) and the job's prompts; a JobSpec is stored as JSON with the job
-and hands the engine one GenerateRequest per prompt inside a ticket. Engine errors come back
+and hands the engine one GenerateRequest per prompt inside a ticket. A `submit` may set some
+prompts' settings apart (`prompt_settings`), so one batch file with varied max_tokens or
+seeds is one job, not one job per distinct setting. Engine errors come back
 through `api_error`, the one map from engine codes to protocol codes.
 """
 
@@ -49,15 +51,22 @@ def api_error(exc: EngineError) -> ApiError:
 @dataclass(slots=True, frozen=True)
 class JobSpec:
     """A job: the model, its prompts (strings, or chats of messages; exactly one of the two)
-    and the engine's generation params, shared by every prompt. A job of one prompt may be a
-    fill-in-the-middle request: `suffix` (and `fim_extra`) as engine.api.GenerateRequest's."""
+    and the engine's generation params: `params` for every prompt, unless `prompt_params`
+    (one entry per prompt, None for "the job's") gives a prompt its own. A job of one prompt
+    may be a fill-in-the-middle request: `suffix` (and `fim_extra`) as
+    engine.api.GenerateRequest's."""
 
     model: str
     prompts: tuple[str, ...] | None  # exactly one of prompts / chats
     chats: tuple[tuple[dict, ...], ...] | None
     params: GenerationParams = dataclasses.field(default_factory=GenerationParams)
+    prompt_params: tuple[GenerationParams | None, ...] | None = None  # None: every prompt has `params`
     suffix: str | None = None
     fim_extra: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.prompt_params is not None and len(self.prompt_params) != self.num_prompts:
+            raise ValueError(f"JobSpec: {len(self.prompt_params)} prompt_params for {self.num_prompts} prompts")
 
     @property
     def num_prompts(self) -> int:
@@ -71,20 +80,33 @@ class JobSpec:
             return sum(len(p.encode()) for p in (*self.prompts, *fim))
         return sum(len(m["role"].encode()) + len(m["content"].encode()) for c in self.chats or () for m in c)
 
+    def params_for(self, index: int) -> GenerationParams:
+        """The generation params of prompt `index`: its own, else the job's."""
+        own = None if self.prompt_params is None else self.prompt_params[index]
+        return self.params if own is None else own
+
     def to_json(self) -> dict:
-        """The spec as stored with the job; `from_json` reads it back (and rows of older daemons)."""
-        return {"model": self.model, "prompts": None if self.prompts is None else list(self.prompts),
-                "chats": None if self.chats is None else [list(c) for c in self.chats],
-                "suffix": self.suffix, "fim_extra": [list(c) for c in self.fim_extra],
-                **_to_json(self.params)}
+        """The spec as stored with the job; `from_json` reads it back (and rows of older daemons).
+        `prompt_params` is written only when a prompt has settings of its own, so a job without
+        them is stored as before it existed."""
+        out = {"model": self.model, "prompts": None if self.prompts is None else list(self.prompts),
+               "chats": None if self.chats is None else [list(c) for c in self.chats],
+               "suffix": self.suffix, "fim_extra": [list(c) for c in self.fim_extra],
+               **_to_json(self.params)}
+        if self.prompt_params is not None:
+            out["prompt_params"] = [None if q is None else _to_json(q) for q in self.prompt_params]
+        return out
 
     @classmethod
     def from_json(cls, raw: dict) -> "JobSpec":
+        own = raw.get("prompt_params")  # absent in rows stored before per-prompt settings
         return cls(
             model=raw["model"],
             prompts=None if raw["prompts"] is None else tuple(raw["prompts"]),
             chats=None if raw["chats"] is None else tuple(tuple(c) for c in raw["chats"]),
             params=_from_json(GenerationParams, raw),
+            prompt_params=None if own is None else tuple(None if q is None else _from_json(GenerationParams, q)
+                                                         for q in own),
             suffix=raw.get("suffix"),
             fim_extra=tuple(tuple(c) for c in raw.get("fim_extra") or ()),
         )
@@ -93,8 +115,9 @@ class JobSpec:
         """The engine's request for prompt `index` of a job of `owner_uid`, whose prefix-cache
         entries are that owner's alone (engine.api.GenerateRequest.cache_scope)."""
         return GenerateRequest(prompt=None if self.prompts is None else self.prompts[index],
-                               messages=None if self.chats is None else self.chats[index], params=self.params,
-                               suffix=self.suffix, fim_extra=self.fim_extra, cache_scope=cache_scope(owner_uid))
+                               messages=None if self.chats is None else self.chats[index],
+                               params=self.params_for(index), suffix=self.suffix, fim_extra=self.fim_extra,
+                               cache_scope=cache_scope(owner_uid))
 
 
 def cache_scope(owner_uid: int) -> str:
@@ -197,7 +220,42 @@ def parse_spec(p: Params, *, limits: LimitsConfig, models: tuple[str, ...], defa
         raw = p.list("chats", min_items=1, max_items=limits.max_prompts_per_job)
         chats = tuple(_messages(p, f"chats[{i}]", c) for i, c in enumerate(raw))
     suffix, fim_extra = _fim(p, prompts)
-    max_tokens = p.int("max_tokens", min(DEFAULT_MAX_TOKENS, limits.max_tokens), min=1, max=limits.max_tokens)
+    params = _generation_params(p, limits, None, "params")
+    prompt_params = None if single else _prompt_params(p, limits, params, len(prompts or chats))
+    return JobSpec(model=model, prompts=prompts, chats=chats, params=params, prompt_params=prompt_params,
+                   suffix=suffix, fim_extra=fim_extra)
+
+
+def _prompt_params(p: Params, limits: LimitsConfig, job: GenerationParams,
+                   num_prompts: int) -> tuple[GenerationParams | None, ...] | None:
+    """`prompt_settings`: one entry per prompt, null or an object of max_tokens, sampling,
+    stop, spec and use_prefix_cache that overrides the job's (`sampling` and `spec` key by
+    key). None when no prompt differs."""
+    raw = p.list("prompt_settings", None)
+    if raw is None:
+        return None
+    if len(raw) != num_prompts:
+        raise p.bad("prompt_settings", f"has {len(raw)} entries for {num_prompts} prompts (give one per prompt, "
+                                       "null for the job's settings)")
+    own: list[GenerationParams | None] = []
+    for i, entry in enumerate(raw):
+        if entry is not None and not isinstance(entry, dict):
+            raise p.bad(f"prompt_settings[{i}]", "expected an object or null")
+        params = None
+        if entry:
+            q = Params(entry, f"params.prompt_settings[{i}]")
+            params = _generation_params(q, limits, job, f"params.prompt_settings[{i}]")
+            q.finish()
+        own.append(None if params == job else params)
+    return None if all(q is None for q in own) else tuple(own)
+
+
+def _generation_params(p: Params, limits: LimitsConfig, base: GenerationParams | None,
+                       where: str) -> GenerationParams:
+    """The generation params in `p`; what `p` leaves out is `base`'s (a prompt's settings over
+    its job's), or without a base the engine's default."""
+    default_max = min(DEFAULT_MAX_TOKENS, limits.max_tokens) if base is None else base.max_tokens
+    max_tokens = p.int("max_tokens", default_max, min=1, max=limits.max_tokens)
     # a parameter the request leaves out is left out here too: its default is the engine's
     sampling = p.obj("sampling")
     sampling_kwargs = _given(temperature=sampling.number("temperature", None, min=0.0, max=100.0),
@@ -205,18 +263,20 @@ def parse_spec(p: Params, *, limits: LimitsConfig, models: tuple[str, ...], defa
                              top_p=sampling.number("top_p", None, min=0.0, max=1.0, min_exclusive=True),
                              seed=sampling.int("seed", None, min=0, max=(1 << 63) - 1))
     sampling.finish()
-    stop = tuple(p.str_list("stop", [], max_items=MAX_STOP, nonempty_items=True))
-    if any(len(s) > MAX_STOP_CHARS for s in stop):
+    stop = p.str_list("stop", None, max_items=MAX_STOP, nonempty_items=True)
+    if stop is not None and any(len(s) > MAX_STOP_CHARS for s in stop):
         raise p.bad("stop", f"a stop string is longer than {MAX_STOP_CHARS} characters")
     spec = p.obj("spec")
     spec_kwargs = _given(method=spec.str("method", None, choices=SPEC_METHODS),
                          k=spec.int("k", None, min=1, max=MAX_SPEC_K),
                          fallback_rounds=spec.int("fallback_rounds", None, min=0, max=1 << 20))
     spec.finish()
+    use_prefix_cache = p.bool("use_prefix_cache", None)
+    base = base if base is not None else GenerationParams()
     try:
-        params = GenerationParams(max_tokens=max_tokens, sampling=SamplingParams(**sampling_kwargs), stop=stop,
-                                  spec=SpecParams(**spec_kwargs),
-                                  **_given(use_prefix_cache=p.bool("use_prefix_cache", None)))
+        return GenerationParams(max_tokens=max_tokens, sampling=dataclasses.replace(base.sampling, **sampling_kwargs),
+                                stop=base.stop if stop is None else tuple(stop),
+                                spec=dataclasses.replace(base.spec, **spec_kwargs),
+                                use_prefix_cache=base.use_prefix_cache if use_prefix_cache is None else use_prefix_cache)
     except ConfigError as exc:  # the checks above are the wire's; these are the engine's own
-        raise ApiError(ErrorCode.BAD_REQUEST, f"params: {exc.message}") from None
-    return JobSpec(model=model, prompts=prompts, chats=chats, params=params, suffix=suffix, fim_extra=fim_extra)
+        raise ApiError(ErrorCode.BAD_REQUEST, f"{where}: {exc.message}") from None

@@ -59,7 +59,8 @@ def setup_logging(cfg: LoggingConfig, stream: TextIO | None = None) -> None:
             json_renderer = PriorityPrefixed(json_renderer)
         renderer = [structlog.processors.format_exc_info, json_renderer]
     else:
-        renderer = [structlog.dev.ConsoleRenderer()]
+        # https://no-color.org: a NO_COLOR that is set and not empty turns colours off
+        renderer = [structlog.dev.ConsoleRenderer(colors=not os.environ.get("NO_COLOR"))]
     structlog.configure(
         processors=[*shared, *renderer],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, cfg.level.upper())),

@@ -66,6 +66,9 @@ class Metrics:
         self.cache_hits = 0
         self.cache_misses = 0
         self.cached_tokens = 0
+        # the same three per owner: whether a prompt hit tells of the cache's other entries,
+        # so a user is shown the counts of their own prompts only (see counters)
+        self.cache_by_owner: dict[int, list[int]] = {}  # uid -> [hits, misses, cached_tokens]
         self._samples: collections.deque[tuple[float, int]] = collections.deque([(self.started, tokens())])
         self._textfile_error: str | None = None
         queue.observers.append(self.on_ticket)
@@ -85,17 +88,22 @@ class Metrics:
             if ticket.granted_at is not None:  # a ticket cancelled while queued never held the device
                 self.busy_s += max(0.0, ticket.released_at - ticket.granted_at)
 
-    def on_prompt(self, stats: dict) -> None:
-        """A prompt finished with these engine stats."""
+    def on_prompt(self, stats: dict, owner_uid: int | None = None) -> None:
+        """A prompt (of a job of `owner_uid`) finished with these engine stats."""
         self.drafted += int(stats.get("drafted") or 0)
         self.accepted += int(stats.get("accepted") or 0)
         cached = stats.get("num_cached_tokens")
-        if cached is not None:  # None: the prompt did not use the prefix cache
-            if cached:
-                self.cache_hits += 1
-                self.cached_tokens += int(cached)
-            else:
-                self.cache_misses += 1
+        if cached is None:  # the prompt did not use the prefix cache
+            return
+        mine = self.cache_by_owner.setdefault(owner_uid, [0, 0, 0]) if owner_uid is not None else [0, 0, 0]
+        if cached:
+            self.cache_hits += 1
+            self.cached_tokens += int(cached)
+            mine[0] += 1
+            mine[2] += int(cached)
+        else:
+            self.cache_misses += 1
+            mine[1] += 1
 
     def sample(self) -> None:
         """Record the token counter now; samples older than the rate window are dropped."""
@@ -112,7 +120,16 @@ class Metrics:
 
     # -- reading them ----------------------------------------------------------------------------
 
-    def counters(self) -> dict:
+    def cache_counters(self, owner_uid: int | None = None) -> dict:
+        """The prefix-cache counters of every prompt, or of `owner_uid`'s prompts only."""
+        if owner_uid is None:
+            hits, misses, cached = self.cache_hits, self.cache_misses, self.cached_tokens
+        else:
+            hits, misses, cached = self.cache_by_owner.get(owner_uid, (0, 0, 0))
+        return {"hits": hits, "misses": misses, "hit_rate": _ratio(hits, hits + misses), "cached_tokens": cached}
+
+    def counters(self, owner_uid: int | None = None) -> dict:
+        """Every counter; the prefix cache's of `owner_uid`'s prompts only, when given."""
         waits = {}
         for p in Priority:
             ordered = sorted(self.waits[p])
@@ -126,9 +143,7 @@ class Metrics:
                        "window_s": self.cfg.rate_window_s, "device_busy_s": round(self.busy_s, 3)},
             "speculative": {"drafted": self.drafted, "accepted": self.accepted,
                             "acceptance": _ratio(self.accepted, self.drafted)},
-            "prefix_cache": {"hits": self.cache_hits, "misses": self.cache_misses,
-                             "hit_rate": _ratio(self.cache_hits, self.cache_hits + self.cache_misses),
-                             "cached_tokens": self.cached_tokens},
+            "prefix_cache": self.cache_counters(owner_uid),
         }
 
     # -- the Prometheus text file ----------------------------------------------------------------
@@ -195,16 +210,17 @@ def write_atomically(path: str, text: str) -> None:
 
 
 def snapshot(metrics: Metrics, queue: TicketQueue, *, device_kind: str, jobs: dict[str, int], connections: int,
-             thermal: "ThermalGuard", errors: "ErrorCountGuard", gemms: str) -> dict:
+             thermal: "ThermalGuard", errors: "ErrorCountGuard", gemms: str, owner_uid: int | None = None) -> dict:
     """The counters with the gauges of the running daemon (`jobs`: unfinished jobs by state;
     `gemms`: "npu" or "host", where the loaded models' GEMMs run), as the `metrics` method
-    returns them."""
+    returns them; the prefix cache's counters are `owner_uid`'s own when given (a non-admin's
+    view), every user's otherwise."""
     quarantine = queue.quarantine
     granted = queue.granted
     return {
         "version": __version__,
         "device": device_kind,
-        **metrics.counters(),
+        **metrics.counters(owner_uid),
         "connections": connections,
         "jobs": jobs,
         "queue": queue.counts(),

@@ -1,18 +1,20 @@
 """Lost acknowledgements (issue 17, defect 9): a `submit` whose reply never reaches the client
 is retried with the same idempotency key and gets the job the first attempt made, never a
 second one. The in-process daemon on the fake engine, real sockets, and a proxy that loses
-replies."""
+replies; and the client library against an npud older than the key."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import socketserver
+import threading
 
 import pytest
 import trio
 
 import test_npud_support as fakes
-from clients.client import AsyncClient, BadRequest
+from clients.client import AsyncClient, BadRequest, Client
 from npud.store import Store
 from test_npud_support import make_config, start
 
@@ -117,4 +119,65 @@ async def test_the_client_library_retries_a_lost_submit_with_its_key(nursery, wo
             with pytest.raises(BadRequest, match="idempotency_key"):
                 await c.submit(["b"], idempotency_key="x" * 129)
         proxy.cancel_scope.cancel()
+    daemon.request_stop()
+
+
+class OldNpud(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """An npud from before `idempotency_key`: it refuses the parameter as unknown (the reply
+    npud's Params.finish gave then) and queues a submit without it; `submits` is what it got."""
+
+    daemon_threads = True
+
+    def __init__(self, path: str) -> None:
+        self.submits: list[dict] = []
+        super().__init__(path, OldNpudHandler)
+
+
+class OldNpudHandler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        for line in self.rfile:
+            req = json.loads(line)
+            params = req.get("params", {})
+            self.server.submits.append(params)
+            if "idempotency_key" in params:
+                reply = {"id": req["id"], "ok": False, "error": {
+                    "code": "bad_request", "message": "params: unknown parameter(s) ['idempotency_key']"}}
+            else:
+                reply = {"id": req["id"], "ok": True, "result": {"job": len(self.server.submits), "state": "queued"}}
+            self.wfile.write(json.dumps(reply).encode() + b"\n")
+
+
+@pytest.fixture
+def old_npud(workdir):
+    server = OldNpud(str(workdir / "old.sock"))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_client_library_submits_to_an_npud_older_than_the_key(old_npud):
+    with Client(old_npud.server_address, timeout=10) as c:
+        # before: the bad_request of the unknown key reached the caller; now one more try without it
+        assert c.submit(["a"], max_tokens=2) == {"job": 2, "state": "queued"}
+    first, second = old_npud.submits
+    assert "idempotency_key" in first and "idempotency_key" not in second
+    assert {k: v for k, v in first.items() if k != "idempotency_key"} == second
+
+
+async def test_the_async_client_submits_to_an_npud_older_than_the_key(old_npud):
+    async with await AsyncClient.connect(old_npud.server_address) as c:
+        assert await c.submit(["a"], max_tokens=2) == {"job": 2, "state": "queued"}
+    assert [("idempotency_key" in s) for s in old_npud.submits] == [True, False]
+
+
+async def test_a_key_reused_for_another_request_is_not_dropped(nursery, workdir):
+    daemon = await start(nursery, make_config(workdir))
+    daemon.queue.set_thermal(hold=True, abort=False)
+    async with await AsyncClient.connect(daemon.cfg.server.socket_path) as c:
+        await c.submit(["a"], max_tokens=2, idempotency_key="k")
+        with pytest.raises(BadRequest, match="already used"):  # not sent again without its key
+            await c.submit(["b"], max_tokens=2, idempotency_key="k")
+    assert len(daemon.jobs.active) == 1
     daemon.request_stop()

@@ -97,6 +97,7 @@ from clients import client as npc
 c = npc.Client(sys.argv[1], timeout=120)
 out = [c.complete(p, max_tokens=1).wait()["stats"].get("num_cached_tokens") for p in json.loads(sys.argv[2])]
 out.append(c.cache_list())
+out.append([c.metrics()["prefix_cache"], c.stats()["metrics"]["prefix_cache"]])
 print(json.dumps(out))
 """
 
@@ -122,11 +123,16 @@ def test_the_prefix_cache_tells_no_user_about_anothers_prompts(tmp_path):
                               env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
                               capture_output=True, text=True, cwd="/", timeout=300)
         assert done.returncode == 0, done.stderr
-        guessed, shared, listing = json.loads(done.stdout)
+        guessed, shared, listing, (metrics, stats) = json.loads(done.stdout)
         assert guessed == 0  # before: the cached blocks of root's prompt answered the guess
         assert shared >= 64  # the pinned system prompt serves everyone
         [entry] = listing["models"]
         assert set(entry) == {"model", "pins"}  # no counters of other users' lookups
+        # before: metrics and stats counted every user's hits, root's among them
+        own = {"hits": 1, "misses": 1, "hit_rate": 0.5, "cached_tokens": shared}
+        assert metrics == own and stats == own
+        with d.client() as c:  # an operator sees every user's
+            assert c.metrics()["prefix_cache"]["hits"] == 2 and c.metrics()["prefix_cache"]["misses"] == 2
     finally:
         d.stop()
         shutil.rmtree(workdir, ignore_errors=True)

@@ -46,6 +46,18 @@ def test_a_missing_socket_says_npud_is_not_running_and_how_to_start_it(tmp_path)
         npc.Client(str(stale))
 
 
+def test_a_path_that_is_not_a_socket_says_so(tmp_path):
+    # connecting to a regular file is ECONNREFUSED, the same errno as a socket nobody listens at
+    regular = tmp_path / "npud.sock"
+    regular.write_text("")
+    for path, what in ((regular, "a regular file"), (tmp_path, "a directory")):
+        with pytest.raises(npc.NotASocket) as info:
+            npc.Client(str(path))
+        assert info.value.code == "not_a_socket" and isinstance(info.value, npc.NotRunning)
+        assert info.value.message.startswith(f"{path} is not a socket ({what}); point NPUD_SOCKET or --socket")
+        assert "not running" not in info.value.message and "nothing listens" not in info.value.message
+
+
 async def test_the_trio_client_says_so_too(tmp_path):
     with pytest.raises(npc.NotRunning):
         await npc.AsyncClient.connect(str(tmp_path / "npud.sock"))

@@ -125,6 +125,11 @@ def served(ckpt):
     return LoadedModel.load("tiny", ckpt, draft_dir=ckpt, weight_format="fp32")
 
 
+def test_a_served_model_gives_each_user_a_share_of_its_prefix_cache(served):
+    # one user's inserts must not evict another's entries (issue 17; engine/prefix_cache.py)
+    assert served.prefix_cache.max_scopes == 7
+
+
 def drive(session):
     events = []
     while not session.done:

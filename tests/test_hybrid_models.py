@@ -45,6 +45,7 @@ import pytest
 import torch
 import transformers
 
+from assistant_fixtures import BASE as GEMMA4_BASE
 from engine.testing.checkpoints import load_reference, write_tokenizer
 from decoding import greedy_run
 from engine.config import AttentionKind, ConfigError, parse_config
@@ -59,18 +60,7 @@ VOCAB = 320
 LONG = [int(t) for t in np.random.default_rng(11).integers(3, VOCAB, 64)]
 PROMPT = LONG[:32]
 
-GEMMA4 = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-    num_key_value_heads=1, head_dim=16, global_head_dim=32, num_global_key_value_heads=2, sliding_window=8,
-    layer_types=["sliding_attention", "full_attention"] * 3, num_kv_shared_layers=2,
-    hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, attention_k_eq_v=True,
-    use_double_wide_mlp=True, final_logit_softcapping=30.0, max_position_embeddings=512,
-    rope_parameters={
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 100000.0},
-    },
-    pad_token_id=0, eos_token_id=0, bos_token_id=None,
-)
+GEMMA4 = GEMMA4_BASE  # the Gemma 4 of the assistant tests: one config of the kind, not two copies
 QWEN3_5 = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=12,

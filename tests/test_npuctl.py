@@ -141,9 +141,9 @@ def check_mixed_records(client: Client, records: list[dict]) -> None:
     assert [r["line"] for r in records] == MIXED_LINES
     assert records[0]["id"] == "first" and all("id" not in r for r in records[1:])
     jobs = [r["job"] for r in records]
-    # lines 1 and 3 share their settings: one job; the chat and the 3-token line get their own
-    assert jobs[0] == jobs[1] and len(set(jobs)) == 3
-    assert [r["prompt_in_job"] for r in records] == [0, 1, 0, 0]
+    # the prompts are one job, the 3-token line with its own max_tokens; the chat is another
+    assert jobs[0] == jobs[1] == jobs[3] != jobs[2] and len(set(jobs)) == 2
+    assert [r["prompt_in_job"] for r in records] == [0, 1, 0, 2]
     inputs = [MIXED[0], {"prompt": MIXED[2]}, MIXED[3], MIXED[4]]
     for record, line, max_tokens in zip(records, inputs, MIXED_MAX):
         assert "error" not in record
@@ -182,13 +182,114 @@ def test_submit_wait_on_a_terminal_draws_a_progress_bar(daemon, client, tmp_path
     check_mixed_records(client, [json.loads(x) for x in out.read_text().splitlines()])
 
 
+def varied_lines(n: int) -> list:
+    """n lines whose settings vary line by line: max_tokens, stop, and for every fifth line
+    seeded sampling (without speculation, so the seed repeats the output); every seventh
+    line says nothing and runs with the command line's settings."""
+    lines: list = []
+    for i in range(n):
+        prompt = f"def f{i}(x):\n    return x + {i}"
+        if i % 7 == 0:
+            lines.append(prompt)
+            continue
+        line: dict = {"prompt": prompt, "max_tokens": 1 + i % 6, "id": i}
+        if i % 5 == 0:
+            line["sampling"] = {"temperature": 0.9, "seed": i}
+            line["spec"] = {"method": "none"}
+        if i % 4 == 0:
+            line["stop"] = ["\n"]
+        lines.append(line)
+    return lines
+
+
+def test_a_file_of_varied_settings_is_one_job_and_each_line_keeps_its_own(daemon, client, tmp_path):
+    lines = varied_lines(100)
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    before = job_ids(client)
+    run = npuctl("submit", str(src), "--wait", "--max-tokens", "8", "-o", str(out), socket_path=daemon.socket)
+    assert run.returncode == 0, run.stderr
+    (job,) = job_ids(client) - before
+    assert client.status(job)["num_prompts"] == 100
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["line"] for r in records] == list(range(1, 101)) and {r["job"] for r in records} == {job}
+    assert [r["prompt_in_job"] for r in records] == list(range(100))
+    for line, record in zip(lines, records):
+        own = {} if isinstance(line, str) else line
+        prompt = line if isinstance(line, str) else line["prompt"]
+        expected = client.complete(prompt, max_tokens=own.get("max_tokens", 8), sampling=own.get("sampling"),
+                                   spec=own.get("spec"), stop=own.get("stop")).wait()
+        assert (record["text"], record["token_ids"], record["finish_reason"]) == (
+            expected["text"], expected["token_ids"], expected["finish_reason"]), record["line"]
+    assert {len(r["token_ids"]) for r in records if r["finish_reason"] == "length"} >= {1, 2, 3, 4, 5, 6, 8}
+
+
+def test_openai_batch_lines_in_and_out(daemon, client, tmp_path):
+    lines = [
+        {"custom_id": "c-1", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 4, "stop": "\n\n\n"}},
+        {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Say hi"}], "max_completion_tokens": 3,
+                  "temperature": 0.8, "seed": 11, "npud": {"spec": {"method": "none"}}}},
+        {"prompt": "class Point:", "id": "mine", "max_tokens": 2},  # npud's own shape in the same file
+        {"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "x " * 5000, "max_tokens": 2}},
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    run = npuctl("submit", str(src), "--wait", "--format", "openai", socket_path=daemon.socket)
+    assert run.returncode == 1, run.stderr  # the last line's prompt fails
+    assert run.error_line.startswith(f"error: {src}:4: ") and "5001 tokens" in run.error_line
+    records = [json.loads(x) for x in run.stdout.splitlines()]
+    assert [r["custom_id"] for r in records] == ["c-1", "chat-1", "mine", "too-long"]
+    for r in records:
+        assert set(r) == {"id", "custom_id", "response", "error"}
+    expected = [client.complete("def add(a, b):", max_tokens=4, stop=["\n\n\n"]).wait(),
+                client.complete(messages=lines[1]["body"]["messages"], max_tokens=3,
+                                sampling={"temperature": 0.8, "seed": 11}, spec={"method": "none"}).wait(),
+                client.complete("class Point:", max_tokens=2).wait()]
+    for r, exp, obj in zip(records, expected, ["text_completion", "chat.completion", "text_completion"]):
+        assert r["error"] is None and r["response"]["status_code"] == 200
+        body = r["response"]["body"]
+        assert body["object"] == obj and body["model"] == "tiny" and isinstance(body["created"], int)
+        (choice,) = body["choices"]
+        text = choice["text"] if obj == "text_completion" else choice["message"]["content"]
+        assert text == exp["text"] and choice["finish_reason"] == exp["finish_reason"]
+        assert body["usage"] == {"prompt_tokens": exp["prompt_tokens"], "completion_tokens": len(exp["token_ids"]),
+                                 "total_tokens": exp["prompt_tokens"] + len(exp["token_ids"])}
+        assert r["id"] == f"batch_req_{body['npud']['job']}_{body['npud']['prompt_in_job']}"
+    assert records[1]["response"]["body"]["choices"][0]["message"]["role"] == "assistant"
+    failed = records[3]
+    assert failed["error"] is None and failed["response"]["status_code"] == 400
+    error = failed["response"]["body"]["error"]
+    assert error["code"] == "prompt_too_long" and error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_openai_lines_that_are_not_requests_name_the_line(daemon, tmp_path):
+    good = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}
+    cases = [
+        ({**good, "url": "/v1/embeddings"}, '"url" must be "/v1/completions" or "/v1/chat/completions"'),
+        ({**good, "body": {"prompt": "x", "n": 2}}, "body: n must be 1"),
+        ({**good, "body": {"prompt": "x", "logprobs": 2}}, "body: unsupported key 'logprobs'"),
+        ({**good, "body": {"prompt": ["x", "y"]}}, 'body: "prompt" must be one string'),
+        ({**good, "custom_id": 3}, '"custom_id" must be a non-empty string'),
+        ({**good, "method": "GET"}, '"method" must be "POST"'),
+        ({**good, "body": {"messages": []}}, "body: unsupported key 'messages'"),
+        (good, "custom_id 'a' is on line 1 too"),
+    ]
+    for bad, message in cases:
+        src = write_jsonl(tmp_path / "bad.jsonl", [good, bad] if bad is good else ["x", bad])
+        run = npuctl("submit", str(src), "--wait", "--format", "openai", socket_path=daemon.socket)
+        assert run.returncode == 2, bad
+        assert run.stderr.startswith(f"error: {src}:2: {message}"), (bad, run.stderr)
+
+
 def test_submit_prints_job_ids_then_result_reads_them(daemon, client, tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", MIXED)
     run = npuctl("submit", str(src), "--max-tokens", "6", socket_path=daemon.socket)
     assert run.returncode == 0, run.stderr
     jobs = [int(x) for x in run.stdout.split()]
-    assert len(jobs) == 3 and jobs == sorted(jobs)
-    assert [client.status(j)["num_prompts"] for j in jobs] == [2, 1, 1]
+    assert len(jobs) == 2 and jobs == sorted(jobs)
+    assert [client.status(j)["num_prompts"] for j in jobs] == [3, 1]
     for job in jobs:
         client.stream(job, tokens=False).wait()
     out = tmp_path / "res.jsonl"
@@ -202,7 +303,7 @@ def test_submit_prints_job_ids_then_result_reads_them(daemon, client, tmp_path):
     for r in stored:
         drafted, accepted = r["stats"].get("drafted", 0), r["stats"].get("accepted", 0)
         rate = f"{100 * accepted / drafted:.0f}%" if drafted else "-"
-        expected += f"--- prompt {r['prompt']}: length, 6 tokens, acceptance {rate}\n"
+        expected += f"--- prompt {r['prompt']}: length, {[6, 6, 3][r['prompt']]} tokens, acceptance {rate}\n"
         expected += r["text"] + ("" if r["text"].endswith("\n") else "\n")
     assert run.stdout == expected
     run = npuctl("status", str(jobs[1]), socket_path=daemon.socket)
@@ -377,6 +478,54 @@ def test_daemon_down(tmp_path):
     assert run.returncode == 3 and run.error_line.startswith("error: npud is not running")
 
 
+def test_a_socket_path_that_is_not_a_socket(tmp_path):
+    regular = tmp_path / "npud.sock"
+    regular.write_text("")
+    run = npuctl("jobs", socket_path=str(regular))
+    assert run.returncode == 3
+    assert run.stderr.startswith(f"error: {regular} is not a socket (a regular file); ")
+    run = npuctl("jobs", "--json", socket_path=str(regular))
+    assert run.returncode == 3 and json.loads(run.stdout)["error"]["code"] == "not_a_socket"
+
+
+def test_json_errors_keep_the_code_on_stdout(daemon, tmp_path):
+    def error_of(*args: str, socket_path: str | None = daemon.socket, exit_code: int) -> dict:
+        run = npuctl(*args, socket_path=socket_path)
+        assert run.returncode == exit_code, (args, run.stderr)
+        (line,) = run.stdout.splitlines()  # one JSON line, nothing else on stdout
+        error = json.loads(line)["error"]
+        assert set(error) == {"code", "message"}
+        assert run.stderr.endswith(f"error: {error['message']}\n")  # the same message for a human
+        return error
+
+    assert error_of("status", "999999", "--json", exit_code=1) == {"code": "not_found", "message": "no job 999999"}
+    assert error_of("--json", "result", "999999", exit_code=1)["code"] == "not_found"
+    error = error_of("complete", "x", "--max-tokens", "0", "--json", exit_code=1)
+    assert error["code"] == "bad_request" and "max_tokens" in error["message"]
+    missing = str(tmp_path / "none.sock")
+    assert error_of("jobs", "--json", socket_path=missing, exit_code=3)["code"] == "not_running"
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"promt": "x"}])
+    error = error_of("submit", str(bad), "--json", exit_code=2)
+    assert error["code"] == "usage_error" and error["message"].startswith(f"{bad}:1: unknown key 'promt'")
+    # an argument argparse rejects: usage_error too, and no usage text on stdout
+    error = error_of("status", "abc", "--json", exit_code=2)
+    assert error == {"code": "usage_error", "message": "argument JOB: a job id is a positive integer, got 'abc'"}
+    # without --json, stdout stays empty
+    run = npuctl("status", "999999", socket_path=daemon.socket)
+    assert run.returncode == 1 and run.stdout == "" and run.stderr == "error: no job 999999\n"
+
+
+def test_cache_ls_lists_the_pins(daemon, client):
+    text = "You are a careful assistant who writes short Python functions. " * 8  # longer than a cache block
+    key = client.cache_pin("house-style", text=text)["entry"]["key"]
+    run = npuctl("cache", "ls", socket_path=daemon.socket)
+    assert run.returncode == 0, run.stderr
+    assert f"house-style\t{key}\n" in run.stdout
+    rc, screen = npuctl_on_pty("cache", "ls", socket_path=daemon.socket)
+    assert rc == 0 and "PIN" in screen and "KEY" in screen
+    assert any(ln.split() == ["house-style", key] for ln in screen.splitlines())
+
+
 def test_connection_dropped_mid_stream(tmp_path):
     """A daemon that dies while streaming: exit 3 with what was streamed so far on stdout."""
     path = str(tmp_path / "dying.sock")
@@ -487,16 +636,34 @@ def test_bad_input_file_not_utf8_or_empty(daemon, tmp_path):
 
 
 def test_a_line_the_daemon_rejects_cancels_the_jobs_before_it(daemon, client, tmp_path):
+    # another priority: another job, submitted after the first
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "def add(a, b):", "max_tokens": 3000},
-                                              {"prompt": "x", "max_tokens": 0}])
+                                              {"prompt": "x", "max_tokens": 0, "priority": "interactive"}])
     before = job_ids(client)
     run = npuctl("submit", str(src), "--wait", socket_path=daemon.socket)
     assert run.returncode == 1
     (first,) = job_ids(client) - before
-    assert run.stderr == (f"error: {src}: line 2: params.max_tokens: 0 is out of range [1, 4096]; "
+    assert run.stderr == (f"error: {src}:2: max_tokens: 0 is out of range [1, 4096]; "
                           f"the job(s) submitted before it were cancelled: {first}\n")
     client.stream(first, tokens=False).wait()
     assert client.status(first)["state"] == "cancelled"
+
+
+def test_a_refused_prompt_names_its_line_in_the_one_file_error_format(daemon, client, tmp_path):
+    before = job_ids(client)
+    src = write_jsonl(tmp_path / "in.jsonl", ["a", "", {"prompt": "b", "max_tokens": 2},
+                                              {"prompt": "c", "sampling": {"top_p": 2}}])
+    run = npuctl("submit", "-", socket_path=daemon.socket, stdin=src.read_bytes())
+    assert run.returncode == 1  # the daemon's refusal, in the format of the client's own file errors
+    assert run.stderr == "error: <stdin>:4: sampling.top_p: 2.0 is out of range (0.0, 1.0]\n"
+    run = npuctl("submit", "-", socket_path=daemon.socket, stdin=b'"a"\n{"promt": "b"}\n')
+    assert run.returncode == 2 and run.stderr.startswith("error: <stdin>:2: unknown key 'promt'")
+    # a setting of the command line is the whole job's: its first line, and how many more
+    run = npuctl("submit", str(src), "--max-tokens", "0", socket_path=daemon.socket)
+    assert run.returncode == 1
+    assert run.stderr == (f"error: {src}:1: params.max_tokens: 0 is out of range [1, 4096] "
+                          "(for the job of this line and 2 more)\n")
+    assert job_ids(client) == before
 
 
 def test_usage_errors(daemon, tmp_path):
@@ -539,22 +706,31 @@ def test_help_is_complete():
 
 # -- the pieces, without a daemon ----------------------------------------------------------------------
 
-def test_plan_jobs_groups_by_settings_and_splits_at_the_job_limit():
-    text = ['"a"', '"b"', '{"prompt": "c", "max_tokens": 2}', '"d"', '"e"',
-            '{"messages": [{"role": "user", "content": "f"}]}']
+def test_plan_jobs_groups_by_model_priority_and_kind_and_splits_at_the_job_limit():
+    text = ['"a"', '"b"', '{"prompt": "c", "max_tokens": 2}', '"d"', '{"prompt": "e", "model": "n"}',
+            '{"messages": [{"role": "user", "content": "f"}]}', '{"prompt": "g", "sampling": {"seed": 5}}',
+            '{"prompt": "h", "priority": "interactive"}']
     lines = read_lines(text, "in", {"max_tokens": 4})
     plans = plan_jobs(lines, 2)
-    assert [[ln.number for ln in p.lines] for p in plans] == [[1, 2], [3], [4, 5], [6]]
+    assert [[ln.number for ln in p.lines] for p in plans] == [[1, 2], [3, 4], [5], [6], [7], [8]]
     assert [p.params() for p in plans][:2] == [{"max_tokens": 4, "prompts": ["a", "b"]},
-                                               {"max_tokens": 2, "prompts": ["c"]}]
+                                               {"max_tokens": 4, "prompts": ["c", "d"],
+                                                "prompt_settings": [{"max_tokens": 2}, None]}]
+    assert plans[2].params() == {"max_tokens": 4, "model": "n", "prompts": ["e"]}
     assert plans[3].params() == {"max_tokens": 4, "chats": [[{"role": "user", "content": "f"}]]}
-    assert [[ln.number for ln in p.lines] for p in plan_jobs(lines, 3)] == [[1, 2, 4], [3], [5], [6]]
+    assert plans[5].params() == {"max_tokens": 4, "priority": "interactive", "prompts": ["h"]}
+    plans = plan_jobs(lines, 1024)
+    assert [[ln.number for ln in p.lines] for p in plans] == [[1, 2, 3, 4, 7], [5], [6], [8]]
+    assert plans[0].params()["prompt_settings"] == [None, None, {"max_tokens": 2}, None, {"sampling": {"seed": 5}}]
 
 
 def test_line_settings_merge_over_the_command_line():
     (line,) = read_lines(['{"prompt": "a", "sampling": {"seed": 3}, "stop": ["x"]}'], "in",
                          {"sampling": {"temperature": 0.5, "seed": 1}, "stop": ["y"], "model": "m"})
     assert line.settings == {"sampling": {"temperature": 0.5, "seed": 3}, "stop": ["x"], "model": "m"}
+    # what is sent: the command line's as the job's, the line's own as its prompt_settings entry
+    assert line.job_settings == {"sampling": {"temperature": 0.5, "seed": 1}, "stop": ["y"], "model": "m"}
+    assert line.own == {"sampling": {"seed": 3}, "stop": ["x"]}
     with pytest.raises(InputError, match=r"^in: no prompts"):
         read_lines(["", "  "], "in", {})
 
@@ -590,4 +766,25 @@ def test_progress_counts_tokens_once():
     bar = ProgressBar(None, p).line(80)
     width = bar.index("]") - 1
     assert bar[1:width + 1] == "#" * (width // 4) + "-" * (width - width // 4)
-    assert " 1/4 prompts  3.0 tok/s  acceptance 75% " in bar and len(bar) <= 79
+    assert " 1/4 prompts       3.0 tok/s  acceptance  75% " in bar and len(bar) <= 79
+
+
+def test_the_progress_bar_keeps_its_width():
+    now = [1.0]
+    p = Progress(120, clock=lambda: now[0])
+    p.started = 0.0
+    bar = ProgressBar(None, p)
+    lines = [bar.line(200)]
+    for step, state in enumerate(["queued", "running", "preempted", "running", "done"]):
+        p.state, p.job = state, 7 if step < 2 else 1234
+        p.on_tokens(p.job, step, 10 ** (step + 1))  # tok/s grows by digits
+        p.done_by_job = {p.job: min(120, 3 ** (step + 1))}
+        p.drafted, p.accepted = 10 * step, 9 * step
+        now[0] += 0.5
+        lines.append(bar.line(200))
+    assert len({len(line) for line in lines}) == 1, lines
+    assert len({line.index("]") for line in lines}) == 1
+    assert len({line.index("tok/s") for line in lines}) == 1
+    assert lines[-1].startswith("[" + "#" * 30 + "]") and " 120/120 prompts " in lines[-1]
+    assert lines[1].startswith("[" + "-" * 30 + "]") and "   3/120 prompts " in lines[1]
+    assert len(bar.line(40)) == 39  # a narrow terminal cuts the line

@@ -96,3 +96,62 @@ def test_every_engine_code_has_a_protocol_code():
     assert api_error(PromptTooLong("too long")).to_wire() == {"code": "prompt_too_long", "message": "too long"}
     assert api_error(ModelError("bad file")).code == "model_error"
     assert api_error(EngineError("bad")).code == "bad_request"
+
+
+# -- per-prompt settings (prompt_settings) -------------------------------------------------------
+
+def test_prompt_settings_override_the_jobs_per_prompt():
+    s = spec({"prompts": ["a", "b", "c"], "max_tokens": 9, "stop": ["x"],
+              "sampling": {"temperature": 0.5, "seed": 1}, "spec": {"method": "ngram", "k": 3},
+              "prompt_settings": [{"max_tokens": 2, "sampling": {"seed": 7}}, None,
+                                  {"stop": [], "spec": {"k": 1}, "use_prefix_cache": False}]})
+    reqs = [s.engine_request(i, 5).params for i in range(3)]
+    assert [r.max_tokens for r in reqs] == [2, 9, 9]
+    # sampling and spec merge key by key over the job's
+    assert [(r.sampling.temperature, r.sampling.seed) for r in reqs] == [(0.5, 7), (0.5, 1), (0.5, 1)]
+    assert [r.stop for r in reqs] == [("x",), ("x",), ()]
+    assert [(r.spec.method, r.spec.k) for r in reqs] == [("ngram", 3), ("ngram", 3), ("ngram", 1)]
+    assert [r.use_prefix_cache for r in reqs] == [True, True, False]
+    assert reqs[1] is s.params  # a prompt without settings of its own runs with the job's
+    assert JobSpec.from_json(s.to_json()) == s
+
+
+def test_prompt_settings_equal_to_the_jobs_are_not_stored():
+    s = spec({"prompts": ["a", "b"], "max_tokens": 4, "prompt_settings": [{"max_tokens": 4}, {}]})
+    assert s.prompt_params is None and "prompt_params" not in s.to_json()
+    assert s.to_json() == spec({"prompts": ["a", "b"], "max_tokens": 4}).to_json()
+    t = spec({"chats": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]],
+              "prompt_settings": [None, {"max_tokens": 3}]})
+    assert t.prompt_params == (None, t.params_for(1)) and t.params_for(1).max_tokens == 3
+    assert t.params_for(0).max_tokens == 100  # the job's default, capped by the limit
+
+
+@pytest.mark.parametrize("settings, fragment", [
+    ([{"max_tokens": 2}], "params.prompt_settings: has 1 entries for 2 prompts"),
+    ([{"max_tokens": 2}] * 3, "params.prompt_settings: has 3 entries for 2 prompts"),
+    ({"max_tokens": 2}, "params.prompt_settings: expected a list"),
+    ([None, 5], "params.prompt_settings[1]: expected an object or null"),
+    ([None, {"max_tokens": 101}], "params.prompt_settings[1].max_tokens"),
+    ([{"sampling": {"temp": 1}}, None], "params.prompt_settings[0].sampling: unknown"),
+    ([{"spec": {"method": "magic"}}, None], "params.prompt_settings[0].spec.method"),
+    ([{"stop": [""]}, None], "params.prompt_settings[0].stop[0]"),
+    ([{"model": "n"}, None], "params.prompt_settings[0]: unknown parameter(s) ['model']"),
+    ([{"priority": "batch"}, None], "params.prompt_settings[0]: unknown parameter(s) ['priority']"),
+])
+def test_bad_prompt_settings_name_the_prompt(settings, fragment):
+    with pytest.raises(ApiError) as info:
+        spec({"prompts": ["a", "b"], "prompt_settings": settings})
+    assert info.value.code == "bad_request" and fragment in info.value.message, info.value.message
+
+
+def test_complete_has_no_prompt_settings():
+    with pytest.raises(ApiError) as info:
+        spec({"prompt": "a", "prompt_settings": [{"max_tokens": 1}]}, single=True)
+    assert "unknown parameter(s) ['prompt_settings']" in info.value.message
+
+
+def test_a_stored_job_without_prompt_params_reads_as_one_set_of_params():
+    stored = spec({"prompts": ["a", "b"], "max_tokens": 6}).to_json()
+    assert "prompt_params" not in stored  # the row format of schema 3 daemons
+    s = JobSpec.from_json(stored)
+    assert s.prompt_params is None and [s.params_for(i).max_tokens for i in (0, 1)] == [6, 6]

@@ -151,6 +151,17 @@ def test_prompt_stats_feed_acceptance_and_the_prefix_cache_counters():
     assert empty.counters()["prefix_cache"]["hit_rate"] is None
 
 
+def test_a_user_sees_the_prefix_cache_counts_of_their_own_prompts_only():
+    m, *_ = make_metrics()
+    m.on_prompt({"num_cached_tokens": 96}, 1000)
+    m.on_prompt({"num_cached_tokens": 32}, 1000)
+    m.on_prompt({"num_cached_tokens": 0}, 1001)
+    assert m.counters(1000)["prefix_cache"] == {"hits": 2, "misses": 0, "hit_rate": 1.0, "cached_tokens": 128}
+    assert m.counters(1001)["prefix_cache"] == {"hits": 0, "misses": 1, "hit_rate": 0.0, "cached_tokens": 0}
+    assert m.counters(1002)["prefix_cache"] == {"hits": 0, "misses": 0, "hit_rate": None, "cached_tokens": 0}
+    assert m.counters()["prefix_cache"] == {"hits": 2, "misses": 1, "hit_rate": 2 / 3, "cached_tokens": 128}
+
+
 def test_the_metrics_section_is_checked_where_it_is_read():
     assert parse_config({"metrics": {"textfile_path": "/run/npud/metrics/npud.prom"}}).metrics.textfile_interval_s == 15
     bad = [({"textfile_path": "/run/npud/npud.txt"}, "metrics.textfile_path", "end in .prom"),

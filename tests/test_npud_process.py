@@ -342,6 +342,31 @@ def test_kill_9_during_a_batch_job_then_restart_loses_and_duplicates_nothing(new
     assert d.events("job_requeued")
 
 
+def test_a_job_with_per_prompt_settings_keeps_them_across_a_kill_9(new_daemon, reference):
+    """One job whose prompts have their own max_tokens: each result is its own prompt's
+    text, also for the prompts that ran after the restart read the job back from the store."""
+    d = new_daemon().start()
+    prompts = PROMPTS[:24]
+    own = [None if i % 3 == 0 else 60 + 9 * i for i in range(len(prompts))]  # None: the job's
+    lengths = [LONG_TOKENS if n is None else n for n in own]
+    with d.client() as c:
+        job = c.submit(prompts, max_tokens=LONG_TOKENS,
+                       prompt_settings=[None if n is None else {"max_tokens": n} for n in own])["job"]
+        wait_for(lambda: c.status(job)["done_prompts"] >= 2, 60, what="two prompts done")
+    d.kill9()
+    d.start()
+    with d.client() as c:
+        assert c.status(job)["done_prompts"] < len(prompts)  # some prompts run after the restart
+        wait_state(c, job)
+        results = c.result(job)["results"]
+    assert [r["prompt"] for r in results] == list(range(len(prompts)))
+    for r, prompt, n in zip(results, prompts, lengths):
+        assert r["text"] == reference(prompt, n), f"prompt {r['prompt']} differs"
+        assert len(r["token_ids"]) == n if r["finish_reason"] == "length" else len(r["token_ids"]) < n
+    assert sum(r["finish_reason"] == "length" for r in results) >= len(prompts) // 2  # the limits did bite
+    assert d.events("job_requeued")
+
+
 def test_sigterm_drains_requeues_and_the_next_start_resumes(new_daemon, reference):
     d = new_daemon().start()
     prompts = PROMPTS[:16]

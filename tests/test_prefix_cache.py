@@ -626,6 +626,75 @@ def test_scopes_survive_a_restart(tmp_path):
     assert again.lookup(P[:80], "uid:5").key == key
 
 
+# -- budget shares: one owner's inserts never push out another's entries (issue 17) ---------------
+
+def shifted(i, n=32):
+    return [t + i for t in P[:n]]
+
+
+def test_an_owner_filling_the_cache_cannot_evict_another_owners_entry():
+    size = entry_bytes(32)
+    cache = cache_with(max_bytes=3 * 2 * size, max_scopes=2)  # 3 shares of 2 entries each
+    victim = insert_in(cache, shifted(0), "uid:2")
+    for i in range(1, 20):  # uid:1 inserts far more than the whole cache holds
+        insert_in(cache, shifted(i), "uid:1")
+    # before: the victim's entry was the least recently used one of the cache, and went
+    assert cache.lookup(shifted(0, 40), "uid:2").key == victim
+    assert cache.stats().evictions == 17  # uid:1's own, LRU within its share of 2
+    assert cache.lookup(shifted(19, 40), "uid:1") is not None and cache.lookup(shifted(1, 40), "uid:1") is None
+    assert cache.stats().shares_reclaimed == 0
+
+
+def test_an_owner_filling_the_disk_cannot_evict_another_owners_file(tmp_path):
+    cache = cache_with(tmp_path, max_bytes=0, max_scopes=2)  # every entry goes to disk at once
+    victim = insert_in(cache, shifted(0), "uid:2")
+    file_size = (tmp_path / f"{victim}.safetensors").stat().st_size
+    cache.max_disk_bytes = 3 * 3 * file_size  # 3 shares of 3 files each
+    for i in range(1, 10):
+        insert_in(cache, shifted(i), "uid:1")
+    match = cache.lookup(shifted(0, 40), "uid:2")
+    assert match.key == victim and match.source is MatchSource.DISK
+    assert len(list(tmp_path.glob("*.safetensors"))) == 4  # uid:1's last 3 and the victim's
+
+
+def test_the_shared_scope_has_its_own_share():
+    size = entry_bytes(32)
+    cache = cache_with(max_bytes=3 * size, max_scopes=2)  # a share holds one entry
+    shared = insert_in(cache, shifted(0), None)
+    cache.pin("system", shared)
+    kept = insert_in(cache, shifted(1), None)  # over the shared share, but the pinned one stays
+    assert kept is None and cache.lookup(shifted(0, 40), "uid:1").key == shared
+    own = insert_in(cache, shifted(2), "uid:1")  # pins do not crowd out an owner's share
+    assert cache.lookup(shifted(2, 40), "uid:1").key == own
+
+
+def test_a_new_scope_takes_the_share_of_the_scope_used_least_recently():
+    size = entry_bytes(32)
+    cache = cache_with(max_bytes=3 * size, max_scopes=2)
+    a = insert_in(cache, shifted(0), "uid:1")
+    insert_in(cache, shifted(1), "uid:2")
+    assert cache.lookup(shifted(0, 40), "uid:1").key == a  # uid:1 used its share last
+    insert_in(cache, shifted(2), "uid:3")  # no share free: uid:2's goes
+    assert cache.lookup(shifted(1, 40), "uid:2") is None and cache.lookup(shifted(0, 40), "uid:1").key == a
+    assert cache.stats().shares_reclaimed == 1
+    insert_in(cache, shifted(3), "uid:1")  # a scope with a share only ever evicts its own entries
+    assert cache.lookup(shifted(2, 40), "uid:3") is not None and cache.stats().shares_reclaimed == 1
+
+
+def test_max_scopes_zero_keeps_one_budget_for_every_scope():
+    size = entry_bytes(32)
+    cache = cache_with(max_bytes=2 * size)
+    insert_in(cache, shifted(0), "uid:2")
+    insert_in(cache, shifted(1), "uid:1")
+    insert_in(cache, shifted(2), "uid:1")
+    assert cache.lookup(shifted(0, 40), "uid:2") is None  # one LRU over every entry
+
+
+def test_max_scopes_is_checked():
+    with pytest.raises(PrefixCacheError, match="max_scopes"):
+        cache_with(max_scopes=-1)
+
+
 def test_a_file_of_format_1_under_this_key_is_dropped(tmp_path):
     # format 1 had no scope: its entry would be found from every owner's scope
     path = _one_file(tmp_path)

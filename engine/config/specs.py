@@ -172,15 +172,8 @@ class LinearSpec:
     value_head_dim: int
 
     def __post_init__(self) -> None:
-        for name in ("conv_kernel", "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim"):
-            value = getattr(self, name)
-            if not is_int(value) or value <= 0:
-                raise ConfigError(f"LinearSpec.{name} must be a positive int, got {value!r}")
-        if self.num_value_heads % self.num_key_heads:
-            raise ConfigError(
-                f"LinearSpec.num_value_heads ({self.num_value_heads}) is not a multiple of "
-                f"num_key_heads ({self.num_key_heads})"
-            )
+        _check_heads(self, "LinearSpec.", ("conv_kernel", "num_key_heads", "num_value_heads", "key_head_dim",
+                                           "value_head_dim"), "num_value_heads", "num_key_heads")
 
     @property
     def key_dim(self) -> int:
@@ -194,6 +187,18 @@ class LinearSpec:
     def conv_dim(self) -> int:
         """Channels of the conv: q, k and v side by side."""
         return 2 * self.key_dim + self.value_dim
+
+
+def _check_heads(spec: object, where: str, positive: tuple[str, ...], grouped: str, groups: str) -> None:
+    """Raise ConfigError (its message starting with `where`) unless every field in `positive`
+    is a positive int and `grouped` heads divide evenly among `groups`."""
+    for name in positive:
+        value = getattr(spec, name)
+        if not is_int(value) or value <= 0:
+            raise ConfigError(f"{where}{name} must be a positive int, got {value!r}")
+    if getattr(spec, grouped) % getattr(spec, groups):
+        raise ConfigError(f"{where}{grouped} ({getattr(spec, grouped)}) is not a multiple of "
+                          f"{groups} ({getattr(spec, groups)})")
 
 
 @dataclass(slots=True, frozen=True)
@@ -222,15 +227,8 @@ class LayerSpec:
             raise ConfigError(f"LayerSpec.index must be an int >= 0, got {self.index!r}")
         if not isinstance(self.kind, AttentionKind):
             raise ConfigError(f"layer {self.index}: kind must be an AttentionKind, got {self.kind!r}")
-        for name in ("num_heads", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if not is_int(value) or value <= 0:
-                raise ConfigError(f"layer {self.index}: {name} must be a positive int, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"layer {self.index}: num_heads ({self.num_heads}) is not a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})"
-            )
+        _check_heads(self, f"layer {self.index}: ", ("num_heads", "num_kv_heads", "head_dim"),
+                     "num_heads", "num_kv_heads")
         if not is_int(self.window) or self.window < 0:
             raise ConfigError(f"layer {self.index}: window must be an int >= 0, got {self.window!r}")
         if (self.kind is AttentionKind.SLIDING) != (self.window > 0):
