@@ -14,7 +14,7 @@ from engine.api import EngineError, ServedModel
 from npud import __version__
 from npud.config import DaemonConfig
 from npud.jobs import store_api_error
-from npud.jobspec import api_error, parse_spec
+from npud.jobspec import JobSpec, api_error, parse_spec
 from npud.metrics import render_prometheus
 from npud.protocol import INT64_MAX, PROTOCOL_VERSION, ApiError, ErrorCode, Params, Request
 from npud.store import StoreError
@@ -116,15 +116,29 @@ class Api:
             status = (await self.job_manager.submit(peer.caller, spec, priority))[0].status()
         return {**status, "queue_position": self.queue.position(status["job"])}
 
+    def single_spec(self, params: dict) -> JobSpec:
+        """The spec of a one-prompt job from `complete`'s params (the HTTP front end's requests
+        are translated into these); raises ApiError naming the parameter."""
+        p = Params(params)
+        spec = self._spec(p, single=True)
+        p.finish()
+        return spec
+
     async def complete(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         spec = self._spec(p, single=True)
         p.finish()
+        return await self.run_single(peer, spec, Priority.INTERACTIVE, emit)
+
+    async def run_single(self, peer: "Peer", spec: JobSpec, priority: Priority, emit: Emit) -> dict:
+        """Run a one-prompt job for a client that waits for it (`complete`, and every HTTP
+        request): its events go to `emit` as they come; the job is cancelled when the caller is
+        cancelled (its client went away) or falls behind. Returns the job's result."""
         if self.queue.quarantine is not None:
             raise ApiError(ErrorCode.DEVICE_QUARANTINED,
                            f"the device is quarantined ({self.queue.quarantine.reason}); "
                            "an operator clears it with `npuctl device clear`")
         jobs = self.job_manager
-        job, sub = await jobs.submit(peer.caller, spec, Priority.INTERACTIVE, interactive=True, subscribe=True)
+        job, sub = await jobs.submit(peer.caller, spec, priority, interactive=True, subscribe=True)
         try:
             async for name, data in sub.receive:
                 if name != "progress":

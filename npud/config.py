@@ -7,6 +7,7 @@ and the bad value. `npud --check-config` runs exactly this code and exits.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import re
 import tomllib
@@ -70,6 +71,70 @@ class ServerConfig:
         if not 0 <= self.admin_reserved_connections < self.max_connections:
             raise DaemonConfigError("server.admin_reserved_connections", self.admin_reserved_connections,
                                     f"must be >= 0 and below server.max_connections ({self.max_connections})")
+
+
+MIN_BEARER_TOKEN_CHARS = 16
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """("127.0.0.1", 8080) from "127.0.0.1:8080" or "[::1]:8080"; raises ValueError."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError("expected HOST:PORT with a port in [0, 65535], e.g. 127.0.0.1:8080")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        ipaddress.ip_address(host)  # a literal address: a name could resolve to anything
+    except ValueError:
+        raise ValueError(f"{host!r} is not an IP address; expected HOST:PORT with a literal address, "
+                         "e.g. 127.0.0.1:8080 or [::1]:8080") from None
+    return host, int(port)
+
+
+@dataclass(slots=True, frozen=True)
+class HttpConfig:
+    """The OpenAI-compatible HTTP front end (npud/http/, docs/http.md). It listens on a Unix
+    socket (peer credentials as on the main socket) and, only when tcp_address is set, on a
+    TCP address: loopback unless allow_remote, which needs a bearer token. A TCP peer has no
+    credentials, so its requests run as tcp_owner_uid (never an admin)."""
+
+    enabled: bool = True
+    socket_path: str = ""  # "" = http.sock beside server.socket_path (mode and group as that socket)
+    tcp_address: str = ""  # "" = no TCP; "127.0.0.1:8080" or "[::1]:8080" (port 0: the kernel picks)
+    tcp_owner_uid: int | None = None  # whose jobs TCP requests make; required with tcp_address
+    allow_remote: bool = False  # a non-loopback tcp_address; needs bearer_token
+    bearer_token: str = ""  # when set, TCP requests need "Authorization: Bearer <token>"
+
+    def __post_init__(self) -> None:
+        if len(self.socket_path.encode()) > 107:
+            raise DaemonConfigError("http.socket_path", self.socket_path, "a Unix socket path is at most 107 bytes")
+        if self.bearer_token and len(self.bearer_token) < MIN_BEARER_TOKEN_CHARS:
+            raise DaemonConfigError("http.bearer_token", "(hidden)", f"must have at least {MIN_BEARER_TOKEN_CHARS} "
+                                                                     "characters")
+        if self.tcp_owner_uid is not None and not 0 <= self.tcp_owner_uid < 2**32 - 1:
+            raise DaemonConfigError("http.tcp_owner_uid", self.tcp_owner_uid, "must be a uid (>= 0)")
+        if not self.tcp_address:
+            return
+        try:
+            host, _ = split_host_port(self.tcp_address)
+        except ValueError as exc:
+            raise DaemonConfigError("http.tcp_address", self.tcp_address, str(exc)) from None
+        if self.tcp_owner_uid is None:
+            raise DaemonConfigError("http.tcp_owner_uid", None, "is required with http.tcp_address (a TCP peer has "
+                                                                "no credentials: its jobs belong to this uid)")
+        if not ipaddress.ip_address(host).is_loopback:
+            if not self.allow_remote:
+                raise DaemonConfigError("http.tcp_address", self.tcp_address,
+                                        "not a loopback address; set http.allow_remote (with http.bearer_token) "
+                                        "to serve other hosts")
+            if not self.bearer_token:
+                raise DaemonConfigError("http.allow_remote", True, "needs http.bearer_token")
+
+    def unix_path(self, server: "ServerConfig") -> str:
+        """The HTTP socket's path: socket_path, or http.sock beside the main socket."""
+        if self.socket_path:
+            return self.socket_path
+        return str(Path(server.socket_path).parent / "http.sock")
 
 
 @dataclass(slots=True, frozen=True)
@@ -236,6 +301,7 @@ class DaemonConfig:
     errors: ErrorsConfig = field(default_factory=ErrorsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
     models: tuple[ModelEntry, ...] = ()
     default_model: str | None = None  # None: the first model
 
@@ -246,6 +312,8 @@ class DaemonConfig:
             raise DaemonConfigError("models.name", sorted(dup)[0], "model names must be unique")
         if self.default_model is not None and self.default_model not in names:
             raise DaemonConfigError("default_model", self.default_model, f"not one of the models {names}")
+        if self.http.enabled and self.http.unix_path(self.server) == self.server.socket_path:
+            raise DaemonConfigError("http.socket_path", self.http.socket_path, "must differ from server.socket_path")
 
     @property
     def default_model_name(self) -> str | None:
@@ -261,7 +329,8 @@ class DaemonConfig:
 
 
 # Fields that SIGHUP cannot change in a running daemon (the socket and the store are open).
-RELOAD_FIXED = ("server.socket_path", "server.socket_group", "server.socket_mode", "store.state_dir")
+RELOAD_FIXED = ("server.socket_path", "server.socket_group", "server.socket_mode", "store.state_dir",
+                "http.enabled", "http.socket_path", "http.tcp_address", "http.allow_remote")
 
 
 def _coerce(cls_name: str, name: str, hint: Any, value: Any) -> Any:
@@ -314,7 +383,7 @@ def _build(cls: type, raw: Any, section: str) -> Any:
 _SECTIONS = {
     "server": ServerConfig, "limits": LimitsConfig, "store": StoreConfig, "scheduler": SchedulerConfig,
     "device": DeviceConfig, "thermal": ThermalConfig, "errors": ErrorsConfig, "logging": LoggingConfig,
-    "metrics": MetricsConfig,
+    "metrics": MetricsConfig, "http": HttpConfig,
 }
 
 
@@ -409,5 +478,7 @@ def diff_for_reload(old: DaemonConfig, new: DaemonConfig) -> tuple[DaemonConfig,
         server=dataclasses.replace(new.server, socket_path=old.server.socket_path,
                                    socket_group=old.server.socket_group, socket_mode=old.server.socket_mode),
         store=dataclasses.replace(new.store, state_dir=old.store.state_dir),
+        http=dataclasses.replace(new.http, enabled=old.http.enabled, socket_path=old.http.socket_path,
+                                 tcp_address=old.http.tcp_address, allow_remote=old.http.allow_remote),
     )
     return merged, ignored

@@ -21,6 +21,7 @@ from npud.api import Api
 from npud.config import DaemonConfigError, DaemonConfig, diff_for_reload, load_config
 from npud.device import discover, gemm_site, other_holders
 from npud.guards import ErrorCountGuard, ThermalGuard
+from npud.http.server import HttpServer
 from npud.jobs import JobManager
 from npud.logsetup import setup_logging
 from npud.metrics import Metrics, snapshot
@@ -68,6 +69,7 @@ class Daemon:
                        started_mono=self.started_mono,
                        gemm_site=self.gemm_site, other_holders=lambda: self.other_holders)
         self.server = Server(cfg, self.api)
+        self.http = HttpServer(cfg, self.api, self.server)
         self._stop = trio.Event()
         self._hurried = False
         self._drain_scope: trio.CancelScope | None = None
@@ -95,6 +97,8 @@ class Daemon:
                 await nursery.start(self.metrics.run, self.metrics_snapshot)
                 await nursery.start(self.owner.run)
                 await nursery.start(self.server.serve)
+                if self.cfg.http.enabled:
+                    await nursery.start(self.http.serve)
                 # READY=1 once clients can connect and the store is open (Type=notify)
                 status = self.status_line()
                 if sd_notify("READY=1", f"STATUS={status}"):  # a service manager listens: keep it told
@@ -169,6 +173,7 @@ class Daemon:
                  else self.owner.holding.id)
         self.jobs.accepting = False
         self.server.stop_accepting()
+        self.http.stop_accepting()
         self.queue.stop()
         with self._drain_step(deadline) as scope:
             await self.owner.wait_idle()
@@ -236,6 +241,6 @@ class Daemon:
         self.thermal.cfg = cfg.thermal
         self.errors.reconfigure(cfg.errors)
         self.metrics.reconfigure(cfg.metrics)
-        self.jobs.cfg = self.owner.cfg = self.server.cfg = self.api.cfg = cfg
+        self.jobs.cfg = self.owner.cfg = self.server.cfg = self.http.cfg = self.api.cfg = cfg
         async with self.owner.device_lock:  # a load may be under way in the engine thread
             self.registry.reconfigure(cfg.models, cfg.device.max_resident_bytes, keep=self.owner.models_in_use())

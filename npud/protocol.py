@@ -312,6 +312,12 @@ class Params:
             raise self.bad(name, f"{bad[0]!r} is not one of {list(choices)}")
         return items
 
+    def raw(self, name: str) -> Any:
+        """The value as given (None when absent), unchecked: for a value passed on to code
+        that checks it (the HTTP front end hands OpenAI's fields to `complete`'s checks)."""
+        self._seen.add(name)
+        return self._params.get(name)
+
     def obj(self, name: str) -> "Params":
         """A nested object as Params (empty when absent)."""
         value = self._get(name, {})

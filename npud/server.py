@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import structlog
 import trio
 
-from npud.config import DaemonConfig
+from npud.config import DaemonConfig, ServerConfig
 from npud.connection import ConnectionState, Limits
 from npud.jobs import Caller
 from npud.protocol import ApiError, ErrorCode, Request, encode, error_reply, event, reply
@@ -92,8 +92,12 @@ async def open_listener(cfg: DaemonConfig) -> tuple[trio.SocketListener, bool]:
     if inherited is not None:
         sock = trio.socket.from_stdlib_socket(inherited)
         return trio.SocketListener(sock), True
-    server = cfg.server
-    path = server.socket_path
+    return await bind_unix(cfg.server, cfg.server.socket_path), False
+
+
+async def bind_unix(server: ServerConfig, path: str) -> trio.SocketListener:
+    """A listening Unix socket at `path` with server.socket_mode and server.socket_group (the
+    main socket's, and the HTTP front end's beside it). Raises OSError/RuntimeError."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     if os.path.lexists(path):
         _refuse_if_live(path)
@@ -115,7 +119,7 @@ async def open_listener(cfg: DaemonConfig) -> tuple[trio.SocketListener, bool]:
     if gid != -1:
         os.chown(path, -1, gid)
     sock.listen(socket.SOMAXCONN)
-    return trio.SocketListener(sock), False
+    return trio.SocketListener(sock)
 
 
 class Connection:
@@ -205,7 +209,7 @@ class Server:
             self.connections -= 1
             await trio.aclose_forcefully(stream)
 
-    def _refusal(self, uid: int, admin: bool) -> ApiError | None:
+    def refusal(self, uid: int, admin: bool) -> ApiError | None:
         """Why a new connection of `uid` is refused, or None. Counts include it. One uid holds at
         most max_connections_per_uid, and the last admin_reserved_connections slots are kept for
         root and the admin group, so an operator can act while someone holds every other slot."""
@@ -235,7 +239,7 @@ class Server:
         conn = Connection(stream, peer, server.idle_timeout_s)
         self.by_uid[uid] += 1
         try:
-            refusal = self._refusal(uid, peer.caller.admin)
+            refusal = self.refusal(uid, peer.caller.admin)
             if refusal is not None:
                 log.warning("connection_refused", uid=uid, pid=pid, reason=refusal.message)
                 await self._send_quietly(conn, error_reply(None, refusal))

@@ -156,3 +156,55 @@ def test_device_backend_is_validated():
     assert DeviceConfig().backend == "auto"
     with pytest.raises(DaemonConfigError, match="device.backend"):
         DeviceConfig(backend="gpu")
+
+
+# -- [http]: the HTTP front end's sockets ------------------------------------------------------
+
+
+def test_http_listens_beside_the_main_socket_by_default():
+    cfg = parse_config({"server": {"socket_path": "/run/x/npud.sock"}})
+    assert cfg.http.enabled and cfg.http.tcp_address == ""
+    assert cfg.http.unix_path(cfg.server) == "/run/x/http.sock"
+    assert parse_config({"http": {"socket_path": "/tmp/h.sock"}}).http.unix_path(cfg.server) == "/tmp/h.sock"
+
+
+@pytest.mark.parametrize("http, field, words", [
+    ({"tcp_address": "0.0.0.0:8080", "tcp_owner_uid": 1000}, "http.tcp_address", "not a loopback address"),
+    ({"tcp_address": "192.168.1.5:8080", "tcp_owner_uid": 1000, "allow_remote": True}, "http.allow_remote",
+     "needs http.bearer_token"),
+    ({"tcp_address": "127.0.0.1:8080"}, "http.tcp_owner_uid", "is required"),
+    ({"tcp_address": "localhost:8080", "tcp_owner_uid": 1000}, "http.tcp_address", "HOST:PORT"),
+    ({"tcp_address": "127.0.0.1", "tcp_owner_uid": 1000}, "http.tcp_address", "HOST:PORT"),
+    ({"tcp_address": "127.0.0.1:70000", "tcp_owner_uid": 1000}, "http.tcp_address", "HOST:PORT"),
+    ({"bearer_token": "short"}, "http.bearer_token", "at least 16"),
+    ({"tcp_owner_uid": -1}, "http.tcp_owner_uid", "a uid"),
+    ({"tcp_owner_uid": "1000"}, "http.tcp_owner_uid", "an integer"),
+    ({"socket_path": "/run/npud/npud.sock"}, "http.socket_path", "must differ"),
+    ({"port": 8080}, "http.port", "unknown field"),
+])
+def test_bad_http_settings_name_the_field(http, field, words):
+    with pytest.raises(DaemonConfigError) as info:
+        parse_config({"http": http})
+    assert info.value.field == field and words in str(info.value)
+    assert "short" not in str(info.value) or field != "http.bearer_token"  # a token is never echoed
+
+
+@pytest.mark.parametrize("http", [
+    {"tcp_address": "127.0.0.1:8080", "tcp_owner_uid": 1000},
+    {"tcp_address": "[::1]:0", "tcp_owner_uid": 0},
+    {"tcp_address": "127.0.0.2:8080", "tcp_owner_uid": 1000, "bearer_token": "x" * 16},
+    {"tcp_address": "192.168.1.5:8080", "tcp_owner_uid": 1000, "allow_remote": True, "bearer_token": "y" * 32},
+    {"enabled": False, "socket_path": "/run/npud/npud.sock"},
+])
+def test_good_http_settings(http):
+    assert parse_config({"http": http}).http.tcp_address == http.get("tcp_address", "")
+
+
+def test_reload_keeps_the_http_listeners():
+    old = parse_config({"http": {"tcp_address": "127.0.0.1:8080", "tcp_owner_uid": 1000}})
+    new = parse_config({"http": {"tcp_address": "127.0.0.1:9090", "tcp_owner_uid": 1001, "socket_path": "/tmp/h.sock",
+                                 "bearer_token": "z" * 16}})
+    merged, ignored = diff_for_reload(old, new)
+    assert merged.http.tcp_address == "127.0.0.1:8080" and merged.http.socket_path == ""
+    assert merged.http.tcp_owner_uid == 1001 and merged.http.bearer_token == "z" * 16  # these apply at once
+    assert set(ignored) == {"http.tcp_address", "http.socket_path"}

@@ -193,7 +193,7 @@ def test_units_sysusers_and_example_config_agree():
 # -- the example configuration ---------------------------------------------------------------
 
 # settings whose example value is not the default, on purpose (the header of npud.toml says so)
-EXAMPLE_NOT_DEFAULT = {"server.socket_group"}
+EXAMPLE_NOT_DEFAULT = {"server.socket_group", "http.tcp_owner_uid"}
 
 
 def test_the_example_config_loads_and_shows_every_setting():
