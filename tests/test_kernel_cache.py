@@ -44,6 +44,7 @@ q = r((2, 2, 4)).astype(np.float32)
 for parallel in (False, True):
     out = np.empty_like(q)
     pointwise.ATTENTION[parallel](q, q, q, np.array([0, 1]), 0, np.float32(0.5), out)
+    pointwise.ATTENTION_TILED[parallel](q, q, q, np.array([0, 1]), 0, np.float32(0.5), out)
     recurrent.GATED_DELTA[parallel](q, q, q, np.zeros((2, 2), np.float32), np.ones((2, 2), np.float32),
                                     np.zeros((2, 4, 4), np.float32), out, np.empty((2, 2, 4, 4), np.float32))
 """

@@ -3,6 +3,7 @@ host-side pieces (the rest of the NPU backend: tests/test_xrt.py)."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -11,7 +12,8 @@ import torch
 
 from kernels.select import RowwiseBackend, select_backend
 from kernels.base import LinearWeight, WeightFormat
-from kernels.host import KERNELS, QB, TILE, HostBackend, check_batch_invariance, native, pack_q8, pack_tiles
+from kernels.host import KERNELS, QB, TILE, HostBackend, check_batch_invariance, native, pack_q8, pack_tiles, pointwise
+from kernels.host.backend import TILED_MIN_ROWS
 from kernels.host.formats import pair_bf16_columns
 from kernels import xrt
 
@@ -243,6 +245,66 @@ def test_attention_window_and_gqa_match_reference(host):
                 e = np.exp(s - s.max())
                 want = (e / e.sum()) @ v[lo : p + 1, h // 2]
                 assert np.allclose(got[m, h], want, atol=1e-5)
+
+
+def _attention_in_order(q, k, v, p, lo, scale):
+    """One (row, head) in the kernels' order, float32 throughout, a rounded multiply then a rounded
+    add at each step: score t = sum over d in order; exp(score - max) with the difference and exp in
+    float64, rounded to float32; values summed in key order."""
+    s = np.zeros(p + 1 - lo, np.float32)
+    for d in range(q.shape[0]):
+        s = s + q[d] * k[lo : p + 1, d]
+    s = s * scale
+    e = np.array([math.exp(float(x) - float(s.max())) for x in s], np.float32)
+    denom = np.float32(0.0)
+    for x in e:
+        denom = np.float32(denom + x)
+    out = np.zeros(q.shape[0], np.float32)
+    for t, x in enumerate(e):
+        out = out + (x / denom) * v[lo + t]
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_attention_bits_follow_the_documented_order(host, window):
+    # both kernels (row by row, and key-tiled for a prefill chunk) against the order spelled out:
+    # a kernel change that moves any bit must bump NUMERICS_VERSION and this reference with it
+    rng = np.random.default_rng(6)
+    T, H, KVH, D = 23, 4, 2, 8
+    q = rng.standard_normal((TILED_MIN_ROWS + 2, H, D)).astype(np.float32)
+    k = rng.standard_normal((T, KVH, D)).astype(np.float32)
+    v = rng.standard_normal((T, KVH, D)).astype(np.float32)
+    pos = np.arange(T - q.shape[0], T)
+    scale = np.float32(D**-0.5)
+    for rows in (q.shape[0], 1):  # tiled, then the one-row kernel
+        got = host.attention(q[:rows], k, v, pos[:rows], window, scale)
+        for m, p in enumerate(pos[:rows]):
+            lo = 0 if window == 0 else max(0, p - window + 1)
+            for h in range(H):
+                want = _attention_in_order(q[m, h], k[:, h // 2], v[:, h // 2], p, lo, scale)
+                assert np.array_equal(got[m, h].view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("window", [0, 5])
+def test_prefill_attention_rows_have_the_bits_of_one_row_calls(window, parallel):
+    # a prefill chunk (M >= TILED_MIN_ROWS) goes through the key-tiled kernel, a decode step row by
+    # row: each row of the chunk must have the one-row call's bits (odd sizes reach every tail loop)
+    rng = np.random.default_rng(5)
+    T, H, KVH, D = 75, 4, 2, 24
+    start = T - 2 * TILED_MIN_ROWS - 3
+    q = rng.standard_normal((T - start, H, D)).astype(np.float32)
+    k = rng.standard_normal((T, KVH, D)).astype(np.float32)
+    v = rng.standard_normal((T, KVH, D)).astype(np.float32)
+    pos = np.arange(start, T)
+    scale = np.float32(D**-0.5)
+    got = np.empty_like(q)
+    pointwise.ATTENTION_TILED[parallel](q, k, v, pos, window, scale, got)
+    assert np.array_equal(got, HostBackend().attention(q, k, v, pos, window, scale))  # the backend's choice
+    for m, p in enumerate(pos):
+        one = np.empty_like(q[:1])
+        pointwise.ATTENTION[False](q[m : m + 1], k[: p + 1], v[: p + 1], pos[m : m + 1], window, scale, one)
+        assert np.array_equal(got[m].view(np.uint32), one[0].view(np.uint32))
 
 
 def test_bf16_rounding_matches_torch():

@@ -9,6 +9,9 @@ from kernels.host import pointwise, recurrent
 from kernels.host.formats import PARALLEL_MIN_BYTES, kernel_for
 
 PARALLEL_MIN_WORK = 1 << 21  # attention elements below which waking a second thread costs more than it saves
+# rows from which attention scores a transposed key tile against every row (prefill), not row by row:
+# the same bits either way, so this only moves time
+TILED_MIN_ROWS = 8
 
 
 class HostBackend:
@@ -57,7 +60,8 @@ class HostBackend:
         q = np.ascontiguousarray(q, dtype=np.float32)
         out = np.empty_like(q)
         work = q.shape[0] * q.shape[1] * k_cache.shape[0] * q.shape[2]
-        pointwise.ATTENTION[self.parallel and work >= PARALLEL_MIN_WORK](
+        kernels = pointwise.ATTENTION_TILED if q.shape[0] >= TILED_MIN_ROWS else pointwise.ATTENTION
+        kernels[self.parallel and work >= PARALLEL_MIN_WORK](
             q,
             k_cache,
             v_cache,
