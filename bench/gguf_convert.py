@@ -17,9 +17,11 @@ import sys
 import tarfile
 from pathlib import Path
 
+from llamacpp import VERSION
+
 ROOT = Path(__file__).resolve().parent.parent
-SDIST = Path(os.environ.get("NPUD_LLAMA_SDIST", "/tmp/lcp/llama_cpp_python-0.3.36.tar.gz"))
 SRC = ROOT / "bench" / "out" / "llama-src"
+SDIST_VERSION = VERSION  # the converter of the llama.cpp the benchmarks time
 
 # Runs in vendor/llama.cpp with our Python (it has torch, transformers, numpy).
 _RUNNER = r"""
@@ -36,15 +38,34 @@ convert_hf_to_gguf.main()
 """
 
 
+def sdist_path() -> Path:
+    """The llama-cpp-python sdist: $NPUD_LLAMA_SDIST, else downloaded from the package index
+    into bench/out/sdist once. Raises FileNotFoundError when neither gives one."""
+    if os.environ.get("NPUD_LLAMA_SDIST"):
+        sdist = Path(os.environ["NPUD_LLAMA_SDIST"])
+        if not sdist.exists():
+            raise FileNotFoundError(f"no llama-cpp-python sdist at {sdist} (NPUD_LLAMA_SDIST)")
+        return sdist
+    folder = ROOT / "bench" / "out" / "sdist"
+    found = sorted(folder.glob(f"llama_cpp_python-{SDIST_VERSION}.tar.gz"))
+    if not found:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+                        "--no-binary", ":all:", f"llama-cpp-python=={SDIST_VERSION}", "-d", str(folder)], check=False)
+        found = sorted(folder.glob(f"llama_cpp_python-{SDIST_VERSION}.tar.gz"))
+    if not found:
+        raise FileNotFoundError(f"no llama-cpp-python {SDIST_VERSION} sdist: pip download failed and "
+                                "NPUD_LLAMA_SDIST is not set")
+    return found[0]
+
+
 def llama_cpp_tree() -> Path:
     """vendor/llama.cpp of the unpacked sdist (unpacked on first use); raises FileNotFoundError without the sdist."""
     found = sorted(SRC.glob("*/vendor/llama.cpp"))
     if found:
         return found[0]
-    if not SDIST.exists():
-        raise FileNotFoundError(f"no llama-cpp-python sdist at {SDIST} (set NPUD_LLAMA_SDIST)")
+    sdist = sdist_path()
     SRC.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(SDIST) as tar:
+    with tarfile.open(sdist) as tar:
         tar.extractall(SRC, filter="data")
     return sorted(SRC.glob("*/vendor/llama.cpp"))[0]
 
