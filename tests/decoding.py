@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
+
+from engine.forward import Forward
 from engine.sampling import Sampler
 from engine.api import SpecParams
 from engine.speculative import DecodeStats, plain_decode, speculative_decode
@@ -20,3 +23,14 @@ def greedy_run(forward, prompt, n, head=None, k=4):
     for _ in loop:
         pass
     return out, stats
+
+
+def plain_tokens(model, ids, n):
+    """`n` greedy tokens after prompt `ids`: one prefill, then one step a token (the reference)."""
+    f = Forward(model)
+    logits = f.prefill(ids)
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = f.step(out[-1], f.positions_held)
+    return out

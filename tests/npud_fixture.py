@@ -92,12 +92,16 @@ def start_daemon(tmp_base: Path, *, fim: bool = False) -> DaemonProc:
     if nobody_can_connect():
         server["socket_group"] = "nogroup"
     workdir = short_tempdir()  # short (a socket path has at most 107 bytes) and open to `nobody`
-    daemon = DaemonProc(workdir, models, server=server)
+    return start_or_clean(DaemonProc(workdir, models, server=server))
+
+
+def start_or_clean(daemon: DaemonProc) -> DaemonProc:
+    """`daemon` started (ready within 90 s), or stopped and its directory removed."""
     try:
         daemon.start(timeout=90.0)
     except BaseException:
         daemon.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(daemon.dir, ignore_errors=True)
         raise
     return daemon
 

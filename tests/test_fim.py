@@ -3,8 +3,9 @@ checkpoints whose tokenizers carry the FIM tokens of engine.testing.checkpoints.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+
+from decoding import plain_tokens
 
 from engine.api import (
     ConfigError,
@@ -16,7 +17,6 @@ from engine.api import (
     SpecParams,
 )
 from engine.fim import find_fim_tokens, fim_prompt_ids
-from engine.forward import Forward
 from engine.session import LoadedModel, fitting_max_tokens
 from engine.testing.checkpoints import build_tiny_checkpoint
 
@@ -31,16 +31,6 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("fim")
     return {name: LoadedModel.load(name, build_tiny_checkpoint(root / name, "qwen3", fim=fim), weight_format="fp32")
             for name, fim in (("qwen", "qwen"), ("starcoder", "starcoder"), ("plain", None))}
-
-
-def plain_tokens(model, ids, n):
-    f = Forward(model)
-    logits = f.prefill(ids)
-    out = []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = f.step(out[-1], f.positions_held)
-    return out
 
 
 def drive(session):

@@ -16,6 +16,7 @@ from engine.api import (
     SpecParams,
     load_model,
 )
+from decoding import plain_tokens
 from engine.forward import Forward
 from engine.generate import Generation, _longest_stop_prefix_suffix
 from engine.model import Model
@@ -41,16 +42,6 @@ def model(ckpt):
 @pytest.fixture(scope="module")
 def tok(ckpt):
     return Tokenizer.from_dir(ckpt)
-
-
-def plain_tokens(model, ids, n):
-    f = Forward(model)
-    logits = f.prefill(ids)
-    out = []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = f.step(out[-1], f.positions_held)
-    return out
 
 
 def run(gen):

@@ -19,7 +19,8 @@ import pytest
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx2")  # openai's HTTP client library
 
-from npud_fixture import FIM_CONTEXT, FIM_MODEL, MODEL, NOBODY_UID, fim_checkpoint, tiny_checkpoint  # noqa: E402
+from npud_fixture import (FIM_CONTEXT, FIM_MODEL, MODEL, NOBODY_UID, fim_checkpoint, start_or_clean,  # noqa: E402
+                          stop_daemon, tiny_checkpoint)
 from test_npud_support import DaemonProc, short_tempdir, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a real daemon on a real (tiny) model
@@ -34,25 +35,13 @@ def start(tmp_path_factory, server: dict | None = None, **http) -> DaemonProc:
     workdir = short_tempdir()
     models = [{"name": MODEL, "checkpoint_dir": str(tiny_checkpoint(base)), "weight_format": "fp32"},
               {"name": FIM_MODEL, "checkpoint_dir": str(fim_checkpoint(base)), "weight_format": "fp32"}]
-    daemon = DaemonProc(workdir, models,
-                        server={"admin_group": "npud-test-no-such-group", "max_connections_per_uid": 4, **(server or {})},
-                        limits={"max_prompt_tokens": 512, "max_tokens": 3500}, http=http)
-    try:
-        daemon.start(timeout=90.0)
-    except BaseException:
-        daemon.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
-        raise
-    return daemon
+    return start_or_clean(DaemonProc(
+        workdir, models,
+        server={"admin_group": "npud-test-no-such-group", "max_connections_per_uid": 4, **(server or {})},
+        limits={"max_prompt_tokens": 512, "max_tokens": 3500}, http=http))
 
 
-def stop(daemon: DaemonProc) -> None:
-    try:
-        daemon.terminate(timeout=20.0)
-    except subprocess.TimeoutExpired:
-        pass
-    daemon.stop()
-    shutil.rmtree(daemon.dir, ignore_errors=True)
+stop = stop_daemon
 
 
 @pytest.fixture(scope="module")
