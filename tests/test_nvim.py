@@ -9,6 +9,7 @@ right prompt and put every streamed piece in the right place.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -80,7 +81,8 @@ def client(daemon):
         yield c
 
 
-def run_nvim(tmp_path: Path, scenario: str, socket_path: str | None, timeout: float = 120) -> dict:
+def run_nvim(tmp_path: Path, scenario: str, socket_path: str | None, timeout: float = 120,
+             env: dict[str, str] | None = None) -> dict:
     """Run a Lua scenario in headless Neovim with the plugin loaded; returns what it dumped
     (`T.dump(OUT)`): the buffer text, the notifications, and any extra values."""
     helper = tmp_path / "helper.lua"
@@ -92,7 +94,7 @@ def run_nvim(tmp_path: Path, scenario: str, socket_path: str | None, timeout: fl
         [NVIM, "--headless", "--clean", "-u", "NONE", "-i", "NONE", "-n",
          "--cmd", f"set runtimepath^={PLUGIN}",
          "-c", "runtime plugin/npud.lua", "-c", f"luafile {helper}", "-c", f"luafile {script}", "-c", "qa!"],
-        cwd=tmp_path, env=python_env(socket_path), capture_output=True, timeout=timeout)
+        cwd=tmp_path, env={**python_env(socket_path), **(env or {})}, capture_output=True, timeout=timeout)
     assert out.exists(), f"nvim wrote no result (exit {proc.returncode}): {proc.stderr.decode(errors='replace')}"
     return json.loads(out.read_text(encoding="utf-8"))
 
@@ -129,6 +131,41 @@ def test_complete_inserts_the_stream_at_the_cursor(daemon, client, tmp_path):
     assert state["extra"]["after_undo"] == "x = 1\ndef add(a, b):\n# tail"  # one undo takes it all back
     newest = client.jobs(limit=1)["jobs"][0]
     assert newest["priority"] == "interactive" and newest["interactive"] is True
+
+
+@pytest.mark.skipif(os.path.exists("/run/npud/npud.sock"), reason="a system npud listens here: it comes first")
+def test_without_a_socket_setting_the_plugin_finds_a_per_user_npud(daemon, client, tmp_path):
+    runtime = tmp_path / "run"
+    (runtime / "npud").mkdir(parents=True)
+    (runtime / "npud" / "npud.sock").symlink_to(daemon.socket)  # where `npud --model` would listen
+    state = run_nvim(tmp_path, f"""
+        require('npud').setup({{ max_tokens = 8 }})
+        vim.api.nvim_buf_set_lines(0, 0, -1, true, {lua_lines(["def add(a, b):"])})
+        vim.api.nvim_win_set_cursor(0, {{1, 13}})
+        vim.cmd('NpuComplete')
+        T.wait_idle()
+        T.dump(OUT, {{ path = require('npud.rpc').socket_path(nil) }})
+    """, None, env={"XDG_RUNTIME_DIR": str(runtime)})
+    assert errors(state) == []
+    assert state["extra"]["path"] == str(runtime / "npud" / "npud.sock")
+    expected = client.complete("def add(a, b):", max_tokens=8).wait()["text"]
+    assert state["buffer"] == f"def add(a, b):{expected}"
+
+
+@pytest.mark.skipif(os.path.exists(f"/tmp/npud-{os.getuid()}"), reason="a per-user npud's directory exists")
+def test_the_tmp_fallback_is_taken_only_when_it_is_the_users_own_and_closed(tmp_path):
+    directory = Path(f"/tmp/npud-{os.getuid()}")
+    scenario = "T.dump(OUT, { path = require('npud.rpc').user_socket_path() or vim.NIL })"
+    env = {"XDG_RUNTIME_DIR": ""}
+    try:
+        assert run_nvim(tmp_path, scenario, None, env=env)["extra"]["path"] is None  # no directory
+        directory.mkdir(mode=0o755)
+        directory.chmod(0o755)
+        assert run_nvim(tmp_path, scenario, None, env=env)["extra"]["path"] is None  # others may enter
+        directory.chmod(0o700)
+        assert run_nvim(tmp_path, scenario, None, env=env)["extra"]["path"] == f"{directory}/npud.sock"
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_edit_replaces_whole_lines_of_a_range(daemon, client, tmp_path):

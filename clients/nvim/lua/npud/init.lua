@@ -11,7 +11,7 @@ local rpc = require('npud.rpc')
 local M = {}
 
 M.config = {
-  socket = nil, -- nil: g:npud_socket, then $NPUD_SOCKET, then /run/npud/npud.sock
+  socket = nil, -- nil: g:npud_socket, $NPUD_SOCKET, /run/npud/npud.sock, a per-user npud's socket
   model = nil, -- nil: the daemon's default model
   max_tokens = 256,
   context_length = nil, -- nil: the model's, from the daemon (see npud.context)

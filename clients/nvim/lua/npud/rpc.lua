@@ -10,8 +10,28 @@ local uv = vim.uv or vim.loop -- vim.uv from Neovim 0.10; Debian 12 ships 0.7 wi
 
 M.DEFAULT_SOCKET = '/run/npud/npud.sock'
 
+-- Where a per-user npud (`npud --model PATH`) listens, by the rule of npud/userdirs.py and
+-- clients/client.py: $XDG_RUNTIME_DIR/npud/npud.sock, else /tmp/npud-<uid>/npud.sock, but only
+-- when that directory is this user's own and closed to others (anyone can make a directory in
+-- /tmp and listen there as if it were npud, to read the prompts); nil when there is no such place.
+function M.user_socket_path()
+  local runtime = os.getenv('XDG_RUNTIME_DIR')
+  if runtime and runtime:sub(1, 1) == '/' then
+    return runtime .. '/npud/npud.sock'
+  end
+  local uid = uv.getuid()
+  local dir = '/tmp/npud-' .. uid
+  local st = uv.fs_lstat(dir)
+  if not st or st.type ~= 'directory' or st.uid ~= uid or bit.band(st.mode, 63) ~= 0 then
+    return nil -- 63 = 0o077: group or others may enter
+  end
+  return dir .. '/npud.sock'
+end
+
 -- The socket path: the explicit option, then g:npud_socket, then $NPUD_SOCKET, then the
--- daemon's default (the same order as the Python client and npuctl).
+-- system daemon's if it exists, then a per-user daemon's if it exists, else the system
+-- daemon's path (so the error says nothing listens there): the order of the Python client
+-- and npuctl.
 function M.socket_path(explicit)
   if explicit and explicit ~= '' then
     return explicit
@@ -23,6 +43,13 @@ function M.socket_path(explicit)
   local env = os.getenv('NPUD_SOCKET')
   if env and env ~= '' then
     return env
+  end
+  if uv.fs_stat(M.DEFAULT_SOCKET) then
+    return M.DEFAULT_SOCKET
+  end
+  local user = M.user_socket_path()
+  if user and uv.fs_stat(user) then
+    return user
   end
   return M.DEFAULT_SOCKET
 end
