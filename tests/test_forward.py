@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from decoding import plain_tokens
 from engine.testing.checkpoints import build_tiny_checkpoint, load_reference
 from engine.forward import Forward
 from engine.model import Model, rows_equal
@@ -66,17 +67,6 @@ def reference_greedy(ckpt, tokens, n):
     return out[0, len(tokens) :].tolist()
 
 
-def our_greedy(model, tokens, n):
-    f = Forward(model)
-    logits = f.prefill(tokens)
-    out = []
-    for _ in range(n):
-        t = int(np.argmax(logits))
-        out.append(t)
-        logits = f.step(t, f.positions_held)
-    return out
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_fp32_matches_transformers(checkpoints, name):
     ckpt = checkpoints[name]
@@ -84,7 +74,7 @@ def test_fp32_matches_transformers(checkpoints, name):
     ours = Forward(model).step_batch_all(PROMPT, 0)
     ref = reference_logits(ckpt, PROMPT)
     assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
-    assert our_greedy(model, PROMPT, 32) == reference_greedy(ckpt, PROMPT, 32)
+    assert plain_tokens(model, PROMPT, 32) == reference_greedy(ckpt, PROMPT, 32)
 
 
 def _rounded_reference(ckpt, tmp_path, transform):

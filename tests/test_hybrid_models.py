@@ -47,7 +47,7 @@ import transformers
 
 from assistant_fixtures import BASE as GEMMA4_BASE
 from engine.testing.checkpoints import load_reference, write_tokenizer
-from decoding import greedy_run
+from decoding import greedy_run, plain_tokens
 from engine.config import AttentionKind, ConfigError, parse_config
 from engine.drafters import DraftModelHead, PromptLookupHead
 from engine.forward import Forward
@@ -120,16 +120,6 @@ def reference_greedy(ckpt, tokens, n):
             torch.tensor([tokens]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
         )
     return out[0, len(tokens):].tolist()
-
-
-def our_greedy(model, tokens, n):
-    f = Forward(model)
-    logits = f.prefill(tokens)
-    out = []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = f.step(out[-1], f.positions_held)
-    return out
 
 
 # ------------------------------------------------------------------ configuration
@@ -256,7 +246,7 @@ def test_fp32_logits_and_greedy_tokens_match_transformers(ckpts, models, arch):
     ours = Forward(models[arch]).step_batch_all(PROMPT, 0)
     ref = reference_logits(ckpts[arch], PROMPT)
     assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
-    assert our_greedy(models[arch], PROMPT, 32) == reference_greedy(ckpts[arch], PROMPT, 32)
+    assert plain_tokens(models[arch], PROMPT, 32) == reference_greedy(ckpts[arch], PROMPT, 32)
 
 
 def _bf16_round(w):
@@ -451,7 +441,7 @@ def spec_prompt(model):
     the tail of P earlier in the context and proposes what followed it, which the model may
     or may not say again here."""
     head = LONG[:10]
-    return head + our_greedy(model, head, 8) + head
+    return head + plain_tokens(model, head, 8) + head
 
 
 def _decode(model, head, k=4):
