@@ -27,9 +27,10 @@ def numerics_identity(backend) -> str:
 # The version of the engine's numerics: a kernel change that changes any bit of any output
 # bumps it, so that nothing computed by the old kernels (a persisted prefix-cache snapshot,
 # say) is taken for the new ones' result. 1: the numba GEMMs (separate multiply and add);
-# 2: the C GEMMs (one FMA per k; int8-q8's integer blocks). Part of every prefix-cache key
+# 2: the C GEMMs (one FMA per k; int8-q8's integer blocks); 3: the C attention (FMA chains, its
+# own exponential, a sixteen-lane softmax denominator). Part of every prefix-cache key
 # (engine/fingerprint.py); an op's formula in engine/forward.py counts as a kernel change too.
-NUMERICS_VERSION = 2
+NUMERICS_VERSION = 3
 
 
 class WeightFormat(enum.Enum):

@@ -17,9 +17,9 @@ _default: Backend | None = None
 
 
 class RowwiseBackend:
-    """A backend whose GEMM runs one row per call: batch-invariant by construction.
+    """A backend whose GEMM and attention run one row per call: batch-invariant by construction.
 
-    Used when the start-up self-check finds that the fast kernel's rows depend on M on
+    Used when the start-up self-check finds that the fast kernels' rows depend on M on
     this machine. Every other operation is delegated unchanged.
     """
 
@@ -33,6 +33,10 @@ class RowwiseBackend:
 
     def linear(self, x: np.ndarray, w: LinearWeight) -> np.ndarray:
         return np.concatenate([self.inner.linear(x[i : i + 1], w) for i in range(x.shape[0])])
+
+    def attention(self, q, k_cache, v_cache, positions, window, scale):
+        return np.concatenate([self.inner.attention(q[i : i + 1], k_cache, v_cache, positions[i : i + 1], window, scale)
+                               for i in range(q.shape[0])])
 
     def __getattr__(self, attr):
         return getattr(self.inner, attr)

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 from engine.forward import Forward
 from engine.model import Model
-from kernels.host import pointwise, recurrent
+from kernels.host import recurrent
 from kernels.host.backend import HostBackend
 
 for fmt in ("bf16", "int8-q8"):
@@ -43,8 +43,6 @@ b.gdn_gates(x[:, :2], x[:, :2], np.zeros(2, np.float32), np.zeros(2, np.float32)
 q = r((2, 2, 4)).astype(np.float32)
 for parallel in (False, True):
     out = np.empty_like(q)
-    pointwise.ATTENTION[parallel](q, q, q, np.array([0, 1]), 0, np.float32(0.5), out)
-    pointwise.ATTENTION_TILED[parallel](q, q, q, np.array([0, 1]), 0, np.float32(0.5), out)
     recurrent.GATED_DELTA[parallel](q, q, q, np.zeros((2, 2), np.float32), np.ones((2, 2), np.float32),
                                     np.zeros((2, 4, 4), np.float32), out, np.empty((2, 2, 4, 4), np.float32))
 """

@@ -12,8 +12,7 @@ import torch
 
 from kernels.select import RowwiseBackend, select_backend
 from kernels.base import LinearWeight, WeightFormat
-from kernels.host import KERNELS, QB, TILE, HostBackend, check_batch_invariance, native, pack_q8, pack_tiles, pointwise
-from kernels.host.backend import TILED_MIN_ROWS
+from kernels.host import KERNELS, QB, TILE, HostBackend, check_batch_invariance, native, pack_q8, pack_tiles
 from kernels.host.formats import pair_bf16_columns
 from kernels import xrt
 
@@ -44,9 +43,15 @@ def test_self_check_covers_every_registered_format_and_the_prefill_rows():
             calls.append((w.fmt, x.shape[0]))
             return super().linear(x, w)
 
+        def attention(self, q, k_cache, v_cache, positions, window, scale):
+            calls.append(("attention", q.shape[0]))
+            return super().attention(q, k_cache, v_cache, positions, window, scale)
+
     assert check_batch_invariance(Recording()) == []
-    assert {fmt for fmt, _ in calls} == set(KERNELS) == set(WeightFormat)
-    assert {m for _, m in calls} == set(range(1, 65))  # decode, verify and every prefill chunk size
+    assert {fmt for fmt, _ in calls} == set(KERNELS) | {"attention"}
+    assert set(KERNELS) == set(WeightFormat)
+    for kind in {kind for kind, _ in calls}:  # decode, verify and every prefill chunk size
+        assert {m for k, m in calls if k == kind} == set(range(1, 65)), kind
 
 
 def _dense(lw: LinearWeight) -> np.ndarray:
@@ -75,6 +80,28 @@ def test_self_check_catches_a_blas_gemm():
 
 def test_rowwise_fallback_is_invariant():
     assert check_batch_invariance(RowwiseBackend(_NumpyBackend()), k=1024, n=256) == []
+
+
+class _BatchedSoftmaxBackend(HostBackend):
+    """Negative control: attention whose rows depend on the call's row count (a term proportional
+    to M in each denominator), which the self-check must refuse."""
+
+    def attention(self, q, k_cache, v_cache, positions, window, scale):
+        out = np.empty_like(q)
+        for m, p in enumerate(positions):
+            lo = 0 if window == 0 else max(0, p - window + 1)
+            for h in range(q.shape[1]):
+                kvh = h // (q.shape[1] // k_cache.shape[1])
+                s = (k_cache[lo : p + 1, kvh] @ q[m, h]) * np.float32(scale)
+                e = np.exp(s - s.max())
+                out[m, h] = e @ v_cache[lo : p + 1, kvh] / (e.sum() + np.float32(1e-3) * q.shape[0])
+        return out
+
+
+def test_self_check_catches_attention_that_depends_on_the_batch():
+    failures = check_batch_invariance(_BatchedSoftmaxBackend(), formats=[])
+    assert failures and all(f.startswith("attention M=") for f in failures)
+    assert check_batch_invariance(RowwiseBackend(_BatchedSoftmaxBackend()), formats=[]) == []
 
 
 def _paths() -> list[str]:
@@ -126,10 +153,32 @@ def test_chunks_taken_back_from_a_stalled_worker_give_the_same_bits(host, fmt, r
     assert native.held_calls() == 0 and not native._held  # released once the worker let go
 
 
-def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    # a * b is exact in float64 for float32 inputs; one more rounding to float32 gives fma's
-    # result except in double-rounding ties, which these fixed inputs do not hit
-    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
+def _fma32(a, b, c) -> np.ndarray:
+    """fma(a, b, c) on float32 arrays, rounded once: a * b is exact in float64, TwoSum gives the
+    sum's float64 rounding s and its error, and the error breaks the tie when s lies halfway
+    between two floats (the one case where rounding s again to float32 goes wrong)."""
+    a, b, c = (np.asarray(x, np.float32) for x in (a, b, c))
+    p = a.astype(np.float64) * b
+    c64 = c.astype(np.float64)
+    s = p + c64
+    bb = s - p
+    err = (p - (s - bb)) + (c64 - bb)
+    r = s.astype(np.float32)
+    r64 = r.astype(np.float64)
+    other = np.nextafter(r, np.where(s > r64, np.float32(np.inf), np.float32(-np.inf)))
+    halfway = (s != r64) & (s == (r64 + other.astype(np.float64)) / 2)
+    return np.where(halfway & (np.sign(err) == np.sign(s - r64)), other, r).astype(np.float32)
+
+
+def test_fma_reference_rounds_once():
+    a = np.float32(1 + 2**-12)
+    assert _fma32(a, a, -1) == np.float32(2**-11 + 2**-24)  # the product's last bit survives
+    assert np.float32(a * a) - np.float32(1) == np.float32(2**-11)  # a rounded multiply loses it
+    # 2^40 + 2^17 - (2^16 - 2^-24) rounds to float64 halfway between 2^40 and 2^40 + 2^17: the tie
+    # goes to the even 2^40 there, but the exact value lies above it
+    a, b = np.float32(2**8 * (1 + 2**-20)), np.float32(-(2**8) * (1 - 2**-20))
+    assert _fma32(a, b, 2**40 + 2**17) == np.float32(2**40 + 2**17)
+    assert np.float32(float(a) * float(b) + (2**40 + 2**17)) == np.float32(2**40)
 
 
 @pytest.mark.parametrize("fmt", [WeightFormat.FP32, WeightFormat.BF16, WeightFormat.INT8])
@@ -247,64 +296,144 @@ def test_attention_window_and_gqa_match_reference(host):
                 assert np.allclose(got[m, h], want, atol=1e-5)
 
 
+def _exp32(x):
+    """attention.c's exponential, as its header spells it: n = round(x log2 e), r = x - n ln 2 in two
+    FMAs, the degree-7 Taylor polynomial by Horner with FMAs, times 2^n; 0 below -87."""
+    f = np.float32
+    x = np.asarray(x, f)
+    xc = np.where(x > f(-87), x, f(-87)).astype(f)
+    shifter = f(12582912.0)
+    n = ((xc * f(1.44269504088896341) + shifter) - shifter).astype(f)
+    r = _fma32(n, f(2.12194440e-4), _fma32(n, f(-0.693359375), xc))  # x - n ln2_hi - n ln2_lo
+    p = f(1) / f(5040)
+    for c in (f(1) / f(720), f(1) / f(120), f(1) / f(24), f(1) / f(6), f(0.5), f(1), f(1)):
+        p = _fma32(p, r, c)
+    return np.where(x < f(-87), f(0), p * np.ldexp(f(1), n.astype(np.int32)).astype(f)).astype(f)
+
+
 def _attention_in_order(q, k, v, p, lo, scale):
-    """One (row, head) in the kernels' order, float32 throughout, a rounded multiply then a rounded
-    add at each step: score t = sum over d in order; exp(score - max) with the difference and exp in
-    float64, rounded to float32; values summed in key order."""
+    """One (row, head) in attention.c's order (its header): each score one FMA per d in order, then
+    times scale; exponentials of score - max; the denominator in sixteen lanes (key lo + i to lane
+    i mod 16) and a halving tree; the values one FMA per key in key order, divided by it."""
     s = np.zeros(p + 1 - lo, np.float32)
     for d in range(q.shape[0]):
-        s = s + q[d] * k[lo : p + 1, d]
-    s = s * scale
-    e = np.array([math.exp(float(x) - float(s.max())) for x in s], np.float32)
-    denom = np.float32(0.0)
-    for x in e:
-        denom = np.float32(denom + x)
-    out = np.zeros(q.shape[0], np.float32)
+        s = _fma32(q[d], k[lo : p + 1, d], s)
+    s = s * np.float32(scale)
+    e = _exp32(s - s.max())
+    part = np.zeros(16, np.float32)
+    for i, x in enumerate(e):
+        part[i % 16] = part[i % 16] + x
+    for w in (8, 4, 2, 1):
+        part[:w] = part[:w] + part[w : 2 * w]
+    acc = np.zeros(q.shape[0], np.float32)
     for t, x in enumerate(e):
-        out = out + (x / denom) * v[lo + t]
-    return out
+        acc = _fma32(x, v[lo + t], acc)
+    return acc / part[0]
 
 
+def test_exp_is_within_one_ulp_of_float64_and_the_same_on_every_path(isa_and_threads):
+    # softmax takes exp(score - max) <= 0; measured: at most 0.93 ulp (relative 7.9e-8) from the
+    # float64 exp over [-87, 0], where numpy's float32 exp reaches 2.4 ulp
+    x = np.concatenate([np.linspace(-87, 0, 1_000_001, dtype=np.float32),
+                        -np.logspace(-9, np.log10(87), 100_001).astype(np.float32), np.float32([0, -0.0])])
+    results = []
+    for path in _paths():
+        assert native.set_isa(path) == path
+        results.append(native.attention_exp(x).view(np.uint32))
+    for bits in results[1:]:
+        assert np.array_equal(bits, results[0])
+    got = results[0].view(np.float32)
+    want = np.exp(x.astype(np.float64))
+    ulps = np.abs(got - want) / np.spacing(want.astype(np.float32)).astype(np.float64)
+    assert ulps.max() <= 1.0
+    assert np.array_equal(native.attention_exp(np.float32([-87.0001, -100, -np.inf])), np.zeros(3, np.float32))
+    sample = x[::97]
+    assert np.array_equal(native.attention_exp(sample).view(np.uint32), _exp32(sample).view(np.uint32))
+
+
+@pytest.mark.parametrize("D", [8, 20])
 @pytest.mark.parametrize("window", [0, 4])
-def test_attention_bits_follow_the_documented_order(host, window):
-    # both kernels (row by row, and key-tiled for a prefill chunk) against the order spelled out:
-    # a kernel change that moves any bit must bump NUMERICS_VERSION and this reference with it
+def test_attention_bits_follow_the_documented_order(host, window, D, isa_and_threads):
+    # every path, one row and ten, against the order spelled out in attention.c's header: a kernel
+    # change that moves any bit must bump NUMERICS_VERSION and this reference with it
     rng = np.random.default_rng(6)
-    T, H, KVH, D = 23, 4, 2, 8
-    q = rng.standard_normal((TILED_MIN_ROWS + 2, H, D)).astype(np.float32)
+    T, H, KVH = 23, 4, 2
+    q = rng.standard_normal((10, H, D)).astype(np.float32)
     k = rng.standard_normal((T, KVH, D)).astype(np.float32)
     v = rng.standard_normal((T, KVH, D)).astype(np.float32)
     pos = np.arange(T - q.shape[0], T)
     scale = np.float32(D**-0.5)
-    for rows in (q.shape[0], 1):  # tiled, then the one-row kernel
-        got = host.attention(q[:rows], k, v, pos[:rows], window, scale)
-        for m, p in enumerate(pos[:rows]):
-            lo = 0 if window == 0 else max(0, p - window + 1)
-            for h in range(H):
-                want = _attention_in_order(q[m, h], k[:, h // 2], v[:, h // 2], p, lo, scale)
-                assert np.array_equal(got[m, h].view(np.uint32), want.view(np.uint32))
+    want = np.empty_like(q)
+    for m, p in enumerate(pos):
+        lo = 0 if window == 0 else max(0, p - window + 1)
+        for h in range(H):
+            want[m, h] = _attention_in_order(q[m, h], k[:, h // 2], v[:, h // 2], p, lo, scale)
+    for path in _paths():
+        native.set_isa(path)
+        for rows in (q.shape[0], 1):
+            got = host.attention(q[:rows], k, v, pos[:rows], window, scale)
+            assert np.array_equal(got.view(np.uint32), want[:rows].view(np.uint32)), (path, rows)
 
 
-@pytest.mark.parametrize("parallel", [False, True])
-@pytest.mark.parametrize("window", [0, 5])
-def test_prefill_attention_rows_have_the_bits_of_one_row_calls(window, parallel):
-    # a prefill chunk (M >= TILED_MIN_ROWS) goes through the key-tiled kernel, a decode step row by
-    # row: each row of the chunk must have the one-row call's bits (odd sizes reach every tail loop)
-    rng = np.random.default_rng(5)
-    T, H, KVH, D = 75, 4, 2, 24
-    start = T - 2 * TILED_MIN_ROWS - 3
-    q = rng.standard_normal((T - start, H, D)).astype(np.float32)
+def _attention_case(rng, rows, start, H, KVH, D):
+    T = start + rows
+    q = rng.standard_normal((rows, H, D)).astype(np.float32)
     k = rng.standard_normal((T, KVH, D)).astype(np.float32)
     v = rng.standard_normal((T, KVH, D)).astype(np.float32)
-    pos = np.arange(start, T)
-    scale = np.float32(D**-0.5)
-    got = np.empty_like(q)
-    pointwise.ATTENTION_TILED[parallel](q, k, v, pos, window, scale, got)
-    assert np.array_equal(got, HostBackend().attention(q, k, v, pos, window, scale))  # the backend's choice
-    for m, p in enumerate(pos):
-        one = np.empty_like(q[:1])
-        pointwise.ATTENTION[False](q[m : m + 1], k[: p + 1], v[: p + 1], pos[m : m + 1], window, scale, one)
-        assert np.array_equal(got[m].view(np.uint32), one[0].view(np.uint32))
+    return q, k, v, np.arange(start, T)
+
+
+def _one_row_calls(q, k, v, pos, window, scale):
+    """Each row alone, as a decode step computes it: its own position, the keys up to it."""
+    one = HostBackend(parallel=False)
+    return np.concatenate([one.attention(q[m : m + 1], k[: p + 1], v[: p + 1], pos[m : m + 1], window, scale)
+                           for m, p in enumerate(pos)])
+
+
+@pytest.mark.parametrize("D", [5, 8, 16, 24, 64, 128, 256])
+@pytest.mark.parametrize("window", [0, 7])
+def test_attention_rows_have_the_bits_of_one_row_calls(D, window, isa_and_threads):
+    # decode, verify and a prefill chunk: M = 1..16 and 37 rows from position 50 on, a group of 3
+    # heads per kv head, every thread split (threads divide kv heads and rows, never a row's keys)
+    rng = np.random.default_rng(D + window)
+    q, k, v, pos = _attention_case(rng, 37, 50, 6, 2, D)
+    scale = D**-0.5
+    single = _one_row_calls(q, k, v, pos, window, scale)
+    for threads in (1, 2, 3):
+        native.set_threads(threads)
+        for m in [*range(1, 17), 37]:
+            got = native.attention(q[:m], k[: pos[m - 1] + 1], v[: pos[m - 1] + 1], pos[:m], window, scale, True)
+            assert np.array_equal(got.view(np.uint32), single[:m].view(np.uint32)), (threads, m)
+
+
+@pytest.mark.parametrize("window", [0, 300])
+def test_prefill_sized_attention_rows_have_the_bits_of_one_row_calls(window):
+    rng = np.random.default_rng(window)
+    q, k, v, pos = _attention_case(rng, 512, 40, 8, 2, 128)
+    got = HostBackend().attention(q, k, v, pos, window, 128**-0.5)
+    assert np.array_equal(got.view(np.uint32), _one_row_calls(q, k, v, pos, window, 128**-0.5).view(np.uint32))
+
+
+@pytest.mark.parametrize("window", [0, 9])
+def test_every_path_and_thread_count_gives_the_same_attention_bits(window, isa_and_threads):
+    rng = np.random.default_rng(8)
+    q, k, v, pos = _attention_case(rng, 37, 60, 6, 2, 72)
+    results = []
+    for path in _paths():
+        assert native.set_isa(path) == path
+        for threads in (1, 2, 3):
+            native.set_threads(threads)
+            results.append((path, threads, native.attention(q, k, v, pos, window, 0.125, True).view(np.uint32)))
+    for path, threads, bits in results[1:]:
+        assert np.array_equal(bits, results[0][2]), (path, threads)
+
+
+def test_attention_rejects_positions_outside_the_cache(host):
+    q = np.zeros((1, 2, 8), np.float32)
+    kv = np.zeros((4, 1, 8), np.float32)
+    for p in (-1, 4):
+        with pytest.raises(ValueError, match=r"positions must lie in 0\.\.3"):
+            host.attention(q, kv, kv, np.array([p]), 0, 1.0)
 
 
 def test_bf16_rounding_matches_torch():

@@ -1,17 +1,14 @@
-"""The host (CPU) backend: the Backend interface over the C GEMMs and the numba kernels."""
+"""The host (CPU) backend: the Backend interface over the C GEMMs and attention and the numba kernels."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from kernels.base import LinearWeight, WeightFormat
-from kernels.host import pointwise, recurrent
+from kernels.host import native, pointwise, recurrent
 from kernels.host.formats import PARALLEL_MIN_BYTES, kernel_for
 
 PARALLEL_MIN_WORK = 1 << 21  # attention elements below which waking a second thread costs more than it saves
-# rows from which attention scores a transposed key tile against every row (prefill), not row by row:
-# the same bits either way, so this only moves time
-TILED_MIN_ROWS = 8
 
 
 class HostBackend:
@@ -57,20 +54,16 @@ class HostBackend:
         return out
 
     def attention(self, q, k_cache, v_cache, positions, window, scale):
+        # attention.c: one kernel for a decode step, a verify and a prefill chunk
         q = np.ascontiguousarray(q, dtype=np.float32)
-        out = np.empty_like(q)
+        k_cache = np.ascontiguousarray(k_cache, dtype=np.float32)
+        v_cache = np.ascontiguousarray(v_cache, dtype=np.float32)
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        if positions.size and (positions.min() < 0 or positions.max() >= k_cache.shape[0]):
+            raise ValueError(f"attention: positions must lie in 0..{k_cache.shape[0] - 1} (the keys in the cache)")
         work = q.shape[0] * q.shape[1] * k_cache.shape[0] * q.shape[2]
-        kernels = pointwise.ATTENTION_TILED if q.shape[0] >= TILED_MIN_ROWS else pointwise.ATTENTION
-        kernels[self.parallel and work >= PARALLEL_MIN_WORK](
-            q,
-            k_cache,
-            v_cache,
-            np.ascontiguousarray(positions, dtype=np.int64),
-            int(window),
-            np.float32(scale),
-            out,
-        )
-        return out
+        return native.attention(q, k_cache, v_cache, positions, int(window), float(scale),
+                                self.parallel and work >= PARALLEL_MIN_WORK)
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         out = np.empty_like(gate)

@@ -1,4 +1,5 @@
-"""The batch-invariance self-check every backend passes before it serves (kernels/__init__.py)."""
+"""The batch-invariance self-check every backend passes before it serves (kernels/__init__.py):
+the GEMMs of every format, and attention."""
 
 from __future__ import annotations
 
@@ -32,4 +33,25 @@ def check_batch_invariance(backend, rows: int = CHECK_ROWS, k: int = 300, n: int
             got = np.ascontiguousarray(backend.linear(x[:m], w))
             if not np.array_equal(got.view(np.uint32), single[:m].view(np.uint32)):
                 failures.append(f"{fmt.value} M={m}")
+    return failures + check_attention_invariance(backend, rows, rng)
+
+
+def check_attention_invariance(backend, rows: int, rng) -> list[str]:
+    """Attention for M = 1..rows rows (positions from 11 on, keys up to the last row, a sliding
+    window) against one-row calls over the keys up to each row. A group of 3 heads per kv head
+    and a head size of 88 (five full vectors and a partial one); the larger M are enough work
+    to take the threaded split."""
+    heads, kv_heads, dh, start, window = 6, 2, 88, 11, 40
+    t = start + rows
+    q = rng.standard_normal((rows, heads, dh)).astype(np.float32)
+    k = rng.standard_normal((t, kv_heads, dh)).astype(np.float32)
+    v = rng.standard_normal((t, kv_heads, dh)).astype(np.float32)
+    pos = np.arange(start, t)
+    single = np.concatenate([backend.attention(q[i : i + 1], k[: p + 1], v[: p + 1], pos[i : i + 1], window, 0.1)
+                             for i, p in enumerate(pos)])
+    failures = []
+    for m in range(1, rows + 1):
+        got = backend.attention(q[:m], k[: start + m], v[: start + m], pos[:m], window, 0.1)
+        if not np.array_equal(got.view(np.uint32), single[:m].view(np.uint32)):
+            failures.append(f"attention M={m}")
     return failures

@@ -38,6 +38,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +53,7 @@ QB = 32  # activation quantization block (gemm.c's QB)
 ISA_NAMES = ("generic", "avx2", "avx512", "avx512-vnni")
 FMT_F32, FMT_BF16, FMT_I8, FMT_Q8 = 0, 1, 2, 3
 
-SOURCE = Path(__file__).with_name("gemm.c")
+SOURCES = (Path(__file__).with_name("gemm.c"), Path(__file__).with_name("attention.c"))
 # -ffp-contract=off: the only FMAs are the explicit ones; no -ffast-math: no reassociation
 CFLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-pthread", "-std=gnu11")
 
@@ -74,12 +75,13 @@ class BuildError(RuntimeError):
 
 def library_path(directory: Path | None = None) -> Path:
     """Where the shared object for this source and these flags lives."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + platform.machine().encode())
+    digest = hashlib.sha256(b"".join(src.name.encode() + src.read_bytes() for src in SOURCES) + " ".join(CFLAGS).encode()
+                            + platform.machine().encode())
     return (directory or cache_dir()) / f"npud_gemm-{digest.hexdigest()[:16]}.so"
 
 
 def build(directory: Path | None = None) -> Path:
-    """Compile gemm.c into the cache directory unless it is there; returns the shared object's path.
+    """Compile gemm.c and attention.c into the cache directory unless it is there; returns the shared object's path.
 
     Raises BuildError when gcc is missing or fails.
     """
@@ -93,7 +95,7 @@ def build(directory: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=path.stem, suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        res = subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True)
         if res.returncode != 0:
             raise BuildError(f"{cc} failed to build the host kernels:\n{res.stderr[-2000:]}")
         os.replace(tmp, path)  # atomic: a concurrent start sees the old state or the whole file
@@ -134,6 +136,10 @@ def library() -> ctypes.CDLL:
             lib.npud_pool_stall.restype = None
             lib.npud_embed.argtypes = [_I, _P, _L, _L, _P, _L, _P, _P]
             lib.npud_embed.restype = None
+            lib.npud_attention.argtypes = [_I, _P, _L, _L, _L, _P, _P, _L, _L, _P, _L, ctypes.c_float, _P, _L, _L, _L, _L]
+            lib.npud_attention.restype = _L
+            lib.npud_attention_exp.argtypes = [_I, _P, _L, _P]
+            lib.npud_attention_exp.restype = None
             wanted = os.environ.get("NPUD_HOST_ISA", "")  # tests and benchmarks: force a slower path
             _isa_in_use = ISA_NAMES[lib.npud_set_isa(ISA_NAMES.index(wanted) if wanted in ISA_NAMES else -1)]
             _lib = lib
@@ -247,3 +253,67 @@ def embed(fmt: int, w: np.ndarray, k: int, d: int, tokens: np.ndarray, scale: np
     library().npud_embed(fmt, w.ctypes.data, k, d, tokens.ctypes.data, tokens.shape[0], _ptr(scale), out.ctypes.data)
     return out
 
+
+
+_attention_pool: ThreadPoolExecutor | None = None
+_attention_pool_size = 0
+
+
+def _attention_units(m: int, kv_heads: int, n_threads: int) -> list[tuple[int, int, int, int]]:
+    """(first kv head, end kv head, first row, end row) units: whole rows of whole heads, so a thread
+    computes every output it touches whole. One unit for one thread; else several per thread, so
+    that uneven units (later rows see more keys) and a thread slowed by a busy core even out."""
+    if n_threads == 1:
+        return [(0, kv_heads, 0, m)]
+    blocks = max(1, min(m, -(-4 * n_threads // kv_heads)))
+    return [(h, h + 1, m * b // blocks, m * (b + 1) // blocks) for h in range(kv_heads) for b in range(blocks)]
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, window: int, scale: float,
+              parallel: bool) -> np.ndarray:
+    """q [M, H, Dh], k/v [T, KVH, Dh] f32, positions [M] int64 in 0..T-1 -> [M, H, Dh] f32 (attention.c).
+
+    With `parallel`, units of whole rows of one kv head go to threads (the caller's included)
+    that take them from one queue; no output depends on which thread computed it. Raises
+    MemoryError when a unit's scratch (its scores and a transposed key chunk) cannot be allocated."""
+    global _attention_pool, _attention_pool_size
+    lib = library()
+    m, h, dh = q.shape
+    t, kvh = k.shape[0], k.shape[1]
+    out = np.empty_like(q)
+    n_threads = threads() if parallel else 1
+    units = iter(_attention_units(m, kvh, n_threads))
+    take = threading.Lock()
+    isa_index = ISA_NAMES.index(isa())
+
+    def run() -> bool:
+        while True:
+            with take:
+                unit = next(units, None)
+            if unit is None:
+                return True
+            if lib.npud_attention(isa_index, q.ctypes.data, m, h, dh, k.ctypes.data, v.ctypes.data, t, kvh,
+                                  positions.ctypes.data, window, scale, out.ctypes.data, *unit) < 0:
+                return False
+
+    if n_threads > 1:
+        with _lock:
+            if _attention_pool_size < n_threads - 1:  # the pool only grows (set_threads may raise the count)
+                _attention_pool = ThreadPoolExecutor(n_threads - 1, thread_name_prefix="npud-attention")
+                _attention_pool_size = n_threads - 1
+        helpers = [_attention_pool.submit(run) for _ in range(n_threads - 1)]
+        ok = run()
+        ok = all([f.result() for f in helpers]) and ok
+    else:
+        ok = run()
+    if not ok:
+        raise MemoryError(f"no memory for the attention scratch of {m} rows over {t} keys")
+    return out
+
+
+def attention_exp(x: np.ndarray) -> np.ndarray:
+    """Tests: attention.c's exponential of each element of x (f32), on the path in use."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    library().npud_attention_exp(ISA_NAMES.index(isa()), x.ctypes.data, x.size, out.ctypes.data)
+    return out
