@@ -352,12 +352,13 @@ def test_exp_is_within_one_ulp_of_float64_and_the_same_on_every_path(isa_and_thr
 
 
 @pytest.mark.parametrize("D", [8, 20])
-@pytest.mark.parametrize("window", [0, 4])
+@pytest.mark.parametrize("window", [0, 4, 19])
 def test_attention_bits_follow_the_documented_order(host, window, D, isa_and_threads):
     # every path, one row and ten, against the order spelled out in attention.c's header: a kernel
-    # change that moves any bit must bump NUMERICS_VERSION and this reference with it
+    # change that moves any bit must bump NUMERICS_VERSION and this reference with it (a window of
+    # 19 puts more than 16 keys from a first key off a multiple of 16 into the denominator's lanes)
     rng = np.random.default_rng(6)
-    T, H, KVH = 23, 4, 2
+    T, H, KVH = 40, 4, 2
     q = rng.standard_normal((10, H, D)).astype(np.float32)
     k = rng.standard_normal((T, KVH, D)).astype(np.float32)
     v = rng.standard_normal((T, KVH, D)).astype(np.float32)
@@ -414,7 +415,7 @@ def test_prefill_sized_attention_rows_have_the_bits_of_one_row_calls(window):
     assert np.array_equal(got.view(np.uint32), _one_row_calls(q, k, v, pos, window, 128**-0.5).view(np.uint32))
 
 
-@pytest.mark.parametrize("window", [0, 9])
+@pytest.mark.parametrize("window", [0, 9, 30])
 def test_every_path_and_thread_count_gives_the_same_attention_bits(window, isa_and_threads):
     rng = np.random.default_rng(8)
     q, k, v, pos = _attention_case(rng, 37, 60, 6, 2, 72)

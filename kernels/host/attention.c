@@ -193,47 +193,47 @@ static inline __attribute__((always_inline)) T512 void transpose512(const attn_t
     }
 }
 
-/* scores of NH head rows (q0, q1) for NV x 16 keys at kt: lanes across keys, d in order */
-static inline __attribute__((always_inline)) T512 void scores512(const int NH, const int NV, const float *q0,
-                                                                 const float *q1, const float *kt, long Dh,
-                                                                 float scale, float *s0, float *s1) {
-    __m512 a0[4], a1[4];
-    for (int j = 0; j < NV; j++) a0[j] = a1[j] = _mm512_setzero_ps();
+/* scores of NQ query rows q[i] for NV x 16 keys at kt (lanes across keys, d in order) into s[i] */
+static inline __attribute__((always_inline)) T512 void scores512(const int NQ, const int NV, const float *const *q,
+                                                                 const float *kt, long Dh, float scale,
+                                                                 float *const *s) {
+    __m512 acc[4][4];
+    for (int i = 0; i < NQ; i++)
+        for (int j = 0; j < NV; j++) acc[i][j] = _mm512_setzero_ps();
     for (long d = 0; d < Dh; d++) {
-        const __m512 x0 = _mm512_set1_ps(q0[d]);
-        const __m512 x1 = NH == 2 ? _mm512_set1_ps(q1[d]) : x0;
-        for (int j = 0; j < NV; j++) {
-            const __m512 kv = _mm512_load_ps(kt + d * KC + 16 * j);
-            a0[j] = _mm512_fmadd_ps(x0, kv, a0[j]);
-            if (NH == 2) a1[j] = _mm512_fmadd_ps(x1, kv, a1[j]);
+        __m512 kv[4];
+        for (int j = 0; j < NV; j++) kv[j] = _mm512_load_ps(kt + d * KC + 16 * j);
+        for (int i = 0; i < NQ; i++) {
+            const __m512 x = _mm512_set1_ps(q[i][d]);
+            for (int j = 0; j < NV; j++) acc[i][j] = _mm512_fmadd_ps(x, kv[j], acc[i][j]);
         }
     }
     const __m512 sv = _mm512_set1_ps(scale);
-    for (int j = 0; j < NV; j++) {
-        _mm512_storeu_ps(s0 + 16 * j, _mm512_mul_ps(a0[j], sv));
-        if (NH == 2) _mm512_storeu_ps(s1 + 16 * j, _mm512_mul_ps(a1[j], sv));
+    for (int i = 0; i < NQ; i++)
+        for (int j = 0; j < NV; j++) _mm512_storeu_ps(s[i] + 16 * j, _mm512_mul_ps(acc[i][j], sv));
+}
+
+#define SCORES512_NV(NQ)                                                                                           \
+    switch (nv) {                                                                                                  \
+    case 1: scores512(NQ, 1, q, kt, Dh, scale, s); break;                                                          \
+    case 2: scores512(NQ, 2, q, kt, Dh, scale, s); break;                                                          \
+    case 3: scores512(NQ, 3, q, kt, Dh, scale, s); break;                                                          \
+    default: scores512(NQ, 4, q, kt, Dh, scale, s); break;                                                         \
+    }
+
+static inline __attribute__((always_inline)) T512 void avx512_scores(int nq, long nv, const float *const *q,
+                                                                     const float *kt, long Dh, float scale,
+                                                                     float *const *s) {
+    switch (nq) {
+    case 1: SCORES512_NV(1) break;
+    case 2: SCORES512_NV(2) break;
+    case 3: SCORES512_NV(3) break;
+    default: SCORES512_NV(4) break;
     }
 }
 
-/* values for d0 .. d0 + 16 * NV (the last vector masked by `last`) */
-static inline __attribute__((always_inline)) T512 void values512(const int NV, const attn_t *a, long kvh, long lo,
-                                                                 long n, const float *s, long d0, __mmask16 last,
-                                                                 __m512 denom, float *out) {
-    __m512 acc[VB];
-    for (int j = 0; j < NV; j++) acc[j] = _mm512_setzero_ps();
-    const long stride = a->KVH * a->Dh;
-    const float *vr = a->v + (lo * a->KVH + kvh) * a->Dh + d0;
-    for (long i = 0; i < n; i++, vr += stride) {
-        const __m512 e = _mm512_set1_ps(s[i]);
-        for (int j = 0; j < NV; j++)
-            acc[j] = _mm512_fmadd_ps(e, _mm512_maskz_loadu_ps(j == NV - 1 ? last : 0xffff, vr + 16 * j), acc[j]);
-    }
-    for (int j = 0; j < NV; j++)
-        _mm512_mask_storeu_ps(out + d0 + 16 * j, j == NV - 1 ? last : 0xffff, _mm512_div_ps(acc[j], denom));
-}
-
-static inline __attribute__((always_inline)) T512 void avx512_finish(const attn_t *a, long kvh, long lo, long n,
-                                                                     float *s, float *out) {
+/* exponentials of the n scores at s in place; returns their sum (the denominator) */
+static inline __attribute__((always_inline)) T512 float softmax512(long n, float *s) {
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (long i = 0; i < n; i += 16)
         mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(n - i), s + i));
@@ -246,94 +246,123 @@ static inline __attribute__((always_inline)) T512 void avx512_finish(const attn_
         part = _mm512_add_ps(part, _mm512_maskz_mov_ps(k, e)); /* + 0 in the lanes past the end: no change */
     }
     /* the halving tree: 16 -> 8 -> 4 -> 2 -> 1 */
-    __m256 p8 = _mm256_add_ps(_mm512_castps512_ps256(part), _mm512_extractf32x8_ps(part, 1));
-    __m128 p4 = _mm_add_ps(_mm256_castps256_ps128(p8), _mm256_extractf128_ps(p8, 1));
-    __m128 p2 = _mm_add_ps(p4, _mm_movehl_ps(p4, p4));
-    __m128 p1 = _mm_add_ss(p2, _mm_movehdup_ps(p2));
-    const __m512 denom = _mm512_set1_ps(_mm_cvtss_f32(p1));
+    const __m256 p8 = _mm256_add_ps(_mm512_castps512_ps256(part), _mm512_extractf32x8_ps(part, 1));
+    const __m128 p4 = _mm_add_ps(_mm256_castps256_ps128(p8), _mm256_extractf128_ps(p8, 1));
+    const __m128 p2 = _mm_add_ps(p4, _mm_movehl_ps(p4, p4));
+    return _mm_cvtss_f32(_mm_add_ss(p2, _mm_movehdup_ps(p2)));
+}
+
+/* values of NH heads of one row (exponentials s0, s1; denominators den0, den1) for d0 .. d0 + 16 NV,
+ * the last vector masked by `last`: lanes across d, keys in order */
+static inline __attribute__((always_inline)) T512 void values512(const int NH, const int NV, const attn_t *a,
+                                                                 long kvh, long lo, long n, const float *s0,
+                                                                 const float *s1, long d0, __mmask16 last,
+                                                                 float den0, float den1, float *o0, float *o1) {
+    __m512 acc0[VB], acc1[VB];
+    for (int j = 0; j < NV; j++) acc0[j] = acc1[j] = _mm512_setzero_ps();
+    const long stride = a->KVH * a->Dh;
+    const float *vr = a->v + (lo * a->KVH + kvh) * a->Dh + d0;
+    for (long i = 0; i < n; i++, vr += stride) {
+        const __m512 e0 = _mm512_set1_ps(s0[i]);
+        const __m512 e1 = NH == 2 ? _mm512_set1_ps(s1[i]) : e0;
+        for (int j = 0; j < NV; j++) {
+            const __m512 vv = _mm512_maskz_loadu_ps(j == NV - 1 ? last : 0xffff, vr + 16 * j);
+            acc0[j] = _mm512_fmadd_ps(e0, vv, acc0[j]);
+            if (NH == 2) acc1[j] = _mm512_fmadd_ps(e1, vv, acc1[j]);
+        }
+    }
+    for (int j = 0; j < NV; j++) {
+        const __mmask16 k = j == NV - 1 ? last : 0xffff;
+        _mm512_mask_storeu_ps(o0 + d0 + 16 * j, k, _mm512_div_ps(acc0[j], _mm512_set1_ps(den0)));
+        if (NH == 2) _mm512_mask_storeu_ps(o1 + d0 + 16 * j, k, _mm512_div_ps(acc1[j], _mm512_set1_ps(den1)));
+    }
+}
+
+#define VALUES512_NV(NH)                                                                                           \
+    switch (nv) {                                                                                                  \
+    case 1: values512(NH, 1, a, kvh, lo, n, s0, s1, d0, last, den0, den1, o0, o1); break;                          \
+    case 2: values512(NH, 2, a, kvh, lo, n, s0, s1, d0, last, den0, den1, o0, o1); break;                          \
+    case 3: values512(NH, 3, a, kvh, lo, n, s0, s1, d0, last, den0, den1, o0, o1); break;                          \
+    case 4: values512(NH, 4, a, kvh, lo, n, s0, s1, d0, last, den0, den1, o0, o1); break;                          \
+    case 5: values512(NH, 5, a, kvh, lo, n, s0, s1, d0, last, den0, den1, o0, o1); break;                          \
+    case 6: values512(NH, 6, a, kvh, lo, n, s0, s1, d0, last, den0, den1, o0, o1); break;                          \
+    case 7: values512(NH, 7, a, kvh, lo, n, s0, s1, d0, last, den0, den1, o0, o1); break;                          \
+    default: values512(NH, 8, a, kvh, lo, n, s0, s1, d0, last, den0, den1, o0, o1); break;                         \
+    }
+
+/* softmax and values of nh (1 or 2) heads of one row, whose n scores start at s0, s1 (overwritten) */
+static __attribute__((noinline)) T512 void finish_avx512(const attn_t *a, long kvh, long lo, long n, int nh,
+                                                         float *s0, float *s1, float *acc, float *o0, float *o1) {
+    (void)acc;
+    const float den0 = softmax512(n, s0), den1 = nh == 2 ? softmax512(n, s1) : den0;
     for (long d0 = 0; d0 < a->Dh; d0 += 16 * VB) {
         const long left = a->Dh - d0, nv = left >= 16 * VB ? VB : (left + 15) / 16;
         const __mmask16 last = tail_mask(left - 16 * (nv - 1));
-        switch (nv) {
-        case 1: values512(1, a, kvh, lo, n, s, d0, last, denom, out); break;
-        case 2: values512(2, a, kvh, lo, n, s, d0, last, denom, out); break;
-        case 3: values512(3, a, kvh, lo, n, s, d0, last, denom, out); break;
-        case 4: values512(4, a, kvh, lo, n, s, d0, last, denom, out); break;
-        case 5: values512(5, a, kvh, lo, n, s, d0, last, denom, out); break;
-        case 6: values512(6, a, kvh, lo, n, s, d0, last, denom, out); break;
-        case 7: values512(7, a, kvh, lo, n, s, d0, last, denom, out); break;
-        default: values512(8, a, kvh, lo, n, s, d0, last, denom, out); break;
+        if (nh == 2) {
+            VALUES512_NV(2)
+        } else {
+            VALUES512_NV(1)
         }
     }
 }
 
 /* ------------------------------------------------------------------ one call: rows m0..m1-1 of kv head kvh */
 
-/* Keys c0 .. c0 + cn transposed, then the scores of every (row, head) of the call against them. */
-#define CHUNK_SCORES(name, attr, TRANSPOSE, SCORES16)                                                              \
+/* Keys c0 .. c0 + cn transposed, then the scores of every (row, head) of the call against them:
+ * two rows and two heads at a time (each transposed key vector used four times), over the keys
+ * either row sees; a lane past a row's own keys is a score nobody reads. */
+#define CHUNK_SCORES(name, attr, TRANSPOSE, SCORES)                                                                \
     static attr void name(const attn_t *a, long kvh, long m0, long m1, long c0, long cn, scratch_t *w) {           \
         const long G = a->H / a->KVH, Dh = a->Dh;                                                                  \
         TRANSPOSE(a, kvh, c0, cn, w->kt);                                                                          \
-        for (long m = m0; m < m1; m++) {                                                                           \
-            long lo, hi;                                                                                           \
+        for (long m = m0; m < m1; m += 2) {                                                                        \
+            const long mr = m + 1 < m1 ? 2 : 1;                                                                    \
+            long lo, hi, lo2, hi2;                                                                                 \
             span(a, m, &lo, &hi);                                                                                  \
+            if (mr == 2) {                                                                                         \
+                span(a, m + 1, &lo2, &hi2);                                                                        \
+                lo = lo2 < lo ? lo2 : lo;                                                                          \
+                hi = hi2 > hi ? hi2 : hi;                                                                          \
+            }                                                                                                      \
             const long t0 = (lo & ~15L) > c0 ? (lo & ~15L) : c0, t1 = hi + 1 < c0 + cn ? hi + 1 : c0 + cn;       \
             for (long g = 0; g < G; g += 2) {                                                                      \
-                const int nh = G - g >= 2 ? 2 : 1;                                                                 \
-                const float *q0 = a->q + (m * a->H + kvh * G + g) * Dh;                                            \
-                float *s0 = w->sc + ((m - m0) * G + g) * w->ntp - w->base;                                         \
-                for (long t = t0; t < t1; t += 64) SCORES16(nh, (t1 - t + 15) / 16, q0, q0 + Dh, w->kt + t - c0,   \
-                                                            Dh, a->scale, s0 + t, s0 + w->ntp + t);                \
+                const float *q[4] = {0};                                                                           \
+                long off[4];                                                                                       \
+                int nq = 0;                                                                                        \
+                for (long r = 0; r < mr; r++)                                                                      \
+                    for (long h = g; h < G && h < g + 2; h++, nq++) {                                              \
+                        q[nq] = a->q + ((m + r) * a->H + kvh * G + h) * Dh;                                        \
+                        off[nq] = ((m + r - m0) * G + h) * w->ntp - w->base;                                       \
+                    }                                                                                              \
+                for (long t = t0; t < t1; t += 64) {                                                               \
+                    float *s[4];                                                                                   \
+                    for (int i = 0; i < nq; i++) s[i] = w->sc + off[i] + t;                                        \
+                    SCORES(nq, (t1 - t + 15) / 16, q, w->kt + t - c0, Dh, a->scale, s);                            \
+                }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
     }
 
-static inline __attribute__((always_inline)) void gen_scores(int nh, long nv, const float *q0, const float *q1,
-                                                             const float *kt, long Dh, float scale, float *s0,
-                                                             float *s1) {
-    for (long j = 0; j < nv && j < 4; j++) {
-        gen_scores16(q0, kt + 16 * j, Dh, scale, s0 + 16 * j);
-        if (nh == 2) gen_scores16(q1, kt + 16 * j, Dh, scale, s1 + 16 * j);
-    }
-}
-
-#define SCORES512_CASE(NH)                                                                                         \
-    switch (nv >= 4 ? 4 : nv) {                                                                                    \
-    case 1: scores512(NH, 1, q0, q1, kt, Dh, scale, s0, s1); break;                                                \
-    case 2: scores512(NH, 2, q0, q1, kt, Dh, scale, s0, s1); break;                                                \
-    case 3: scores512(NH, 3, q0, q1, kt, Dh, scale, s0, s1); break;                                                \
-    default: scores512(NH, 4, q0, q1, kt, Dh, scale, s0, s1); break;                                               \
-    }
-
-static inline __attribute__((always_inline)) T512 void avx512_scores(int nh, long nv, const float *q0,
-                                                                     const float *q1, const float *kt, long Dh,
-                                                                     float scale, float *s0, float *s1) {
-    if (nh == 2) {
-        SCORES512_CASE(2)
-    } else {
-        SCORES512_CASE(1)
-    }
+static inline __attribute__((always_inline)) void gen_scores(int nq, long nv, const float *const *q,
+                                                             const float *kt, long Dh, float scale,
+                                                             float *const *s) {
+    for (int i = 0; i < nq; i++)
+        for (long j = 0; j < nv && j < 4; j++) gen_scores16(q[i], kt + 16 * j, Dh, scale, s[i] + 16 * j);
 }
 
 CHUNK_SCORES(chunk_generic, __attribute__((noinline)), transpose, gen_scores)
 CHUNK_SCORES(chunk_avx2, __attribute__((noinline, target("avx2,fma"))), transpose, gen_scores)
 CHUNK_SCORES(chunk_avx512, __attribute__((noinline)) T512, transpose512, avx512_scores)
 
-static __attribute__((noinline)) void finish_generic(const attn_t *a, long kvh, long lo, long n, float *s, float *acc,
-                                                     float *out) {
-    gen_finish(a, kvh, lo, n, s, acc, out);
-}
+#define FINISH_GENERIC(name, attr)                                                                                 \
+    static attr void name(const attn_t *a, long kvh, long lo, long n, int nh, float *s0, float *s1, float *acc,   \
+                          float *o0, float *o1) {                                                                  \
+        gen_finish(a, kvh, lo, n, s0, acc, o0);                                                                    \
+        if (nh == 2) gen_finish(a, kvh, lo, n, s1, acc, o1);                                                       \
+    }
 
-static __attribute__((noinline, target("avx2,fma"))) void finish_avx2(const attn_t *a, long kvh, long lo, long n,
-                                                                      float *s, float *acc, float *out) {
-    gen_finish(a, kvh, lo, n, s, acc, out);
-}
-
-static __attribute__((noinline)) T512 void finish_avx512(const attn_t *a, long kvh, long lo, long n, float *s,
-                                                         float *acc, float *out) {
-    (void)acc;
-    avx512_finish(a, kvh, lo, n, s, out);
-}
+FINISH_GENERIC(finish_generic, __attribute__((noinline)))
+FINISH_GENERIC(finish_avx2, __attribute__((noinline, target("avx2,fma"))))
 
 /* The calling thread's scratch, at least `bytes` long (NULL when it cannot grow). Kept from call
  * to call: a fresh allocation of this size is a fresh mapping, whose page faults cost as much
@@ -387,12 +416,13 @@ long npud_attention(int isa, const float *q, long M, long H, long Dh, const floa
         for (long m = m0; m < m1; m++) {
             long lo, hi;
             span(&a, m, &lo, &hi);
-            for (long g = 0; g < G; g++) {
+            for (long g = 0; g < G; g += 2) { /* two heads at a time share each value load */
+                const int nh = G - g >= 2 ? 2 : 1;
                 float *s = w.sc + ((m - m0) * G + g) * w.ntp + lo - w.base;
                 float *o = out + (m * H + kvh * G + g) * Dh;
-                if (isa >= ISA_AVX512) finish_avx512(&a, kvh, lo, hi - lo + 1, s, w.acc, o);
-                else if (isa == ISA_AVX2) finish_avx2(&a, kvh, lo, hi - lo + 1, s, w.acc, o);
-                else finish_generic(&a, kvh, lo, hi - lo + 1, s, w.acc, o);
+                if (isa >= ISA_AVX512) finish_avx512(&a, kvh, lo, hi - lo + 1, nh, s, s + w.ntp, w.acc, o, o + Dh);
+                else if (isa == ISA_AVX2) finish_avx2(&a, kvh, lo, hi - lo + 1, nh, s, s + w.ntp, w.acc, o, o + Dh);
+                else finish_generic(&a, kvh, lo, hi - lo + 1, nh, s, s + w.ntp, w.acc, o, o + Dh);
             }
         }
     }
