@@ -38,10 +38,10 @@ def check_batch_invariance(backend, rows: int = CHECK_ROWS, k: int = 300, n: int
 
 def check_attention_invariance(backend, rows: int, rng) -> list[str]:
     """Attention for M = 1..rows rows (positions from 11 on, keys up to the last row, a sliding
-    window) against one-row calls over the keys up to each row. A group of 3 heads per kv head
-    and a head size of 88 (five full vectors and a partial one); the larger M are enough work
-    to take the threaded split."""
-    heads, kv_heads, dh, start, window = 6, 2, 88, 11, 40
+    window) against one-row calls over the keys up to each row. Groups of 3 heads on 3 kv heads
+    (two threads split rows, three split kv heads) and a head size of 88 (five full vectors and a
+    partial one); the larger M are enough work to take the threaded split."""
+    heads, kv_heads, dh, start, window = 9, 3, 88, 11, 40
     t = start + rows
     q = rng.standard_normal((rows, heads, dh)).astype(np.float32)
     k = rng.standard_normal((t, kv_heads, dh)).astype(np.float32)

@@ -261,11 +261,13 @@ _attention_pool_size = 0
 
 def _attention_units(m: int, kv_heads: int, n_threads: int) -> list[tuple[int, int, int, int]]:
     """(first kv head, end kv head, first row, end row) units: whole rows of whole heads, so a thread
-    computes every output it touches whole. One unit for one thread; else several per thread, so
-    that uneven units (later rows see more keys) and a thread slowed by a busy core even out."""
+    computes every output it touches whole. As few as give every thread a share (each unit is a
+    ctypes call and a hand-over between Python threads): kv heads split evenly, else rows too."""
     if n_threads == 1:
         return [(0, kv_heads, 0, m)]
-    blocks = max(1, min(m, -(-4 * n_threads // kv_heads)))
+    if kv_heads % n_threads == 0:
+        return [(kv_heads * i // n_threads, kv_heads * (i + 1) // n_threads, 0, m) for i in range(n_threads)]
+    blocks = max(1, min(m, -(-2 * n_threads // kv_heads)))
     return [(h, h + 1, m * b // blocks, m * (b + 1) // blocks) for h in range(kv_heads) for b in range(blocks)]
 
 
