@@ -1,4 +1,4 @@
-"""`python -m kernels.host`: compile the host GEMMs into the kernel cache now (not at the first start).
+"""`python -m kernels.host`: compile the host GEMMs and attention into the kernel cache now (not at the first start).
 
 Prints the shared object's path and the kernel path this CPU runs; exits 1 with the reason
 when gcc is missing or fails.

@@ -10,13 +10,16 @@
  *             out[m,h,d] = acc_d / denom
  *   npud_exp (see exp_gen): Cody-Waite range reduction by ln 2 with two FMAs, a degree-7
  *             polynomial (the Taylor coefficients) by Horner with FMAs, times 2^n built from
- *             the exponent bits; x < -87 gives 0.
+ *             the exponent bits; x < -87 gives 0. At most 0.93 ulp from the float64 exp over
+ *             [-87, 0] (measured; tests/test_kernels.py bounds it by 1 ulp).
  * Each of those chains depends on the row alone: not on how many rows or keys the call has,
- * nor on which thread computed it (a call computes whole rows of one kv head). The AVX-512
- * path runs the scores with lanes across keys (a chunk of keys transposed so that a key's
- * values at one d are adjacent), the exponentials and the denominator's lanes across keys,
- * and the values with lanes across d; the generic C runs the same operations one lane at a
- * time (fmaf), so both give the same bits, which tests/test_kernels.py checks.
+ * nor on which thread computed it (a call computes whole rows of whole kv heads). The AVX-512
+ * path runs the scores with lanes across keys (a chunk of keys transposed so that the keys'
+ * values at one d are adjacent), two rows by two heads per loaded key vector; the
+ * exponentials and the denominator's lanes across keys; the values with lanes across d, two
+ * heads per loaded value vector. The generic C runs the same operations one lane at a time
+ * (fmaf), so both give the same bits, which tests/test_kernels.py checks; gcc builds it a
+ * second time for AVX2 + FMA.
  * Compile with -ffp-contract=off and without -ffast-math: the only FMAs are explicit.
  */
 #include <immintrin.h>

@@ -1,4 +1,5 @@
-"""The host GEMM kernels: a small C library, compiled once per machine with gcc, called through ctypes.
+"""The host GEMM and attention kernels: a small C library, compiled once per machine with gcc, called
+through ctypes.
 
 Why C rather than numba: the contract needs exact control of each output element's chain of
 operations (an explicit FMA per k, in k order, never reassociated), and speed needs control
@@ -21,8 +22,13 @@ caller) moves to the other CPUs. A worker whose chunk was taken back may go on r
 weights after the call returns, so `_call` keeps the arrays of such calls alive until the
 library says no worker reads them. ctypes releases the GIL for the call.
 
+Attention (attention.c says how each output is computed) runs in the same library: one kernel
+for a decode step, a verify and a prefill chunk, so their rows agree by construction. Its threads
+are a persistent Python pool calling the nogil function on whole kv heads or whole rows (not
+gemm.c's pool, which divides GEMM tiles).
+
 Build: on first use, or ahead of time with `python -m kernels.host` (tools/test.sh and
-tools/demo.sh do so after installing). The shared object is named by a digest of the source
+tools/demo.sh do so after installing). The shared object is named by a digest of the sources
 and flags, in cache_dir(); a build writes a temporary file and renames it, so concurrent
 starts are safe.
 """
