@@ -261,19 +261,22 @@ def embed(fmt: int, w: np.ndarray, k: int, d: int, tokens: np.ndarray, scale: np
 
 
 
+ATTENTION_UNIT_WORK = 1 << 22  # rows x heads x keys x head size a threaded unit has at least (~0.2 ms)
 _attention_pool: ThreadPoolExecutor | None = None
 _attention_pool_size = 0
 
 
-def _attention_units(m: int, kv_heads: int, n_threads: int) -> list[tuple[int, int, int, int]]:
+def _attention_units(m: int, kv_heads: int, n_threads: int, work: int) -> list[tuple[int, int, int, int]]:
     """(first kv head, end kv head, first row, end row) units: whole rows of whole heads, so a thread
-    computes every output it touches whole. As few as give every thread a share (each unit is a
-    ctypes call and a hand-over between Python threads): kv heads split evenly, else rows too."""
+    computes every output it touches whole. One a thread for a small call (each unit is a ctypes
+    call and a hand-over between Python threads); up to eight a thread for a large one, so that a
+    thread whose core is busy with another process leaves its share to the others."""
     if n_threads == 1:
         return [(0, kv_heads, 0, m)]
-    if kv_heads % n_threads == 0:
-        return [(kv_heads * i // n_threads, kv_heads * (i + 1) // n_threads, 0, m) for i in range(n_threads)]
-    blocks = max(1, min(m, -(-2 * n_threads // kv_heads)))
+    want = max(n_threads, min(8 * n_threads, work // ATTENTION_UNIT_WORK))
+    if kv_heads % want == 0:
+        return [(kv_heads * i // want, kv_heads * (i + 1) // want, 0, m) for i in range(want)]
+    blocks = max(1, min(m, -(-want // kv_heads)))
     return [(h, h + 1, m * b // blocks, m * (b + 1) // blocks) for h in range(kv_heads) for b in range(blocks)]
 
 
@@ -290,7 +293,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray
     t, kvh = k.shape[0], k.shape[1]
     out = np.empty_like(q)
     n_threads = threads() if parallel else 1
-    units = iter(_attention_units(m, kvh, n_threads))
+    units = iter(_attention_units(m, kvh, n_threads, m * h * t * dh))
     take = threading.Lock()
     isa_index = ISA_NAMES.index(isa())
 
