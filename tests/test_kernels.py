@@ -391,7 +391,7 @@ def _one_row_calls(q, k, v, pos, window, scale):
                            for m, p in enumerate(pos)])
 
 
-@pytest.mark.parametrize("D", [5, 8, 16, 24, 64, 128, 256])
+@pytest.mark.parametrize("D", [5, 8, 16, 24, 32, 64, 128, 256])  # 16 and 32: the tiny test models
 @pytest.mark.parametrize("window", [0, 7])
 def test_attention_rows_have_the_bits_of_one_row_calls(D, window, isa_and_threads):
     # decode, verify and a prefill chunk: M = 1..16 and 37 rows from position 50 on, a group of 3
