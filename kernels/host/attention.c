@@ -401,7 +401,7 @@ long npud_attention(int isa, const float *q, long M, long H, long Dh, const floa
     }
     scratch_t w;
     w.base = lo_min & ~15L;
-    w.ntp = (hi_max + 1 - w.base + 63) / 64 * 64; /* whole blocks of 64 keys: the score kernel's widest step */
+    w.ntp = (hi_max + 1 - w.base + 15) / 16 * 16; /* whole vectors of keys */
     const size_t kt_bytes = (size_t)Dh * KC * 4, sc_bytes = (size_t)(m1 - m0) * G * w.ntp * 4;
     const size_t acc_bytes = ((size_t)Dh * 4 + 63) / 64 * 64;
     char *mem = scratch(kt_bytes + sc_bytes + acc_bytes);

@@ -284,7 +284,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray
               parallel: bool) -> np.ndarray:
     """q [M, H, Dh], k/v [T, KVH, Dh] f32, positions [M] int64 in 0..T-1 -> [M, H, Dh] f32 (attention.c).
 
-    With `parallel`, units of whole rows of one kv head go to threads (the caller's included)
+    With `parallel`, units of whole rows of whole kv heads go to threads (the caller's included)
     that take them from one queue; no output depends on which thread computed it. Raises
     MemoryError when a unit's scratch (its scores and a transposed key chunk) cannot be allocated."""
     global _attention_pool, _attention_pool_size
@@ -292,22 +292,24 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray
     m, h, dh = q.shape
     t, kvh = k.shape[0], k.shape[1]
     out = np.empty_like(q)
+    args = (ISA_NAMES.index(_isa_in_use), q.ctypes.data, m, h, dh, k.ctypes.data, v.ctypes.data, t, kvh,
+            positions.ctypes.data, window, scale, out.ctypes.data)
     n_threads = threads() if parallel else 1
-    units = iter(_attention_units(m, kvh, n_threads, m * h * t * dh))
-    take = threading.Lock()
-    isa_index = ISA_NAMES.index(isa())
+    if n_threads == 1:  # a decode step's call: no more Python than the call itself
+        ok = lib.npud_attention(*args, 0, kvh, 0, m) == 0
+    else:
+        units = iter(_attention_units(m, kvh, n_threads, m * h * t * dh))
+        take = threading.Lock()
 
-    def run() -> bool:
-        while True:
-            with take:
-                unit = next(units, None)
-            if unit is None:
-                return True
-            if lib.npud_attention(isa_index, q.ctypes.data, m, h, dh, k.ctypes.data, v.ctypes.data, t, kvh,
-                                  positions.ctypes.data, window, scale, out.ctypes.data, *unit) < 0:
-                return False
+        def run() -> bool:
+            while True:
+                with take:
+                    unit = next(units, None)
+                if unit is None:
+                    return True
+                if lib.npud_attention(*args, *unit) < 0:
+                    return False
 
-    if n_threads > 1:
         with _lock:
             if _attention_pool_size < n_threads - 1:  # the pool only grows (set_threads may raise the count)
                 _attention_pool = ThreadPoolExecutor(n_threads - 1, thread_name_prefix="npud-attention")
@@ -315,8 +317,6 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray
         helpers = [_attention_pool.submit(run) for _ in range(n_threads - 1)]
         ok = run()
         ok = all([f.result() for f in helpers]) and ok
-    else:
-        ok = run()
     if not ok:
         raise MemoryError(f"no memory for the attention scratch of {m} rows over {t} keys")
     return out
