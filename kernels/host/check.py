@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import structlog
 
+from kernels.base import LinearWeight, WeightFormat
+from kernels.host import native
 from kernels.host.formats import KERNELS
+
+log = structlog.get_logger(__name__)
 
 # M = 1..16 covers decode and verify; up to 64 covers every chunk a prefill runs (engine/forward.py's
 # prefill_chunk), and rows past the register block (6) and past one k chunk (K > 256) take the
@@ -21,11 +26,14 @@ def check_batch_invariance(backend, rows: int = CHECK_ROWS, k: int = 300, n: int
     not a multiple of the 64-column tile and K not one of the q8 block, so padding is
     exercised too.
     """
+    formats = list(KERNELS) if formats is None else formats
+    if WeightFormat.BF16_BF16 in formats:
+        check_bf16_dot_hardware()  # first: the invariance check then runs the path that will serve
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     x[rows // 2] *= 1e-3  # a row of another magnitude: its own quantization scales
     failures = []
-    for fmt in formats if formats is not None else list(KERNELS):
+    for fmt in formats:
         w = backend.prepare_linear(KERNELS[fmt].sample(rng, n, k))
         single = np.concatenate([backend.linear(x[i : i + 1], w) for i in range(rows)])
         for m in range(1, rows + 1):
@@ -33,3 +41,34 @@ def check_batch_invariance(backend, rows: int = CHECK_ROWS, k: int = 300, n: int
             if not np.array_equal(got.view(np.uint32), single[:m].view(np.uint32)):
                 failures.append(f"{fmt.value} M={m}")
     return failures
+
+
+def _adversarial(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
+    """Values whose products span the whole fp32 range (subnormal and overflowing sums, flushes),
+    cancel (a value and its negation in one chain), and a row with a NaN and one with an inf."""
+    x = (rng.standard_normal((rows, k)) * 2.0 ** rng.integers(-70, 70, (rows, k))).astype(np.float32)
+    x[:, k // 2 :: 7] = -x[:, k // 2 - 1 : k - 1 : 7][:, : x[:, k // 2 :: 7].shape[1]]
+    x[0, 3], x[1, 5] = np.nan, np.inf
+    return x
+
+
+def check_bf16_dot_hardware(rows: int = 8, k: int = 301, n: int = 136, seed: int = 1) -> bool:
+    """Compare bf16-bf16's vdpbf16ps path with its C emulation (gemm.c's bd_step) on adversarial
+    inputs; where they differ, the format uses the emulation from then on (so its bits never
+    depend on the path) and a warning says so. Returns whether the instruction is in use."""
+    if not native.bf16_dot_hardware():
+        return False
+    rng = np.random.default_rng(seed)
+    kernel = KERNELS[WeightFormat.BF16_BF16]
+    w32 = (rng.standard_normal((n, k)) * 2.0 ** rng.integers(-70, 70, (n, k))).astype(np.float32)
+    w = kernel.prepare(LinearWeight(WeightFormat.BF16_BF16, (w32.view(np.uint32) >> 16).astype(np.uint16)))
+    x = _adversarial(rng, rows, k)
+    hardware = kernel.linear(x, w, False).view(np.uint32).copy()
+    native.bf16_dot_hardware(False)
+    emulated = kernel.linear(x, w, False).view(np.uint32)
+    if np.array_equal(hardware, emulated):
+        native.bf16_dot_hardware(True)
+        return True
+    log.warning("bf16_dot_hardware_refused", reason="vdpbf16ps differs from its emulation on this CPU",
+                elements=int((hardware != emulated).sum()), isa=native.isa())
+    return False
