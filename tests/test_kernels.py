@@ -203,8 +203,13 @@ def _bf16_rne(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x), (u >> 16) | 0x40, out).astype(np.uint16)  # NaN: quieted
 
 
-def _ftz(a: np.ndarray) -> np.ndarray:
-    return np.where(np.abs(a) < np.float32(2.0**-126), np.copysign(np.float32(0), a), a).astype(np.float32)
+def _bd_step(acc: np.ndarray, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """vdpbf16ps's step (gemm.c's bd_step) for small finite inputs: acc + x w rounded once to 24
+    significant bits whatever the exponent (in float64 then float32 at 2^64 times the size: exact
+    for the test's inputs, as _fma32), then a result below FLT_MIN flushed to a zero of its sign."""
+    s = (acc.astype(np.float64) + x.astype(np.float64) * w.astype(np.float64)) * 2.0**64
+    r = s.astype(np.float32)
+    return np.where(np.abs(r) < np.float32(2.0**-62), np.copysign(np.float32(0), r), r * np.float32(2.0**-64))
 
 
 def test_bf16_dot_path_is_flushed_fma_pairs_high_first(host):
@@ -219,11 +224,31 @@ def test_bf16_dot_path_is_flushed_fma_pairs_high_first(host):
     acc = np.zeros((3, 20), np.float32)
     for k in range(0, 72, 2):
         for kk in (k + 1, k):
-            acc = _ftz(_fma32(np.repeat(xb[:, kk : kk + 1], 20, axis=1), np.broadcast_to(w[:, kk], (3, 20)), acc))
+            acc = _bd_step(acc, np.repeat(xb[:, kk : kk + 1], 20, axis=1), np.broadcast_to(w[:, kk], (3, 20)))
     want = acc + lw.bias
     got = host.linear(x, host.prepare_linear(lw))
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert np.any((acc[1] == 0) & (want[1] == lw.bias))  # some sums of row 1 were flushed
+
+
+@pytest.mark.parametrize("path", ["generic", "best"])
+def test_bf16_dot_sums_at_flt_min_round_to_24_bits_then_flush(host, path, isa_and_threads):
+    # acc = FLT_MIN from the first pair, then less m 2^-k: on the 24-bit grid (2^-150 below
+    # FLT_MIN) a sum in [FLT_MIN - 2^-150, FLT_MIN - 2^-151) rounds below FLT_MIN and is flushed,
+    # where IEEE's fma (subnormal grid 2^-149) would give FLT_MIN: the emulation's bd_tiny
+    cols = [(k, m, sign) for k in range(140, 176) for m in (1.0, 1.5, 1.75) for sign in (1.0, -1.0)]
+    w = np.zeros((len(cols), 4), np.float32)
+    for c, (k, m, sign) in enumerate(cols):
+        w[c, 0], w[c, 2] = sign * 2.0**-63, -sign * m * 2.0 ** (60 - k)
+    bits = (w.view(np.uint32) >> 16).astype(np.uint16)
+    x = np.array([[2.0**-63, 0, 2.0**-60, 0]], np.float32)
+    native.set_isa(None if path == "best" else "generic")
+    got = host.linear(x, host.prepare_linear(LinearWeight(WeightFormat.BF16_BF16, bits)))[0]
+    exact = np.array([sign * (2.0**-126 - m * 2.0**-k) for k, m, sign in cols])
+    on_grid = np.round(exact * 2.0**150) * 2.0**-150  # 24 bits below FLT_MIN: a 2^-150 grid (ties: even)
+    want = np.where(np.abs(on_grid) < 2.0**-126, np.copysign(0.0, exact), on_grid).astype(np.float32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert 0 < np.sum(want == 0) < len(cols) and np.any((exact > 2.0**-126 - 2.0**-150) & (want == 0))
 
 
 def test_round_bf16_is_nearest_even_and_never_subnormal():

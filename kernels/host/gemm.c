@@ -6,7 +6,7 @@
  *                 integer dot product of the row's int8 block with the weights
  *   bf16-dot path: x rounded to bf16 (npud_round_bf16); acc = 0; for each k-pair (k, k+1):
  *                 acc = ftz(fma(x[m,k+1], w[n,k+1], acc)); acc = ftz(fma(x[m,k], w[n,k], acc)),
- *                 ftz flushing a subnormal result to zero (what vdpbf16ps computes: bd_step)
+ *                 ftz flushing a result below FLT_MIN to zero (what vdpbf16ps computes: bd_step)
  *   then y = acc * scale[n] (if any), then y = y + bias[n] (if any), each rounded.
  * Vector lanes run across output columns, never across k. Rows are blocked in registers,
  * columns in tiles of 64, k in chunks, threads take chunks of whole tiles: none of that changes
@@ -321,11 +321,13 @@ TILE_DRIVER(tile_avx512_vnni, __attribute__((noinline)) TVNNI, avx512_float_bloc
  *
  * What vdpbf16ps computes per 32-bit lane, measured on AMD Zen 4 against candidate emulations
  * on 6.4 million adversarial lanes (tools/bf16dot_probe.c: cancellation, subnormal inputs and
- * results, exponents across the whole range, inf and NaN): the high pair's exact product is
- * added to the accumulator with one round-to-nearest-even, the result flushed to a zero of its
- * sign when subnormal (after rounding: a sum just below FLT_MIN that rounds up to it stays);
- * then the same for the low pair. So one step is fma followed by a flush: bd_step. A NaN result
- * is the first NaN of (x, w, acc), quieted, else the default NaN (inf * 0, inf - inf). Intel's
+ * sums, sums at FLT_MIN, exponents over the whole range, inf and NaN): the high pair's exact
+ * product is added to the accumulator with one round-to-nearest-even to 24 significant bits
+ * whatever the exponent, and a result below FLT_MIN is then flushed to a zero of its sign;
+ * then the same for the low pair. That is an fma and a flush (bd_step), except for a sum just
+ * below FLT_MIN, where fma rounds on the subnormal grid (2^-149) and the instruction on the
+ * 24-bit one (2^-150): fma's +-FLT_MIN is redone 2^64 times larger (bd_tiny). A NaN result is
+ * the first NaN of (x, w, acc), quieted, else the default NaN (inf * 0, inf - inf). Intel's
  * manual describes the same two steps; the start-up self-check (check.py) compares this
  * emulation with the instruction and refuses the instruction where they differ. */
 
@@ -346,10 +348,21 @@ static __attribute__((noinline)) float bd_nan(float acc, uint16_t x, uint16_t w)
     return acc;
 }
 
+/* r = fma(x, w, acc) with |r| <= FLT_MIN -> the instruction's result. At +-FLT_MIN the exact sum
+ * may lie in [FLT_MIN - 2^-150, FLT_MIN - 2^-151), which rounds to FLT_MIN on the subnormal grid
+ * but below it on the 24-bit one. Such a sum has |x w| < 2^-100 (the product cancels against
+ * an accumulator of its size, or both are that small), so scaling the smaller factor and the
+ * accumulator by 2^64 is exact and overflows nothing. */
+static __attribute__((noinline)) float bd_tiny(float acc, float x, float w, float r) {
+    if (fabsf(r) < 0x1p-126f) return copysignf(0.0f, r);
+    const float s = fabsf(x) < fabsf(w) ? fmaf(x * 0x1p64f, w, acc * 0x1p64f) : fmaf(x, w * 0x1p64f, acc * 0x1p64f);
+    return fabsf(s) < 0x1p-62f ? copysignf(0.0f, s) : s * 0x1p-64f;
+}
+
 static inline __attribute__((always_inline)) float bd_step(float acc, uint16_t x, uint16_t w) {
-    const float r = fmaf(bd_widen(x), bd_widen(w), acc);
+    const float xf = bd_widen(x), wf = bd_widen(w), r = fmaf(xf, wf, acc);
     if (r != r) return bd_nan(acc, x, w);
-    return fabsf(r) < 0x1p-126f ? copysignf(0.0f, r) : r;
+    return fabsf(r) <= 0x1p-126f ? bd_tiny(acc, xf, wf, r) : r;
 }
 
 static inline __attribute__((always_inline)) void gen_bd_block(const job_t *j, long t, float *o, long ldo, long r0,
