@@ -270,10 +270,11 @@ def test_round_bf16_is_nearest_even_and_never_subnormal():
 @pytest.mark.parametrize("path", ["generic", "best"])
 def test_bf16_dot_rows_have_the_bits_of_one_row_calls(host, path, isa_and_threads):
     # decode (1 row), verify (up to 16) and prefill-sized calls, 1 and 2 threads, against
-    # one-row calls on the best path: the forced generic C emulation gives the same bits
+    # one-row calls on the best path: the forced generic C emulation gives the same bits.
+    # K 601: an odd K (a zero pad) and more k-pairs than one chunk (256) of the blocked path
     rng = np.random.default_rng(14)
-    x = rng.standard_normal((200, 333)).astype(np.float32)
-    w = host.prepare_linear(KERNELS[WeightFormat.BF16_BF16].sample(rng, 200, 333))
+    x = rng.standard_normal((200, 601)).astype(np.float32)
+    w = host.prepare_linear(KERNELS[WeightFormat.BF16_BF16].sample(rng, 200, 601))
     native.set_isa(None)
     single = np.concatenate([host.linear(x[i : i + 1], w) for i in range(200)]).view(np.uint32)
     native.set_isa(None if path == "best" else "generic")
