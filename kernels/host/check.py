@@ -43,26 +43,35 @@ def check_batch_invariance(backend, rows: int = CHECK_ROWS, k: int = 300, n: int
     return failures
 
 
-def _adversarial(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
-    """Values whose products span the whole fp32 range (subnormal and overflowing sums, flushes),
-    cancel (a value and its negation in one chain), and a row with a NaN and one with an inf."""
-    x = (rng.standard_normal((rows, k)) * 2.0 ** rng.integers(-70, 70, (rows, k))).astype(np.float32)
-    x[:, k // 2 :: 7] = -x[:, k // 2 - 1 : k - 1 : 7][:, : x[:, k // 2 :: 7].shape[1]]
-    x[0, 3], x[1, 5] = np.nan, np.inf
-    return x
+def _adversarial(rng: np.random.Generator, rows: int, cols: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """x [rows, k] f32 and bf16 weights [cols, k] whose products span the whole fp32 range: each row
+    and column has its own scale (2^-66 .. 2^66) and each value a spread around it, so that some
+    (row, column) sums stay near FLT_MIN (flushed or not), some overflow, and most cancel in
+    part; a row holds a NaN and one an inf. Then columns whose sums land just below FLT_MIN, where
+    rounding to 24 bits and rounding on the subnormal grid differ (row 0 carries them)."""
+    def spread(n: int) -> np.ndarray:
+        scale = rng.integers(-66, 67, (n, 1)) + rng.integers(-10, 11, (n, k))
+        return (rng.standard_normal((n, k)) * 2.0**scale).astype(np.float32)
+
+    x, w = spread(rows), spread(cols)
+    x[1, 3], x[2, 5] = np.nan, np.inf
+    x[0] = 0
+    x[0, :4] = [2.0**-63, 0, 2.0**-60, 0]  # with w[c, :4] = (+-2^-63, 0, -+m 2^(60 - e), 0): FLT_MIN - m 2^-e
+    for c in range(cols):
+        e, m, sign = 140 + c % 18, (1.0, 1.5, 1.75)[c // 18 % 3], (1.0, -1.0)[c // 54 % 2]
+        w[c, :4] = [sign * 2.0**-63, 0, -sign * m * 2.0 ** (60 - e), 0]
+    return x, (w.view(np.uint32) >> 16).astype(np.uint16)
 
 
 def check_bf16_dot_hardware(rows: int = 8, k: int = 301, n: int = 136, seed: int = 1) -> bool:
     """Compare bf16-bf16's vdpbf16ps path with its C emulation (gemm.c's bd_step) on adversarial
-    inputs; where they differ, the format uses the emulation from then on (so its bits never
-    depend on the path) and a warning says so. Returns whether the instruction is in use."""
+    inputs (_adversarial); where they differ, the format uses the emulation from then on (so its
+    bits never depend on the path) and a warning says so. Returns whether the instruction is in use."""
     if not native.bf16_dot_hardware():
         return False
-    rng = np.random.default_rng(seed)
     kernel = KERNELS[WeightFormat.BF16_BF16]
-    w32 = (rng.standard_normal((n, k)) * 2.0 ** rng.integers(-70, 70, (n, k))).astype(np.float32)
-    w = kernel.prepare(LinearWeight(WeightFormat.BF16_BF16, (w32.view(np.uint32) >> 16).astype(np.uint16)))
-    x = _adversarial(rng, rows, k)
+    x, bits = _adversarial(np.random.default_rng(seed), rows, n, k)
+    w = kernel.prepare(LinearWeight(WeightFormat.BF16_BF16, bits))
     hardware = kernel.linear(x, w, False).view(np.uint32).copy()
     native.bf16_dot_hardware(False)
     emulated = kernel.linear(x, w, False).view(np.uint32)
