@@ -171,7 +171,8 @@ static inline __attribute__((always_inline)) T512 void transpose512(const attn_t
             for (int i = 0; i < 16; i++)
                 r[i] = t0 + i < a->T ? _mm512_maskz_loadu_ps(dm, a->k + (t0 + i) * stride + kvh * Dh + d0)
                                      : _mm512_setzero_ps();
-            for (int i = 0; i < 16; i += 2) { /* lane L: (r_i[4L], r_i+1[4L], r_i[4L+1], r_i+1[4L+1]), (.. 4L+2, 4L+3) */
+            /* u[i], lane L: r_i[4L], r_i+1[4L], r_i[4L+1], r_i+1[4L+1]; u[i + 1]: the same at 4L+2, 4L+3 */
+            for (int i = 0; i < 16; i += 2) {
                 u[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
                 u[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
             }
