@@ -160,7 +160,8 @@ def _q8_rows(x: np.ndarray):
     d = (np.abs(blocks).max(axis=2) / np.float32(127)).astype(np.float32)
     inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
     t = (blocks * inv[:, :, None]).astype(np.float32)
-    q = np.clip(np.sign(t) * np.floor(np.abs(t) + 0.5), -127, 127).astype(np.int32)
+    r = np.trunc(t)  # roundf: away from zero when the exact fraction is >= 1/2 (floor(|t| + 0.5) can round up)
+    q = np.clip(r + np.sign(t) * (np.abs(t - r) >= 0.5), -127, 127).astype(np.int32)
     return q, d
 
 
@@ -178,6 +179,34 @@ def test_q8_path_is_exact_integer_block_sums_and_one_fma_per_block(host):
     want = acc * lw.scale + lw.bias
     got = host.linear(x, host.prepare_linear(lw))
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_q8_quantization_is_llama_cpps_and_the_same_on_every_path(isa_and_threads):
+    # the vectorised quantizer (AVX-512) against the scalar one, on rows that reach its edges:
+    # halves that round away from zero, a zero block, padding past K, values so small that
+    # 1 / d overflows, infinities and NaNs (whatever the scalar code makes of those, the same)
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((6, 75)).astype(np.float32)
+    x[0, :32] = np.arange(-16, 16, dtype=np.float32) + 0.5  # d = 15.5 / 127: many exact halves
+    x[1, 32:64] = 0
+    x[2, :32] = np.float32(1e-40) * rng.standard_normal(32).astype(np.float32)
+    x[2, 5] = 0
+    x[3, 3], x[3, 40] = np.inf, -np.inf
+    x[4, 7], x[4, 70] = np.nan, np.nan
+    x[5, 33] = np.float32(0.49999997) * x[5, 32:64].max() / np.float32(127)  # just below a half step
+    kp = 96
+    q, d = _q8_rows(x[[0, 1, 5]])
+    results = []
+    for path in _paths():
+        native.set_isa(path)
+        results.append((path, *native.quantize_q8(x, kp)))
+    xq, xs, xsum = results[0][1:]
+    assert np.array_equal(xq[[0, 1, 5]], q.reshape(3, kp)) and np.array_equal(xs[[0, 1, 5]], d)
+    assert np.array_equal(xsum[[0, 1, 5]], q.sum(axis=2))
+    assert np.all(xq[:, 75:] == 0)
+    for path, *got in results[1:]:
+        for want, have in zip((xq, xs, xsum), got):
+            assert np.array_equal(want.view(np.uint8), have.view(np.uint8)), path
 
 
 @pytest.mark.parametrize("fmt", list(WeightFormat))

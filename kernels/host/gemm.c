@@ -592,29 +592,77 @@ long npud_gemm(int fmt, const float *x, long M, long K, const void *w, long ntil
     return dispatch(j, threads);
 }
 
-/* Quantize rows of x [M, K] in blocks of QB (zero-padded to Kp): xq [M, Kp], xs and xsum [M, Kp/QB].
+/* One row of x [K] in blocks of QB (zero-padded to nb blocks): xq [nb * QB], xs and xsum [nb].
  * Per block: d = max|x| / 127, q = round(x / d) (away from zero), as llama.cpp's q8_0. */
+static void quantize_row(const float *x, long K, long nb, int8_t *xq, float *xs, int32_t *xsum) {
+    for (long b = 0; b < nb; b++) {
+        float amax = 0.0f;
+        for (long k = b * QB; k < b * QB + QB && k < K; k++) {
+            const float a = fabsf(x[k]);
+            if (a > amax) amax = a;
+        }
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t s = 0;
+        for (long k = b * QB; k < b * QB + QB; k++) {
+            float q = k < K ? roundf(x[k] * id) : 0.0f;
+            q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+            xq[k] = (int8_t)q;
+            s += (int32_t)q;
+        }
+        xs[b] = d;
+        xsum[b] = s;
+    }
+}
+
+/* quantize_row's operations 16 lanes at a time, with its results bit for bit (NaN and
+ * infinity included): the max is exact in any order (a NaN lane never wins, as there), x * id
+ * is one rounding, roundf is the truncation plus one away from zero when the (exact) fraction
+ * is at least a half, the clamp keeps a NaN, and float -> int32 -> int8 truncates as the
+ * scalar conversion does. Every ISA path's job calls this one or the other: same bits. */
+static T512 void quantize_row_avx512(const float *x, long K, long nb, int8_t *xq, float *xs, int32_t *xsum) {
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+    const __m512 hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    for (long b = 0; b < nb; b++) {
+        __m512 v[QB / 16];
+        __mmask16 live[QB / 16];
+        __m512 amax = _mm512_setzero_ps();
+        for (int h = 0; h < QB / 16; h++) {
+            const long left = K - (b * QB + 16 * h);
+            live[h] = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+            v[h] = _mm512_maskz_loadu_ps(live[h], x + b * QB + 16 * h);
+            amax = _mm512_max_ps(_mm512_abs_ps(v[h]), amax);
+        }
+        const float d = _mm512_reduce_max_ps(amax) / 127.0f;
+        const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        __m512i s = _mm512_setzero_si512();
+        for (int h = 0; h < QB / 16; h++) {
+            const __m512 t = _mm512_mul_ps(v[h], id);
+            const __m512 r = _mm512_roundscale_ps(t, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            const __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(t, r)), half, _CMP_GE_OQ);
+            const __m512 away = _mm512_castsi512_ps(
+                _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(t), sign), _mm512_castps_si512(one)));
+            __m512 q = _mm512_mask_add_ps(r, up, r, away);
+            q = _mm512_max_ps(lo, _mm512_min_ps(hi, q)); /* vmaxps/vminps return the second operand on NaN */
+            const __m512i qi = _mm512_maskz_cvttps_epi32(live[h], q);
+            _mm_storeu_si128((__m128i *)(xq + b * QB + 16 * h), _mm512_cvtepi32_epi8(qi));
+            s = _mm512_add_epi32(s, qi);
+        }
+        xs[b] = d;
+        xsum[b] = _mm512_reduce_add_epi32(s);
+    }
+}
+
+/* Quantize rows of x [M, K] in blocks of QB (zero-padded to Kp): xq [M, Kp], xs and xsum [M, Kp/QB]. */
 void npud_quantize_q8(const float *x, long M, long K, long Kp, int8_t *xq, float *xs, int32_t *xsum) {
+    if (isa_used < 0) npud_set_isa(-1);
     const long nb = Kp / QB;
     for (long m = 0; m < M; m++) {
-        for (long b = 0; b < nb; b++) {
-            float amax = 0.0f;
-            for (long k = b * QB; k < b * QB + QB && k < K; k++) {
-                const float a = fabsf(x[m * K + k]);
-                if (a > amax) amax = a;
-            }
-            const float d = amax / 127.0f;
-            const float id = d != 0.0f ? 1.0f / d : 0.0f;
-            int32_t s = 0;
-            for (long k = b * QB; k < b * QB + QB; k++) {
-                float q = k < K ? roundf(x[m * K + k] * id) : 0.0f;
-                q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
-                xq[m * Kp + k] = (int8_t)q;
-                s += (int32_t)q;
-            }
-            xs[m * nb + b] = d;
-            xsum[m * nb + b] = s;
-        }
+        if (isa_used >= ISA_AVX512)
+            quantize_row_avx512(x + m * K, K, nb, xq + m * Kp, xs + m * nb, xsum + m * nb);
+        else
+            quantize_row(x + m * K, K, nb, xq + m * Kp, xs + m * nb, xsum + m * nb);
     }
 }
 

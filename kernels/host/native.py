@@ -132,6 +132,8 @@ def library() -> ctypes.CDLL:
             lib.npud_pool_stats.restype = None
             lib.npud_pool_stall.argtypes = [_L]
             lib.npud_pool_stall.restype = None
+            lib.npud_quantize_q8.argtypes = [_P, _L, _L, _L, _P, _P, _P]
+            lib.npud_quantize_q8.restype = None
             lib.npud_embed.argtypes = [_I, _P, _L, _L, _P, _L, _P, _P]
             lib.npud_embed.restype = None
             wanted = os.environ.get("NPUD_HOST_ISA", "")  # tests and benchmarks: force a slower path
@@ -239,6 +241,18 @@ def linear_q8(x: np.ndarray, w: np.ndarray, n: int, scale: np.ndarray, bias: np.
              scale.ctypes.data, _ptr(bias), out.ctypes.data, threads() if parallel else 1) < 0:
         raise MemoryError(f"no memory for the q8 rows of a [{m}, {kp}] activation")
     return out
+
+
+def quantize_q8(x: np.ndarray, kp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The q8 blocks linear_q8 makes of x [M, K] f32 (zero-padded to kp): int8 [M, kp], per-block
+    scales d and integer sums [M, kp / QB] (on the path in use; every path gives the same)."""
+    m, k = x.shape
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    xq = np.empty((m, kp), np.int8)
+    xs = np.empty((m, kp // QB), np.float32)
+    xsum = np.empty((m, kp // QB), np.int32)
+    library().npud_quantize_q8(x.ctypes.data, m, k, kp, xq.ctypes.data, xs.ctypes.data, xsum.ctypes.data)
+    return xq, xs, xsum
 
 
 def embed(fmt: int, w: np.ndarray, k: int, d: int, tokens: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
