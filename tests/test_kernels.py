@@ -82,13 +82,20 @@ def _paths() -> list[str]:
     return list(native.ISA_NAMES[: native.ISA_NAMES.index(native.best_isa()) + 1])
 
 
+def test_self_check_passes_past_one_k_chunk_of_every_path(host):
+    # K = 1100: three of the q8 path's k chunks (512) and many of the float path's, with
+    # 1, 2, 3 and 4-row blocks, so partial sums wait in the output between chunks
+    assert check_batch_invariance(host, rows=12, k=1100) == []
+
+
+@pytest.mark.parametrize("k", [333, 1100])
 @pytest.mark.parametrize("fmt", list(WeightFormat))
-def test_every_path_and_thread_count_gives_the_same_bits(host, fmt, isa_and_threads):
+def test_every_path_and_thread_count_gives_the_same_bits(host, fmt, k, isa_and_threads):
     # the generic C (fmaf), its AVX2 build and the AVX-512 / VNNI intrinsics compute the
     # same chain per element; threads split columns, never k
     rng = np.random.default_rng(7)
-    x = rng.standard_normal((13, 333)).astype(np.float32)
-    w = host.prepare_linear(KERNELS[fmt].sample(rng, 200, 333))
+    x = rng.standard_normal((13, k)).astype(np.float32)
+    w = host.prepare_linear(KERNELS[fmt].sample(rng, 200, k))
     results = []
     for path in _paths():
         assert native.set_isa(path) == path
@@ -187,7 +194,8 @@ def test_q8_quantization_is_llama_cpps_and_the_same_on_every_path(isa_and_thread
     # 1 / d overflows, infinities and NaNs (whatever the scalar code makes of those, the same)
     rng = np.random.default_rng(12)
     x = rng.standard_normal((6, 75)).astype(np.float32)
-    x[0, :32] = np.arange(-16, 16, dtype=np.float32) + 0.5  # d = 15.5 / 127: many exact halves
+    x[0, :32] = np.arange(-16, 16, dtype=np.float32) + 0.5
+    x[0, 0] = 127  # d = 1: the others are exact halves
     x[1, 32:64] = 0
     x[2, :32] = np.float32(1e-40) * rng.standard_normal(32).astype(np.float32)
     x[2, 5] = 0

@@ -24,9 +24,9 @@
 
 #define TILE 64
 #define QB 32           /* activation quantization block (llama.cpp's q8_0 block) */
-#define KC 256          /* k rows per chunk when several row blocks share a weight tile (q8) */
+#define KC 512          /* k rows per chunk when several row blocks share a weight tile (q8) */
 #define MAXR 6          /* rows held in registers at once (AVX-512 float: 6 x 4 accumulators) */
-#define MAXR_Q8 3       /* q8: an int32 and a float accumulator per column vector */
+#define MAXR_Q8 4       /* q8: 4 x 4 int32 accumulators (the float ones wait in the output) */
 #define PF_BYTES 1024   /* software prefetch distance in the weight stream */
 #define MAX_THREADS 64
 /* pause instructions (tens of microseconds) a worker spins for the next call before it sleeps:
@@ -254,19 +254,22 @@ static inline __attribute__((always_inline)) T512 void avx512_float_block(int fm
 
 /* q8 with VNNI: vpdpbusd multiplies the weights' unsigned bytes (w + 128) by the row's signed
  * bytes in groups of 4 k; starting each block's int32 sum at -128 * sum(x block) makes it the
- * exact sum of x * w. The block sum then enters the float accumulator by one FMA. */
+ * exact sum of x * w. The block sum then enters the float accumulator by one FMA. The float
+ * accumulators live in o (L1; stored and reloaded exactly), so that the registers hold the
+ * int32 sums of 4 rows and each weight vector serves 4 rows (rather than 3 with the float
+ * accumulators in registers too: 1.1-1.3x at 8 and 64 rows); scale and bias go on last. */
 static inline __attribute__((always_inline)) TVNNI void vnni_rows(const int R, const job_t *j, long t, float *o,
                                                                   long ldo, long r0, long b0, long b1) {
     const long Kp = j->K, nb = Kp / QB;
     const uint8_t *wt = (const uint8_t *)j->w + (size_t)t * Kp * TILE;
+    const int8_t *xq = j->xq + r0 * Kp;
+    const float *xs = j->xs + r0 * nb;
+    const int32_t *xsum = j->xsum + r0 * nb;
     o += r0 * ldo;
-    __m512 acc[MAXR_Q8][4];
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < 4; v++) acc[r][v] = b0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + r * ldo + 16 * v);
     for (long b = b0; b < b1; b++) {
         __m512i isum[MAXR_Q8][4];
         for (int r = 0; r < R; r++) {
-            const __m512i init = _mm512_set1_epi32(-128 * j->xsum[(r0 + r) * nb + b]);
+            const __m512i init = _mm512_set1_epi32(-128 * xsum[r * nb + b]);
             for (int v = 0; v < 4; v++) isum[r][v] = init;
         }
         for (int k4 = 0; k4 < QB / 4; k4++) {
@@ -279,7 +282,7 @@ static inline __attribute__((always_inline)) TVNNI void vnni_rows(const int R, c
             const __m512i w2 = _mm512_loadu_si512(wp + 128), w3 = _mm512_loadu_si512(wp + 192);
             for (int r = 0; r < R; r++) {
                 int32_t four;
-                memcpy(&four, j->xq + (r0 + r) * Kp + b * QB + k4 * 4, 4);
+                memcpy(&four, xq + r * Kp + b * QB + k4 * 4, 4);
                 const __m512i xb = _mm512_set1_epi32(four);
                 isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w0, xb);
                 isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w1, xb);
@@ -288,12 +291,20 @@ static inline __attribute__((always_inline)) TVNNI void vnni_rows(const int R, c
             }
         }
         for (int r = 0; r < R; r++) {
-            const __m512 s = _mm512_set1_ps(j->xs[(r0 + r) * nb + b]);
-            for (int v = 0; v < 4; v++) acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][v]), s, acc[r][v]);
+            const __m512 s = _mm512_set1_ps(xs[r * nb + b]);
+            for (int v = 0; v < 4; v++) {
+                float *p = o + r * ldo + 16 * v;
+                const __m512 acc = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(p);
+                _mm512_storeu_ps(p, _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][v]), s, acc));
+            }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < 4; v++) store16(j, o + r * ldo + 16 * v, acc[r][v], t * TILE + 16 * v, b1 == nb);
+    if (b1 == nb && (j->scale || j->bias))
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < 4; v++) {
+                float *p = o + r * ldo + 16 * v;
+                store16(j, p, _mm512_loadu_ps(p), t * TILE + 16 * v, 1);
+            }
 }
 
 static inline __attribute__((always_inline)) TVNNI void vnni_q8_block(const job_t *j, long t, float *o, long ldo,
@@ -301,7 +312,8 @@ static inline __attribute__((always_inline)) TVNNI void vnni_q8_block(const job_
     switch (R) {
     case 1: vnni_rows(1, j, t, o, ldo, r0, b0, b1); break;
     case 2: vnni_rows(2, j, t, o, ldo, r0, b0, b1); break;
-    default: vnni_rows(3, j, t, o, ldo, r0, b0, b1); break;
+    case 3: vnni_rows(3, j, t, o, ldo, r0, b0, b1); break;
+    default: vnni_rows(4, j, t, o, ldo, r0, b0, b1); break;
     }
 }
 
