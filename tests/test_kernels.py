@@ -133,6 +133,22 @@ def test_chunks_taken_back_from_a_stalled_worker_give_the_same_bits(host, fmt, r
     assert native.held_calls() == 0 and not native._held  # released once the worker let go
 
 
+@pytest.mark.parametrize("k, tiles, chunks", [(64, 100, 50), (1024, 100, 100)])
+def test_pool_chunks_are_many_per_thread_and_small(k, tiles, chunks, isa_and_threads):
+    # 2 threads: 32 chunks per thread (100 tiles of 16 KiB: 2 tiles a chunk), but no chunk
+    # reads more than 256 KiB of weights (a 1024-k fp32 tile is just that: one tile a chunk)
+    rng = np.random.default_rng(13)
+    w = pack_tiles(rng.standard_normal((tiles * TILE, k)).astype(np.float32))
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    native.set_threads(1)
+    want = native.gemm(native.FMT_F32, x, w, tiles * TILE, None, None, True)
+    native.set_threads(2)
+    offered = native.pool_stats()[3]
+    got = native.gemm(native.FMT_F32, x, w, tiles * TILE, None, None, True)
+    assert native.pool_stats()[3] - offered == chunks
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     # a * b is exact in float64 for float32 inputs; one more rounding to float32 gives fma's
     # result except in double-rounding ties, which these fixed inputs do not hit

@@ -29,6 +29,7 @@
 #define MAXR_Q8 4       /* q8: 4 x 4 int32 accumulators (the float ones wait in the output) */
 #define PF_BYTES 1024   /* software prefetch distance in the weight stream */
 #define MAX_THREADS 64
+#define CHUNK_BYTES (256 << 10) /* weight bytes a pool chunk reads at most */
 /* pause instructions (tens of microseconds) a worker spins for the next call before it sleeps:
  * enough to bridge the Python between the GEMMs of a layer, short enough not to hold a core
  * that the machine's other processes (or numba's threads) want */
@@ -350,6 +351,7 @@ static struct {
     job_t *retired;                        /* jobs a worker may still read (caller's side only) */
     atomic_long published, stolen, moved;  /* chunks workers delivered; chunks the caller took back;
                                               workers that moved off the caller's CPU */
+    atomic_long offered;                   /* chunks of the calls that went to the pool */
     atomic_long stall_us;                  /* tests: workers sleep this long on each chunk they take
                                               (and the caller lets one take the first) */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
@@ -539,9 +541,14 @@ static long dispatch(job_t *j, int threads) {
         for (long t = 0; t < j->ntiles; t++) j->tile(j, t, j->out + t * TILE, j->ntiles * TILE);
         free(j);
     } else {
-        /* chunks: many per thread, so that taking one back costs little */
+        /* chunks: many per thread, and at most CHUNK_BYTES of weights, so that taking one back
+         * costs little (a big one-row GEMM streams a chunk in tens of microseconds) */
+        const size_t tile_bytes = (size_t)j->K * TILE * elem_size(j->fmt);
+        const long most = CHUNK_BYTES / tile_bytes > 1 ? (long)(CHUNK_BYTES / tile_bytes) : 1;
         j->chunk = (j->ntiles + threads * 32 - 1) / (threads * 32);
+        if (j->chunk > most) j->chunk = most;
         j->nchunks = (j->ntiles + j->chunk - 1) / j->chunk;
+        atomic_fetch_add_explicit(&pool.offered, j->nchunks, memory_order_relaxed);
         j->caller_cpu = sched_getcpu();
         atomic_store(&pool.active, threads - 1);
         atomic_store(&pool.job, j);
@@ -725,11 +732,12 @@ long npud_pool_held(void) {
 }
 
 /* stats[0]: chunks workers delivered, [1]: chunks the caller took back from a worker,
- * [2]: times a worker moved off the caller's CPU. */
+ * [2]: times a worker moved off the caller's CPU, [3]: chunks of the calls that went to the pool. */
 void npud_pool_stats(long *stats) {
     stats[0] = atomic_load(&pool.published);
     stats[1] = atomic_load(&pool.stolen);
     stats[2] = atomic_load(&pool.moved);
+    stats[3] = atomic_load(&pool.offered);
 }
 
 /* Tests: workers sleep `us` microseconds on every chunk they take (a descheduled worker), and

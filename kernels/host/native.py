@@ -194,10 +194,10 @@ def _call(fn, arrays: tuple, *args) -> int:
         return held
 
 
-def pool_stats() -> tuple[int, int, int]:
+def pool_stats() -> tuple[int, int, int, int]:
     """So far: (chunks the pool's workers delivered, chunks the caller took back from a stalled
-    worker, times a worker moved off the caller's CPU)."""
-    stats = (ctypes.c_long * 3)()
+    worker, times a worker moved off the caller's CPU, chunks of the calls that went to the pool)."""
+    stats = (ctypes.c_long * 4)()
     library().npud_pool_stats(stats)
     return tuple(stats)
 
