@@ -4,6 +4,9 @@ host-side pieces (the rest of the NPU backend: tests/test_xrt.py)."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -147,6 +150,17 @@ def test_pool_chunks_are_many_per_thread_and_small(k, tiles, chunks, isa_and_thr
     got = native.gemm(native.FMT_F32, x, w, tiles * TILE, None, None, True)
     assert native.pool_stats()[3] - offered == chunks
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_numbas_openmp_threads_wait_passively_unless_told_otherwise():
+    # spinning OpenMP threads held the core the GEMM pool's worker needed (kernels/host/__init__.py)
+    code = "import os, kernels.host; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "passive"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "active"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "active"
 
 
 def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
