@@ -7,8 +7,8 @@ step), prefill tok/s of a 512-token prompt, and the time of one 8-row verify ove
 llama.cpp (llama-cpp-python built by bench/llamacpp.py into its own environment) runs the
 same checkpoint converted to GGUF by llama.cpp's converter (bench/gguf_convert.py), f32 / bf16 /
 q8_0 at 1 and 2 threads; transformers runs fp32 and bf16 at 2 threads. The read bandwidth of
-1 and 2 threads is measured in the same run, and a per-op profile of one decode step and one
-8-row verify (bf16, 2 threads) says where the time goes.
+1 and 2 threads is measured in the same run, and a per-op profile of one decode step, one
+8-row verify and one prefill (bf16 and int8-q8, 2 threads) says where the time goes.
 
     NPUD_LLAMA_ENV=/work/shared-bench/llama-env .venv/bin/python bench/decode.py
 Options: --tokens N (decode steps timed, default 32), --prefill N (default 512), --quick
@@ -132,18 +132,19 @@ class ProfilingBackend:
         return timed
 
 
-def profile_pass(model: Model, prompt: list[int], rows: int, repeats: int = 5) -> dict[str, float]:
-    """Milliseconds per category of one pass of `rows` rows (median pass of `repeats`), sampling included."""
+def profile(model: Model, prepare, run, repeats: int) -> dict[str, float]:
+    """Milliseconds per category of `run(forward)` on a fresh forward given `prepare(forward)`
+    first (median of `repeats`), greedy sampling of every row of what it returns included."""
     runs = []
     for _ in range(repeats):
         f = Forward(model)
-        f.prefill(prompt)
+        prepare(f)
         prof = ProfilingBackend(model.backend)
         f.backend = prof
         t = time.perf_counter()
-        logits = f.step_batch_all(prompt[:rows], len(prompt))
+        logits = run(f)
         t_sample = time.perf_counter()
-        np.argmax(logits, axis=-1)  # greedy sampling of every row
+        np.argmax(logits, axis=-1)
         end = time.perf_counter()
         ms = {k: v * 1e3 for k, v in prof.seconds.items()}
         ms["sampling"] = (end - t_sample) * 1e3
@@ -152,6 +153,16 @@ def profile_pass(model: Model, prompt: list[int], rows: int, repeats: int = 5) -
         runs.append(ms)
     runs.sort(key=lambda r: r["total"])
     return runs[len(runs) // 2]
+
+
+def profiles_of(model: Model, prompt: list[int], long_prompt: list[int]) -> dict[str, dict[str, float]]:
+    """The per-op profile of a 1-row pass (a decode step), an 8-row pass (a verify) and a prefill."""
+    out = {}
+    for rows in (1, 8):
+        out[f"{rows}-row pass"] = profile(model, lambda f: f.prefill(prompt),
+                                          lambda f, r=rows: f.step_batch_all(prompt[:r], len(prompt)), 5)
+    out[f"{len(long_prompt)}-token prefill"] = profile(model, lambda f: None, lambda f: f.prefill(long_prompt), 2)
+    return out
 
 
 # ------------------------------------------------------------------ the others
@@ -238,7 +249,7 @@ def main() -> None:
             print(f"# npud {fmt} threads={threads}: {1 / step:.1f} tok/s decode, "
                   f"{len(long_prompt) / prefill:.1f} tok/s prefill, verify8 {verify / step:.2f}x", flush=True)
         if fmt in ("bf16", "int8-q8"):
-            profiles[fmt] = {r: profile_pass(model, prompt, r) for r in (1, 8)}
+            profiles[fmt] = profiles_of(model, prompt, long_prompt)
         del model
 
     llama = {}
@@ -282,11 +293,11 @@ def main() -> None:
     print("|---|---|")
     for fmt in formats:
         print(f"| {fmt} | {ours[f'npud {fmt}', 1][2] / ours[f'npud {fmt}', 2][2]:.2f}x |")
-    for fmt, by_rows in profiles.items():
-        print(f"\n| per-op ms, npud {fmt}, 2 threads | " + " | ".join(f"{r}-row pass" for r in by_rows) + " |")
-        print("|---|" + "---|" * len(by_rows))
+    for fmt, by_pass in profiles.items():
+        print(f"\n| per-op ms, npud {fmt}, 2 threads | " + " | ".join(by_pass) + " |")
+        print("|---|" + "---|" * len(by_pass))
         for cat in CATEGORIES + ["total"]:
-            print(f"| {cat} | " + " | ".join(f"{p.get(cat, 0.0):.1f}" for p in by_rows.values()) + " |")
+            print(f"| {cat} | " + " | ".join(f"{p.get(cat, 0.0):.1f}" for p in by_pass.values()) + " |")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ model's copying; the ratios (passes per token, fallback loss) are the mechanics.
 
 A second table runs the bundled model pair (npud/models: pycode-base with its draft model
 and its DFlash drafter, all trained here) on code completion, a code edit and docstring
-prose, plain vs prompt lookup vs draft model vs DFlash, through the daemon's session API.
+prose, plain vs prompt lookup vs draft model vs DFlash, through the daemon's session API;
+the same methods then run on the random 0.5B with a random 2-layer draft model and a random
+2-layer DFlash (--models ...,drafters): random drafts are almost never accepted, so those rows
+show what a drafter's rounds cost on this host before the break-even fallback ends them.
 
 A third table (--models ...,assistant; bench/speculative_assistant.py) runs the Gemma 4 assistant
 drafter on the random 0.4B Gemma 4 checkpoint, one-pass and two-pass: base passes per token, the
@@ -26,7 +29,14 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from synth import GEMMA4_0P4B, QWEN3_0P5B, QWEN3_5_0P4B, build_random_checkpoint, build_transformers_checkpoint
+from synth import (
+    GEMMA4_0P4B,
+    QWEN3_0P5B,
+    QWEN3_5_0P4B,
+    build_random_checkpoint,
+    build_random_dflash,
+    build_transformers_checkpoint,
+)
 
 from engine.drafters import PromptLookupHead
 from engine.forward import Forward
@@ -108,8 +118,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="tokens per run on the tiny model")
     ap.add_argument("--tokens-large", type=int, default=64, help="tokens per run on the 0.5B model")
     ap.add_argument("--reps", type=int, default=9, help="runs per cell on the tiny model (best of)")
-    ap.add_argument("--models", default="tiny,large,bundled",
-                    help="which of tiny,large,bundled,gemma4,qwen3_5,assistant to run (gemma4, qwen3_5: 0.4B random "
+    ap.add_argument("--models", default="tiny,large,bundled,drafters",
+                    help="which of tiny,large,bundled,drafters,gemma4,qwen3_5,assistant to run (drafters: the draft "
+                         "model and DFlash rows on the random 0.5B, --tokens-large tokens; gemma4, qwen3_5: 0.4B random "
                          "Gemma4- and Qwen3.5-shaped models, bf16, --tokens-large tokens; assistant: the Gemma 4 "
                          "assistant drafter on the 0.4B Gemma4, --tokens-assistant tokens)")
     ap.add_argument("--tokens-assistant", type=int, default=24, help="tokens per run in the assistant rows")
@@ -166,6 +177,8 @@ def main() -> None:
     print()
     if "bundled" in models:
         bundled_table(args.tokens_bundled, args.reps)
+    if "drafters" in models:
+        random_drafters_table(args.tokens_large, args.reps_large, args.quick)
     if "assistant" in models:
         from speculative_assistant import assistant_table
 
@@ -202,13 +215,37 @@ BUNDLED_METHODS = (
 
 def bundled_table(n: int, reps: int) -> None:
     """plain vs prompt lookup vs draft model vs DFlash on the bundled pair, through sessions."""
-    from engine.api import GenerateRequest, GenerationParams
     from engine.session import LoadedModel
 
     root = Path(__file__).resolve().parent.parent / "npud" / "models"
     served = LoadedModel.load("pycode", root / "pycode-base", draft_dir=root / "pycode-draft",
                               dflash_dir=root / "pycode-dflash", weight_format="bf16")
-    print(f"# bundled pair (pycode-base 5.8M, bf16): {n} tokens, k up to 7, best of {reps} per cell\n")
+    drafter_table(f"bundled pair (pycode-base 5.8M, bf16): {n} tokens, k up to 7, best of {reps} per cell",
+                  served, n, reps)
+
+
+def random_drafters_table(n: int, reps: int, quick: bool) -> None:
+    """The same methods on the random 0.5B Qwen3 (bf16) with a random 2-layer draft model of its
+    width and a random 2-layer DFlash: acceptance is what random drafts get (about none), so
+    the rows measure what each drafter's rounds cost before the break-even fallback ends them."""
+    from engine.session import LoadedModel
+
+    config, name = dict(QWEN3_0P5B), "qwen3-0.5b"
+    if quick:
+        config["num_hidden_layers"], name = 4, "qwen3-0.5b-4layer"
+    base = build_random_checkpoint(name, config)
+    draft = build_random_checkpoint(f"{name}-draft2", dict(config, num_hidden_layers=2), seed=1)
+    dflash = build_random_dflash(f"{name}-dflash2", config, layers=2, seed=2)
+    served = LoadedModel.load(name, base, draft_dir=draft, dflash_dir=dflash, weight_format="bf16")
+    drafter_table(f"random {name} (bf16) with a random 2-layer draft model and a random 2-layer DFlash: "
+                  f"{n} tokens, k up to 7, best of {reps} per cell", served, n, reps)
+
+
+def drafter_table(title: str, served, n: int, reps: int) -> None:
+    """plain vs prompt lookup vs draft model vs DFlash on `served`, through sessions."""
+    from engine.api import GenerateRequest, GenerationParams
+
+    print(f"# {title}\n")
     print("| prompt | method | tok/s | vs plain | accepted / drafted | tokens per round | base passes/token | byte-equal |")
     print("|---|---|---|---|---|---|---|---|")
     for label, prompt in BUNDLED_PROMPTS.items():

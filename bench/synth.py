@@ -82,6 +82,25 @@ def build_random_checkpoint(name: str, config: dict, seed: int = 0, std: float =
     return out
 
 
+
+def build_random_dflash(name: str, base_config: dict, layers: int = 2, seed: int = 0, std: float = 0.02) -> Path:
+    """A random DFlash draft (`layers` layers, the base's geometry, tapping the base's layers as
+    the reference spreads them) for a checkpoint of `base_config`, under bench/out/NAME once."""
+    from engine.testing.checkpoints import write_random_dflash
+
+    out = OUT / name
+    done = out / ".complete"
+    if done.exists():
+        return out
+    geometry = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "rms_norm_eps", "max_position_embeddings")
+    raw = {k: base_config[k] for k in geometry}
+    raw |= dict(model_type="qwen3", architectures=["DFlashDraftModel"], num_hidden_layers=layers,
+                num_target_layers=base_config["num_hidden_layers"], dflash_config={"mask_token_id": 1})
+    write_random_dflash(out, raw, seed=seed, std=std)
+    done.write_text("ok\n")
+    return out
+
 # Gemma4-shaped: hidden 1024, 15 layers (sliding:full 4:1, window 512), 8 query heads, sliding
 # KV 1 x 128, full KV 1 x 256 with keys as values, the last 5 layers KV-shared with a
 # double-wide MLP, per-layer inputs of 128, softcapping 30, vocabulary 65536 tied: ~0.39B

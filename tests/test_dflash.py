@@ -22,7 +22,6 @@ counted, and the file restored (the suite then passes again):
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -46,6 +45,7 @@ from engine.api import SamplingParams
 from engine.sampling import Sampler
 from engine.api import SpecParams
 from engine.speculative import DecodeStats, FallbackReason, plain_decode, speculative_decode
+from engine.testing import checkpoints
 from engine.weights import WeightsError
 
 # the tiny base of engine/testing/checkpoints.py with five layers, so there are layers to tap
@@ -68,48 +68,13 @@ def _raw_config(layers=2, dflash=None, **top) -> dict:
 
 def write_random_dflash(out: Path, variant=Variant.DFLASH, layers=2, seed=0, bare_codebooks=True, top=None,
                        **dflash) -> Path:
-    """A random draft checkpoint in the published layout, written without the reference (the
-    DFlash 2 codebooks under their bare names, as the published checkpoints store them);
-    `top` overrides top-level config fields (a padded base's vocab_size, say)."""
-    from safetensors.numpy import save_file
-
-    rng = np.random.default_rng(seed)
+    """A random draft for the tiny base (engine/testing/checkpoints.py's writer); `top`
+    overrides top-level config fields (a padded base's vocab_size, say)."""
     extra = dict(dflash)
     if variant is Variant.DFLASH2:
         extra = {**DFLASH2, **extra}
     raw = _raw_config(layers, extra, architectures=[variant.value], **(top or {}))
-    cfg = parse_dflash_config(raw)
-    d, f, v = cfg.model.hidden_size, cfg.model.intermediate_size, cfg.model.vocab_size
-    spec = cfg.model.layers[0]
-    q, kv = spec.num_heads * spec.head_dim, spec.kv_width
-
-    def mat(n, k):
-        return (rng.standard_normal((n, k)) * 0.2).astype(np.float32)
-
-    def norm(n):
-        return (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
-
-    t = {"fc.weight": mat(d, len(cfg.target_layer_ids) * d), "hidden_norm.weight": norm(d), "norm.weight": norm(d)}
-    for i in range(layers):
-        p = f"layers.{i}."
-        t |= {p + "self_attn.q_proj.weight": mat(q, d), p + "self_attn.k_proj.weight": mat(kv, d),
-              p + "self_attn.v_proj.weight": mat(kv, d), p + "self_attn.o_proj.weight": mat(d, q),
-              p + "self_attn.q_norm.weight": norm(spec.head_dim), p + "self_attn.k_norm.weight": norm(spec.head_dim),
-              p + "input_layernorm.weight": norm(d), p + "post_attention_layernorm.weight": norm(d),
-              p + "mlp.gate_proj.weight": mat(f, d), p + "mlp.up_proj.weight": mat(f, d), p + "mlp.down_proj.weight": mat(d, f)}
-        if variant is Variant.DFLASH2:
-            for conv in ("attention_conv", "mlp_conv"):
-                t[p + conv + ".base_kernel"] = (rng.standard_normal((2, cfg.conv_kernel_size, d)) * 0.5).astype(np.float32)
-                t[p + conv + ".kernel_projection.weight"] = mat(2 * cfg.conv_kernel_size * cfg.conv_groups, d)
-    if variant is Variant.DFLASH2:
-        suffix = "" if bare_codebooks else ".weight"
-        t["candidate_selector.hidden_projection.weight"] = mat(cfg.selector_rank, d)
-        t["candidate_selector.predecessor_codebook" + suffix] = mat(v, cfg.selector_rank) * 5
-        t["candidate_selector.successor_codebook" + suffix] = mat(v, cfg.selector_rank) * 5
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(t, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(raw))
-    return out
+    return checkpoints.write_random_dflash(out, raw, seed=seed, bare_codebooks=bare_codebooks)
 
 
 # --------------------------------------------------------------------------- config

@@ -154,3 +154,50 @@ def load_reference(ckpt: Path, dtype: str = "float32"):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype))
     return model.eval()
+
+
+def write_random_dflash(out: Path, raw: dict, seed: int = 0, std: float = 0.2, bare_codebooks: bool = True) -> Path:
+    """A random DFlash / DFlash 2 draft in the published layout, for the config.json `raw` (the
+    reference's save_pretrained shape: geometry, num_target_layers, dflash_config), written
+    without the reference; the DFlash 2 codebooks under their bare names unless
+    `bare_codebooks` is false, as the published checkpoints store them."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from engine.dflash import Variant, parse_dflash_config
+
+    rng = np.random.default_rng(seed)
+    cfg = parse_dflash_config(raw)
+    d, v = cfg.model.hidden_size, cfg.model.vocab_size
+    spec = cfg.model.layers[0]
+    q, kv = spec.num_heads * spec.head_dim, spec.kv_width
+
+    def mat(n, k):
+        return (rng.standard_normal((n, k)) * std).astype(np.float32)
+
+    def norm(n):
+        return (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
+
+    f = cfg.model.intermediate_size
+    t = {"fc.weight": mat(d, len(cfg.target_layer_ids) * d), "hidden_norm.weight": norm(d), "norm.weight": norm(d)}
+    for i in range(len(cfg.model.layers)):
+        p = f"layers.{i}."
+        t |= {p + "self_attn.q_proj.weight": mat(q, d), p + "self_attn.k_proj.weight": mat(kv, d),
+              p + "self_attn.v_proj.weight": mat(kv, d), p + "self_attn.o_proj.weight": mat(d, q),
+              p + "self_attn.q_norm.weight": norm(spec.head_dim), p + "self_attn.k_norm.weight": norm(spec.head_dim),
+              p + "input_layernorm.weight": norm(d), p + "post_attention_layernorm.weight": norm(d),
+              p + "mlp.gate_proj.weight": mat(f, d), p + "mlp.up_proj.weight": mat(f, d), p + "mlp.down_proj.weight": mat(d, f)}
+        if cfg.variant is Variant.DFLASH2:
+            for conv in ("attention_conv", "mlp_conv"):
+                t[p + conv + ".base_kernel"] = (rng.standard_normal((2, cfg.conv_kernel_size, d)) * 0.5).astype(np.float32)
+                t[p + conv + ".kernel_projection.weight"] = mat(2 * cfg.conv_kernel_size * cfg.conv_groups, d)
+    if cfg.variant is Variant.DFLASH2:
+        suffix = "" if bare_codebooks else ".weight"
+        t["candidate_selector.hidden_projection.weight"] = mat(cfg.selector_rank, d)
+        t["candidate_selector.predecessor_codebook" + suffix] = mat(v, cfg.selector_rank) * 5
+        t["candidate_selector.successor_codebook" + suffix] = mat(v, cfg.selector_rank) * 5
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(raw))
+    return out
