@@ -5,7 +5,8 @@
  *   q8 path:      acc = 0; for block b: acc = fma((float) isum_b, xs[m,b], acc), isum_b an exact
  *                 integer dot product of the row's int8 block with the weights
  *   then y = acc * scale[n] (if any), then y = y + bias[n] (if any), each rounded.
- * Vector lanes run across output columns, never across k. Rows are blocked in registers,
+ * Vector lanes run across output columns, never across k. Rows are blocked in registers (the
+ * q8 path's float sums wait in the output between blocks, stored and reloaded exactly),
  * columns in tiles of 64, k in chunks, threads take chunks of whole tiles: none of that changes
  * any element's chain, so every ISA path below gives the same bits as the generic C one.
  * Compile with -ffp-contract=off and without -ffast-math: the only FMAs are explicit.

@@ -3,7 +3,8 @@
 Why C rather than numba: the contract needs exact control of each output element's chain of
 operations (an explicit FMA per k, in k order, never reassociated), and speed needs control
 of the registers (a block of rows x 64 columns held in zmm registers for the whole k loop,
-each weight vector widened once per k for all rows), of prefetch, and of VNNI's vpdpbusd.
+each weight vector widened once per k for all rows; on the q8 path the int32 block sums),
+of prefetch, and of VNNI's vpdpbusd.
 Intrinsics give all of that directly; and a shared object compiled once and kept in the
 cache directory costs nothing at start-up, where numba recompiled the closure kernels at
 every start (issue 19). The library picks its path at run time from cpuid: AVX-512 (+VNNI),
