@@ -163,6 +163,22 @@ def test_numbas_openmp_threads_wait_passively_unless_told_otherwise():
     assert out.stdout.strip() == "active"
 
 
+def test_weight_addresses_are_forgotten_with_their_arrays():
+    # native.py remembers a weight array's address while it lives; a new array that reuses a
+    # freed one's id must not be read at the old address
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((2, 32)).astype(np.float32)
+    for _ in range(20):
+        dense = rng.standard_normal((64, 32)).astype(np.float32)
+        w = pack_tiles(dense)
+        got = native.gemm(native.FMT_F32, x, w, 64, None, None, False)
+        assert np.allclose(got, x.astype(np.float64) @ dense.T, atol=1e-4)
+        key = id(w)
+        assert key in native._addresses
+        del w
+        assert key not in native._addresses
+
+
 def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     # a * b is exact in float64 for float32 inputs; one more rounding to float32 gives fma's
     # result except in double-rounding ties, which these fixed inputs do not hit

@@ -39,6 +39,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -184,6 +185,23 @@ def _ptr(a: np.ndarray | None) -> int | None:
     return None if a is None else a.ctypes.data
 
 
+_addresses: dict[int, int] = {}  # id(weight array) -> its data address, while the array lives
+
+
+def _weight_ptr(a: np.ndarray | None) -> int | None:
+    """The data address of a weight array (weights, scales, biases live as long as the model),
+    remembered until the array is freed: numpy's a.ctypes.data costs over a microsecond, and a
+    one-row GEMM of a small layer pays it for three arrays."""
+    if a is None:
+        return None
+    key = id(a)
+    address = _addresses.get(key)
+    if address is None:
+        address = _addresses[key] = a.ctypes.data
+        weakref.finalize(a, _addresses.pop, key, None)  # before the id can name another array
+    return address
+
+
 def _call(fn, arrays: tuple, *args) -> int:
     """fn(*args) under the call lock; keeps `arrays` alive while a stalled worker may read them."""
     with _call_lock:
@@ -225,8 +243,8 @@ def gemm(fmt: int, x: np.ndarray, w: np.ndarray, n: int, scale: np.ndarray | Non
     m, k = x.shape
     tiles = w.shape[0]
     out = np.empty((m, tiles * TILE), np.float32)
-    if _call(library().npud_gemm, (w, scale, bias), fmt, x.ctypes.data, m, k, w.ctypes.data, tiles, n, _ptr(scale),
-             _ptr(bias), out.ctypes.data, threads() if parallel else 1) < 0:
+    if _call(library().npud_gemm, (w, scale, bias), fmt, x.ctypes.data, m, k, _weight_ptr(w), tiles, n,
+             _weight_ptr(scale), _weight_ptr(bias), out.ctypes.data, threads() if parallel else 1) < 0:
         raise MemoryError(f"no memory for a transposed copy of a [{m}, {k}] activation")
     return out
 
@@ -238,8 +256,8 @@ def linear_q8(x: np.ndarray, w: np.ndarray, n: int, scale: np.ndarray, bias: np.
     m, k = x.shape
     tiles, kp = w.shape[0], w.shape[1] * 4
     out = np.empty((m, tiles * TILE), np.float32)
-    if _call(library().npud_linear_q8, (w, scale, bias), x.ctypes.data, m, k, kp, w.ctypes.data, tiles, n,
-             scale.ctypes.data, _ptr(bias), out.ctypes.data, threads() if parallel else 1) < 0:
+    if _call(library().npud_linear_q8, (w, scale, bias), x.ctypes.data, m, k, kp, _weight_ptr(w), tiles, n,
+             _weight_ptr(scale), _weight_ptr(bias), out.ctypes.data, threads() if parallel else 1) < 0:
         raise MemoryError(f"no memory for the q8 rows of a [{m}, {kp}] activation")
     return out
 
