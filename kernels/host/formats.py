@@ -19,6 +19,8 @@ Registered here:
 - INT8_Q8: INT8's weights against activations quantized per row in blocks of 32 (llama.cpp's
   q8_0 activation blocks): tiles [ceil(N / 64), Kp / 4, 64, 4] holding w + 128 as uint8, exact
   integer block sums (VNNI's vpdpbusd where present), one FMA per block (gemm.c's q8 path).
+Prepared tiles are copied into huge-page-backed memory (resident.py), which a one-row GEMM
+streams faster.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 from kernels.base import LinearWeight, WeightFormat
 from kernels.host import native
 from kernels.host.native import QB, TILE
+from kernels.host.resident import resident_copy
 
 PARALLEL_MIN_BYTES = 32 << 10  # weights below this run on one thread: waking another costs more
 
@@ -112,7 +115,7 @@ class FloatTiles:
         tiles = pack_tiles(w.data)
         if self.fmt is WeightFormat.BF16:
             tiles = pair_bf16_columns(tiles)
-        return LinearWeight(w.fmt, tiles, w.scale, w.bias, self.layout, w.out_features, w.in_features)
+        return LinearWeight(w.fmt, resident_copy(tiles), w.scale, w.bias, self.layout, w.out_features, w.in_features)
 
     def linear(self, x: np.ndarray, w: LinearWeight, parallel: bool) -> np.ndarray:
         out = native.gemm(self.code, x, w.data, w.out_features, w.scale, w.bias, parallel)
@@ -140,7 +143,8 @@ class Q8Blocks:
     def prepare(self, w: LinearWeight) -> LinearWeight:
         if w.scale is None:
             raise ValueError("an int8-q8 weight needs its per-row scale")
-        return LinearWeight(w.fmt, pack_q8(w.data), w.scale, w.bias, self.layout, w.out_features, w.in_features)
+        return LinearWeight(w.fmt, resident_copy(pack_q8(w.data)), w.scale, w.bias, self.layout, w.out_features,
+                            w.in_features)
 
     def linear(self, x: np.ndarray, w: LinearWeight, parallel: bool) -> np.ndarray:
         out = native.linear_q8(x, w.data, w.out_features, w.scale, w.bias, parallel)
