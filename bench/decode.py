@@ -12,7 +12,7 @@ q8_0 at 1 and 2 threads; transformers runs fp32 and bf16 at 2 threads. The read 
 
     NPUD_LLAMA_ENV=/work/shared-bench/llama-env .venv/bin/python bench/decode.py
 Options: --tokens N (decode steps timed, default 32), --prefill N (default 512), --quick
-(a 4-layer model), --formats (default fp32,bf16,int8,int8-q8), --no-llama, --no-hf.
+(a 4-layer model), --formats (default fp32,bf16,int8,int8-q8,bf16-bf16), --no-llama, --no-hf.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from engine.forward import Forward
 from engine.model import Model
 from kernels.host import native
 
-LLAMA_TYPE = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "int8-q8": "q8_0"}  # the GGUF beside each format
+LLAMA_TYPE = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "int8-q8": "q8_0", "bf16-bf16": "bf16"}  # the GGUF beside each format
 
 
 def measure_read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -219,7 +219,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--formats", default="fp32,bf16,int8,int8-q8")
+    ap.add_argument("--formats", default="fp32,bf16,int8,int8-q8,bf16-bf16")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--no-hf", action="store_true")
     args = ap.parse_args()

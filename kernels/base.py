@@ -27,7 +27,7 @@ def numerics_identity(backend) -> str:
 # The version of the engine's numerics: a kernel change that changes any bit of any output
 # bumps it, so that nothing computed by the old kernels (a persisted prefix-cache snapshot,
 # say) is taken for the new ones' result. 1: the numba GEMMs (separate multiply and add);
-# 2: the C GEMMs (one FMA per k; int8-q8's integer blocks). Part of every prefix-cache key
+# 2: the C GEMMs (one FMA per k; int8-q8's integer blocks; bf16-bf16's flushed FMA pairs). Part of every prefix-cache key
 # (engine/fingerprint.py); an op's formula in engine/forward.py counts as a kernel change too.
 NUMERICS_VERSION = 2
 
@@ -46,11 +46,15 @@ class WeightFormat(enum.Enum):
     # INT8's weights against activations quantized per row in blocks of 32 (one fp32 scale
     # each, as llama.cpp's q8_0): exact integer block sums, a looser parity bound (README)
     INT8_Q8 = "int8-q8"
+    # BF16's weights against activations rounded per row to bf16, pairs of products summed
+    # in fp32 (AVX512_BF16's vdpbf16ps where present): a looser parity bound (README)
+    BF16_BF16 = "bf16-bf16"
 
     @property
     def storage(self) -> "WeightFormat":
-        """The format whose data a loader produces for this one (INT8_Q8 holds INT8's data)."""
-        return WeightFormat.INT8 if self is WeightFormat.INT8_Q8 else self
+        """The format whose data a loader produces for this one (INT8_Q8 holds INT8's data,
+        BF16_BF16 BF16's)."""
+        return {WeightFormat.INT8_Q8: WeightFormat.INT8, WeightFormat.BF16_BF16: WeightFormat.BF16}.get(self, self)
 
     @classmethod
     def parse(cls, value: str) -> "WeightFormat":

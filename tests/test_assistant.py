@@ -322,7 +322,7 @@ def test_reset_serves_a_second_job(base, assistants):
         assert got == _plain(base, 12) and not stats.fallbacks
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int8-q8", "bf16-bf16"])
 def test_the_ordered_head_gathers_the_rows_the_kernels_would(ckpts, base, fmt):
     from engine.assistant.weights import gather_rows
 

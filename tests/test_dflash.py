@@ -38,6 +38,7 @@ from engine.dflash import (
     build_target_layer_ids,
     check_against_base,
     load_dflash_config,
+    load_dflash_weights,
     parse_dflash_config,
 )
 from engine.drafters import Draft, DraftMismatchError
@@ -658,3 +659,17 @@ def test_sampled_run_through_the_loop_keeps_the_sink_committed(loop_setup):
     tokens, f, stats = _run(model, head, sampling=SamplingParams(temperature=1.0, seed=3))
     assert len(tokens) == N and stats.drafted > 0
     assert np.array_equal(head.sink.rows(), _committed_taps(model, draft2, PROMPT + tokens))
+
+
+@pytest.mark.parametrize("fmt", ["bf16-bf16", "int8-q8"])
+def test_a_format_sharing_anothers_data_loads_as_that_one(tmp_path, fmt):
+    # bf16-bf16 holds bf16's bits, int8-q8 int8's rows and scales (WeightFormat.storage)
+    from kernels.base import WeightFormat
+
+    path = write_random_dflash(tmp_path / "d", Variant.DFLASH2)
+    cfg = load_dflash_config(path)
+    shared = load_dflash_weights(cfg, path, WeightFormat.parse(fmt)).fc
+    plain = load_dflash_weights(cfg, path, WeightFormat.parse(fmt).storage).fc
+    assert shared.fmt.value == fmt and shared.data.dtype == plain.data.dtype
+    assert np.array_equal(shared.data, plain.data)
+    assert (shared.scale is None and plain.scale is None) or np.array_equal(shared.scale, plain.scale)

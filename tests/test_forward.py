@@ -127,6 +127,24 @@ def test_int8_q8_activations_match_dequantized_reference(checkpoints, tmp_path, 
     assert np.mean(ours.argmax(-1) == ref.argmax(-1)) >= 0.9
 
 
+# bf16-bf16 rounds every activation entering a linear layer to bf16 (each value off by up to
+# 2^-9 of itself), so its bound against the same bf16 weights in fp32 arithmetic is looser: the
+# README states it
+BF16_ACTIVATION_BOUND = 3e-2  # measured 7.5e-3 (qwen3), 1.7e-2 (llama_tied_gqa)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama_tied_gqa"])
+def test_bf16_bf16_activations_match_bf16_weight_reference(checkpoints, tmp_path, name):
+    ckpt = checkpoints[name]
+    ours = Forward(Model.load(ckpt, "bf16-bf16")).step_batch_all(PROMPT, 0)
+    ref_model = _rounded_reference(ckpt, tmp_path, _bf16_round)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([PROMPT])).logits[0].numpy()
+    err = np.abs(ours - ref).max() / np.abs(ref).max()
+    assert err <= BF16_ACTIVATION_BOUND, err
+    assert np.mean(ours.argmax(-1) == ref.argmax(-1)) >= 0.9
+
+
 def test_bf16_checkpoint_loads_and_matches(tmp_path):
     ckpt = build_tiny_checkpoint(tmp_path / "bf16", "qwen3", dtype="bfloat16")
     assert open_checkpoint(ckpt)["model.embed_tokens.weight"].dtype == "BF16"
@@ -136,7 +154,7 @@ def test_bf16_checkpoint_loads_and_matches(tmp_path):
         assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
 
 
-@pytest.fixture(scope="module", params=["fp32", "bf16", "int8", "int8-q8"])
+@pytest.fixture(scope="module", params=["fp32", "bf16", "int8", "int8-q8", "bf16-bf16"])
 def qwen3_model(request, checkpoints):
     return Model.load(checkpoints["qwen3"], request.param)
 

@@ -17,7 +17,8 @@ from kernels.select import RowwiseBackend, select_backend
 from kernels.base import LinearWeight, WeightFormat
 from kernels.host import KERNELS, QB, TILE, HostBackend, check_batch_invariance, native, pack_q8, pack_tiles, pointwise
 from kernels.host.backend import TILED_MIN_ROWS
-from kernels.host.formats import pair_bf16_columns
+from kernels.host import check
+from kernels.host.formats import pack_bf16_pairs, pair_bf16_columns
 from kernels import xrt
 
 
@@ -54,7 +55,7 @@ def test_self_check_covers_every_registered_format_and_the_prefill_rows():
 
 def _dense(lw: LinearWeight) -> np.ndarray:
     """The [N, K] float64 matrix a rows-layout weight stands for (scale applied)."""
-    if lw.fmt is WeightFormat.BF16:
+    if lw.fmt in (WeightFormat.BF16, WeightFormat.BF16_BF16):
         return (lw.data.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     if lw.scale is not None:
         return lw.data.astype(np.float64) * lw.scale[:, None]
@@ -272,8 +273,148 @@ def test_linear_matches_float64_reference(host, fmt):
     want = x.astype(np.float64) @ _dense(lw).T + lw.bias
     assert got.shape == (5, 70)
     # q8 activations: each block's values are off by up to half a step of max|block| / 127
-    bound = 1e-2 if fmt is WeightFormat.INT8_Q8 else 1e-5
+    # bf16 activations: each value off by up to 2^-9 of itself
+    bound = {WeightFormat.INT8_Q8: 1e-2, WeightFormat.BF16_BF16: 4e-3}.get(fmt, 1e-5)
     assert np.abs(got - want).max() < bound * np.abs(want).max()
+
+
+def _bf16_rne(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits, round to nearest even, as spelled out in gemm.c's npud_round_bf16."""
+    u = x.view(np.uint32).astype(np.uint64)
+    out = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    out = np.where(u & 0x7F800000 == 0, (u >> 16) & 0x8000, out)  # zeros and subnormals: signed zero
+    return np.where(np.isnan(x), (u >> 16) | 0x40, out).astype(np.uint16)  # NaN: quieted
+
+
+def _bd_step(acc: np.ndarray, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """vdpbf16ps's step (gemm.c's bd_step) for small finite inputs: acc + x w rounded once to 24
+    significant bits whatever the exponent (in float64 then float32 at 2^64 times the size: exact
+    for the test's inputs, as _fma32), then a result below FLT_MIN flushed to a zero of its sign."""
+    s = (acc.astype(np.float64) + x.astype(np.float64) * w.astype(np.float64)) * 2.0**64
+    r = s.astype(np.float32)
+    return np.where(np.abs(r) < np.float32(2.0**-62), np.copysign(np.float32(0), r), r * np.float32(2.0**-64))
+
+
+def test_bf16_dot_path_is_flushed_fma_pairs_high_first(host):
+    # the documented chain: x rounded to bf16, then per k-pair acc = ftz(fma(x[k+1], w[k+1], acc)),
+    # acc = ftz(fma(x[k], w[k], acc)) (vdpbf16ps's order), then + bias; K odd: a zero pair last
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((3, 71)).astype(np.float32)
+    x[1] *= np.float32(2.0**-124)  # sums near FLT_MIN: the flushes matter
+    lw = KERNELS[WeightFormat.BF16_BF16].sample(rng, 20, 71)
+    xb = (_bf16_rne(np.pad(x, ((0, 0), (0, 1)))).astype(np.uint32) << 16).view(np.float32)
+    w = np.pad(_dense(lw).astype(np.float32), ((0, 0), (0, 1)))
+    acc = np.zeros((3, 20), np.float32)
+    for k in range(0, 72, 2):
+        for kk in (k + 1, k):
+            acc = _bd_step(acc, np.repeat(xb[:, kk : kk + 1], 20, axis=1), np.broadcast_to(w[:, kk], (3, 20)))
+    want = acc + lw.bias
+    got = host.linear(x, host.prepare_linear(lw))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.any((acc[1] == 0) & (want[1] == lw.bias))  # some sums of row 1 were flushed
+
+
+@pytest.mark.parametrize("path", ["generic", "best"])
+def test_bf16_dot_sums_at_flt_min_round_to_24_bits_then_flush(host, path, isa_and_threads):
+    # acc = FLT_MIN from the first pair, then less m 2^-k: on the 24-bit grid (2^-150 below
+    # FLT_MIN) a sum in [FLT_MIN - 2^-150, FLT_MIN - 2^-151) rounds below FLT_MIN and is flushed,
+    # where IEEE's fma (subnormal grid 2^-149) would give FLT_MIN: the emulation's bd_tiny
+    cols = [(k, m, sign) for k in range(140, 176) for m in (1.0, 1.5, 1.75) for sign in (1.0, -1.0)]
+    w = np.zeros((len(cols), 4), np.float32)
+    for c, (k, m, sign) in enumerate(cols):
+        w[c, 0], w[c, 2] = sign * 2.0**-63, -sign * m * 2.0 ** (60 - k)
+    bits = (w.view(np.uint32) >> 16).astype(np.uint16)
+    x = np.array([[2.0**-63, 0, 2.0**-60, 0]], np.float32)
+    native.set_isa(None if path == "best" else "generic")
+    got = host.linear(x, host.prepare_linear(LinearWeight(WeightFormat.BF16_BF16, bits)))[0]
+    exact = np.array([sign * (2.0**-126 - m * 2.0**-k) for k, m, sign in cols])
+    on_grid = np.round(exact * 2.0**150) * 2.0**-150  # 24 bits below FLT_MIN: a 2^-150 grid (ties: even)
+    want = np.where(np.abs(on_grid) < 2.0**-126, np.copysign(0.0, exact), on_grid).astype(np.float32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert 0 < np.sum(want == 0) < len(cols) and np.any((exact > 2.0**-126 - 2.0**-150) & (want == 0))
+
+
+def test_round_bf16_is_nearest_even_and_never_subnormal():
+    rng = np.random.default_rng(13)
+    x = (rng.standard_normal(20_000) * 2.0 ** rng.integers(-130, 126, 20_000)).astype(np.float32)
+    special = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -1e-40, 2.0**-126, 3.4028235e38,
+                        1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 1.0 + 2.0**-8 + 2.0**-20], np.float32)
+    x = np.concatenate([x, special])
+    got = native.round_bf16(x[None, :])[0]
+    assert np.array_equal(got, _bf16_rne(x))
+    finite = np.isfinite(x) & (np.abs(x) >= 2.0**-126)  # where torch agrees (it keeps subnormals)
+    want = torch.from_numpy(x[finite]).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(got[finite], want)
+    assert not np.any((got & 0x7F80 == 0) & (got & 0x7F != 0))  # no subnormal bf16
+    assert list(got[-13:-7]) == [0x7FC0, 0xFFC0, 0x7F80, 0xFF80, 0, 0x8000]
+    assert list(got[-7:]) == [0, 0x8000, 0x0080, 0x7F80, 0x3F80, 0x3F82, 0x3F81]
+
+
+@pytest.mark.parametrize("path", ["generic", "best"])
+def test_bf16_dot_rows_have_the_bits_of_one_row_calls(host, path, isa_and_threads):
+    # decode (1 row), verify (up to 16) and prefill-sized calls, 1 and 2 threads, against
+    # one-row calls on the best path: the forced generic C emulation gives the same bits.
+    # K 601: an odd K (a zero pad) and more k-pairs than one chunk (256) of the blocked path
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((200, 601)).astype(np.float32)
+    w = host.prepare_linear(KERNELS[WeightFormat.BF16_BF16].sample(rng, 200, 601))
+    native.set_isa(None)
+    single = np.concatenate([host.linear(x[i : i + 1], w) for i in range(200)]).view(np.uint32)
+    native.set_isa(None if path == "best" else "generic")
+    for threads in (1, 2):
+        native.set_threads(threads)
+        for m in [*range(1, 17), 64, 200]:
+            got = np.ascontiguousarray(host.linear(x[:m], w)).view(np.uint32)
+            assert np.array_equal(got, single[:m]), (path, threads, m)
+
+
+@pytest.mark.skipif(native.best_isa() != "avx512-bf16", reason="the CPU has no AVX512_BF16")
+def test_bf16_dot_hardware_matches_its_emulation(host):
+    # what the start-up check compares, at every row count of the self-check and a prefill:
+    # inputs spanning the fp32 range (flushed and overflowing sums), cancellation, NaN and inf
+    assert check.check_bf16_dot_hardware() and native.bf16_dot_hardware()
+    x, bits = check._adversarial(np.random.default_rng(15), 100, 136, 301)
+    w = host.prepare_linear(LinearWeight(WeightFormat.BF16_BF16, bits))
+    try:
+        for m in (1, 2, 7, 13, 64, 100):
+            hardware = np.ascontiguousarray(host.linear(x[:m], w)).view(np.uint32).copy()
+            native.bf16_dot_hardware(False)
+            emulated = np.ascontiguousarray(host.linear(x[:m], w)).view(np.uint32)
+            native.bf16_dot_hardware(True)
+            assert np.array_equal(hardware, emulated), m
+    finally:
+        native.bf16_dot_hardware(True)
+
+
+def test_bf16_dot_check_refuses_a_hardware_path_that_differs(monkeypatch):
+    # a CPU whose instruction rounds otherwise than the emulation: the check turns the instruction
+    # off for this format (its bits then come from the emulation on every path) and says so
+    if native.best_isa() != "avx512-bf16":
+        pytest.skip("the CPU has no AVX512_BF16")
+    kernel = KERNELS[WeightFormat.BF16_BF16]
+    real = kernel.linear
+
+    def off_by_one_ulp_on_hardware(x, w, parallel):
+        out = real(x, w, parallel)
+        return (out.view(np.uint32) ^ 1).view(np.float32) if native.bf16_dot_hardware() else out
+
+    monkeypatch.setattr(kernel, "linear", off_by_one_ulp_on_hardware)
+    try:
+        assert check.check_bf16_dot_hardware() is False
+        assert native.bf16_dot_hardware() is False
+    finally:
+        native.bf16_dot_hardware(True)
+
+
+def test_bf16_pairs_layout():
+    w = np.arange(1, 70 * 3 + 1, dtype=np.uint16).reshape(70, 3) | 0x3F00  # [N, K], K odd
+    w[2, 1] = 0x8001  # a subnormal: stored as a zero of its sign
+    t = pack_bf16_pairs(w)
+    assert t.shape == (2, 2, TILE) and t.dtype == np.uint32  # K padded to 4
+    assert t[1, 0, 5] & 0xFFFF == w[TILE + 5, 0] and t[1, 0, 5] >> 16 == w[TILE + 5, 1]
+    assert t[0, 1, 7] & 0xFFFF == w[7, 2] and t[0, 1, 7] >> 16 == 0  # the padding k holds zero
+    assert t[0, 0, 2] >> 16 == 0x8000
+    assert np.all(t[1, :, 70 - TILE :] == 0)  # padded columns
 
 
 def test_pack_tiles_layout():

@@ -596,13 +596,18 @@ def test_plain_sampling_has_the_base_distribution_and_the_check_can_fail():
 
 
 @pytest.fixture(scope="module")
-def real_model(tmp_path_factory):
+def real_checkpoint(tmp_path_factory):
     pytest.importorskip("engine.forward", reason="engine/forward.py has not landed")
     from engine.testing.checkpoints import build_tiny_checkpoint
 
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("spec") / "qwen3", model_type="qwen3")
+
+
+@pytest.fixture(scope="module")
+def real_model(real_checkpoint):
     from engine.model import Model
 
-    return Model.load(build_tiny_checkpoint(tmp_path_factory.mktemp("spec") / "qwen3", model_type="qwen3"), "fp32")
+    return Model.load(real_checkpoint, "fp32")
 
 
 REAL_PROMPT = [11, 57, 200, 3, 98, 140, 7, 77, 31]
@@ -647,6 +652,20 @@ def test_real_forward_equals_plain_decode(real_model, real_reference, quality, k
         assert (stats.base_batches, stats.base_steps) == (math.ceil(N / (min(k, 7) + 1)), 0)
     if quality == "garbage":
         assert stats.base_passes == N
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int8-q8", "bf16-bf16"])
+def test_real_forward_equals_plain_decode_in_every_weight_format(real_checkpoint, fmt):
+    # the verify's rows must be the one-row bits in each format's arithmetic too (bf16-bf16's
+    # bf16 activations and int8-q8's quantized blocks included): greedy output byte-equal
+    from engine.model import Model
+
+    model = Model.load(real_checkpoint, fmt)
+    reference = _real(model, None, n=N + 16)[0]
+    for quality, k in (("half", 4), ("perfect", 7)):
+        head = OracleHead(reference, quality, False, vocab=model.config.vocab_size, prompt_len=len(REAL_PROMPT))
+        out, f, _ = _real(model, head, k=k)
+        assert out == reference[:N], (fmt, quality, k)
 
 
 def test_real_forward_two_pass_head_gets_the_final_normed_row_of_each_token(real_model, real_reference):

@@ -151,8 +151,8 @@ def gather_rows(w: LinearWeight, ids: np.ndarray) -> np.ndarray:
     """Rows `ids` of a rows-layout weight, widened to float32 exactly as the kernels widen
     them (bf16 bits shifted into place, int8 times its row's scale): [len(ids), K]."""
     data = w.data[ids]
-    if w.fmt is WeightFormat.BF16:
+    if w.fmt.storage is WeightFormat.BF16:
         return (data.astype(np.uint32) << 16).view(np.float32)
-    if w.fmt is WeightFormat.INT8:
+    if w.fmt.storage is WeightFormat.INT8:
         return data.astype(np.float32) * w.scale[ids][:, None]
     return np.asarray(data, np.float32)

@@ -143,7 +143,7 @@ def _f32(ref: TensorRef) -> np.ndarray:
 
 
 def _linear(ref: TensorRef, fmt: WeightFormat, bias: np.ndarray | None) -> LinearWeight:
-    if fmt is WeightFormat.BF16:
+    if fmt.storage is WeightFormat.BF16:
         data = ref.array().copy() if ref.dtype == "BF16" else f32_to_bf16_bits(_f32(ref))
         return LinearWeight(fmt, data, None, bias)
     if fmt.storage is WeightFormat.INT8:

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import structlog
 
+from kernels.base import LinearWeight, WeightFormat
+from kernels.host import native
 from kernels.host.formats import KERNELS
+
+log = structlog.get_logger(__name__)
 
 # M = 1..16 covers decode and verify; up to 64 covers every chunk a prefill runs (engine/forward.py's
 # prefill_chunk), and rows past the register block (6 float, 4 q8) and, on the float path, past one
@@ -22,11 +27,14 @@ def check_batch_invariance(backend, rows: int = CHECK_ROWS, k: int = 300, n: int
     not a multiple of the 64-column tile and K not one of the q8 block, so padding is
     exercised too.
     """
+    formats = list(KERNELS) if formats is None else formats
+    if WeightFormat.BF16_BF16 in formats:
+        check_bf16_dot_hardware()  # first: the invariance check then runs the path that will serve
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     x[rows // 2] *= 1e-3  # a row of another magnitude: its own quantization scales
     failures = []
-    for fmt in formats if formats is not None else list(KERNELS):
+    for fmt in formats:
         w = backend.prepare_linear(KERNELS[fmt].sample(rng, n, k))
         single = np.concatenate([backend.linear(x[i : i + 1], w) for i in range(rows)])
         for m in range(1, rows + 1):
@@ -34,3 +42,43 @@ def check_batch_invariance(backend, rows: int = CHECK_ROWS, k: int = 300, n: int
             if not np.array_equal(got.view(np.uint32), single[:m].view(np.uint32)):
                 failures.append(f"{fmt.value} M={m}")
     return failures
+
+
+def _adversarial(rng: np.random.Generator, rows: int, cols: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """x [rows, k] f32 and bf16 weights [cols, k] whose products span the whole fp32 range: each row
+    and column has its own scale (2^-66 .. 2^66) and each value a spread around it, so that some
+    (row, column) sums stay near FLT_MIN (flushed or not), some overflow, and most cancel in
+    part; a row holds a NaN and one an inf. Then columns whose sums land just below FLT_MIN, where
+    rounding to 24 bits and rounding on the subnormal grid differ (row 0 carries them)."""
+    def spread(n: int) -> np.ndarray:
+        scale = rng.integers(-66, 67, (n, 1)) + rng.integers(-10, 11, (n, k))
+        return (rng.standard_normal((n, k)) * 2.0**scale).astype(np.float32)
+
+    x, w = spread(rows), spread(cols)
+    x[1, 3], x[2, 5] = np.nan, np.inf
+    x[0] = 0
+    x[0, :4] = [2.0**-63, 0, 2.0**-60, 0]  # with w[c, :4] = (+-2^-63, 0, -+m 2^(60 - e), 0): FLT_MIN - m 2^-e
+    for c in range(cols):
+        e, m, sign = 140 + c % 18, (1.0, 1.5, 1.75)[c // 18 % 3], (1.0, -1.0)[c // 54 % 2]
+        w[c, :4] = [sign * 2.0**-63, 0, -sign * m * 2.0 ** (60 - e), 0]
+    return x, (w.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def check_bf16_dot_hardware(rows: int = 8, k: int = 301, n: int = 136, seed: int = 1) -> bool:
+    """Compare bf16-bf16's vdpbf16ps path with its C emulation (gemm.c's bd_step) on adversarial
+    inputs (_adversarial); where they differ, the format uses the emulation from then on (so its
+    bits never depend on the path) and a warning says so. Returns whether the instruction is in use."""
+    if not native.bf16_dot_hardware():
+        return False
+    kernel = KERNELS[WeightFormat.BF16_BF16]
+    x, bits = _adversarial(np.random.default_rng(seed), rows, n, k)
+    w = kernel.prepare(LinearWeight(WeightFormat.BF16_BF16, bits))
+    hardware = kernel.linear(x, w, False).view(np.uint32).copy()
+    native.bf16_dot_hardware(False)
+    emulated = kernel.linear(x, w, False).view(np.uint32)
+    if np.array_equal(hardware, emulated):
+        native.bf16_dot_hardware(True)
+        return True
+    log.warning("bf16_dot_hardware_refused", reason="vdpbf16ps differs from its emulation on this CPU",
+                elements=int((hardware != emulated).sum()), isa=native.isa())
+    return False

@@ -19,6 +19,9 @@ Registered here:
 - INT8_Q8: INT8's weights against activations quantized per row in blocks of 32 (llama.cpp's
   q8_0 activation blocks): tiles [ceil(N / 64), Kp / 4, 64, 4] holding w + 128 as uint8, exact
   integer block sums (VNNI's vpdpbusd where present), one FMA per block (gemm.c's q8 path).
+- BF16_BF16: BF16's weights against activations rounded per row to bf16: words [ceil(N / 64),
+  Kp / 2, 64] each holding one column's (w[k], w[k + 1]), Kp = K rounded up to even, two
+  flushed FMAs per word (AVX512_BF16's vdpbf16ps where present, gemm.c's bf16-dot path).
 Prepared tiles are copied into huge-page-backed memory (resident.py), which a one-row GEMM
 streams faster.
 """
@@ -158,7 +161,44 @@ class Q8Blocks:
         return LinearWeight(WeightFormat.INT8_Q8, q, scale, rng.standard_normal(n).astype(np.float32))
 
 
+def pack_bf16_pairs(w: np.ndarray) -> np.ndarray:
+    """bf16 bits [N, K] -> uint32 [ceil(N / TILE), Kp / 2, TILE], each word (w[k] low, w[k + 1] high)
+    of one column, Kp = K rounded up to even; padding holds zeros, and so do subnormal weights
+    (the kernel's inputs are never subnormal: gemm.c's bf16-dot section says why)."""
+    n, k = w.shape
+    tiles, kp = -(-n // TILE), k + k % 2
+    padded = np.zeros((tiles * TILE, kp), np.uint16)
+    padded[:n, :k] = np.where(w & 0x7F80 == 0, w & 0x8000, w)
+    pairs = padded.reshape(tiles, TILE, kp // 2, 2).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(pairs).view(np.uint32).reshape(tiles, kp // 2, TILE)
+
+
+class BF16Pairs:
+    """BF16 weights in k-pairs against activations rounded to bf16, pairs of products into fp32."""
+
+    layout = "bf16-pairs"
+
+    def prepare(self, w: LinearWeight) -> LinearWeight:
+        return LinearWeight(w.fmt, resident_copy(pack_bf16_pairs(w.data)), w.scale, w.bias, self.layout,
+                            w.out_features, w.in_features)
+
+    def linear(self, x: np.ndarray, w: LinearWeight, parallel: bool) -> np.ndarray:
+        out = native.linear_bf16_dot(x, w.data, w.out_features, w.bias, parallel)
+        return out if out.shape[1] == w.out_features else out[:, : w.out_features]
+
+    def embed(self, w: LinearWeight, tokens: np.ndarray) -> np.ndarray:
+        words = w.data[tokens // TILE, :, tokens % TILE]  # [M, Kp / 2]
+        halves = np.ascontiguousarray(words).view(np.uint16)[:, : w.in_features]  # little-endian: w[k] first
+        return (halves.astype(np.uint32) << 16).view(np.float32)
+
+    def sample(self, rng: np.random.Generator, n: int, k: int) -> LinearWeight:
+        w32 = rng.standard_normal((n, k)).astype(np.float32)
+        return LinearWeight(WeightFormat.BF16_BF16, (w32.view(np.uint32) >> 16).astype(np.uint16), None,
+                            rng.standard_normal(n).astype(np.float32))
+
+
 register(WeightFormat.FP32, FloatTiles(WeightFormat.FP32, native.FMT_F32))
 register(WeightFormat.BF16, FloatTiles(WeightFormat.BF16, native.FMT_BF16))
 register(WeightFormat.INT8, FloatTiles(WeightFormat.INT8, native.FMT_I8))
 register(WeightFormat.INT8_Q8, Q8Blocks())
+register(WeightFormat.BF16_BF16, BF16Pairs())

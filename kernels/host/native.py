@@ -4,10 +4,10 @@ Why C rather than numba: the contract needs exact control of each output element
 operations (an explicit FMA per k, in k order, never reassociated), and speed needs control
 of the registers (a block of rows x 64 columns held in zmm registers for the whole k loop,
 each weight vector widened once per k for all rows; on the q8 path the int32 block sums),
-of prefetch, and of VNNI's vpdpbusd.
+of prefetch, and of VNNI's vpdpbusd and AVX512_BF16's vdpbf16ps.
 Intrinsics give all of that directly; and a shared object compiled once and kept in the
 cache directory costs nothing at start-up, where numba recompiled the closure kernels at
-every start (issue 19). The library picks its path at run time from cpuid: AVX-512 (+VNNI),
+every start (issue 19). The library picks its path at run time from cpuid: AVX-512 (+VNNI, +BF16),
 AVX2+FMA (the generic C built for it), or the generic C that every x86-64 runs. Every path
 computes the same chain per element (the generic one with fmaf), so they give the same bits,
 which tests/test_kernels.py checks. gemm.c says how each element is computed.
@@ -51,7 +51,7 @@ log = structlog.get_logger(__name__)
 
 TILE = 64  # output columns per weight tile (gemm.c's TILE)
 QB = 32  # activation quantization block (gemm.c's QB)
-ISA_NAMES = ("generic", "avx2", "avx512", "avx512-vnni")
+ISA_NAMES = ("generic", "avx2", "avx512", "avx512-vnni", "avx512-bf16")  # each has the ones before it
 FMT_F32, FMT_BF16, FMT_I8, FMT_Q8 = 0, 1, 2, 3
 
 SOURCE = Path(__file__).with_name("gemm.c")
@@ -129,6 +129,12 @@ def library() -> ctypes.CDLL:
             lib.npud_gemm.restype = _L
             lib.npud_linear_q8.argtypes = [_P, _L, _L, _L, _P, _L, _L, _P, _P, _P, _I]
             lib.npud_linear_q8.restype = _L
+            lib.npud_linear_bd.argtypes = [_P, _L, _L, _L, _P, _L, _L, _P, _P, _P, _I]
+            lib.npud_linear_bd.restype = _L
+            lib.npud_round_bf16.argtypes = [_P, _L, _L, _L, _P]
+            lib.npud_round_bf16.restype = None
+            lib.npud_bf16dot_hardware.argtypes = [_I]
+            lib.npud_bf16dot_hardware.restype = _I
             lib.npud_pool_held.restype = _L
             lib.npud_pool_stats.argtypes = [_P]
             lib.npud_pool_stats.restype = None
@@ -272,6 +278,33 @@ def quantize_q8(x: np.ndarray, kp: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     xsum = np.empty((m, kp // QB), np.int32)
     library().npud_quantize_q8(x.ctypes.data, m, k, kp, xq.ctypes.data, xs.ctypes.data, xsum.ctypes.data)
     return xq, xs, xsum
+
+
+def linear_bf16_dot(x: np.ndarray, w: np.ndarray, n: int, bias: np.ndarray | None, parallel: bool) -> np.ndarray:
+    """x: [M, K] f32 rounded per row to bf16, w: [T, Kp / 2, TILE] uint32 bf16 k-pairs
+    -> [M, T * TILE] f32. Raises MemoryError when the row buffer cannot be allocated."""
+    m, k = x.shape
+    tiles, kp = w.shape[0], w.shape[1] * 2
+    out = np.empty((m, tiles * TILE), np.float32)
+    if _call(library().npud_linear_bd, (w, bias), x.ctypes.data, m, k, kp, _weight_ptr(w), tiles, n, None,
+             _weight_ptr(bias), out.ctypes.data, threads() if parallel else 1) < 0:
+        raise MemoryError(f"no memory for the bf16 rows of a [{m}, {kp}] activation")
+    return out
+
+
+def round_bf16(x: np.ndarray, kp: int | None = None) -> np.ndarray:
+    """x: [M, K] f32 -> the bf16 bits [M, kp] (zero-padded) the bf16-dot GEMM multiplies (gemm.c says how)."""
+    m, k = x.shape
+    out = np.empty((m, k if kp is None else kp), np.uint16)
+    library().npud_round_bf16(x.ctypes.data, m, k, out.shape[1], out.ctypes.data)
+    return out
+
+
+def bf16_dot_hardware(on: bool | None = None) -> bool:
+    """Let the bf16-dot GEMM use vdpbf16ps (True), or only its emulation (False); None: ask.
+    Returns whether the path in use runs the instruction (the bits are the same either way
+    unless the self-check found otherwise, which then turns it off)."""
+    return bool(library().npud_bf16dot_hardware(-1 if on is None else int(on)))
 
 
 def embed(fmt: int, w: np.ndarray, k: int, d: int, tokens: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
