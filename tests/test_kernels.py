@@ -4,6 +4,9 @@ host-side pieces (the rest of the NPU backend: tests/test_xrt.py)."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -110,13 +113,20 @@ def _paths() -> list[str]:
     return list(native.ISA_NAMES[: native.ISA_NAMES.index(native.best_isa()) + 1])
 
 
+def test_self_check_passes_past_one_k_chunk_of_every_path(host):
+    # K = 1100: three of the q8 path's k chunks (512) and many of the float path's, with
+    # 1, 2, 3 and 4-row blocks, so partial sums wait in the output between chunks
+    assert check_batch_invariance(host, rows=12, k=1100) == []
+
+
+@pytest.mark.parametrize("k", [333, 1100])
 @pytest.mark.parametrize("fmt", list(WeightFormat))
-def test_every_path_and_thread_count_gives_the_same_bits(host, fmt, isa_and_threads):
+def test_every_path_and_thread_count_gives_the_same_bits(host, fmt, k, isa_and_threads):
     # the generic C (fmaf), its AVX2 build and the AVX-512 / VNNI intrinsics compute the
     # same chain per element; threads split columns, never k
     rng = np.random.default_rng(7)
-    x = rng.standard_normal((13, 333)).astype(np.float32)
-    w = host.prepare_linear(KERNELS[fmt].sample(rng, 200, 333))
+    x = rng.standard_normal((13, k)).astype(np.float32)
+    w = host.prepare_linear(KERNELS[fmt].sample(rng, 200, k))
     results = []
     for path in _paths():
         assert native.set_isa(path) == path
@@ -152,6 +162,49 @@ def test_chunks_taken_back_from_a_stalled_worker_give_the_same_bits(host, fmt, r
     while native.held_calls() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert native.held_calls() == 0 and not native._held  # released once the worker let go
+
+
+@pytest.mark.parametrize("k, tiles, chunks", [(64, 100, 50), (1024, 100, 100)])
+def test_pool_chunks_are_many_per_thread_and_small(k, tiles, chunks, isa_and_threads):
+    # 2 threads: 32 chunks per thread (100 tiles of 16 KiB: 2 tiles a chunk), but no chunk
+    # reads more than 256 KiB of weights (a 1024-k fp32 tile is just that: one tile a chunk)
+    rng = np.random.default_rng(13)
+    w = pack_tiles(rng.standard_normal((tiles * TILE, k)).astype(np.float32))
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    native.set_threads(1)
+    want = native.gemm(native.FMT_F32, x, w, tiles * TILE, None, None, True)
+    native.set_threads(2)
+    offered = native.pool_stats()[3]
+    got = native.gemm(native.FMT_F32, x, w, tiles * TILE, None, None, True)
+    assert native.pool_stats()[3] - offered == chunks
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_numbas_openmp_threads_wait_passively_unless_told_otherwise():
+    # spinning OpenMP threads held the core the GEMM pool's worker needed (kernels/host/__init__.py)
+    code = "import os, kernels.host; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "passive"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "active"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "active"
+
+
+def test_weight_addresses_are_forgotten_with_their_arrays():
+    # native.py remembers a weight array's address while it lives; a new array that reuses a
+    # freed one's id must not be read at the old address
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((2, 32)).astype(np.float32)
+    for _ in range(20):
+        dense = rng.standard_normal((64, 32)).astype(np.float32)
+        w = pack_tiles(dense)
+        got = native.gemm(native.FMT_F32, x, w, 64, None, None, False)
+        assert np.allclose(got, x.astype(np.float64) @ dense.T, atol=1e-4)
+        key = id(w)
+        assert key in native._addresses
+        del w
+        assert key not in native._addresses
 
 
 def _fma32(a, b, c) -> np.ndarray:
@@ -210,7 +263,8 @@ def _q8_rows(x: np.ndarray):
     d = (np.abs(blocks).max(axis=2) / np.float32(127)).astype(np.float32)
     inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
     t = (blocks * inv[:, :, None]).astype(np.float32)
-    q = np.clip(np.sign(t) * np.floor(np.abs(t) + 0.5), -127, 127).astype(np.int32)
+    r = np.trunc(t)  # roundf: away from zero when the exact fraction is >= 1/2 (floor(|t| + 0.5) can round up)
+    q = np.clip(r + np.sign(t) * (np.abs(t - r) >= 0.5), -127, 127).astype(np.int32)
     return q, d
 
 
@@ -228,6 +282,35 @@ def test_q8_path_is_exact_integer_block_sums_and_one_fma_per_block(host):
     want = acc * lw.scale + lw.bias
     got = host.linear(x, host.prepare_linear(lw))
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_q8_quantization_is_llama_cpps_and_the_same_on_every_path(isa_and_threads):
+    # the vectorised quantizer (AVX-512) against the scalar one, on rows that reach its edges:
+    # halves that round away from zero, a zero block, padding past K, values so small that
+    # 1 / d overflows, infinities and NaNs (whatever the scalar code makes of those, the same)
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((6, 75)).astype(np.float32)
+    x[0, :32] = np.arange(-16, 16, dtype=np.float32) + 0.5
+    x[0, 0] = 127  # d = 1: the others are exact halves
+    x[1, 32:64] = 0
+    x[2, :32] = np.float32(1e-40) * rng.standard_normal(32).astype(np.float32)
+    x[2, 5] = 0
+    x[3, 3], x[3, 40] = np.inf, -np.inf
+    x[4, 7], x[4, 70] = np.nan, np.nan
+    x[5, 33] = np.float32(0.49999997) * x[5, 32:64].max() / np.float32(127)  # just below a half step
+    kp = 96
+    q, d = _q8_rows(x[[0, 1, 5]])
+    results = []
+    for path in _paths():
+        native.set_isa(path)
+        results.append((path, *native.quantize_q8(x, kp)))
+    xq, xs, xsum = results[0][1:]
+    assert np.array_equal(xq[[0, 1, 5]], q.reshape(3, kp)) and np.array_equal(xs[[0, 1, 5]], d)
+    assert np.array_equal(xsum[[0, 1, 5]], q.sum(axis=2))
+    assert np.all(xq[:, 75:] == 0)
+    for path, *got in results[1:]:
+        for want, have in zip((xq, xs, xsum), got):
+            assert np.array_equal(want.view(np.uint8), have.view(np.uint8)), path
 
 
 @pytest.mark.parametrize("fmt", list(WeightFormat))

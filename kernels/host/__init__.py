@@ -15,6 +15,15 @@ how); the other kernels are numba (pointwise.py, recurrent.py). formats.py holds
 check.py the self-check that proves the property on this machine at start-up.
 """
 
+import os
+
+# numba's parallel kernels run on libgomp, whose threads spin about 300k pauses after each
+# parallel region when OMP_WAIT_POLICY is unset: on a machine with no core to spare they hold
+# the core the GEMM pool's worker (gemm.c) needs next, and a 2-thread prefill ran at half the
+# speed of a 1-thread one. Passive: they sleep at once. Read when libgomp loads (numba's first
+# parallel call), so set before any kernel runs; an explicit setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
 from kernels.host import cache as _cache  # noqa: F401  (first: it points numba at the cache directory)
 from kernels.host import native
 from kernels.host.backend import PARALLEL_MIN_WORK, HostBackend

@@ -13,8 +13,9 @@ from kernels.host.formats import KERNELS
 log = structlog.get_logger(__name__)
 
 # M = 1..16 covers decode and verify; up to 64 covers every chunk a prefill runs (engine/forward.py's
-# prefill_chunk), and rows past the register block (6) and past one k chunk (K > 256) take the
-# blocked, chunked path of the GEMM.
+# prefill_chunk), and rows past the register block (6 float, 4 q8) and, on the float path, past one
+# k chunk (K > 256) take the blocked, chunked path of the GEMM (the q8 path's chunks of 512 k:
+# tests/test_kernels.py).
 CHECK_ROWS = 64
 
 

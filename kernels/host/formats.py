@@ -22,6 +22,8 @@ Registered here:
 - BF16_BF16: BF16's weights against activations rounded per row to bf16: words [ceil(N / 64),
   Kp / 2, 64] each holding one column's (w[k], w[k + 1]), Kp = K rounded up to even, two
   flushed FMAs per word (AVX512_BF16's vdpbf16ps where present, gemm.c's bf16-dot path).
+Prepared tiles are copied into huge-page-backed memory (resident.py), which a one-row GEMM
+streams faster.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 from kernels.base import LinearWeight, WeightFormat
 from kernels.host import native
 from kernels.host.native import QB, TILE
+from kernels.host.resident import resident_copy
 
 PARALLEL_MIN_BYTES = 32 << 10  # weights below this run on one thread: waking another costs more
 
@@ -115,7 +118,7 @@ class FloatTiles:
         tiles = pack_tiles(w.data)
         if self.fmt is WeightFormat.BF16:
             tiles = pair_bf16_columns(tiles)
-        return LinearWeight(w.fmt, tiles, w.scale, w.bias, self.layout, w.out_features, w.in_features)
+        return LinearWeight(w.fmt, resident_copy(tiles), w.scale, w.bias, self.layout, w.out_features, w.in_features)
 
     def linear(self, x: np.ndarray, w: LinearWeight, parallel: bool) -> np.ndarray:
         out = native.gemm(self.code, x, w.data, w.out_features, w.scale, w.bias, parallel)
@@ -143,7 +146,8 @@ class Q8Blocks:
     def prepare(self, w: LinearWeight) -> LinearWeight:
         if w.scale is None:
             raise ValueError("an int8-q8 weight needs its per-row scale")
-        return LinearWeight(w.fmt, pack_q8(w.data), w.scale, w.bias, self.layout, w.out_features, w.in_features)
+        return LinearWeight(w.fmt, resident_copy(pack_q8(w.data)), w.scale, w.bias, self.layout, w.out_features,
+                            w.in_features)
 
     def linear(self, x: np.ndarray, w: LinearWeight, parallel: bool) -> np.ndarray:
         out = native.linear_q8(x, w.data, w.out_features, w.scale, w.bias, parallel)
@@ -175,8 +179,8 @@ class BF16Pairs:
     layout = "bf16-pairs"
 
     def prepare(self, w: LinearWeight) -> LinearWeight:
-        return LinearWeight(w.fmt, pack_bf16_pairs(w.data), w.scale, w.bias, self.layout, w.out_features,
-                            w.in_features)
+        return LinearWeight(w.fmt, resident_copy(pack_bf16_pairs(w.data)), w.scale, w.bias, self.layout,
+                            w.out_features, w.in_features)
 
     def linear(self, x: np.ndarray, w: LinearWeight, parallel: bool) -> np.ndarray:
         out = native.linear_bf16_dot(x, w.data, w.out_features, w.bias, parallel)

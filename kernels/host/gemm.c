@@ -8,7 +8,8 @@
  *                 acc = ftz(fma(x[m,k+1], w[n,k+1], acc)); acc = ftz(fma(x[m,k], w[n,k], acc)),
  *                 ftz flushing a result below FLT_MIN to zero (what vdpbf16ps computes: bd_step)
  *   then y = acc * scale[n] (if any), then y = y + bias[n] (if any), each rounded.
- * Vector lanes run across output columns, never across k. Rows are blocked in registers,
+ * Vector lanes run across output columns, never across k. Rows are blocked in registers (the
+ * q8 path's float sums wait in the output between blocks, stored and reloaded exactly),
  * columns in tiles of 64, k in chunks, threads take chunks of whole tiles: none of that changes
  * any element's chain, so every ISA path below gives the same bits as the generic C one.
  * Compile with -ffp-contract=off and without -ffast-math: the only FMAs are explicit.
@@ -27,11 +28,12 @@
 
 #define TILE 64
 #define QB 32           /* activation quantization block (llama.cpp's q8_0 block) */
-#define KC 256          /* k rows per chunk when several row blocks share a weight tile (q8) */
+#define KC 512          /* k rows per chunk when several row blocks share a weight tile (q8) */
 #define MAXR 6          /* rows held in registers at once (AVX-512 float: 6 x 4 accumulators) */
-#define MAXR_Q8 3       /* q8: an int32 and a float accumulator per column vector */
+#define MAXR_Q8 4       /* q8: 4 x 4 int32 accumulators (the float ones wait in the output) */
 #define PF_BYTES 1024   /* software prefetch distance in the weight stream */
 #define MAX_THREADS 64
+#define CHUNK_BYTES (256 << 10) /* weight bytes a pool chunk reads at most */
 /* pause instructions (tens of microseconds) a worker spins for the next call before it sleeps:
  * enough to bridge the Python between the GEMMs of a layer, short enough not to hold a core
  * that the machine's other processes (or numba's threads) want */
@@ -259,19 +261,22 @@ static inline __attribute__((always_inline)) T512 void avx512_float_block(int fm
 
 /* q8 with VNNI: vpdpbusd multiplies the weights' unsigned bytes (w + 128) by the row's signed
  * bytes in groups of 4 k; starting each block's int32 sum at -128 * sum(x block) makes it the
- * exact sum of x * w. The block sum then enters the float accumulator by one FMA. */
+ * exact sum of x * w. The block sum then enters the float accumulator by one FMA. The float
+ * accumulators live in o (L1; stored and reloaded exactly), so that the registers hold the
+ * int32 sums of 4 rows and each weight vector serves 4 rows (rather than 3 with the float
+ * accumulators in registers too: 1.1-1.3x at 8 and 64 rows); scale and bias go on last. */
 static inline __attribute__((always_inline)) TVNNI void vnni_rows(const int R, const job_t *j, long t, float *o,
                                                                   long ldo, long r0, long b0, long b1) {
     const long Kp = j->K, nb = Kp / QB;
     const uint8_t *wt = (const uint8_t *)j->w + (size_t)t * Kp * TILE;
+    const int8_t *xq = j->xq + r0 * Kp;
+    const float *xs = j->xs + r0 * nb;
+    const int32_t *xsum = j->xsum + r0 * nb;
     o += r0 * ldo;
-    __m512 acc[MAXR_Q8][4];
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < 4; v++) acc[r][v] = b0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + r * ldo + 16 * v);
     for (long b = b0; b < b1; b++) {
         __m512i isum[MAXR_Q8][4];
         for (int r = 0; r < R; r++) {
-            const __m512i init = _mm512_set1_epi32(-128 * j->xsum[(r0 + r) * nb + b]);
+            const __m512i init = _mm512_set1_epi32(-128 * xsum[r * nb + b]);
             for (int v = 0; v < 4; v++) isum[r][v] = init;
         }
         for (int k4 = 0; k4 < QB / 4; k4++) {
@@ -284,7 +289,7 @@ static inline __attribute__((always_inline)) TVNNI void vnni_rows(const int R, c
             const __m512i w2 = _mm512_loadu_si512(wp + 128), w3 = _mm512_loadu_si512(wp + 192);
             for (int r = 0; r < R; r++) {
                 int32_t four;
-                memcpy(&four, j->xq + (r0 + r) * Kp + b * QB + k4 * 4, 4);
+                memcpy(&four, xq + r * Kp + b * QB + k4 * 4, 4);
                 const __m512i xb = _mm512_set1_epi32(four);
                 isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w0, xb);
                 isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w1, xb);
@@ -293,12 +298,20 @@ static inline __attribute__((always_inline)) TVNNI void vnni_rows(const int R, c
             }
         }
         for (int r = 0; r < R; r++) {
-            const __m512 s = _mm512_set1_ps(j->xs[(r0 + r) * nb + b]);
-            for (int v = 0; v < 4; v++) acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][v]), s, acc[r][v]);
+            const __m512 s = _mm512_set1_ps(xs[r * nb + b]);
+            for (int v = 0; v < 4; v++) {
+                float *p = o + r * ldo + 16 * v;
+                const __m512 acc = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(p);
+                _mm512_storeu_ps(p, _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][v]), s, acc));
+            }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < 4; v++) store16(j, o + r * ldo + 16 * v, acc[r][v], t * TILE + 16 * v, b1 == nb);
+    if (b1 == nb && (j->scale || j->bias))
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < 4; v++) {
+                float *p = o + r * ldo + 16 * v;
+                store16(j, p, _mm512_loadu_ps(p), t * TILE + 16 * v, 1);
+            }
 }
 
 static inline __attribute__((always_inline)) TVNNI void vnni_q8_block(const job_t *j, long t, float *o, long ldo,
@@ -306,7 +319,8 @@ static inline __attribute__((always_inline)) TVNNI void vnni_q8_block(const job_
     switch (R) {
     case 1: vnni_rows(1, j, t, o, ldo, r0, b0, b1); break;
     case 2: vnni_rows(2, j, t, o, ldo, r0, b0, b1); break;
-    default: vnni_rows(3, j, t, o, ldo, r0, b0, b1); break;
+    case 3: vnni_rows(3, j, t, o, ldo, r0, b0, b1); break;
+    default: vnni_rows(4, j, t, o, ldo, r0, b0, b1); break;
     }
 }
 
@@ -488,6 +502,7 @@ static struct {
     job_t *retired;                        /* jobs a worker may still read (caller's side only) */
     atomic_long published, stolen, moved;  /* chunks workers delivered; chunks the caller took back;
                                               workers that moved off the caller's CPU */
+    atomic_long offered;                   /* chunks of the calls that went to the pool */
     atomic_long stall_us;                  /* tests: workers sleep this long on each chunk they take
                                               (and the caller lets one take the first) */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
@@ -678,9 +693,15 @@ static long dispatch(job_t *j, int threads) {
         for (long t = 0; t < j->ntiles; t++) j->tile(j, t, j->out + t * TILE, j->ntiles * TILE);
         free(j);
     } else {
-        /* chunks: many per thread, so that taking one back costs little */
+        /* chunks: many per thread, and at most CHUNK_BYTES of weights, so that taking one back
+         * costs little (a big one-row GEMM streams a chunk in tens of microseconds) */
+        /* a tile's weight bytes (FMT_BD: Kp / 2 words of 4 bytes a column) */
+        const size_t tile_bytes = (size_t)j->K * TILE * (j->fmt == FMT_BD ? 2 : elem_size(j->fmt));
+        const long most = CHUNK_BYTES / tile_bytes > 1 ? (long)(CHUNK_BYTES / tile_bytes) : 1;
         j->chunk = (j->ntiles + threads * 32 - 1) / (threads * 32);
+        if (j->chunk > most) j->chunk = most;
         j->nchunks = (j->ntiles + j->chunk - 1) / j->chunk;
+        atomic_fetch_add_explicit(&pool.offered, j->nchunks, memory_order_relaxed);
         j->caller_cpu = sched_getcpu();
         atomic_store(&pool.active, threads - 1);
         atomic_store(&pool.job, j);
@@ -738,36 +759,87 @@ long npud_gemm(int fmt, const float *x, long M, long K, const void *w, long ntil
     job_t *j = job_new(ntiles, (size_t)M * K * sizeof(float));
     if (!j) return -1;
     float *xt = job_extra(j, ntiles); /* x transposed: [K, M] */
-    for (long m = 0; m < M; m++)
-        for (long k = 0; k < K; k++) xt[k * M + m] = x[m * K + k];
+    for (long m0 = 0; m0 < M; m0 += 8) { /* 8 rows at a time: 8 read streams, 32-byte writes */
+        const long m1 = m0 + 8 < M ? m0 + 8 : M;
+        for (long k = 0; k < K; k++)
+            for (long m = m0; m < m1; m++) xt[k * M + m] = x[m * K + k];
+    }
     j->fmt = fmt, j->M = M, j->K = K, j->x = xt, j->w = w, j->ntiles = ntiles, j->N = N;
     j->scale = scale, j->bias = bias, j->out = out;
     return dispatch(j, threads);
 }
 
-/* Quantize rows of x [M, K] in blocks of QB (zero-padded to Kp): xq [M, Kp], xs and xsum [M, Kp/QB].
+/* One row of x [K] in blocks of QB (zero-padded to nb blocks): xq [nb * QB], xs and xsum [nb].
  * Per block: d = max|x| / 127, q = round(x / d) (away from zero), as llama.cpp's q8_0. */
+static void quantize_row(const float *x, long K, long nb, int8_t *xq, float *xs, int32_t *xsum) {
+    for (long b = 0; b < nb; b++) {
+        float amax = 0.0f;
+        for (long k = b * QB; k < b * QB + QB && k < K; k++) {
+            const float a = fabsf(x[k]);
+            if (a > amax) amax = a;
+        }
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t s = 0;
+        for (long k = b * QB; k < b * QB + QB; k++) {
+            float q = k < K ? roundf(x[k] * id) : 0.0f;
+            q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+            xq[k] = (int8_t)q;
+            s += (int32_t)q;
+        }
+        xs[b] = d;
+        xsum[b] = s;
+    }
+}
+
+/* quantize_row's operations 16 lanes at a time, with its results bit for bit (NaN and
+ * infinity included): the max is exact in any order (a NaN lane never wins, as there), x * id
+ * is one rounding, roundf is the truncation plus one away from zero when the (exact) fraction
+ * is at least a half, the clamp keeps a NaN, and float -> int32 -> int8 truncates as the
+ * scalar conversion does. Every ISA path's job calls this one or the other: same bits. */
+static T512 void quantize_row_avx512(const float *x, long K, long nb, int8_t *xq, float *xs, int32_t *xsum) {
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+    const __m512 hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    for (long b = 0; b < nb; b++) {
+        __m512 v[QB / 16];
+        __mmask16 live[QB / 16];
+        __m512 amax = _mm512_setzero_ps();
+        for (int h = 0; h < QB / 16; h++) {
+            const long left = K - (b * QB + 16 * h);
+            live[h] = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+            v[h] = _mm512_maskz_loadu_ps(live[h], x + b * QB + 16 * h);
+            amax = _mm512_max_ps(_mm512_abs_ps(v[h]), amax);
+        }
+        const float d = _mm512_reduce_max_ps(amax) / 127.0f;
+        const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        __m512i s = _mm512_setzero_si512();
+        for (int h = 0; h < QB / 16; h++) {
+            const __m512 t = _mm512_mul_ps(v[h], id);
+            const __m512 r = _mm512_roundscale_ps(t, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            const __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(t, r)), half, _CMP_GE_OQ);
+            const __m512 away = _mm512_castsi512_ps(
+                _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(t), sign), _mm512_castps_si512(one)));
+            __m512 q = _mm512_mask_add_ps(r, up, r, away);
+            q = _mm512_max_ps(lo, _mm512_min_ps(hi, q)); /* vmaxps/vminps return the second operand on NaN */
+            const __m512i qi = _mm512_maskz_cvttps_epi32(live[h], q);
+            _mm_storeu_si128((__m128i *)(xq + b * QB + 16 * h), _mm512_cvtepi32_epi8(qi));
+            s = _mm512_add_epi32(s, qi);
+        }
+        xs[b] = d;
+        xsum[b] = _mm512_reduce_add_epi32(s);
+    }
+}
+
+/* Quantize rows of x [M, K] in blocks of QB (zero-padded to Kp): xq [M, Kp], xs and xsum [M, Kp/QB]. */
 void npud_quantize_q8(const float *x, long M, long K, long Kp, int8_t *xq, float *xs, int32_t *xsum) {
+    if (isa_used < 0) npud_set_isa(-1);
     const long nb = Kp / QB;
     for (long m = 0; m < M; m++) {
-        for (long b = 0; b < nb; b++) {
-            float amax = 0.0f;
-            for (long k = b * QB; k < b * QB + QB && k < K; k++) {
-                const float a = fabsf(x[m * K + k]);
-                if (a > amax) amax = a;
-            }
-            const float d = amax / 127.0f;
-            const float id = d != 0.0f ? 1.0f / d : 0.0f;
-            int32_t s = 0;
-            for (long k = b * QB; k < b * QB + QB; k++) {
-                float q = k < K ? roundf(x[m * K + k] * id) : 0.0f;
-                q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
-                xq[m * Kp + k] = (int8_t)q;
-                s += (int32_t)q;
-            }
-            xs[m * nb + b] = d;
-            xsum[m * nb + b] = s;
-        }
+        if (isa_used >= ISA_AVX512)
+            quantize_row_avx512(x + m * K, K, nb, xq + m * Kp, xs + m * nb, xsum + m * nb);
+        else
+            quantize_row(x + m * K, K, nb, xq + m * Kp, xs + m * nb, xsum + m * nb);
     }
 }
 
@@ -864,11 +936,12 @@ long npud_pool_held(void) {
 }
 
 /* stats[0]: chunks workers delivered, [1]: chunks the caller took back from a worker,
- * [2]: times a worker moved off the caller's CPU. */
+ * [2]: times a worker moved off the caller's CPU, [3]: chunks of the calls that went to the pool. */
 void npud_pool_stats(long *stats) {
     stats[0] = atomic_load(&pool.published);
     stats[1] = atomic_load(&pool.stolen);
     stats[2] = atomic_load(&pool.moved);
+    stats[3] = atomic_load(&pool.offered);
 }
 
 /* Tests: workers sleep `us` microseconds on every chunk they take (a descheduled worker), and

@@ -4,7 +4,8 @@ through ctypes.
 Why C rather than numba: the contract needs exact control of each output element's chain of
 operations (an explicit FMA per k, in k order, never reassociated), and speed needs control
 of the registers (a block of rows x 64 columns held in zmm registers for the whole k loop,
-each weight vector widened once per k for all rows), of prefetch, and of VNNI's vpdpbusd and AVX512_BF16's vdpbf16ps.
+each weight vector widened once per k for all rows; on the q8 path the int32 block sums),
+of prefetch, and of VNNI's vpdpbusd and AVX512_BF16's vdpbf16ps.
 Intrinsics give all of that directly; and a shared object compiled once and kept in the
 cache directory costs nothing at start-up, where numba recompiled the closure kernels at
 every start (issue 19). The library picks its path at run time from cpuid: AVX-512 (+VNNI, +BF16),
@@ -44,6 +45,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -146,6 +148,8 @@ def library() -> ctypes.CDLL:
             lib.npud_pool_stats.restype = None
             lib.npud_pool_stall.argtypes = [_L]
             lib.npud_pool_stall.restype = None
+            lib.npud_quantize_q8.argtypes = [_P, _L, _L, _L, _P, _P, _P]
+            lib.npud_quantize_q8.restype = None
             lib.npud_embed.argtypes = [_I, _P, _L, _L, _P, _L, _P, _P]
             lib.npud_embed.restype = None
             lib.npud_attention.argtypes = [_I, _P, _L, _L, _L, _P, _P, _L, _L, _P, _L, ctypes.c_float, _P,
@@ -200,6 +204,23 @@ def _ptr(a: np.ndarray | None) -> int | None:
     return None if a is None else a.ctypes.data
 
 
+_addresses: dict[int, int] = {}  # id(weight array) -> its data address, while the array lives
+
+
+def _weight_ptr(a: np.ndarray | None) -> int | None:
+    """The data address of a weight array (weights, scales, biases live as long as the model),
+    remembered until the array is freed: numpy's a.ctypes.data costs over a microsecond, and a
+    one-row GEMM of a small layer pays it for three arrays."""
+    if a is None:
+        return None
+    key = id(a)
+    address = _addresses.get(key)
+    if address is None:
+        address = _addresses[key] = a.ctypes.data
+        weakref.finalize(a, _addresses.pop, key, None)  # before the id can name another array
+    return address
+
+
 def _call(fn, arrays: tuple, *args) -> int:
     """fn(*args) under the call lock; keeps `arrays` alive while a stalled worker may read them."""
     with _call_lock:
@@ -211,10 +232,10 @@ def _call(fn, arrays: tuple, *args) -> int:
         return held
 
 
-def pool_stats() -> tuple[int, int, int]:
+def pool_stats() -> tuple[int, int, int, int]:
     """So far: (chunks the pool's workers delivered, chunks the caller took back from a stalled
-    worker, times a worker moved off the caller's CPU)."""
-    stats = (ctypes.c_long * 3)()
+    worker, times a worker moved off the caller's CPU, chunks of the calls that went to the pool)."""
+    stats = (ctypes.c_long * 4)()
     library().npud_pool_stats(stats)
     return tuple(stats)
 
@@ -241,8 +262,8 @@ def gemm(fmt: int, x: np.ndarray, w: np.ndarray, n: int, scale: np.ndarray | Non
     m, k = x.shape
     tiles = w.shape[0]
     out = np.empty((m, tiles * TILE), np.float32)
-    if _call(library().npud_gemm, (w, scale, bias), fmt, x.ctypes.data, m, k, w.ctypes.data, tiles, n, _ptr(scale),
-             _ptr(bias), out.ctypes.data, threads() if parallel else 1) < 0:
+    if _call(library().npud_gemm, (w, scale, bias), fmt, x.ctypes.data, m, k, _weight_ptr(w), tiles, n,
+             _weight_ptr(scale), _weight_ptr(bias), out.ctypes.data, threads() if parallel else 1) < 0:
         raise MemoryError(f"no memory for a transposed copy of a [{m}, {k}] activation")
     return out
 
@@ -254,10 +275,22 @@ def linear_q8(x: np.ndarray, w: np.ndarray, n: int, scale: np.ndarray, bias: np.
     m, k = x.shape
     tiles, kp = w.shape[0], w.shape[1] * 4
     out = np.empty((m, tiles * TILE), np.float32)
-    if _call(library().npud_linear_q8, (w, scale, bias), x.ctypes.data, m, k, kp, w.ctypes.data, tiles, n,
-             scale.ctypes.data, _ptr(bias), out.ctypes.data, threads() if parallel else 1) < 0:
+    if _call(library().npud_linear_q8, (w, scale, bias), x.ctypes.data, m, k, kp, _weight_ptr(w), tiles, n,
+             _weight_ptr(scale), _weight_ptr(bias), out.ctypes.data, threads() if parallel else 1) < 0:
         raise MemoryError(f"no memory for the q8 rows of a [{m}, {kp}] activation")
     return out
+
+
+def quantize_q8(x: np.ndarray, kp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The q8 blocks linear_q8 makes of x [M, K] f32 (zero-padded to kp): int8 [M, kp], per-block
+    scales d and integer sums [M, kp / QB] (on the path in use; every path gives the same)."""
+    m, k = x.shape
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    xq = np.empty((m, kp), np.int8)
+    xs = np.empty((m, kp // QB), np.float32)
+    xsum = np.empty((m, kp // QB), np.int32)
+    library().npud_quantize_q8(x.ctypes.data, m, k, kp, xq.ctypes.data, xs.ctypes.data, xsum.ctypes.data)
+    return xq, xs, xsum
 
 
 def linear_bf16_dot(x: np.ndarray, w: np.ndarray, n: int, bias: np.ndarray | None, parallel: bool) -> np.ndarray:
@@ -266,8 +299,8 @@ def linear_bf16_dot(x: np.ndarray, w: np.ndarray, n: int, bias: np.ndarray | Non
     m, k = x.shape
     tiles, kp = w.shape[0], w.shape[1] * 2
     out = np.empty((m, tiles * TILE), np.float32)
-    if _call(library().npud_linear_bd, (w, bias), x.ctypes.data, m, k, kp, w.ctypes.data, tiles, n, None,
-             _ptr(bias), out.ctypes.data, threads() if parallel else 1) < 0:
+    if _call(library().npud_linear_bd, (w, bias), x.ctypes.data, m, k, kp, _weight_ptr(w), tiles, n, None,
+             _weight_ptr(bias), out.ctypes.data, threads() if parallel else 1) < 0:
         raise MemoryError(f"no memory for the bf16 rows of a [{m}, {kp}] activation")
     return out
 
