@@ -10,9 +10,9 @@ How: every output element of a GEMM is one chain of operations over its own row,
 order, with an explicit FMA per k (or, on the q8 path, an exact integer sum per block and
 an FMA per block); vector lanes run across output columns, threads split output columns,
 and rows are blocked only to share each weight load, so a row's bits are a function of
-that row alone. The GEMMs and attention are C (native.py says why, gemm.c and attention.c
-how); the other kernels are numba (pointwise.py, recurrent.py). formats.py holds the weight formats and their layouts,
-check.py the self-check that proves the property on this machine at start-up.
+that row alone. The GEMMs, attention, norms, RoPE and SiLU are C (native.py says why; gemm.c,
+attention.c and pointwise.c how); the other kernels are numba (recurrent.py). formats.py holds
+the weight formats and their layouts, check.py the self-check that proves the property on this machine at start-up.
 """
 
 import os

@@ -1,11 +1,12 @@
-"""The host (CPU) backend: the Backend interface over the C GEMMs and attention and the numba kernels."""
+"""The host (CPU) backend: the Backend interface over the C kernels (GEMMs, attention, norms, RoPE, SiLU)
+and the numba ones (recurrent.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from kernels.base import LinearWeight, WeightFormat
-from kernels.host import native, pointwise, recurrent
+from kernels.host import native, recurrent
 from kernels.host.formats import PARALLEL_MIN_BYTES, kernel_for
 
 PARALLEL_MIN_WORK = 1 << 21  # attention elements below which waking a second thread costs more than it saves
@@ -41,17 +42,16 @@ class HostBackend:
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        out = np.empty_like(flat)
-        pointwise.rms_norm(flat, weight, float(eps), out)
-        return out.reshape(shape)
+        flat = x.reshape(-1, x.shape[-1])
+        weight = np.ascontiguousarray(weight, dtype=np.float32)
+        return native.rms_norm(flat, weight, float(eps), self.parallel).reshape(x.shape)
 
     def rope(self, x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
-        out = np.empty_like(x)
-        pointwise.rope(x, np.ascontiguousarray(positions, dtype=np.int64), inv_freq, out)
-        return out
+        inv_freq = np.ascontiguousarray(inv_freq, dtype=np.float32)
+        if x.ndim != 3 or 2 * inv_freq.shape[0] > x.shape[2] or positions.shape != (x.shape[0],):
+            raise ValueError(f"rope: x {x.shape}, positions {positions.shape}, inv_freq {inv_freq.shape} do not fit")
+        return native.rope(x, np.ascontiguousarray(positions, dtype=np.int64), inv_freq, self.parallel)
 
     def attention(self, q, k_cache, v_cache, positions, window, scale):
         # attention.c: one kernel for a decode step, a verify and a prefill chunk
@@ -66,9 +66,11 @@ class HostBackend:
                                 self.parallel and work >= PARALLEL_MIN_WORK)
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        out = np.empty_like(gate)
-        pointwise.silu_mul(gate, up, out)
-        return out
+        gate = np.ascontiguousarray(gate, dtype=np.float32)
+        up = np.ascontiguousarray(up, dtype=np.float32)
+        if gate.ndim != 2 or up.shape != gate.shape:
+            raise ValueError(f"silu_mul: gate {gate.shape} and up {up.shape} must be the same [M, F]")
+        return native.silu_mul(gate, up, self.parallel)
 
     def embed(self, table: LinearWeight, tokens: np.ndarray) -> np.ndarray:
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)

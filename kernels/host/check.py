@@ -1,5 +1,5 @@
 """The batch-invariance self-check every backend passes before it serves (kernels/__init__.py):
-the GEMMs of every format, and attention."""
+the GEMMs of every format, attention, and the per-row kernels (RMS norm, RoPE, SiLU)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def check_batch_invariance(backend, rows: int = CHECK_ROWS, k: int = 300, n: int
             got = np.ascontiguousarray(backend.linear(x[:m], w))
             if not np.array_equal(got.view(np.uint32), single[:m].view(np.uint32)):
                 failures.append(f"{fmt.value} M={m}")
-    return failures + check_attention_invariance(backend, rows, rng)
+    return failures + check_attention_invariance(backend, rows, rng) + check_rowwise_invariance(backend, rows, rng)
 
 
 def check_attention_invariance(backend, rows: int, rng) -> list[str]:
@@ -63,6 +63,28 @@ def check_attention_invariance(backend, rows: int, rng) -> list[str]:
         got = backend.attention(q[:m], k[: start + m], v[: start + m], pos[:m], window, 0.1)
         if not np.array_equal(got.view(np.uint32), single[:m].view(np.uint32)):
             failures.append(f"attention M={m}")
+    return failures
+
+
+def check_rowwise_invariance(backend, rows: int, rng) -> list[str]:
+    """RMS norm, RoPE (a partial rotation: 2 x 20 of 44 dimensions) and SiLU-and-multiply for
+    M = 1..rows against one-row calls; row lengths of 300 and 20 leave vector tails."""
+    x = rng.standard_normal((rows, 300)).astype(np.float32)
+    w = rng.standard_normal(300).astype(np.float32)
+    q = rng.standard_normal((rows, 3, 44)).astype(np.float32)
+    pos = rng.integers(0, 5000, rows)
+    inv = (1.0 / 10000.0 ** (np.arange(20) / 20)).astype(np.float32)
+    kernels = {
+        "rms_norm": lambda a, b: backend.rms_norm(x[a:b], w, 1e-6),
+        "rope": lambda a, b: backend.rope(q[a:b], pos[a:b], inv),
+        "silu_mul": lambda a, b: backend.silu_mul(x[a:b], x[a:b] * 0.5),
+    }
+    failures = []
+    for name, call in kernels.items():
+        single = np.concatenate([call(i, i + 1) for i in range(rows)])
+        for m in range(1, rows + 1):
+            if not np.array_equal(call(0, m).view(np.uint32), single[:m].view(np.uint32)):
+                failures.append(f"{name} M={m}")
     return failures
 
 

@@ -61,7 +61,8 @@ QB = 32  # activation quantization block (gemm.c's QB)
 ISA_NAMES = ("generic", "avx2", "avx512", "avx512-vnni", "avx512-bf16")  # each has the ones before it
 FMT_F32, FMT_BF16, FMT_I8, FMT_Q8 = 0, 1, 2, 3
 
-SOURCES = (Path(__file__).with_name("gemm.c"), Path(__file__).with_name("attention.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemm.c", "attention.c", "pointwise.c"))
+HEADERS = (Path(__file__).with_name("vexp.h"),)  # included by the sources: part of the digest, not compiled
 # -ffp-contract=off: the only FMAs are the explicit ones; no -ffast-math: no reassociation
 CFLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-pthread", "-std=gnu11")
 
@@ -83,13 +84,13 @@ class BuildError(RuntimeError):
 
 def library_path(directory: Path | None = None) -> Path:
     """Where the shared object for this source and these flags lives."""
-    sources = b"".join(src.name.encode() + src.read_bytes() for src in SOURCES)
+    sources = b"".join(src.name.encode() + src.read_bytes() for src in SOURCES + HEADERS)
     digest = hashlib.sha256(sources + " ".join(CFLAGS).encode() + platform.machine().encode())
     return (directory or cache_dir()) / f"npud_gemm-{digest.hexdigest()[:16]}.so"
 
 
 def build(directory: Path | None = None) -> Path:
-    """Compile gemm.c and attention.c into the cache directory unless it is there; returns the shared object's path.
+    """Compile gemm.c, attention.c and pointwise.c into the cache directory unless it is there; returns the shared object's path.
 
     Raises BuildError when gcc is missing or fails.
     """
@@ -157,6 +158,14 @@ def library() -> ctypes.CDLL:
             lib.npud_attention.restype = _L
             lib.npud_attention_exp.argtypes = [_I, _P, _L, _P]
             lib.npud_attention_exp.restype = None
+            lib.npud_rms_norm.argtypes = [_I, _P, _L, _P, ctypes.c_double, _P, _L, _L]
+            lib.npud_rms_norm.restype = None
+            lib.npud_rope_table.argtypes = [_P, _P, _L, _P, _L, _L]
+            lib.npud_rope_table.restype = None
+            lib.npud_rope.argtypes = [_I, _P, _L, _L, _L, _P, _P, _L, _L]
+            lib.npud_rope.restype = None
+            lib.npud_silu_mul.argtypes = [_I, _P, _P, _L, _P, _L, _L]
+            lib.npud_silu_mul.restype = None
             wanted = os.environ.get("NPUD_HOST_ISA", "")  # tests and benchmarks: force a slower path
             _isa_in_use = ISA_NAMES[lib.npud_set_isa(ISA_NAMES.index(wanted) if wanted in ISA_NAMES else -1)]
             _lib = lib
@@ -333,6 +342,19 @@ _attention_pool: ThreadPoolExecutor | None = None
 _attention_pool_size = 0
 
 
+def _on_threads(n_threads: int, run) -> bool:
+    """run() on n_threads threads, the caller's and n_threads - 1 of the persistent pool's; each
+    run takes its work from a queue the caller shares. Returns whether every run returned True."""
+    global _attention_pool, _attention_pool_size
+    with _lock:
+        if _attention_pool_size < n_threads - 1:  # the pool only grows (set_threads may raise the count)
+            _attention_pool = ThreadPoolExecutor(n_threads - 1, thread_name_prefix="npud-attention")
+            _attention_pool_size = n_threads - 1
+    helpers = [_attention_pool.submit(run) for _ in range(n_threads - 1)]
+    ok = run()
+    return all([f.result() for f in helpers]) and ok
+
+
 def _attention_units(m: int, kv_heads: int, n_threads: int, work: int) -> list[tuple[int, int, int, int]]:
     """(first kv head, end kv head, first row, end row) units: whole rows of whole heads, so a thread
     computes every output it touches whole. One a thread for a small call (each unit is a ctypes
@@ -354,7 +376,6 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray
     With `parallel`, units of whole rows of whole kv heads go to threads (the caller's included)
     that take them from one queue; no output depends on which thread computed it. Raises
     MemoryError when a unit's scratch (its scores and a transposed key chunk) cannot be allocated."""
-    global _attention_pool, _attention_pool_size
     lib = library()
     m, h, dh = q.shape
     t, kvh = k.shape[0], k.shape[1]
@@ -377,13 +398,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray
                 if lib.npud_attention(*args, *unit) < 0:
                     return False
 
-        with _lock:
-            if _attention_pool_size < n_threads - 1:  # the pool only grows (set_threads may raise the count)
-                _attention_pool = ThreadPoolExecutor(n_threads - 1, thread_name_prefix="npud-attention")
-                _attention_pool_size = n_threads - 1
-        helpers = [_attention_pool.submit(run) for _ in range(n_threads - 1)]
-        ok = run()
-        ok = all([f.result() for f in helpers]) and ok
+        ok = _on_threads(n_threads, run)
     if not ok:
         raise MemoryError(f"no memory for the attention scratch of {m} rows over {t} keys")
     return out
@@ -394,4 +409,78 @@ def attention_exp(x: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty_like(x)
     library().npud_attention_exp(ISA_NAMES.index(isa()), x.ctypes.data, x.size, out.ctypes.data)
+    return out
+
+
+# ---------------------------------------------------------------- per-row kernels (pointwise.c)
+
+POINTWISE_PARALLEL_MIN = 1 << 18  # elements of a per-row call below which a second thread costs more than it saves
+_rope_tables: dict[int, tuple] = {}  # id(inv_freq) -> (inv_freq, positions, their cosines and sines)
+
+
+def _rows(fn, m: int, elements: int, parallel: bool, *args) -> None:
+    """fn(*args, r0, r1) over rows 0..m-1: in one call, or (with `parallel` and enough elements) in
+    blocks of whole rows that the caller and the pool's threads take from one queue; a row's bits
+    depend on neither the block nor the thread."""
+    n_threads = threads() if parallel and elements >= POINTWISE_PARALLEL_MIN else 1
+    if n_threads == 1 or m < 2:  # a decode step's call: no more Python than the call itself
+        fn(*args, 0, m)
+        return
+    blocks = min(m, 4 * n_threads)  # more blocks than threads: a thread on a busy core leaves its share
+    units = iter([(m * b // blocks, m * (b + 1) // blocks) for b in range(blocks)])
+    take = threading.Lock()
+
+    def run() -> bool:
+        while True:
+            with take:
+                unit = next(units, None)
+            if unit is None:
+                return True
+            fn(*args, *unit)
+
+    _on_threads(n_threads, run)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, parallel: bool) -> np.ndarray:
+    """x [M, D] f32, weight [D] f32 -> [M, D] f32 (pointwise.c says how)."""
+    m, d = x.shape
+    out = np.empty_like(x)
+    _rows(library().npud_rms_norm, m, x.size, parallel, ISA_NAMES.index(_isa_in_use), x.ctypes.data, d,
+          _weight_ptr(weight), eps, out.ctypes.data)
+    return out
+
+
+def _rope_table(positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """[M, 2 * half] cosines then sines of the rows' angles, computed once for every layer (and q
+    and k) of a forward that passes these positions and this inv_freq array."""
+    entry = _rope_tables.get(id(inv_freq))
+    if entry is not None and entry[0] is inv_freq and np.array_equal(entry[1], positions):
+        return entry[2]
+    m, half = positions.shape[0], inv_freq.shape[0]
+    table = np.empty((m, 2 * half), np.float32)
+    library().npud_rope_table(positions.ctypes.data, inv_freq.ctypes.data, half, table.ctypes.data, 0, m)
+    if len(_rope_tables) >= 8:  # models alive in this process rarely have more than two rotary tables
+        _rope_tables.clear()
+    _rope_tables[id(inv_freq)] = (inv_freq, positions.copy(), table)  # holding inv_freq keeps its id
+    return table
+
+
+def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, parallel: bool) -> np.ndarray:
+    """x [M, H, Dh] f32, positions [M] int64, inv_freq [half] f32 (2 half <= Dh) -> [M, H, Dh] f32:
+    pairs (i, i + half) rotated (pointwise.c says how)."""
+    m, h, dh = x.shape
+    half = inv_freq.shape[0]
+    table = _rope_table(positions, inv_freq)
+    out = np.empty_like(x)
+    _rows(library().npud_rope, m, x.size, parallel, ISA_NAMES.index(_isa_in_use), x.ctypes.data, h, dh, half,
+          table.ctypes.data, out.ctypes.data)
+    return out
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray, parallel: bool) -> np.ndarray:
+    """gate, up [M, F] f32 -> silu(gate) * up [M, F] f32 (pointwise.c says how)."""
+    m, f = gate.shape
+    out = np.empty_like(gate)
+    _rows(library().npud_silu_mul, m, gate.size, parallel, ISA_NAMES.index(_isa_in_use), gate.ctypes.data,
+          up.ctypes.data, f, out.ctypes.data)
     return out

@@ -14,7 +14,17 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from kernels.host.pointwise import inv_rms
+
+@njit(inline="always")
+def inv_rms(x, m, eps):
+    # 1 / sqrt(mean(x[m]^2) + eps): squares accumulated in float64 in index order
+    D = x.shape[1]
+    ss = 0.0
+    for d in range(D):
+        v = np.float64(x[m, d])
+        ss += v * v
+    return np.float32(1.0 / math.sqrt(ss / D + eps))
+
 
 @njit(cache=True, fastmath=False, nogil=True)
 def gelu_tanh_mul(gate, up, out):
