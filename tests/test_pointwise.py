@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kernels.host import HostBackend, native
+from kernels.host.check import check_rowwise_invariance
 
 ROWS = [*range(1, 17), 37, 512]  # decode, verify, a prefill chunk, a prefill
 
@@ -184,8 +185,6 @@ class _BatchedNormBackend(HostBackend):
 
 
 def test_self_check_covers_the_per_row_kernels():
-    from kernels.host.check import check_rowwise_invariance
-
     rng = np.random.default_rng(0)
     assert check_rowwise_invariance(HostBackend(), 20, rng) == []
     failures = check_rowwise_invariance(_BatchedNormBackend(), 20, rng)

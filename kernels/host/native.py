@@ -415,7 +415,7 @@ def attention_exp(x: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------- per-row kernels (pointwise.c)
 
 POINTWISE_PARALLEL_MIN = 1 << 18  # elements of a per-row call below which a second thread costs more than it saves
-_rope_tables: dict[int, tuple] = {}  # id(inv_freq) -> (inv_freq, positions, their cosines and sines)
+_rope_tables: dict[int, tuple] = {}  # id(inv_freq) -> (inv_freq, positions' bytes, their cosines and sines)
 
 
 def _rows(fn, m: int, elements: int, parallel: bool, *args) -> None:
@@ -453,15 +453,16 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, parallel: bool) -> n
 def _rope_table(positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
     """[M, 2 * half] cosines then sines of the rows' angles, computed once for every layer (and q
     and k) of a forward that passes these positions and this inv_freq array."""
+    key = positions.tobytes()  # a bytes comparison: np.array_equal costs microseconds a call
     entry = _rope_tables.get(id(inv_freq))
-    if entry is not None and entry[0] is inv_freq and np.array_equal(entry[1], positions):
+    if entry is not None and entry[0] is inv_freq and entry[1] == key:
         return entry[2]
     m, half = positions.shape[0], inv_freq.shape[0]
     table = np.empty((m, 2 * half), np.float32)
     library().npud_rope_table(positions.ctypes.data, inv_freq.ctypes.data, half, table.ctypes.data, 0, m)
     if len(_rope_tables) >= 8:  # models alive in this process rarely have more than two rotary tables
         _rope_tables.clear()
-    _rope_tables[id(inv_freq)] = (inv_freq, positions.copy(), table)  # holding inv_freq keeps its id
+    _rope_tables[id(inv_freq)] = (inv_freq, key, table)  # holding inv_freq keeps its id
     return table
 
 
