@@ -66,3 +66,22 @@ def test_engine_starts_after_the_first_add_nothing_to_the_kernel_cache(tmp_path)
     assert any(name.startswith("numba/") for name in snapshots[0])  # the numba kernels
     assert snapshots[1] == snapshots[0]  # no file added, none rewritten
     assert snapshots[2] == snapshots[0]
+
+
+def test_the_library_is_named_by_every_source_and_header(tmp_path, monkeypatch):
+    # a changed source or header must give a new library file, or a start would load a stale build
+    from kernels.host import native
+
+    copies = []
+    for src in native.SOURCES + native.HEADERS:
+        copy = tmp_path / src.name
+        copy.write_bytes(src.read_bytes())
+        copies.append(copy)
+    n = len(native.SOURCES)
+    monkeypatch.setattr(native, "SOURCES", tuple(copies[:n]))
+    monkeypatch.setattr(native, "HEADERS", tuple(copies[n:]))
+    names = {native.library_path(tmp_path).name}
+    for copy in copies:
+        copy.write_bytes(copy.read_bytes() + b"\n")
+        names.add(native.library_path(tmp_path).name)
+    assert len(names) == len(copies) + 1

@@ -358,7 +358,7 @@ def test_linear_matches_float64_reference(host, fmt):
 
 
 def _bf16_rne(x: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bits, round to nearest even, as spelled out in gemm.c's npud_round_bf16."""
+    """float32 -> bf16 bits, round to nearest even, as spelled out in bf16dot.c's npud_round_bf16."""
     u = x.view(np.uint32).astype(np.uint64)
     out = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
     out = np.where(u & 0x7F800000 == 0, (u >> 16) & 0x8000, out)  # zeros and subnormals: signed zero
@@ -366,7 +366,7 @@ def _bf16_rne(x: np.ndarray) -> np.ndarray:
 
 
 def _bd_step(acc: np.ndarray, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """vdpbf16ps's step (gemm.c's bd_step) for small finite inputs: acc + x w rounded once to 24
+    """vdpbf16ps's step (bf16dot.c's bd_step) for small finite inputs: acc + x w rounded once to 24
     significant bits whatever the exponent (in float64 then float32 at 2^64 times the size: exact
     for the test's inputs, as _fma32), then a result below FLT_MIN flushed to a zero of its sign."""
     s = (acc.astype(np.float64) + x.astype(np.float64) * w.astype(np.float64)) * 2.0**64

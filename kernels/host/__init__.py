@@ -30,7 +30,7 @@ def _start_numba_threads_passive() -> None:
 
     On libgomp (numba's threading layer here) the threads spin for about 300k pauses after each
     parallel region when the policy is unset: on a machine with no core to spare they hold the
-    core the GEMM pool's worker (gemm.c) needs next. libgomp reads the policy once, when it
+    core the GEMM pool's worker (pool.c) needs next. libgomp reads the policy once, when it
     loads, so the variable is set for that moment only: left in the environment it would slow
     every other OpenMP runtime that loads later, in this process (torch) or in a child
     (llama.cpp, which a benchmark runs beside us).

@@ -87,7 +87,7 @@ def _adversarial(rng: np.random.Generator, rows: int, cols: int, k: int) -> tupl
 
 
 def check_bf16_dot_hardware(rows: int = 8, k: int = 301, n: int = 136, seed: int = 1) -> bool:
-    """Compare bf16-bf16's vdpbf16ps path with its C emulation (gemm.c's bd_step) on adversarial
+    """Compare bf16-bf16's vdpbf16ps path with its C emulation (bf16dot.c's bd_step) on adversarial
     inputs (_adversarial); where they differ, the format uses the emulation from then on (so its
     bits never depend on the path) and a warning says so. Returns whether the instruction is in use."""
     if not native.bf16_dot_hardware():

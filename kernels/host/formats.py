@@ -21,7 +21,7 @@ Registered here:
   integer block sums (VNNI's vpdpbusd where present), one FMA per block (gemm.c's q8 path).
 - BF16_BF16: BF16's weights against activations rounded per row to bf16: words [ceil(N / 64),
   Kp / 2, 64] each holding one column's (w[k], w[k + 1]), Kp = K rounded up to even, two
-  flushed FMAs per word (AVX512_BF16's vdpbf16ps where present, gemm.c's bf16-dot path).
+  flushed FMAs per word (AVX512_BF16's vdpbf16ps where present, bf16dot.c).
 Prepared tiles are copied into huge-page-backed memory (resident.py), which a one-row GEMM
 streams faster.
 """
@@ -164,7 +164,7 @@ class Q8Blocks:
 def pack_bf16_pairs(w: np.ndarray) -> np.ndarray:
     """bf16 bits [N, K] -> uint32 [ceil(N / TILE), Kp / 2, TILE], each word (w[k] low, w[k + 1] high)
     of one column, Kp = K rounded up to even; padding holds zeros, and so do subnormal weights
-    (the kernel's inputs are never subnormal: gemm.c's bf16-dot section says why)."""
+    (the kernel's inputs are never subnormal: bf16dot.c says why)."""
     n, k = w.shape
     tiles, kp = -(-n // TILE), k + k % 2
     padded = np.zeros((tiles * TILE, kp), np.uint16)

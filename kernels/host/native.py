@@ -26,7 +26,7 @@ library says no worker reads them. ctypes releases the GIL for the call.
 Attention (attention.c says how each output is computed) runs in the same library: one kernel
 for a decode step, a verify and a prefill chunk, so their rows agree by construction. Its threads
 are a persistent Python pool calling the nogil function on whole kv heads or whole rows (not
-gemm.c's pool, which divides GEMM tiles).
+pool.c, which divides GEMM tiles).
 
 Build: on first use, or ahead of time with `python -m kernels.host` (tools/test.sh and
 tools/demo.sh do so after installing). The shared object is named by a digest of the sources
@@ -61,13 +61,14 @@ QB = 32  # activation quantization block (gemm.c's QB)
 ISA_NAMES = ("generic", "avx2", "avx512", "avx512-vnni", "avx512-bf16")  # each has the ones before it
 FMT_F32, FMT_BF16, FMT_I8, FMT_Q8 = 0, 1, 2, 3
 
-SOURCES = (Path(__file__).with_name("gemm.c"), Path(__file__).with_name("attention.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemm.c", "bf16dot.c", "pool.c", "attention.c"))
+HEADERS = (Path(__file__).with_name("gemm.h"),)  # the library's name covers them too
 # -ffp-contract=off: the only FMAs are the explicit ones; no -ffast-math: no reassociation
 CFLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-pthread", "-std=gnu11")
 
 _lock = threading.Lock()
 _call_lock = threading.Lock()  # a call and the bookkeeping of what a stalled worker still reads
-_held: list = []  # arrays of finished calls a stalled worker may still read (gemm.c's pool)
+_held: list = []  # arrays of finished calls a stalled worker may still read (pool.c)
 _lib: ctypes.CDLL | None = None
 _threads = 0
 _isa_in_use = ""
@@ -83,13 +84,13 @@ class BuildError(RuntimeError):
 
 def library_path(directory: Path | None = None) -> Path:
     """Where the shared object for this source and these flags lives."""
-    sources = b"".join(src.name.encode() + src.read_bytes() for src in SOURCES)
+    sources = b"".join(src.name.encode() + src.read_bytes() for src in SOURCES + HEADERS)
     digest = hashlib.sha256(sources + " ".join(CFLAGS).encode() + platform.machine().encode())
     return (directory or cache_dir()) / f"npud_gemm-{digest.hexdigest()[:16]}.so"
 
 
 def build(directory: Path | None = None) -> Path:
-    """Compile gemm.c and attention.c into the cache directory unless it is there; returns the shared object's path.
+    """Compile SOURCES into the cache directory unless it is there; returns the shared object's path.
 
     Raises BuildError when gcc is missing or fails.
     """
@@ -321,7 +322,7 @@ def linear_bf16_dot(x: np.ndarray, w: np.ndarray, n: int, bias: np.ndarray | Non
 
 
 def round_bf16(x: np.ndarray, kp: int | None = None) -> np.ndarray:
-    """x: [M, K] f32 -> the bf16 bits [M, kp] (zero-padded) the bf16-dot GEMM multiplies (gemm.c says how)."""
+    """x: [M, K] f32 -> the bf16 bits [M, kp] (zero-padded) the bf16-dot GEMM multiplies (bf16dot.c says how)."""
     m, k = x.shape
     out = np.empty((m, k if kp is None else kp), np.uint16)
     library().npud_round_bf16(x.ctypes.data, m, k, out.shape[1], out.ctypes.data)
