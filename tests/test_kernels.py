@@ -211,6 +211,32 @@ def test_weight_addresses_are_forgotten_with_their_arrays():
         assert key not in native._addresses
 
 
+
+def test_activation_addresses_are_the_arrays_own():
+    # native._addr takes the buffer protocol's address; arrays it refuses take numpy's way
+    a = np.arange(48, dtype=np.float32).reshape(6, 8)
+    read_only = a.copy()
+    read_only.flags.writeable = False
+    cases = [a, a[2:5], a[5:], read_only, np.empty((0, 8), np.float32), a[:, 1:3], np.asfortranarray(a)]
+    for x in cases:
+        assert native._addr(x) == x.ctypes.data
+
+
+def test_linear_reads_views_and_read_only_rows_at_their_own_address(host):
+    # a row-offset view, a read-only array and an empty one reach the kernel at their own data
+    rng = np.random.default_rng(15)
+    dense = rng.standard_normal((64, 32)).astype(np.float32)
+    w = host.prepare_linear(LinearWeight(WeightFormat.FP32, dense, None, None))
+    rows = rng.standard_normal((5, 32)).astype(np.float32)
+    want = host.linear(rows.copy(), w).view(np.uint32)
+    read_only = rows.copy()
+    read_only.flags.writeable = False
+    assert np.array_equal(host.linear(rows[2:4], w).view(np.uint32), want[2:4])
+    assert np.array_equal(host.linear(read_only, w).view(np.uint32), want)
+    assert host.linear(rows[:0], w).shape == (0, 64)
+    first, second = host.linear(rows[:1], w), host.linear(rows[1:2], w)  # two results kept: distinct outputs
+    assert np.array_equal(first.view(np.uint32), want[:1]) and np.array_equal(second.view(np.uint32), want[1:2])
+
 def _fma32(a, b, c) -> np.ndarray:
     """fma(a, b, c) on float32 arrays, rounded once: a * b is exact in float64, TwoSum gives the
     sum's float64 rounding s and its error, and the error breaks the tie when s lies halfway
@@ -658,11 +684,12 @@ def test_every_path_and_thread_count_gives_the_same_attention_bits(window, isa_a
 
 
 def test_attention_rejects_positions_outside_the_cache(host):
-    q = np.zeros((1, 2, 8), np.float32)
     kv = np.zeros((4, 1, 8), np.float32)
-    for p in (-1, 4):
+    for p in ([-1], [4], [0, 4], [-1, 3], [1, 2, 4]):  # one row (a decode step) and several
         with pytest.raises(ValueError, match=r"positions must lie in 0\.\.3"):
-            host.attention(q, kv, kv, np.array([p]), 0, 1.0)
+            host.attention(np.zeros((len(p), 2, 8), np.float32), kv, kv, np.array(p), 0, 1.0)
+    for p in ([0], [3], [0, 3]):  # the first and the last key are in the cache
+        assert host.attention(np.zeros((len(p), 2, 8), np.float32), kv, kv, np.array(p), 0, 1.0).shape == (len(p), 2, 8)
 
 
 def test_bf16_rounding_matches_torch():

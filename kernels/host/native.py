@@ -216,6 +216,21 @@ def _ptr(a: np.ndarray | None) -> int | None:
     return None if a is None else a.ctypes.data
 
 
+_byte_at = ctypes.c_char.from_buffer
+_address_of = ctypes.addressof
+
+
+def _addr(a: np.ndarray) -> int:
+    """The data address of a C-contiguous array: a third of the cost of a.ctypes.data (which
+    builds a ctypes helper object), paid on each activation and output of every per-layer call.
+    The buffer protocol hands out the same address; an array it refuses (read-only, empty, or
+    not C-contiguous) takes numpy's way."""
+    try:
+        return _address_of(_byte_at(a))
+    except (TypeError, ValueError):
+        return a.ctypes.data
+
+
 _addresses: dict[int, int] = {}  # id(weight array) -> its data address, while the array lives
 
 
@@ -274,8 +289,8 @@ def gemm(fmt: int, x: np.ndarray, w: np.ndarray, n: int, scale: np.ndarray | Non
     m, k = x.shape
     tiles = w.shape[0]
     out = np.empty((m, tiles * TILE), np.float32)
-    if _call(library().npud_gemm, (w, scale, bias), fmt, x.ctypes.data, m, k, _weight_ptr(w), tiles, n,
-             _weight_ptr(scale), _weight_ptr(bias), out.ctypes.data, threads() if parallel else 1) < 0:
+    if _call((_lib or library()).npud_gemm, (w, scale, bias), fmt, _addr(x), m, k, _weight_ptr(w), tiles, n,
+             _weight_ptr(scale), _weight_ptr(bias), _addr(out), threads() if parallel else 1) < 0:
         raise MemoryError(f"no memory for a transposed copy of a [{m}, {k}] activation")
     return out
 
@@ -287,8 +302,8 @@ def linear_q8(x: np.ndarray, w: np.ndarray, n: int, scale: np.ndarray, bias: np.
     m, k = x.shape
     tiles, kp = w.shape[0], w.shape[1] * 4
     out = np.empty((m, tiles * TILE), np.float32)
-    if _call(library().npud_linear_q8, (w, scale, bias), x.ctypes.data, m, k, kp, _weight_ptr(w), tiles, n,
-             _weight_ptr(scale), _weight_ptr(bias), out.ctypes.data, threads() if parallel else 1) < 0:
+    if _call((_lib or library()).npud_linear_q8, (w, scale, bias), _addr(x), m, k, kp, _weight_ptr(w), tiles, n,
+             _weight_ptr(scale), _weight_ptr(bias), _addr(out), threads() if parallel else 1) < 0:
         raise MemoryError(f"no memory for the q8 rows of a [{m}, {kp}] activation")
     return out
 
@@ -311,8 +326,8 @@ def linear_bf16_dot(x: np.ndarray, w: np.ndarray, n: int, bias: np.ndarray | Non
     m, k = x.shape
     tiles, kp = w.shape[0], w.shape[1] * 2
     out = np.empty((m, tiles * TILE), np.float32)
-    if _call(library().npud_linear_bd, (w, bias), x.ctypes.data, m, k, kp, _weight_ptr(w), tiles, n, None,
-             _weight_ptr(bias), out.ctypes.data, threads() if parallel else 1) < 0:
+    if _call((_lib or library()).npud_linear_bd, (w, bias), _addr(x), m, k, kp, _weight_ptr(w), tiles, n, None,
+             _weight_ptr(bias), _addr(out), threads() if parallel else 1) < 0:
         raise MemoryError(f"no memory for the bf16 rows of a [{m}, {kp}] activation")
     return out
 
@@ -379,12 +394,12 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray
     With `parallel`, units of whole rows of whole kv heads go to threads (the caller's included)
     that take them from one queue; no output depends on which thread computed it. Raises
     MemoryError when a unit's scratch (its scores and a transposed key chunk) cannot be allocated."""
-    lib = library()
+    lib = _lib or library()
     m, h, dh = q.shape
     t, kvh = k.shape[0], k.shape[1]
     out = np.empty_like(q)
-    args = (ISA_NAMES.index(_isa_in_use), q.ctypes.data, m, h, dh, k.ctypes.data, v.ctypes.data, t, kvh,
-            positions.ctypes.data, window, scale, out.ctypes.data)
+    args = (ISA_NAMES.index(_isa_in_use), _addr(q), m, h, dh, _addr(k), _addr(v), t, kvh, _addr(positions),
+            window, scale, _addr(out))
     n_threads = threads() if parallel else 1
     if n_threads == 1:  # a decode step's call: no more Python than the call itself
         ok = lib.npud_attention(*args, 0, kvh, 0, m) == 0
@@ -448,8 +463,8 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, parallel: bool) -> n
     """x [M, D] f32, weight [D] f32 -> [M, D] f32 (pointwise.c says how)."""
     m, d = x.shape
     out = np.empty_like(x)
-    _rows(library().npud_rms_norm, m, x.size, parallel, ISA_NAMES.index(_isa_in_use), x.ctypes.data, d,
-          _weight_ptr(weight), eps, out.ctypes.data)
+    _rows((_lib or library()).npud_rms_norm, m, x.size, parallel, ISA_NAMES.index(_isa_in_use), _addr(x), d,
+          _weight_ptr(weight), eps, _addr(out))
     return out
 
 
@@ -462,7 +477,7 @@ def _rope_table(positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
         return entry[2]
     m, half = positions.shape[0], inv_freq.shape[0]
     table = np.empty((m, 2 * half), np.float32)
-    library().npud_rope_table(positions.ctypes.data, inv_freq.ctypes.data, half, table.ctypes.data, 0, m)
+    (_lib or library()).npud_rope_table(_addr(positions), _addr(inv_freq), half, _addr(table), 0, m)
     if len(_rope_tables) >= 8:  # models alive in this process rarely have more than two rotary tables
         _rope_tables.clear()
     _rope_tables[id(inv_freq)] = (inv_freq, key, table)  # holding inv_freq keeps its id
@@ -476,8 +491,8 @@ def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, parallel: b
     half = inv_freq.shape[0]
     table = _rope_table(positions, inv_freq)
     out = np.empty_like(x)
-    _rows(library().npud_rope, m, x.size, parallel, ISA_NAMES.index(_isa_in_use), x.ctypes.data, h, dh, half,
-          table.ctypes.data, out.ctypes.data)
+    _rows((_lib or library()).npud_rope, m, x.size, parallel, ISA_NAMES.index(_isa_in_use), _addr(x), h, dh, half,
+          _addr(table), _addr(out))
     return out
 
 
@@ -485,6 +500,6 @@ def silu_mul(gate: np.ndarray, up: np.ndarray, parallel: bool) -> np.ndarray:
     """gate, up [M, F] f32 -> silu(gate) * up [M, F] f32 (pointwise.c says how)."""
     m, f = gate.shape
     out = np.empty_like(gate)
-    _rows(library().npud_silu_mul, m, gate.size, parallel, ISA_NAMES.index(_isa_in_use), gate.ctypes.data,
-          up.ctypes.data, f, out.ctypes.data)
+    _rows((_lib or library()).npud_silu_mul, m, gate.size, parallel, ISA_NAMES.index(_isa_in_use), _addr(gate),
+          _addr(up), f, _addr(out))
     return out
