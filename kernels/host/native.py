@@ -28,6 +28,10 @@ for a decode step, a verify and a prefill chunk, so their rows agree by construc
 are a persistent Python pool calling the nogil function on whole kv heads or whole rows (not
 pool.c, which divides GEMM tiles).
 
+The per-row kernels (RMS norm, RoPE, SiLU-and-multiply: pointwise.c says how) are in the library
+too: a decode step's call goes straight to it; a prefill-sized one is split by whole rows over
+attention's pool (_rows), so no row's bits depend on the split.
+
 Build: on first use, or ahead of time with `python -m kernels.host` (tools/test.sh and
 tools/demo.sh do so after installing). The shared object is named by a digest of the sources
 and flags, in cache_dir(); a build writes a temporary file and renames it, so concurrent
