@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from isolated import run_isolated
 from synth import QWEN3_0P5B, build_random_checkpoint
 
 from engine.forward import Forward
@@ -168,27 +169,6 @@ def profiles_of(model: Model, prompt: list[int], long_prompt: list[int]) -> dict
 # ------------------------------------------------------------------ the others
 
 
-def hf_run(ckpt, dtype: str, prompt: list[int], long_prompt: list[int], steps: int) -> tuple[float, float]:
-    """(median decode step seconds after `prompt`, seconds to prefill `long_prompt`) for transformers."""
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype)).eval()
-    times = []
-    with torch.no_grad():
-        res = model(torch.tensor([prompt]), use_cache=True)
-        pkv, logits = res.past_key_values, res.logits[0, -1]
-        for _ in range(steps):
-            t = int(torch.argmax(logits))
-            t0 = time.perf_counter()
-            res = model(torch.tensor([[t]]), past_key_values=pkv, use_cache=True)
-            times.append(time.perf_counter() - t0)
-            pkv, logits = res.past_key_values, res.logits[0, -1]
-        prefill = _timed(lambda: model(torch.tensor([long_prompt]), use_cache=True))
-    del model
-    return statistics.median(times), prefill
-
-
 def llama_run(ckpt: Path, gguf_type: str, threads: int, long_prompt: list[int], decode_prompt: int,
               steps: int) -> dict | None:
     """llama.cpp's prefill and decode tok/s, or None (with the reason printed) where it cannot run."""
@@ -264,12 +244,9 @@ def main() -> None:
                     print(f"# llama.cpp {gguf_type} threads={threads}: {res['decode_tok_s']:.1f} tok/s decode, "
                           f"{res['prefill_tok_s']:.1f} tok/s prefill", flush=True)
     if not args.no_hf:
-        import torch
-
-        torch.set_num_threads(2)
-        for dtype in ("float32", "bfloat16"):
-            step, prefill = hf_run(ckpt, dtype, prompt, long_prompt, args.tokens)
-            rows.append((f"transformers {torch.__version__} {dtype}", 2, step, prefill, None, None, None))
+        for dtype in ("float32", "bfloat16"):  # in a process of its own: isolated.py says why
+            hf = run_isolated("hf_reference", "hf_run", str(ckpt), dtype, prompt, long_prompt, args.tokens, 2)
+            rows.append((f"transformers {hf['torch']} {dtype}", 2, hf["step"], hf["prefill"], None, None, None))
 
     print(f"\n# bench/decode.py: {name}, greedy decode after a 16-token prompt ({args.tokens} steps, median), "
           f"prefill of {len(long_prompt)} tokens (best of 2)")

@@ -229,7 +229,10 @@ def main() -> None:
                      time.perf_counter() - t, llama.get("max_rss", 0) / 2**20, llama.get("max_rss", 0) / size,
                      llama["decode_tok_s"], llama["prefill_tok_s"], first_divergence(ours["tokens"], llama["tokens"])])
     if "transformers" not in skip:
-        hf = transformers_engine(path, prompt512, args.decode, args.threads)
+        from isolated import run_isolated
+
+        # in a process of its own (isolated.py says why)
+        hf = run_isolated("real_model", "transformers_engine", path, prompt512, args.decode, args.threads)
         rows.append(["transformers fp32 (dequantized)", hf["load"], hf["resident"] / 2**20, hf["resident"] / size,
                      hf["decode"], hf["prefill"], first_divergence(ours["tokens"], hf["tokens"])])
     spec = speculative_rows(ours["model"], tokenizer, args.tokens, args.reps)
