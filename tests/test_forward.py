@@ -115,18 +115,6 @@ def test_low_precision_weights_match_rounded_reference(checkpoints, tmp_path, na
 Q8_ACTIVATION_BOUND = 6e-2
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama_tied_gqa"])
-def test_int8_q8_activations_match_dequantized_reference(checkpoints, tmp_path, name):
-    ckpt = checkpoints[name]
-    ours = Forward(Model.load(ckpt, "int8-q8")).step_batch_all(PROMPT, 0)
-    ref_model = _rounded_reference(ckpt, tmp_path, _int8_round)
-    with torch.no_grad():
-        ref = ref_model(torch.tensor([PROMPT])).logits[0].numpy()
-    err = np.abs(ours - ref).max() / np.abs(ref).max()
-    assert err <= Q8_ACTIVATION_BOUND, err
-    assert np.mean(ours.argmax(-1) == ref.argmax(-1)) >= 0.9
-
-
 # bf16-bf16 rounds every activation entering a linear layer to bf16 (each value off by up to
 # 2^-9 of itself), so its bound against the same bf16 weights in fp32 arithmetic is looser: the
 # README states it
@@ -134,14 +122,17 @@ BF16_ACTIVATION_BOUND = 3e-2  # measured 7.5e-3 (qwen3), 1.7e-2 (llama_tied_gqa)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama_tied_gqa"])
-def test_bf16_bf16_activations_match_bf16_weight_reference(checkpoints, tmp_path, name):
+@pytest.mark.parametrize("fmt, rounding, bound", [("int8-q8", _int8_round, Q8_ACTIVATION_BOUND),
+                                                  ("bf16-bf16", _bf16_round, BF16_ACTIVATION_BOUND)])
+def test_rounded_activation_formats_match_their_weights_reference(checkpoints, tmp_path, name, fmt, rounding, bound):
+    # int8-q8 against transformers on the dequantized int8 weights, bf16-bf16 on the same bf16 ones
     ckpt = checkpoints[name]
-    ours = Forward(Model.load(ckpt, "bf16-bf16")).step_batch_all(PROMPT, 0)
-    ref_model = _rounded_reference(ckpt, tmp_path, _bf16_round)
+    ours = Forward(Model.load(ckpt, fmt)).step_batch_all(PROMPT, 0)
+    ref_model = _rounded_reference(ckpt, tmp_path, rounding)
     with torch.no_grad():
         ref = ref_model(torch.tensor([PROMPT])).logits[0].numpy()
     err = np.abs(ours - ref).max() / np.abs(ref).max()
-    assert err <= BF16_ACTIVATION_BOUND, err
+    assert err <= bound, err
     assert np.mean(ours.argmax(-1) == ref.argmax(-1)) >= 0.9
 
 

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from kernel_fixtures import isa_and_threads  # noqa: F401  (a fixture)
+
 from kernels.select import RowwiseBackend, select_backend
 from kernels.base import LinearWeight, WeightFormat
 from kernels.host import KERNELS, QB, TILE, HostBackend, check_batch_invariance, native, pack_q8, pack_tiles
@@ -24,15 +26,6 @@ from kernels import xrt
 @pytest.fixture(scope="module")
 def host():
     return HostBackend()
-
-
-@pytest.fixture
-def isa_and_threads():
-    """Restores the kernel path and thread count a test changes."""
-    isa, threads = native.isa(), native.threads()
-    yield
-    native.set_isa(isa)
-    native.set_threads(threads)
 
 
 def test_self_check_passes_on_this_machine(host):

@@ -10,18 +10,12 @@ import math
 import numpy as np
 import pytest
 
+from kernel_fixtures import isa_and_threads  # noqa: F401  (a fixture)
+
 from kernels.host import HostBackend, native
 from kernels.host.check import check_rowwise_invariance
 
 ROWS = [*range(1, 17), 37, 512]  # decode, verify, a prefill chunk, a prefill
-
-
-@pytest.fixture
-def isa_and_threads():
-    isa, threads = native.isa(), native.threads()
-    yield
-    native.set_isa(isa)
-    native.set_threads(threads)
 
 
 def _paths() -> list[str]:
@@ -73,7 +67,7 @@ def test_prefill_sized_calls_take_the_threads(isa_and_threads, monkeypatch):
     # the default threshold: a 512-row call of these sizes is split into blocks of whole rows
     native.set_threads(2)
     blocks = []
-    monkeypatch.setattr(native, "_on_threads", lambda n, run: blocks.append(n) or run())
+    monkeypatch.setattr(native, "_on_threads", lambda n, units, call: blocks.append(n) or [call(u) for u in units])
     for _, call in _cases(np.random.default_rng(0)):
         call(0, 512, True)
         call(0, 1, True)

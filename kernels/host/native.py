@@ -364,14 +364,27 @@ _attention_pool: ThreadPoolExecutor | None = None
 _attention_pool_size = 0
 
 
-def _on_threads(n_threads: int, run) -> bool:
-    """run() on n_threads threads, the caller's and n_threads - 1 of the persistent pool's; each
-    run takes its work from a queue the caller shares. Returns whether every run returned True."""
+def _on_threads(n_threads: int, units, call) -> bool:
+    """call(unit) for every unit, on n_threads threads (the caller's and n_threads - 1 of the
+    persistent pool's), each taking the next unit from one shared queue; a call returning False
+    ends that thread's share. Returns whether no call returned False."""
     global _attention_pool, _attention_pool_size
     with _lock:
         if _attention_pool_size < n_threads - 1:  # the pool only grows (set_threads may raise the count)
             _attention_pool = ThreadPoolExecutor(n_threads - 1, thread_name_prefix="npud-attention")
             _attention_pool_size = n_threads - 1
+    queue = iter(units)
+    take = threading.Lock()
+
+    def run() -> bool:
+        while True:
+            with take:
+                unit = next(queue, None)
+            if unit is None:
+                return True
+            if call(unit) is False:
+                return False
+
     helpers = [_attention_pool.submit(run) for _ in range(n_threads - 1)]
     ok = run()
     return all([f.result() for f in helpers]) and ok
@@ -408,19 +421,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray
     if n_threads == 1:  # a decode step's call: no more Python than the call itself
         ok = lib.npud_attention(*args, 0, kvh, 0, m) == 0
     else:
-        units = iter(_attention_units(m, kvh, n_threads, m * h * t * dh))
-        take = threading.Lock()
-
-        def run() -> bool:
-            while True:
-                with take:
-                    unit = next(units, None)
-                if unit is None:
-                    return True
-                if lib.npud_attention(*args, *unit) < 0:
-                    return False
-
-        ok = _on_threads(n_threads, run)
+        units = _attention_units(m, kvh, n_threads, m * h * t * dh)
+        ok = _on_threads(n_threads, units, lambda unit: lib.npud_attention(*args, *unit) == 0)
     if not ok:
         raise MemoryError(f"no memory for the attention scratch of {m} rows over {t} keys")
     return out
@@ -449,18 +451,8 @@ def _rows(fn, m: int, elements: int, parallel: bool, *args) -> None:
         fn(*args, 0, m)
         return
     blocks = min(m, 4 * n_threads)  # more blocks than threads: a thread on a busy core leaves its share
-    units = iter([(m * b // blocks, m * (b + 1) // blocks) for b in range(blocks)])
-    take = threading.Lock()
-
-    def run() -> bool:
-        while True:
-            with take:
-                unit = next(units, None)
-            if unit is None:
-                return True
-            fn(*args, *unit)
-
-    _on_threads(n_threads, run)
+    _on_threads(n_threads, [(m * b // blocks, m * (b + 1) // blocks) for b in range(blocks)],
+                lambda unit: fn(*args, *unit))
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, parallel: bool) -> np.ndarray:
