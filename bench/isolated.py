@@ -1,9 +1,9 @@
 """Run a benchmark's function in a fresh interpreter, for the engines npud must not share a process with.
 
 Beside npud's kernels another engine would run in a process that is not the one its users run:
-npud starts numba's libgomp threads with OMP_WAIT_POLICY=passive (kernels/host/__init__.py) and
-torch uses the same libgomp, which reads the policy once per process; npud's thread pools and
-its freed model memory are there too. In bench/decode.py transformers' bf16 decode ran at
+for a hybrid model npud starts numba's libgomp threads with OMP_WAIT_POLICY=passive
+(kernels/host/recurrent.py) and torch uses the same libgomp, which reads the policy once per
+process; npud's thread pools and its freed model memory are there too. In bench/decode.py transformers' bf16 decode ran at
 6.7-8.7 tok/s in npud's process; alone, 9.4-11.0 in one A/B run (the machine's noise is of
 that order too), so every transformers row now runs alone.
 """

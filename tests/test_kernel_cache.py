@@ -43,7 +43,7 @@ b.gdn_gates(x[:, :2], x[:, :2], np.zeros(2, np.float32), np.zeros(2, np.float32)
 q = r((2, 2, 4)).astype(np.float32)
 for parallel in (False, True):
     out = np.empty_like(q)
-    recurrent.GATED_DELTA[parallel](q, q, q, np.zeros((2, 2), np.float32), np.ones((2, 2), np.float32),
+    recurrent.gated_delta(parallel)(q, q, q, np.zeros((2, 2), np.float32), np.ones((2, 2), np.float32),
                                     np.zeros((2, 4, 4), np.float32), out, np.empty((2, 2, 4, 4), np.float32))
 """
 

@@ -174,10 +174,10 @@ def test_pool_chunks_are_many_per_thread_and_small(k, tiles, chunks, isa_and_thr
 
 
 def test_numbas_openmp_threads_wait_passively_and_nothing_else_inherits_it():
-    # spinning OpenMP threads held the core the GEMM pool's worker needed (kernels/host/__init__.py);
+    # spinning OpenMP threads held the core the GEMM pool's worker needed (kernels/host/recurrent.py);
     # libgomp shows the policy it read when OMP_DISPLAY_ENV is set. The variable must not stay in
     # the environment: torch in this process and llama.cpp in a child would read it too.
-    code = "import os, kernels.host; print(os.environ.get('OMP_WAIT_POLICY'))"
+    code = "import os; from kernels.host import recurrent; recurrent.gated_delta(True); print(os.environ.get('OMP_WAIT_POLICY'))"
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {"OMP_DISPLAY_ENV": "TRUE"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert "OMP_WAIT_POLICY = 'PASSIVE'" in out.stderr

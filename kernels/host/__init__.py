@@ -15,39 +15,12 @@ attention.c and pointwise.c how); the other kernels are numba (recurrent.py). fo
 the weight formats and their layouts, check.py the self-check that proves the property on this machine at start-up.
 """
 
-import os
-
 from kernels.host import cache as _cache  # noqa: F401  (first: it points numba at the cache directory)
 from kernels.host import native
 from kernels.host.backend import PARALLEL_MIN_WORK, HostBackend
 from kernels.host.check import CHECK_ROWS, check_batch_invariance
 from kernels.host.formats import KERNELS, pack_q8, pack_tiles, register
 from kernels.host.native import QB, TILE
-
-
-def _start_numba_threads_passive() -> None:
-    """Start numba's parallel threads with OMP_WAIT_POLICY=passive unless the environment sets it.
-
-    On libgomp (numba's threading layer here) the threads spin for about 300k pauses after each
-    parallel region when the policy is unset: on a machine with no core to spare they hold the
-    core the GEMM pool's worker (pool.c) needs next. libgomp reads the policy once, when it
-    loads, so the variable is set for that moment only: left in the environment it would slow
-    every other OpenMP runtime that loads later, in this process (torch) or in a child
-    (llama.cpp, which a benchmark runs beside us).
-    """
-    from numba.np.ufunc import parallel
-
-    ours = "OMP_WAIT_POLICY" not in os.environ
-    if ours:
-        os.environ["OMP_WAIT_POLICY"] = "passive"
-    try:
-        parallel._launch_threads()
-    finally:
-        if ours:
-            del os.environ["OMP_WAIT_POLICY"]
-
-
-_start_numba_threads_passive()
 
 
 def num_threads() -> int:

@@ -140,7 +140,7 @@ class HostBackend:
         m, hv, dv = v.shape
         out = np.empty((m, hv, dv), np.float32)
         states = np.empty((m,) + state.shape, np.float32)
-        recurrent.GATED_DELTA[self.parallel and m * state.size >= PARALLEL_MIN_WORK // 8](
+        recurrent.gated_delta(self.parallel and m * state.size >= PARALLEL_MIN_WORK // 8)(
             q, k, v, np.ascontiguousarray(log_decay), np.ascontiguousarray(beta),
             np.ascontiguousarray(state, dtype=np.float32), out, states,
         )

@@ -358,21 +358,20 @@ def embed(fmt: int, w: np.ndarray, k: int, d: int, tokens: np.ndarray, scale: np
     return out
 
 
-
 ATTENTION_UNIT_WORK = 1 << 22  # rows x heads x keys x head size a threaded unit has at least (~0.2 ms)
-_attention_pool: ThreadPoolExecutor | None = None
-_attention_pool_size = 0
+_pool: ThreadPoolExecutor | None = None  # attention's and the per-row kernels' threads (the GEMMs have pool.c)
+_pool_size = 0
 
 
 def _on_threads(n_threads: int, units, call) -> bool:
     """call(unit) for every unit, on n_threads threads (the caller's and n_threads - 1 of the
     persistent pool's), each taking the next unit from one shared queue; a call returning False
     ends that thread's share. Returns whether no call returned False."""
-    global _attention_pool, _attention_pool_size
+    global _pool, _pool_size
     with _lock:
-        if _attention_pool_size < n_threads - 1:  # the pool only grows (set_threads may raise the count)
-            _attention_pool = ThreadPoolExecutor(n_threads - 1, thread_name_prefix="npud-attention")
-            _attention_pool_size = n_threads - 1
+        if _pool_size < n_threads - 1:  # the pool only grows (set_threads may raise the count)
+            _pool = ThreadPoolExecutor(n_threads - 1, thread_name_prefix="npud-rows")
+            _pool_size = n_threads - 1
     queue = iter(units)
     take = threading.Lock()
 
@@ -385,7 +384,7 @@ def _on_threads(n_threads: int, units, call) -> bool:
             if call(unit) is False:
                 return False
 
-    helpers = [_attention_pool.submit(run) for _ in range(n_threads - 1)]
+    helpers = [_pool.submit(run) for _ in range(n_threads - 1)]
     ok = run()
     return all([f.result() for f in helpers]) and ok
 

@@ -10,6 +10,7 @@ depends on the row length, never on M. Transcendentals are taken in float64 and 
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 from numba import njit, prange
@@ -161,7 +162,42 @@ def _gated_delta_parallel(q, k, v, log_decay, beta, state, out, states):
         _gated_delta_head(q, k, v, log_decay, beta, state, out, states, h)
 
 
-GATED_DELTA = {False: _gated_delta_serial, True: _gated_delta_parallel}
+def gated_delta(parallel: bool):
+    """The gated delta rule kernel, its parallel build with numba's threads started first."""
+    if parallel:
+        _start_threads_passive()
+        return _gated_delta_parallel
+    return _gated_delta_serial
+
+
+_threads_started = False
+
+
+def _start_threads_passive() -> None:
+    """Start numba's parallel threads with OMP_WAIT_POLICY=passive unless the environment sets it.
+
+    On libgomp (numba's threading layer here) the threads spin for about 300k pauses after each
+    parallel region when the policy is unset: on a machine with no core to spare they hold the
+    core the GEMM pool's worker (pool.c) needs next. libgomp reads the policy once, when it
+    loads, so the variable is set for that moment only: left in the environment it would slow
+    every other OpenMP runtime that loads later, in this process (torch) or in a child
+    (llama.cpp, which a benchmark runs beside us). Started on the first parallel call, not at
+    import: only the hybrid (GDN) models have one.
+    """
+    global _threads_started
+    if _threads_started:
+        return
+    from numba.np.ufunc import parallel
+
+    ours = "OMP_WAIT_POLICY" not in os.environ
+    if ours:
+        os.environ["OMP_WAIT_POLICY"] = "passive"
+    try:
+        parallel._launch_threads()
+    finally:
+        if ours:
+            del os.environ["OMP_WAIT_POLICY"]
+    _threads_started = True
 
 
 @njit(cache=True, fastmath=False, nogil=True)
