@@ -28,6 +28,7 @@ import numpy as np
 from engine.config import AttentionKind
 from engine.model import Model
 from engine.state import ModelState, PlaneKind
+from kernels.base import add_rms_norm, norm_rope
 
 
 class TapSink(Protocol):
@@ -139,15 +140,21 @@ class Forward:
         self._record_rows = record_rows
         self.state.begin_pass()
         taps = []
+        delta = None  # a layer's output is x + delta: the add waits for the next norm, which does it too
         try:
             for spec, lw in zip(cfg.layers, w.layers):
-                x = self._layer(spec, lw, x, positions, per_layer)
+                x, delta = self._layer(spec, lw, x, delta, positions, per_layer)
                 if spec.index in self._tap_layers:
+                    if delta is not None:
+                        x, delta = x + delta, None  # the bits add_rms_norm's sum would have
                     taps.append((spec.index, x))
         except BaseException:
             self._roll_back(start_pos)  # a failed pass leaves nothing half-appended
             raise
-        final = b.rms_norm(x, w.final_norm, cfg.rms_norm_eps)
+        if delta is None:
+            final = b.rms_norm(x, w.final_norm, cfg.rms_norm_eps)
+        else:
+            final = add_rms_norm(b, x, delta, w.final_norm, cfg.rms_norm_eps)[1]
         self._last_hidden = final
         if self._tap_sink is not None:
             by_layer = dict(taps)
@@ -175,11 +182,17 @@ class Forward:
         context = b.rms_norm(context.reshape(m, n, p), w.per_layer_projection_norm, cfg.rms_norm_eps)
         return (context + identity.reshape(m, n, p)) * np.float32(2**-0.5)
 
-    def _layer(self, spec, lw, x: np.ndarray, positions: np.ndarray, per_layer: np.ndarray | None) -> np.ndarray:
-        """One decoder layer over the pass's M rows: x [M, D] -> [M, D]."""
+    def _layer(self, spec, lw, x: np.ndarray, delta: np.ndarray | None, positions: np.ndarray,
+               per_layer: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """One decoder layer over the pass's M rows. Its input is x + delta [M, D] (delta None: x);
+        returns its output as such a pair, the MLP's output left for the next norm to add where
+        nothing comes between (kernels.base.add_rms_norm: the add and the norm in one call)."""
         b, cfg = self.backend, self.config
         eps = cfg.rms_norm_eps
-        h = b.rms_norm(x, lw.input_norm, eps)
+        if delta is None:
+            h = b.rms_norm(x, lw.input_norm, eps)
+        else:
+            x, h = add_rms_norm(b, x, delta, lw.input_norm, eps)
         if spec.kind is AttentionKind.LINEAR:
             mixed = self._linear_attention(spec, lw.linear_attn, h)
         else:
@@ -190,15 +203,16 @@ class Forward:
             h = b.rms_norm(x, lw.pre_feedforward_norm, eps)
             x = x + b.rms_norm(self._mlp(lw.mlp, h), lw.post_feedforward_norm, eps)
         else:
-            x = x + mixed
-            h = b.rms_norm(x, lw.post_attention_norm, eps)
+            x, h = add_rms_norm(b, x, mixed, lw.post_attention_norm, eps)
+            if per_layer is None and lw.layer_scalar is None:
+                return x, self._mlp(lw.mlp, h)
             x = x + self._mlp(lw.mlp, h)
         if per_layer is not None:
             gated = self._act_mul(b.linear(x, lw.per_layer_gate), per_layer[:, spec.index, :])
             x = x + b.rms_norm(b.linear(gated, lw.per_layer_projection), lw.post_per_layer_norm, eps)
         if lw.layer_scalar is not None:
             x = x * lw.layer_scalar[0]
-        return x
+        return x, None
 
     def _act_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         if self.config.hidden_act == "silu":
@@ -207,26 +221,37 @@ class Forward:
 
     def _mlp(self, mw, h: np.ndarray) -> np.ndarray:
         b = self.backend
-        return b.linear(self._act_mul(b.linear(h, mw.gate), b.linear(h, mw.up)), mw.down)
+        if mw.gate_up is not None:  # one GEMM call; the activation reads the halves where they lie
+            gate, up = mw.gate_up.split(b.linear(h, mw.gate_up.weight))
+        else:
+            gate, up = b.linear(h, mw.gate), b.linear(h, mw.up)
+        return b.linear(self._act_mul(gate, up), mw.down)
+
+    def _norm_rope(self, x: np.ndarray, norm: np.ndarray | None, positions: np.ndarray,
+                   inv_freq: np.ndarray) -> np.ndarray:
+        if norm is None:
+            return self.backend.rope(x, positions, inv_freq)
+        return norm_rope(self.backend, x, norm, positions, inv_freq, self.config.rms_norm_eps)
 
     def _attention(self, spec, aw, h: np.ndarray, positions: np.ndarray) -> np.ndarray:
         b = self.backend
-        eps = self.config.rms_norm_eps
         m = h.shape[0]
-        q = b.linear(h, aw.q).reshape(m, spec.num_heads, spec.head_dim)
-        if aw.q_norm is not None:
-            q = b.rms_norm(q, aw.q_norm, eps)
         inv_freq = self.model.inv_freq[spec.index]
-        q = b.rope(q, positions, inv_freq)
+        if aw.qkv is not None:  # one GEMM call for q, k, v (and the output gate), then column views
+            q, k, v, *gate = aw.qkv.split(b.linear(h, aw.qkv.weight))
+        else:
+            q, k, v, gate = b.linear(h, aw.q), None, None, ()
+        q = self._norm_rope(q.reshape(m, spec.num_heads, spec.head_dim), aw.q_norm, positions, inv_freq)
         if spec.owns_kv:
-            k = b.linear(h, aw.k).reshape(m, spec.num_kv_heads, spec.head_dim)
-            # k_eq_v: the values are the raw key projection, before the key's norm and RoPE
-            v = k if aw.v is None else b.linear(h, aw.v).reshape(m, spec.num_kv_heads, spec.head_dim)
-            if aw.k_norm is not None:
-                k = b.rms_norm(k, aw.k_norm, eps)
+            if k is None:
+                k = b.linear(h, aw.k)
+                # k_eq_v: the values are the raw key projection, before the key's norm and RoPE
+                v = k if aw.v is None else b.linear(h, aw.v)
+            k = k.reshape(m, spec.num_kv_heads, spec.head_dim)
+            v = v.reshape(m, spec.num_kv_heads, spec.head_dim)
             if aw.v_norm is not None:
-                v = b.rms_norm(v, aw.v_norm, eps)
-            k = b.rope(k, positions, inv_freq)
+                v = b.rms_norm(v, aw.v_norm, self.config.rms_norm_eps)
+            k = self._norm_rope(k, aw.k_norm, positions, inv_freq)
             self.state.planes[spec.index].append(k, v)
         # a KV-shared layer reads the rows its owner appended, this pass's included
         plane = self.state.planes[spec.kv_owner]
@@ -234,8 +259,8 @@ class Forward:
             raise ValueError(f"layer {spec.index} reads KV from layer {spec.kv_owner}, which holds none")
         out = b.attention(q, plane.keys(), plane.values(), positions, spec.window, spec.scale)
         out = out.reshape(m, spec.num_heads * spec.head_dim)
-        if aw.gate is not None:
-            out = b.sigmoid_mul(out, b.linear(h, aw.gate))  # qwen3_5's output gate
+        if aw.gate is not None:  # qwen3_5's output gate
+            out = b.sigmoid_mul(out, gate[0] if gate else b.linear(h, aw.gate))
         return b.linear(out, aw.o)
 
     def _linear_attention(self, spec, gw, h: np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import ModelConfig, load_config
-from engine.weights import ModelWeights, load_weights, prepare_linears, weight_arrays
+from engine.weights import ModelWeights, fuse_projections, load_weights, prepare_linears, weight_arrays
 from kernels.select import default_backend
 from kernels.base import Backend, LinearWeight, WeightFormat
 
@@ -22,7 +22,8 @@ class Model:
     def __init__(self, config: ModelConfig, weights: ModelWeights, backend: Backend | None = None):
         self.config = config
         self.backend = backend if backend is not None else default_backend()
-        self.weights = prepare_linears(weights, self.backend)
+        # fused first, from the loaded rows: each part is then a view of its fused weight, not a copy
+        self.weights = prepare_linears(fuse_projections(weights, self.backend), self.backend)
         self.fingerprint = weights.fingerprint
         # what the checkpoint file says about itself (GGUF: architecture, quant mix, sizes); {} otherwise
         self.checkpoint_info: dict = {}

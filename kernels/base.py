@@ -8,6 +8,7 @@ an accepted draft means "the model would have chosen this token here", not "near
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -105,12 +106,64 @@ class LinearWeight:
         return n
 
 
+@dataclass(slots=True, frozen=True)
+class FusedLinear:
+    """Linear layers of one input held as one weight, so that one GEMM call computes them all.
+
+    Part i's outputs are columns starts[i] .. starts[i] + parts[i].out_features - 1 of the fused
+    call's; each column is computed as in the part's own call, so the bits are the same. The
+    parts are the backend's views into `weight` (no second copy): whoever holds a layer's own
+    fields (an accountant of weight bytes, another reader) sees them unchanged.
+    """
+
+    weight: LinearWeight
+    parts: tuple[LinearWeight, ...]
+    starts: tuple[int, ...]
+
+    def split(self, y: np.ndarray) -> list[np.ndarray]:
+        """y: [M, weight's N], the fused call's output -> each part's columns [M, N_i] (views)."""
+        return [y[:, s : s + p.out_features] for s, p in zip(self.starts, self.parts)]
+
+
+# The operations below are optional for a backend: where it has none of its own, the engine
+# calls these, which fuse nothing or compose the primitives, so any backend keeps working.
+
+
+def fuse_linears(backend, parts: Sequence[LinearWeight]) -> FusedLinear | None:
+    """`parts` (as loaded, one input) as one weight laid out for `backend`, or None where the
+    backend keeps them apart (the default: fusion is the backend's decision)."""
+    fuse = getattr(backend, "fuse_linears", None)
+    return fuse(parts) if callable(fuse) else None
+
+
+def add_rms_norm(backend, x: np.ndarray, delta: np.ndarray, weight: np.ndarray,
+                 eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """The residual add and the RMS norm after it: x, delta [M, D] -> (x + delta, rms_norm(x + delta))."""
+    fused = getattr(backend, "add_rms_norm", None)
+    if callable(fused):
+        return fused(x, delta, weight, eps)
+    total = x + delta
+    return total, backend.rms_norm(total, weight, eps)
+
+
+def norm_rope(backend, x: np.ndarray, weight: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray,
+              eps: float) -> np.ndarray:
+    """A head norm then RoPE: x [M, H, Dh], weight [Dh] -> rope(rms_norm(x)) [M, H, Dh]."""
+    fused = getattr(backend, "norm_rope", None)
+    if callable(fused):
+        return fused(x, weight, positions, inv_freq, eps)
+    return backend.rope(backend.rms_norm(x, weight, eps), positions, inv_freq)
+
+
 class Backend(Protocol):
     """Row-wise kernels. Shapes are written [rows, features]; all activations are fp32."""
 
     name: str
 
     # optional: numerics_id() -> str, the backend's numerics identity (see numerics_identity)
+    # optional, with the defaults above: fuse_linears(parts) -> FusedLinear | None;
+    # add_rms_norm(x, delta, weight, eps) -> (sum, normed); norm_rope(x, weight, positions, inv_freq, eps).
+    # Each must give the bits its default gives.
 
     def prepare_linear(self, w: LinearWeight) -> LinearWeight:
         """Re-lay out a loaded [N, K] weight for this backend (done once, at load)."""

@@ -275,6 +275,11 @@ class XrtBackend:
             out += w.bias
         return out
 
+    def fuse_linears(self, parts) -> None:
+        """Keeps every linear apart: a design is compiled for one layer's (K, N), and a fused shape has
+        none. Defined here because __getattr__ would answer with the host's fusion."""
+        return None
+
     def numerics_id(self) -> str:
         """What this backend's numbers depend on besides the weights: the design table's identity
         (its program files and tiles), which shapes run where, and the activation path. Defined

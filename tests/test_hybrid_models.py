@@ -54,6 +54,7 @@ from engine.forward import Forward
 from engine.model import Model, rows_equal
 from engine.prefix_cache import PrefixCache
 from engine.state import PlaneKind, StateError
+from engine.testing.backends import PrimitivesOnly
 from engine.tokenizer import Tokenizer
 
 VOCAB = 320
@@ -288,6 +289,26 @@ def test_batched_rows_bit_identical_to_sequential_steps(models, arch, prefix):
         rows = f.step_batch_all(tokens[prefix : prefix + m], prefix)
         for i in range(m):
             assert rows_equal(rows[i], stepped[prefix + i]), f"M={m} row {i} at position {prefix + i}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_projections_and_kernels_give_the_bits_of_the_primitives(ckpts, models, arch):
+    # qwen3_5's attention fuses q, k, v and the output gate; gemma4 fuses its sliding layers' q/k/v
+    # (not the k_eq_v or KV-shared ones) and every gate/up, and keeps its sandwich norms primitive
+    fused = models[arch]
+    plain = Model.load(ckpts[arch], "fp32", backend=PrimitivesOnly(fused.backend))
+    attn = [lw.attn for lw in fused.weights.layers if lw.attn is not None]
+    assert any(a.qkv is not None for a in attn) and all(lw.mlp.gate_up is not None for lw in fused.weights.layers)
+    if arch == "qwen3_5":
+        assert all(len(a.qkv.parts) == 4 for a in attn)
+
+    def logits(model):  # steps, a verify, a chunked prefill
+        f = Forward(model)
+        out = [f.step(t, i) for i, t in enumerate(LONG[:6])]
+        return out + [f.step_batch_all(LONG[6:14], 6), Forward(model, prefill_chunk=5).prefill(LONG[:20])]
+
+    assert all(rows_equal(a, b) for a, b in zip(logits(fused), logits(plain)))
+    assert fused.weight_bytes_per_token() == plain.weight_bytes_per_token()
 
 
 def _plane_positions(f):

@@ -1,7 +1,10 @@
-"""The C per-row kernels (kernels/host/pointwise.c): RMS norm, RoPE, SiLU-and-multiply.
+"""The C per-row kernels (kernels/host/pointwise.c): RMS norm, RoPE, SiLU-and-multiply, and the fused
+residual add + RMS norm and head norm + RoPE.
 
 Row i of an M-row call has the bits of a one-row call on every kernel path and thread count; the
-bits follow the order pointwise.c's header documents (RMS norm, RoPE) and are close to float64."""
+bits follow the order pointwise.c's header documents (RMS norm, RoPE) and are close to float64;
+a fused kernel gives the bits of the calls it replaces, its inputs read where they lie in a wider
+matrix (the column blocks of a fused projection's output)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import pytest
 
 from kernel_fixtures import isa_and_threads  # noqa: F401  (a fixture)
 
-from kernels.host import HostBackend, native
+from kernels.host import HostBackend, native, pointwise
 from kernels.host.check import check_rowwise_invariance
 
 ROWS = [*range(1, 17), 37, 512]  # decode, verify, a prefill chunk, a prefill
@@ -28,7 +31,8 @@ def _inv_freq(half: int, dh: int) -> np.ndarray:
 
 def _cases(rng):
     """(name, call(rows, parallel) -> output) of each kernel on inputs of 512 rows whose sizes
-    leave vector tails (D = 1000, half = 56 of Dh = 120 with 8 dimensions passed through)."""
+    leave vector tails (D = 1000, half = 56 of Dh = 120 with 8 dimensions passed through); the
+    fused kernels and silu_mul read column blocks of wider matrices, as a fused projection's."""
     x = rng.standard_normal((512, 1000)).astype(np.float32)
     x[5] *= 1e-3  # a row of another magnitude
     w = rng.standard_normal(1000).astype(np.float32)
@@ -37,22 +41,42 @@ def _cases(rng):
     inv = _inv_freq(56, 120)
     up = rng.standard_normal((512, 1000)).astype(np.float32)
     gate = (x * 4).astype(np.float32)
+    delta = rng.standard_normal((512, 1000)).astype(np.float32)
+    wide = rng.standard_normal((512, 64 + 5 * 120 + 40)).astype(np.float32)  # [other, q, other] columns
+    q_wide = wide[:, 64 : 64 + 5 * 120].reshape(512, 5, 120)
+    head_w = rng.standard_normal(120).astype(np.float32)
+    gate_up = np.concatenate([gate, np.zeros((512, 24), np.float32), up], axis=1)  # halves 1024 apart
     return [
-        ("rms_norm", lambda a, b, par: native.rms_norm(x[a:b], w, 1e-6, par)),
-        ("rope", lambda a, b, par: native.rope(q[a:b], pos[a:b], inv, par)),
-        ("silu_mul", lambda a, b, par: native.silu_mul(gate[a:b], up[a:b], par)),
-    ]
+        ("rms_norm", lambda a, b, par: pointwise.rms_norm(x[a:b], w, 1e-6, par)),
+        ("rope", lambda a, b, par: pointwise.rope(q[a:b], pos[a:b], inv, par)),
+        ("silu_mul", lambda a, b, par: pointwise.silu_mul(gate[a:b], up[a:b], par)),
+        ("add_rms_norm", lambda a, b, par: np.concatenate(pointwise.add_rms_norm(x[a:b], delta[a:b], w, 1e-6, par))),
+        ("norm_rope", lambda a, b, par: pointwise.norm_rope(q_wide[a:b], wide.shape[1], head_w, 1e-6, pos[a:b],
+                                                            inv, par)),
+        ("silu_mul strided", lambda a, b, par: pointwise.silu_mul(gate_up[a:b, :1000], gate_up[a:b, 1024:], par,
+                                                                  1024 + 1000, 1024 + 1000)),
+    ], {  # what the fused kernels replace: the composed calls on contiguous copies
+        "add_rms_norm": lambda a, b, par: np.concatenate(
+            [x[a:b] + delta[a:b], pointwise.rms_norm(x[a:b] + delta[a:b], w, 1e-6, par)]),
+        "norm_rope": lambda a, b, par: pointwise.rope(
+            pointwise.rms_norm(q_wide[a:b].reshape(-1, 120).copy(), head_w, 1e-6, par).reshape(-1, 5, 120),
+            pos[a:b], inv, par),
+        "silu_mul strided": lambda a, b, par: pointwise.silu_mul(gate[a:b], up[a:b], par),
+    }
 
 
-@pytest.mark.parametrize("kernel", range(3))
+@pytest.mark.parametrize("kernel", range(6))
 def test_rows_have_the_bits_of_one_row_calls_on_every_path_and_thread_count(kernel, isa_and_threads, monkeypatch):
     # with the threshold at 1 every M of two rows or more is split across the threads in blocks
-    monkeypatch.setattr(native, "POINTWISE_PARALLEL_MIN", 1)
-    name, call = _cases(np.random.default_rng(kernel))[kernel]
+    monkeypatch.setattr(pointwise, "POINTWISE_PARALLEL_MIN", 1)
+    cases, _ = _cases(np.random.default_rng(kernel))
+    name, call = cases[kernel]
     reference = None
     for path in _paths():
         assert native.set_isa(path) == path
-        single = np.concatenate([call(i, i + 1, False) for i in range(512)])
+        rows = [call(i, i + 1, False) for i in range(512)]
+        # add_rms_norm's output is its sums' rows, then its normed rows: both halves of each single
+        single = np.concatenate([r[:1] for r in rows] + [r[1:] for r in rows] if name == "add_rms_norm" else rows)
         if reference is None:
             reference = single
         assert np.array_equal(single.view(np.uint32), reference.view(np.uint32)), (name, path)
@@ -60,18 +84,33 @@ def test_rows_have_the_bits_of_one_row_calls_on_every_path_and_thread_count(kern
             native.set_threads(threads)
             for m in ROWS:
                 got = call(0, m, True)
-                assert np.array_equal(got.view(np.uint32), single[:m].view(np.uint32)), (name, path, threads, m)
+                want = single[:m] if name != "add_rms_norm" else np.concatenate([single[:m], single[512 : 512 + m]])
+                assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (name, path, threads, m)
+
+
+@pytest.mark.parametrize("name", ["add_rms_norm", "norm_rope", "silu_mul strided"])
+def test_fused_kernels_give_the_bits_of_the_calls_they_replace(name, isa_and_threads, monkeypatch):
+    monkeypatch.setattr(pointwise, "POINTWISE_PARALLEL_MIN", 1)
+    cases, composed = _cases(np.random.default_rng(7))
+    fused = dict(cases)[name]
+    for path in _paths():
+        native.set_isa(path)
+        for threads in (1, 2):
+            native.set_threads(threads)
+            for m in (1, 2, 7, 512):
+                got, want = fused(0, m, True), composed[name](0, m, True)
+                assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (name, path, threads, m)
 
 
 def test_prefill_sized_calls_take_the_threads(isa_and_threads, monkeypatch):
     # the default threshold: a 512-row call of these sizes is split into blocks of whole rows
     native.set_threads(2)
     blocks = []
-    monkeypatch.setattr(native, "_on_threads", lambda n, units, call: blocks.append(n) or [call(u) for u in units])
-    for _, call in _cases(np.random.default_rng(0)):
+    monkeypatch.setattr(native, "on_threads", lambda n, units, call: blocks.append(n) or [call(u) for u in units])
+    for _, call in _cases(np.random.default_rng(0))[0]:
         call(0, 512, True)
         call(0, 1, True)
-    assert blocks == [2, 2, 2]
+    assert blocks == [2] * 6
 
 
 def _rms_in_order(x, w, eps):
@@ -161,12 +200,12 @@ def test_silu_is_within_3_ulp_of_float64_and_the_same_on_every_path(isa_and_thre
     results = []
     for path in _paths():
         native.set_isa(path)
-        results.append(native.silu_mul(g, np.ones_like(g), False))
+        results.append(pointwise.silu_mul(g, np.ones_like(g), False))
         assert np.array_equal(results[-1].view(np.uint32), results[0].view(np.uint32)), path
     ulps = np.abs(results[0] - exact) / np.spacing(np.abs(exact).astype(np.float32))
     assert ulps.max() <= 3.0
     edge = np.float32([[-88, -1e4, 88, 1e4, np.inf, np.nan, 0, -0.0]])
-    got = native.silu_mul(edge, np.ones_like(edge), False)[0]
+    got = pointwise.silu_mul(edge, np.ones_like(edge), False)[0]
     assert np.array_equal(got[:5], np.float32([-0.0, -0.0, 88, 1e4, np.inf])) and np.signbit(got[:2]).all()
     assert np.isnan(got[5]) and got[6] == 0 and got[7] == 0
 

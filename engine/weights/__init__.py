@@ -21,6 +21,7 @@ from engine.weights.layout import (
     LinearAttentionWeights,
     MlpWeights,
     ModelWeights,
+    fuse_projections,
     prepare_linears,
     weight_arrays,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "checkpoint_files",
     "checkpoint_fingerprint",
     "f32_to_bf16_bits",
+    "fuse_projections",
     "load_weights",
     "open_checkpoint",
     "prepare_linears",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.base import Backend, LinearWeight
+from kernels.base import Backend, FusedLinear, LinearWeight, fuse_linears
 
 
 @dataclass(slots=True)
@@ -20,6 +20,7 @@ class AttentionWeights:
     k_norm: np.ndarray | None
     v_norm: np.ndarray | None = None  # gemma4: ones [head_dim], an RMS norm without a weight of its own
     gate: LinearWeight | None = None  # qwen3_5: the gate half of q_proj, [num_heads * head_dim, D]
+    qkv: FusedLinear | None = None  # q, k, v (and gate) in one weight where the backend fuses them
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class MlpWeights:
     gate: LinearWeight
     up: LinearWeight
     down: LinearWeight
+    gate_up: FusedLinear | None = None  # gate and up in one weight where the backend fuses them
 
 
 @dataclass(slots=True)
@@ -83,9 +85,13 @@ class ModelWeights:
 
 
 def weight_arrays(obj):
-    """Every LinearWeight and ndarray held by a weights dataclass (or list of them), depth first."""
+    """Every LinearWeight and ndarray held by a weights dataclass (or list of them), depth first.
+    A FusedLinear's weight is not among them: the layer's own fields hold its parts (views of
+    it), which count the same bytes."""
     if isinstance(obj, (LinearWeight, np.ndarray)):
         yield obj
+    elif isinstance(obj, FusedLinear):
+        return
     elif isinstance(obj, list):
         for item in obj:
             yield from weight_arrays(item)
@@ -93,6 +99,26 @@ def weight_arrays(obj):
         for f in dataclasses.fields(obj):
             yield from weight_arrays(getattr(obj, f.name))
 
+
+
+def fuse_projections(weights: ModelWeights, backend: Backend) -> ModelWeights:
+    """`weights` (as loaded) with each layer's q, k, v (and qwen3_5's output gate) and its MLP's gate
+    and up as one weight where `backend` fuses them (kernels.base.fuse_linears): the layer's own
+    fields become the parts, views into the fused weight. A layer without its own k and v (KV-shared,
+    or values that are the keys) keeps its projections apart."""
+    layers = []
+    for lw in weights.layers:
+        attn, mlp = lw.attn, lw.mlp
+        if attn is not None and attn.k is not None and attn.v is not None:
+            names = ("q", "k", "v") + (("gate",) if attn.gate is not None else ())
+            fused = fuse_linears(backend, [getattr(attn, name) for name in names])
+            if fused is not None:
+                attn = dataclasses.replace(attn, qkv=fused, **dict(zip(names, fused.parts)))
+        fused = fuse_linears(backend, [mlp.gate, mlp.up])
+        if fused is not None:
+            mlp = dataclasses.replace(mlp, gate=fused.parts[0], up=fused.parts[1], gate_up=fused)
+        layers.append(dataclasses.replace(lw, attn=attn, mlp=mlp))
+    return dataclasses.replace(weights, layers=layers)
 
 
 def prepare_linears(weights, backend: Backend, keep: tuple[LinearWeight, ...] = ()):

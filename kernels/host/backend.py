@@ -3,11 +3,14 @@ and the numba ones (recurrent.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from kernels.base import LinearWeight, WeightFormat
-from kernels.host import native, recurrent
-from kernels.host.formats import PARALLEL_MIN_BYTES, kernel_for
+from kernels.base import FusedLinear, LinearWeight, WeightFormat
+from kernels.host import native, pointwise, recurrent
+from kernels.host.formats import KERNELS, PARALLEL_MIN_BYTES, kernel_for
+from kernels.host.native import TILE
 
 PARALLEL_MIN_WORK = 1 << 21  # attention elements below which waking a second thread costs more than it saves
 
@@ -28,6 +31,39 @@ class HostBackend:
             raise ValueError(f"host backend cannot use weight layout {w.layout!r} for {w.fmt.value}")
         return kernel.prepare(w)
 
+    def fuse_linears(self, parts: Sequence[LinearWeight]) -> FusedLinear | None:
+        """Loaded weights of one input as one prepared weight, each part starting on a tile, so that
+        its own weight is a view of the fused tiles and each column's chain is the part's own (the
+        padding between parts is zero columns, computed and never read). None (kept apart) unless
+        they are at least two loaded weights of one host format and one K, all with or all without
+        scales and biases (a bias of +0 would turn a -0 output into +0)."""
+        first = parts[0] if parts else None
+        if len(parts) < 2 or first.fmt not in KERNELS or any(
+            p.layout != "rows" or p.fmt is not first.fmt or p.in_features != first.in_features
+            or (p.scale is None) != (first.scale is None) or (p.bias is None) != (first.bias is None)
+            for p in parts
+        ):
+            return None
+        padded = [-(-p.out_features // TILE) * TILE for p in parts]
+        starts = np.cumsum([0] + padded[:-1]).tolist()
+        n, k = sum(padded), first.in_features
+        data = np.zeros((n, k), first.data.dtype)
+        scale = None if first.scale is None else np.zeros(n, np.float32)
+        bias = None if first.bias is None else np.zeros(n, np.float32)
+        for p, s in zip(parts, starts):
+            for whole, own in ((data, p.data), (scale, p.scale), (bias, p.bias)):
+                if whole is not None:
+                    whole[s : s + p.out_features] = own
+        fused = self.prepare_linear(LinearWeight(first.fmt, data, scale, bias))
+        views = tuple(
+            LinearWeight(p.fmt, fused.data[s // TILE : (s + width) // TILE],
+                         None if scale is None else scale[s : s + p.out_features],
+                         None if bias is None else bias[s : s + p.out_features],
+                         fused.layout, p.out_features, k)
+            for p, s, width in zip(parts, starts, padded)
+        )
+        return FusedLinear(fused, views, tuple(starts))
+
     def linear(self, x: np.ndarray, w: LinearWeight) -> np.ndarray:
         # x: [M, K], w: [N, K] in its format's layout -> [M, N]
         kernel = kernel_for(w.fmt)
@@ -44,14 +80,38 @@ class HostBackend:
         x = np.ascontiguousarray(x, dtype=np.float32)
         flat = x.reshape(-1, x.shape[-1])
         weight = np.ascontiguousarray(weight, dtype=np.float32)
-        return native.rms_norm(flat, weight, float(eps), self.parallel).reshape(x.shape)
+        return pointwise.rms_norm(flat, weight, float(eps), self.parallel).reshape(x.shape)
+
+    def add_rms_norm(self, x: np.ndarray, delta: np.ndarray, weight: np.ndarray,
+                     eps: float) -> tuple[np.ndarray, np.ndarray]:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        delta = np.ascontiguousarray(delta, dtype=np.float32)
+        if x.ndim != 2 or delta.shape != x.shape or weight.shape != (x.shape[1],):
+            raise ValueError(f"add_rms_norm: x {x.shape}, delta {delta.shape}, weight {weight.shape} do not fit")
+        weight = np.ascontiguousarray(weight, dtype=np.float32)
+        return pointwise.add_rms_norm(x, delta, weight, float(eps), self.parallel)
 
     def rope(self, x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         inv_freq = np.ascontiguousarray(inv_freq, dtype=np.float32)
         if x.ndim != 3 or 2 * inv_freq.shape[0] > x.shape[2] or positions.shape != (x.shape[0],):
             raise ValueError(f"rope: x {x.shape}, positions {positions.shape}, inv_freq {inv_freq.shape} do not fit")
-        return native.rope(x, np.ascontiguousarray(positions, dtype=np.int64), inv_freq, self.parallel)
+        return pointwise.rope(x, np.ascontiguousarray(positions, dtype=np.int64), inv_freq, self.parallel)
+
+    def norm_rope(self, x: np.ndarray, weight: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray,
+                  eps: float) -> np.ndarray:
+        # x may be the column block of a fused projection's output: its rows are read where they lie
+        ld = pointwise.row_stride(x) if x.dtype == np.float32 else None
+        if ld is None:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            ld = pointwise.row_stride(x)
+        inv_freq = np.ascontiguousarray(inv_freq, dtype=np.float32)
+        if (x.ndim != 3 or 2 * inv_freq.shape[0] > x.shape[2] or positions.shape != (x.shape[0],)
+                or weight.shape != (x.shape[2],)):
+            raise ValueError(f"norm_rope: x {x.shape}, weight {weight.shape}, positions {positions.shape}, "
+                             f"inv_freq {inv_freq.shape} do not fit")
+        return pointwise.norm_rope(x, ld, np.ascontiguousarray(weight, dtype=np.float32), float(eps),
+                                   np.ascontiguousarray(positions, dtype=np.int64), inv_freq, self.parallel)
 
     def attention(self, q, k_cache, v_cache, positions, window, scale):
         # attention.c: one kernel for a decode step, a verify and a prefill chunk
@@ -71,11 +131,15 @@ class HostBackend:
                                 self.parallel and work >= PARALLEL_MIN_WORK)
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        gate = np.ascontiguousarray(gate, dtype=np.float32)
-        up = np.ascontiguousarray(up, dtype=np.float32)
         if gate.ndim != 2 or up.shape != gate.shape:
             raise ValueError(f"silu_mul: gate {gate.shape} and up {up.shape} must be the same [M, F]")
-        return native.silu_mul(gate, up, self.parallel)
+        # the halves of a fused gate/up output are read where they lie
+        ld = [pointwise.row_stride(a) if a.dtype == np.float32 else None for a in (gate, up)]
+        if None in ld:
+            gate = np.ascontiguousarray(gate, dtype=np.float32)
+            up = np.ascontiguousarray(up, dtype=np.float32)
+            ld = [gate.shape[1], up.shape[1]]
+        return pointwise.silu_mul(gate, up, self.parallel, *ld)
 
     def embed(self, table: LinearWeight, tokens: np.ndarray) -> np.ndarray:
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)

@@ -28,9 +28,8 @@ for a decode step, a verify and a prefill chunk, so their rows agree by construc
 are a persistent Python pool calling the nogil function on whole kv heads or whole rows (not
 pool.c, which divides GEMM tiles).
 
-The per-row kernels (RMS norm, RoPE, SiLU-and-multiply: pointwise.c says how) are in the library
-too: a decode step's call goes straight to it; a prefill-sized one is split by whole rows over
-attention's pool (_rows), so no row's bits depend on the split.
+The per-row kernels (RMS norm, RoPE, SiLU-and-multiply and their fused forms: pointwise.c says
+how) are in the library too; their wrappers are in pointwise.py, which shares attention's pool.
 
 Build: on first use, or ahead of time with `python -m kernels.host` (tools/test.sh and
 tools/demo.sh do so after installing). The shared object is named by a digest of the sources
@@ -165,14 +164,6 @@ def library() -> ctypes.CDLL:
             lib.npud_attention.restype = _L
             lib.npud_attention_exp.argtypes = [_I, _P, _L, _P]
             lib.npud_attention_exp.restype = None
-            lib.npud_rms_norm.argtypes = [_I, _P, _L, _P, ctypes.c_double, _P, _L, _L]
-            lib.npud_rms_norm.restype = None
-            lib.npud_rope_table.argtypes = [_P, _P, _L, _P, _L, _L]
-            lib.npud_rope_table.restype = None
-            lib.npud_rope.argtypes = [_I, _P, _L, _L, _L, _P, _P, _L, _L]
-            lib.npud_rope.restype = None
-            lib.npud_silu_mul.argtypes = [_I, _P, _P, _L, _P, _L, _L]
-            lib.npud_silu_mul.restype = None
             wanted = os.environ.get("NPUD_HOST_ISA", "")  # tests and benchmarks: force a slower path
             _isa_in_use = ISA_NAMES[lib.npud_set_isa(ISA_NAMES.index(wanted) if wanted in ISA_NAMES else -1)]
             _lib = lib
@@ -197,6 +188,11 @@ def isa() -> str:
     """The path in use."""
     library()
     return _isa_in_use
+
+
+def isa_code() -> int:
+    """The path in use as the library's ISA_* number (what the per-call kernels take)."""
+    return ISA_NAMES.index(_isa_in_use if _lib is not None else isa())
 
 
 def threads() -> int:
@@ -363,7 +359,7 @@ _pool: ThreadPoolExecutor | None = None  # attention's and the per-row kernels' 
 _pool_size = 0
 
 
-def _on_threads(n_threads: int, units, call) -> bool:
+def on_threads(n_threads: int, units, call) -> bool:
     """call(unit) for every unit, on n_threads threads (the caller's and n_threads - 1 of the
     persistent pool's), each taking the next unit from one shared queue; a call returning False
     ends that thread's share. Returns whether no call returned False."""
@@ -421,7 +417,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray
         ok = lib.npud_attention(*args, 0, kvh, 0, m) == 0
     else:
         units = _attention_units(m, kvh, n_threads, m * h * t * dh)
-        ok = _on_threads(n_threads, units, lambda unit: lib.npud_attention(*args, *unit) == 0)
+        ok = on_threads(n_threads, units, lambda unit: lib.npud_attention(*args, *unit) == 0)
     if not ok:
         raise MemoryError(f"no memory for the attention scratch of {m} rows over {t} keys")
     return out
@@ -432,69 +428,4 @@ def attention_exp(x: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty_like(x)
     library().npud_attention_exp(ISA_NAMES.index(isa()), x.ctypes.data, x.size, out.ctypes.data)
-    return out
-
-
-# ---------------------------------------------------------------- per-row kernels (pointwise.c)
-
-POINTWISE_PARALLEL_MIN = 1 << 18  # elements of a per-row call below which a second thread costs more than it saves
-_rope_tables: dict[int, tuple] = {}  # id(inv_freq) -> (inv_freq, positions' bytes, their cosines and sines)
-
-
-def _rows(fn, m: int, elements: int, parallel: bool, *args) -> None:
-    """fn(*args, r0, r1) over rows 0..m-1: in one call, or (with `parallel` and enough elements) in
-    blocks of whole rows that the caller and the pool's threads take from one queue; a row's bits
-    depend on neither the block nor the thread."""
-    n_threads = threads() if parallel and elements >= POINTWISE_PARALLEL_MIN else 1
-    if n_threads == 1 or m < 2:  # a decode step's call: no more Python than the call itself
-        fn(*args, 0, m)
-        return
-    blocks = min(m, 4 * n_threads)  # more blocks than threads: a thread on a busy core leaves its share
-    _on_threads(n_threads, [(m * b // blocks, m * (b + 1) // blocks) for b in range(blocks)],
-                lambda unit: fn(*args, *unit))
-
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, parallel: bool) -> np.ndarray:
-    """x [M, D] f32, weight [D] f32 -> [M, D] f32 (pointwise.c says how)."""
-    m, d = x.shape
-    out = np.empty_like(x)
-    _rows((_lib or library()).npud_rms_norm, m, x.size, parallel, ISA_NAMES.index(_isa_in_use), _addr(x), d,
-          _weight_ptr(weight), eps, _addr(out))
-    return out
-
-
-def _rope_table(positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
-    """[M, 2 * half] cosines then sines of the rows' angles, computed once for every layer (and q
-    and k) of a forward that passes these positions and this inv_freq array."""
-    key = positions.tobytes()  # a bytes comparison: np.array_equal costs microseconds a call
-    entry = _rope_tables.get(id(inv_freq))
-    if entry is not None and entry[0] is inv_freq and entry[1] == key:
-        return entry[2]
-    m, half = positions.shape[0], inv_freq.shape[0]
-    table = np.empty((m, 2 * half), np.float32)
-    (_lib or library()).npud_rope_table(_addr(positions), _addr(inv_freq), half, _addr(table), 0, m)
-    if len(_rope_tables) >= 8:  # models alive in this process rarely have more than two rotary tables
-        _rope_tables.clear()
-    _rope_tables[id(inv_freq)] = (inv_freq, key, table)  # holding inv_freq keeps its id
-    return table
-
-
-def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, parallel: bool) -> np.ndarray:
-    """x [M, H, Dh] f32, positions [M] int64, inv_freq [half] f32 (2 half <= Dh) -> [M, H, Dh] f32:
-    pairs (i, i + half) rotated (pointwise.c says how)."""
-    m, h, dh = x.shape
-    half = inv_freq.shape[0]
-    table = _rope_table(positions, inv_freq)
-    out = np.empty_like(x)
-    _rows((_lib or library()).npud_rope, m, x.size, parallel, ISA_NAMES.index(_isa_in_use), _addr(x), h, dh, half,
-          _addr(table), _addr(out))
-    return out
-
-
-def silu_mul(gate: np.ndarray, up: np.ndarray, parallel: bool) -> np.ndarray:
-    """gate, up [M, F] f32 -> silu(gate) * up [M, F] f32 (pointwise.c says how)."""
-    m, f = gate.shape
-    out = np.empty_like(gate)
-    _rows((_lib or library()).npud_silu_mul, m, gate.size, parallel, ISA_NAMES.index(_isa_in_use), _addr(gate),
-          _addr(up), f, _addr(out))
     return out
