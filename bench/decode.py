@@ -103,6 +103,7 @@ def our_prefill(model: Model, tokens: list[int], repeats: int = 2) -> float:
 
 _CATEGORY = {
     "linear": "GEMMs", "attention": "attention", "rms_norm": "norms/RoPE", "rope": "norms/RoPE",
+    "add_rms_norm": "norms/RoPE", "norm_rope": "norms/RoPE",
     "l2_norm": "norms/RoPE", "gated_rms_norm": "norms/RoPE", "silu_mul": "activations",
     "gelu_tanh_mul": "activations", "sigmoid_mul": "activations", "softcap": "activations", "embed": "embedding",
     "causal_conv1d_silu": "recurrent", "gdn_gates": "recurrent", "gated_delta_rule": "recurrent",
@@ -120,7 +121,7 @@ class ProfilingBackend:
     def __getattr__(self, name):
         fn = getattr(self.inner, name)
         category = _CATEGORY.get(name)
-        if category is None:
+        if category is None or not callable(fn):  # not callable: an optional operation switched off
             return fn
 
         def timed(*args, **kwargs):

@@ -6,6 +6,13 @@ it was computed: the host kernels are batch-invariant, and nothing here depends 
 A verify of M rows streams each weight once (one GEMM of M rows per linear layer), then
 norms every row and runs the LM head once for all of them.
 
+A layer makes few, large calls where the backend offers them (kernels/base.py; the bits are the
+primitives'): one GEMM for q, k and v (the backend fused them at load: engine/weights/layout.py
+`fuse_projections`) and one for gate and up, whose outputs are split into column views; the
+residual add joined to the RMS norm after it (the MLP's output is added by the next layer's
+input norm, or the final norm); a head's RMS norm joined to its RoPE. Gemma 4's sandwich norms,
+per-layer inputs and layer scalars keep the primitive calls.
+
 Gemma 4 and Qwen3.5 run the same body, row for row as a one-token step:
 - every row's per-layer inputs (PLE) come from its token id: the per-layer embedding rows,
   plus the projection of the row's embedding (an M-row GEMM), normed, summed, scaled; each

@@ -14,7 +14,7 @@ import structlog
 import fake_pyxrt
 from kernels import xrt
 from kernels.select import default_backend, select_backend
-from kernels.base import DeviceFault, LinearWeight, WeightFormat
+from kernels.base import DeviceFault, LinearWeight, WeightFormat, fuse_linears
 from kernels.xrt_check import bf16_round, tolerance
 from kernels.xrt_design import DesignError, DesignTable, read_insts
 
@@ -172,6 +172,14 @@ def test_shapes_and_formats_without_a_design_run_on_the_host_said_once(tmp_path,
     assert np.array_equal(bits(backend.linear(x, a)), bits(host.linear(x, a)))  # fp32 x: the host's own GEMM
     assert np.array_equal(bits(backend.linear(x, f32)), bits(host.linear(x, f32)))
     assert backend.describe_placement()["64x48 bf16"].startswith("no design")
+
+
+def test_the_npu_backend_keeps_every_linear_apart(tmp_path, sim, host):
+    # a design is compiled for one layer's shape: fused q/k/v (the host's choice) would have none
+    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
+    parts = [bf16_weight(64, 64), bf16_weight(64, 64, seed=1)]
+    assert host.fuse_linears(parts) is not None
+    assert fuse_linears(backend, parts) is None
 
 
 @pytest.mark.parametrize("mode, state", [("timeout", "ERT_CMD_STATE_TIMEOUT"), ("abort", "ERT_CMD_STATE_ABORT"),

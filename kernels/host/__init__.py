@@ -10,9 +10,11 @@ How: every output element of a GEMM is one chain of operations over its own row,
 order, with an explicit FMA per k (or, on the q8 path, an exact integer sum per block and
 an FMA per block); vector lanes run across output columns, threads split output columns,
 and rows are blocked only to share each weight load, so a row's bits are a function of
-that row alone. The GEMMs, attention, norms, RoPE and SiLU are C (native.py says why; gemm.c,
-attention.c and pointwise.c how); the other kernels are numba (recurrent.py). formats.py holds
-the weight formats and their layouts, check.py the self-check that proves the property on this machine at start-up.
+that row alone. The GEMMs, attention, norms, RoPE and SiLU (and the fused residual add + norm and
+head norm + RoPE) are C (native.py says why; gemm.c, attention.c and pointwise.c how); the other
+kernels are numba (recurrent.py). formats.py holds the weight formats and their layouts (a fused
+q/k/v or gate/up weight is one of them with its parts side by side: backend.py's fuse_linears),
+check.py the self-check that proves the property on this machine at start-up.
 """
 
 from kernels.host import cache as _cache  # noqa: F401  (first: it points numba at the cache directory)

@@ -1,12 +1,13 @@
 """The batch-invariance self-check every backend passes before it serves (kernels/__init__.py):
-the GEMMs of every format, attention, and the per-row kernels (RMS norm, RoPE, SiLU)."""
+the GEMMs of every format, attention, and the per-row kernels (RMS norm, RoPE, SiLU, and the
+fused residual add + RMS norm and head norm + RoPE)."""
 
 from __future__ import annotations
 
 import numpy as np
 import structlog
 
-from kernels.base import LinearWeight, WeightFormat
+from kernels.base import LinearWeight, WeightFormat, add_rms_norm, norm_rope
 from kernels.host import native
 from kernels.host.formats import KERNELS
 
@@ -67,8 +68,9 @@ def check_attention_invariance(backend, rows: int, rng) -> list[str]:
 
 
 def check_rowwise_invariance(backend, rows: int, rng) -> list[str]:
-    """RMS norm, RoPE (a partial rotation: 2 x 20 of 44 dimensions) and SiLU-and-multiply for
-    M = 1..rows against one-row calls; row lengths of 300 and 20 leave vector tails."""
+    """RMS norm, RoPE (a partial rotation: 2 x 20 of 44 dimensions), SiLU-and-multiply and the
+    fused add + norm and norm + RoPE (the backend's own, or their composition) for M = 1..rows
+    against one-row calls; row lengths of 300 and 20 leave vector tails."""
     x = rng.standard_normal((rows, 300)).astype(np.float32)
     w = rng.standard_normal(300).astype(np.float32)
     q = rng.standard_normal((rows, 3, 44)).astype(np.float32)
@@ -78,6 +80,8 @@ def check_rowwise_invariance(backend, rows: int, rng) -> list[str]:
         "rms_norm": lambda a, b: backend.rms_norm(x[a:b], w, 1e-6),
         "rope": lambda a, b: backend.rope(q[a:b], pos[a:b], inv),
         "silu_mul": lambda a, b: backend.silu_mul(x[a:b], x[a:b] * 0.5),
+        "add_rms_norm": lambda a, b: np.concatenate(add_rms_norm(backend, x[a:b], x[a:b] * 0.5, w, 1e-6), axis=1),
+        "norm_rope": lambda a, b: norm_rope(backend, q[a:b], w[:44], pos[a:b], inv, 1e-6),
     }
     failures = []
     for name, call in kernels.items():
