@@ -17,7 +17,7 @@ import argparse
 import statistics
 
 import numpy as np
-from decode import CATEGORIES, our_decode, profiles_of, set_threads
+from decode import CATEGORIES, our_decode, profile, set_threads
 from synth import QWEN3_0P5B, build_random_checkpoint
 
 from engine.model import Model
@@ -34,10 +34,31 @@ def _load() -> str:
     return open("/proc/loadavg").read().split()[0]
 
 
+def interleaved_profiles(models: dict, prompt: list[int], long_prompt: list[int],
+                         rounds: int) -> dict[str, dict[str, dict[str, float]]]:
+    """bench/decode.py's per-op profile of a 1-row pass, an 8-row pass and a prefill for each model,
+    the models taking turns run by run; per model and pass, the run of median total."""
+    passes = {
+        "1-row pass": (lambda f: f.prefill(prompt), lambda f: f.step_batch_all(prompt[:1], len(prompt))),
+        "8-row pass": (lambda f: f.prefill(prompt), lambda f: f.step_batch_all(prompt[:8], len(prompt))),
+        f"{len(long_prompt)}-token prefill": (lambda f: None, lambda f: f.prefill(long_prompt)),
+    }
+    out = {name: {} for name in models}
+    for label, (prepare, run) in passes.items():
+        runs = {name: [] for name in models}
+        for _ in range(rounds if "prefill" in label else 3 * rounds):
+            for name, model in models.items():
+                runs[name].append(profile(model, prepare, run, 1))
+        for name, got in runs.items():
+            out[name][label] = sorted(got, key=lambda r: r["total"])[len(got) // 2]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", default="bf16,int8-q8")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="decode rounds (profile rounds: 3x for the 1- and "
+                    "8-row passes, 1x for the prefill)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prefill", type=int, default=512)
     args = ap.parse_args()
@@ -61,7 +82,7 @@ def main() -> None:
             rows.append(f"| {fmt} | {threads} | {tok_s['unfused']:.1f} | {tok_s['fused']:.1f} | "
                         f"{tok_s['fused'] / tok_s['unfused']:.2f}x | {' -> '.join(loads)} |")
             print(rows[-1], flush=True)
-            profiles = {name: profiles_of(model, prompt, long_prompt) for name, model in models.items()}
+            profiles = interleaved_profiles(models, prompt, long_prompt, args.rounds)
             table = [f"| per-op ms, {fmt}, {threads} threads (load {_load()}), unfused / fused | "
                      + " | ".join(profiles["fused"]) + " |", "|---|" + "---|" * len(profiles["fused"])]
             for cat in CATEGORIES + ["total"]:

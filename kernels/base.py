@@ -119,10 +119,15 @@ class FusedLinear:
     weight: LinearWeight
     parts: tuple[LinearWeight, ...]
     starts: tuple[int, ...]
+    _columns: tuple[slice, ...] = ()  # each part's, derived
+
+    def __post_init__(self) -> None:
+        columns = tuple(slice(s, s + p.out_features) for s, p in zip(self.starts, self.parts))
+        object.__setattr__(self, "_columns", columns)
 
     def split(self, y: np.ndarray) -> list[np.ndarray]:
         """y: [M, weight's N], the fused call's output -> each part's columns [M, N_i] (views)."""
-        return [y[:, s : s + p.out_features] for s, p in zip(self.starts, self.parts)]
+        return [y[:, c] for c in self._columns]
 
 
 # The operations below are optional for a backend: where it has none of its own, the engine

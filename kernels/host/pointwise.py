@@ -60,15 +60,16 @@ def _rows(fn, m: int, elements: int, parallel: bool, *args) -> None:
 def row_stride(x: np.ndarray) -> int | None:
     """Floats between the rows of a float32 array whose rows are each contiguous (the column
     block of a wider matrix, say), or None when they are not."""
-    rest = x.shape[1:]
+    shape, strides = x.shape, x.strides
+    width = x.size // shape[0] if shape[0] else 0
+    if x.flags.c_contiguous:  # a decode step's column block (one row) is
+        return width
     inner = 4
-    for n, stride in zip(reversed(rest), reversed(x.strides[1:])):
-        if n > 1 and stride != inner:
+    for i in range(x.ndim - 1, 0, -1):
+        if shape[i] > 1 and strides[i] != inner:
             return None
-        inner *= n
-    if x.shape[0] > 1 and (x.strides[0] < inner or x.strides[0] % 4):
-        return None
-    return x.strides[0] // 4 if x.shape[0] > 1 else inner // 4
+        inner *= shape[i]
+    return strides[0] // 4 if strides[0] >= inner and strides[0] % 4 == 0 else None
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, parallel: bool) -> np.ndarray:
