@@ -86,10 +86,9 @@ class HostBackend:
                      eps: float) -> tuple[np.ndarray, np.ndarray]:
         x = np.ascontiguousarray(x, dtype=np.float32)
         delta = np.ascontiguousarray(delta, dtype=np.float32)
-        if x.ndim != 2 or delta.shape != x.shape or weight.shape != (x.shape[1],):
+        if x.ndim != 2 or delta.shape != x.shape or weight.shape[0] != x.shape[1]:
             raise ValueError(f"add_rms_norm: x {x.shape}, delta {delta.shape}, weight {weight.shape} do not fit")
-        weight = np.ascontiguousarray(weight, dtype=np.float32)
-        return pointwise.add_rms_norm(x, delta, weight, float(eps), self.parallel)
+        return pointwise.add_rms_norm(x, delta, np.ascontiguousarray(weight, dtype=np.float32), eps, self.parallel)
 
     def rope(self, x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)

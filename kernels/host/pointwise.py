@@ -85,10 +85,11 @@ def add_rms_norm(x: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: floa
                  parallel: bool) -> tuple[np.ndarray, np.ndarray]:
     """x, delta [M, D] f32, weight [D] f32 -> (x + delta, rms_norm(x + delta)), each [M, D] f32."""
     m, d = x.shape
-    total, out = np.empty_like(x), np.empty_like(x)
+    both = np.empty((2, m, d), np.float32)  # one allocation and one address for the two outputs
+    at = _addr(both)
     _rows((_bound or _lib()).npud_add_rms_norm, m, x.size, parallel, native.isa_code(), _addr(x), _addr(delta), d,
-          _weight_ptr(weight), eps, _addr(total), _addr(out))
-    return total, out
+          _weight_ptr(weight), eps, at, at + x.nbytes)
+    return both[0], both[1]
 
 
 def _rope_table(positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
