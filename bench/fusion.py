@@ -3,23 +3,25 @@
 The same checkpoint is loaded twice: on the host backend (q/k/v and gate/up fused at load, the
 fused add + norm and norm + RoPE kernels) and on a HostBackend with those switched off (each linear
 its own call, the per-row work composed of primitives, as before the fusion). Decode steps of the
-two alternate in rounds, so the machine's drift touches both alike; the logits are the same bits
-(tests/test_fusion.py). Prints decode tok/s (median step of all rounds) at 1 and 2 threads and the
-per-op profile of a 1-row step, an 8-row verify and a prefill (bench/decode.py's), with the load
-average.
+two alternate one by one, so the machine's drift touches both alike; the logits are the same bits
+(tests/test_fusion.py). Prints, at 1 and 2 threads, decode tok/s (median step) with the median
+paired speed-up, and the per-op profile of a 1-row step, an 8-row verify and a prefill
+(bench/decode.py's, the models taking turns run by run), with the load average.
 
-    .venv/bin/python bench/fusion.py [--formats bf16,int8-q8] [--rounds 5] [--prefill 512]
+    .venv/bin/python bench/fusion.py [--formats bf16,int8-q8] [--rounds 3] [--steps 300] [--prefill 512] [--no-profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import numpy as np
-from decode import CATEGORIES, our_decode, profile, set_threads
+from decode import CATEGORIES, profile, set_threads
 from synth import QWEN3_0P5B, build_random_checkpoint
 
+from engine.forward import Forward
 from engine.model import Model
 from kernels.host import HostBackend
 
@@ -32,6 +34,26 @@ class Unfused(HostBackend):
 
 def _load() -> str:
     return open("/proc/loadavg").read().split()[0]
+
+
+def paired_steps(models: dict, prompt: list[int], pairs: int) -> tuple[dict[str, float], float]:
+    """Decode steps (of fixed tokens) of the two models in pairs, which one goes first alternating,
+    each on a forward of its own after `prompt`: the median ms a step of each, and the median of the
+    pairs' unfused / fused ratios (a pair is timed close together, so the machine's drift cancels)."""
+    forwards = {}
+    times = {name: [] for name in models}
+    for i in range(pairs):
+        if i % 256 == 0:  # a fresh context now and then, so attention's share stays a short prompt's
+            for name, model in models.items():
+                forwards[name] = Forward(model)
+                forwards[name].prefill(prompt)
+        for name in sorted(models, reverse=i % 2 == 1):
+            f = forwards[name]
+            t = time.perf_counter()
+            f.step(prompt[i % len(prompt)], f.positions_held)
+            times[name].append(time.perf_counter() - t)
+    ratios = [u / f for u, f in zip(times["unfused"], times["fused"])]
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}, statistics.median(ratios)
 
 
 def interleaved_profiles(models: dict, prompt: list[int], long_prompt: list[int],
@@ -57,10 +79,10 @@ def interleaved_profiles(models: dict, prompt: list[int], long_prompt: list[int]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", default="bf16,int8-q8")
-    ap.add_argument("--rounds", type=int, default=5, help="decode rounds (profile rounds: 3x for the 1- and "
-                    "8-row passes, 1x for the prefill)")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3, help="profile rounds (3x that for the 1- and 8-row passes)")
+    ap.add_argument("--steps", type=int, default=300, help="decode step pairs")
     ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--no-profile", action="store_true", help="decode tok/s only")
     args = ap.parse_args()
     ckpt = build_random_checkpoint("qwen3-0.5b", dict(QWEN3_0P5B))
     rng = np.random.default_rng(0)
@@ -72,16 +94,14 @@ def main() -> None:
                   "unfused": Model.load(ckpt, fmt, backend=Unfused())}
         for threads in (1, 2):
             set_threads(threads)
-            steps = {name: [] for name in models}
             loads = [_load()]
-            for _ in range(args.rounds):
-                for name, model in models.items():
-                    steps[name].append(our_decode(model, prompt, args.steps))
+            ms, speedup = paired_steps(models, prompt, args.steps)
             loads.append(_load())
-            tok_s = {name: 1 / statistics.median(t) for name, t in steps.items()}
-            rows.append(f"| {fmt} | {threads} | {tok_s['unfused']:.1f} | {tok_s['fused']:.1f} | "
-                        f"{tok_s['fused'] / tok_s['unfused']:.2f}x | {' -> '.join(loads)} |")
+            rows.append(f"| {fmt} | {threads} | {1e3 / ms['unfused']:.1f} | {1e3 / ms['fused']:.1f} | "
+                        f"{speedup:.3f}x | {' -> '.join(loads)} |")
             print(rows[-1], flush=True)
+            if args.no_profile:
+                continue
             profiles = interleaved_profiles(models, prompt, long_prompt, args.rounds)
             table = [f"| per-op ms, {fmt}, {threads} threads (load {_load()}), unfused / fused | "
                      + " | ".join(profiles["fused"]) + " |", "|---|" + "---|" * len(profiles["fused"])]
@@ -91,7 +111,7 @@ def main() -> None:
                 table.append(f"| {cat} | " + " | ".join(cells) + " |")
             tables.append("\n".join(table))
         del models
-    print("\n| format | threads | unfused tok/s | fused tok/s | fused / unfused | load average (1 min) |")
+    print("\n| format | threads | unfused tok/s | fused tok/s | median paired speed-up | load average (1 min) |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
     for table in tables:
