@@ -33,7 +33,7 @@ from kernels.base import LinearWeight
 from kernels.ggml.backend import BlockHostBackend, check_block_invariance, random_block_rows
 from kernels.ggml.blocks import LAYOUTS, BlockFormat, unpack_blocks, unpack_matrix, widen
 from kernels.ggml.gemm import dense_weights, pack_block_matrix
-from kernels.host import native
+from kernels.host import TILE, native
 
 gguf = pytest.importorskip("gguf") if os.environ.get("CI") != "true" else __import__("gguf")
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
@@ -86,6 +86,26 @@ def test_packed_tiles_gather_and_gemm(fmt, isa_and_threads):
             for m in (1, 3, 13):  # one row block; two k chunks of three row blocks (M = 13)
                 assert np.array_equal(b.linear(x[:m], w).view(np.uint32), acc[:m].view(np.uint32)), (path, m)
             assert np.array_equal(b.linear(x, wb), acc + bias), path
+    padded = native.linear_qtiles(x, w.data, w.scale, 70, None, False)  # the tile's columns 70..127
+    assert padded.shape == (13, 128) and not padded[:, 70:].any()  # hold q = 0, S = D = 0: zeros
+
+
+def test_weights_widen_as_a_rounded_product_then_a_rounded_offset(isa_and_threads):
+    """Any float32 S and D (a real block's S * q is exact, so it cannot tell a fused multiply-
+    subtract from the reference's two roundings): the kernels widen round(round(S * q) - D)."""
+    rng = np.random.default_rng(4)
+    q = rng.integers(-32, 32, (1, 64, TILE)).astype(np.int8)
+    f = rng.standard_normal((1, 2, 2, TILE)).astype(np.float32)  # K = 64 in two groups of 32
+    w = LinearWeight(BlockFormat.Q4_K, q, scale=f, layout="qtiles", out_features=TILE, in_features=64)
+    dense = widen(q[0].T, f[0].transpose(2, 0, 1))
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    acc = np.zeros((2, TILE), np.float32)
+    for k in range(64):
+        acc = _fma32(np.repeat(x[:, k : k + 1], TILE, axis=1), np.broadcast_to(dense[:, k], (2, TILE)), acc)
+    for path in native.ISA_NAMES[: native.ISA_NAMES.index(native.best_isa()) + 1]:
+        native.set_isa(path)
+        assert np.array_equal(dense_weights(w).view(np.uint32), dense.view(np.uint32)), path
+        assert np.array_equal(BlockHostBackend().linear(x, w).view(np.uint32), acc.view(np.uint32)), path
 
 
 def test_row_order_moves_whole_rows():
