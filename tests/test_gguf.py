@@ -73,21 +73,22 @@ def test_packed_tiles_gather_and_gemm(fmt, isa_and_threads):
     rows = np.array([69, 0, 64, 63, 7])
     assert np.array_equal(b.embed(w, rows), dense[rows])
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((13, 512)).astype(np.float32)
+    x = rng.standard_normal((30, 512)).astype(np.float32)
     bias = rng.standard_normal(70).astype(np.float32)
-    acc = np.zeros((13, 70), np.float32)
+    acc = np.zeros((30, 70), np.float32)
     for k in range(512):
-        acc = _fma32(np.repeat(x[:, k : k + 1], 70, axis=1), np.broadcast_to(dense[:, k], (13, 70)), acc)
+        acc = _fma32(np.repeat(x[:, k : k + 1], 70, axis=1), np.broadcast_to(dense[:, k], (30, 70)), acc)
     wb = b.prepare_linear(dataclasses.replace(w, bias=bias))
     for path in native.ISA_NAMES[: native.ISA_NAMES.index(native.best_isa()) + 1]:
         native.set_isa(path)
         for threads in (1, 2):
             native.set_threads(threads)
-            for m in (1, 3, 13):  # one row block; two k chunks of three row blocks (M = 13)
+            # one row block; k chunks of three row blocks; five blocks on weights widened once (M = 30)
+            for m in (1, 3, 13, 30):
                 assert np.array_equal(b.linear(x[:m], w).view(np.uint32), acc[:m].view(np.uint32)), (path, m)
             assert np.array_equal(b.linear(x, wb), acc + bias), path
     padded = native.linear_qtiles(x, w.data, w.scale, 70, None, False)  # the tile's columns 70..127
-    assert padded.shape == (13, 128) and not padded[:, 70:].any()  # hold q = 0, S = D = 0: zeros
+    assert padded.shape == (30, 128) and not padded[:, 70:].any()  # hold q = 0, S = D = 0: zeros
 
 
 def test_weights_widen_as_a_rounded_product_then_a_rounded_offset(isa_and_threads):
@@ -98,14 +99,15 @@ def test_weights_widen_as_a_rounded_product_then_a_rounded_offset(isa_and_thread
     f = rng.standard_normal((1, 2, 2, TILE)).astype(np.float32)  # K = 64 in two groups of 32
     w = LinearWeight(BlockFormat.Q4_K, q, scale=f, layout="qtiles", out_features=TILE, in_features=64)
     dense = widen(q[0].T, f[0].transpose(2, 0, 1))
-    x = rng.standard_normal((2, 64)).astype(np.float32)
-    acc = np.zeros((2, TILE), np.float32)
+    x = rng.standard_normal((30, 64)).astype(np.float32)  # 30 rows: the kernel's two ways to widen
+    acc = np.zeros((30, TILE), np.float32)
     for k in range(64):
-        acc = _fma32(np.repeat(x[:, k : k + 1], TILE, axis=1), np.broadcast_to(dense[:, k], (2, TILE)), acc)
+        acc = _fma32(np.repeat(x[:, k : k + 1], TILE, axis=1), np.broadcast_to(dense[:, k], (30, TILE)), acc)
     for path in native.ISA_NAMES[: native.ISA_NAMES.index(native.best_isa()) + 1]:
         native.set_isa(path)
         assert np.array_equal(dense_weights(w).view(np.uint32), dense.view(np.uint32)), path
-        assert np.array_equal(BlockHostBackend().linear(x, w).view(np.uint32), acc.view(np.uint32)), path
+        for m in (2, 30):
+            assert np.array_equal(BlockHostBackend().linear(x[:m], w).view(np.uint32), acc[:m].view(np.uint32)), path
 
 
 def test_row_order_moves_whole_rows():

@@ -98,13 +98,100 @@ static inline __attribute__((always_inline)) T512 void qt_avx512_block(const job
     }
 }
 
-/* One tile for every row, as gemm.c's TILE_DRIVER float path: row blocks of at most MAXR rows;
- * with several blocks, k in chunks (multiples of 32, so of every group size) that keep the
- * chunk of x for all rows and of the tile in L1. */
+/* The weights of tile t for k in [k0, k1), widened once into wf [k1 - k0][TILE] (the same
+ * operations as qt_rows, so the same floats), for calls with several row blocks to share. */
+static inline __attribute__((always_inline)) T512 void qt_widen_chunk(const int P, const job_t *j, long t, long k0,
+                                                                      long k1, float *wf) {
+    const long K = j->K, g = j->group;
+    const int8_t *qt = (const int8_t *)j->w + (size_t)t * K * TILE;
+    const float *ft = j->fac + (size_t)t * (K / g) * P * TILE;
+    for (long k = k0; k < k1; k++) {
+        const float *f = ft + k / g * P * TILE;
+        const int8_t *row = qt + k * TILE;
+        _mm_prefetch((const char *)row + PF_BYTES, _MM_HINT_T0);
+        for (int v = 0; v < 4; v++) {
+            const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * v))));
+            __m512 w = _mm512_mul_ps(_mm512_loadu_ps(f + 16 * v), q);
+            if (P == 2) w = _mm512_sub_ps(w, _mm512_loadu_ps(f + TILE + 16 * v));
+            _mm512_storeu_ps(wf + (k - k0) * TILE + 16 * v, w);
+        }
+    }
+}
+
+/* R rows x 64 columns from widened weights wf (k0's row first), as gemm.c's avx512_rows. */
+static inline __attribute__((always_inline)) T512 void qt_rows_widened(const int R, const job_t *j, const float *wf,
+                                                                       long t, float *o, long ldo, long r0, long k0,
+                                                                       long k1) {
+    const float *x = j->x + r0;
+    const long M = j->M;
+    o += r0 * ldo;
+    __m512 acc[MAXR][4];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + r * ldo + 16 * v);
+    for (long k = k0; k < k1; k++) {
+        const float *w = wf + (k - k0) * TILE;
+        const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+        const __m512 w2 = _mm512_loadu_ps(w + 32), w3 = _mm512_loadu_ps(w + 48);
+        for (int r = 0; r < R; r++) {
+            const __m512 xb = _mm512_set1_ps(x[k * M + r]);
+            acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < 4; v++) store16(j, o + r * ldo + 16 * v, acc[r][v], t * TILE + 16 * v, k1 == j->K);
+}
+
+#define QT_KW 64 /* k rows of a tile widened at once when several row blocks share them (16 KiB) */
+
+/* One tile for every row. Up to 24 rows (4 row blocks): each block widens the weights in
+ * registers (qt_rows), k in chunks (as the generic driver) so the chunk of the tile stays in L1.
+ * More rows: per chunk of QT_KW k, the tile's weights widened once into wf (L1) and every block
+ * runs the float chain on them (measured: faster from about 32 rows, slower below). The partial
+ * sums wait in o between chunks, stored and reloaded exactly. */
+static __attribute__((noinline)) T512 void tile_qt_avx512(const job_t *j, long t, float *o, long ldo) {
+    const long nblocks = (j->M + MAXR - 1) / MAXR;
+    if (nblocks <= 4) {
+        const long chunk = nblocks == 1 ? j->K : j->M <= 16 ? 256 : 128;
+        for (long k0 = 0; k0 < j->K; k0 += chunk) {
+            const long k1 = k0 + chunk < j->K ? k0 + chunk : j->K;
+            for (long i = 0; i < nblocks; i++) {
+                long r0, R;
+                row_block(j->M, MAXR, i, nblocks, &r0, &R);
+                qt_avx512_block(j, t, o, ldo, r0, R, k0, k1);
+            }
+        }
+        return;
+    }
+    float wf[QT_KW * TILE] __attribute__((aligned(64)));
+    for (long k0 = 0; k0 < j->K; k0 += QT_KW) {
+        const long k1 = k0 + QT_KW < j->K ? k0 + QT_KW : j->K;
+        if (j->parts == 2) qt_widen_chunk(2, j, t, k0, k1, wf);
+        else qt_widen_chunk(1, j, t, k0, k1, wf);
+        for (long i = 0; i < nblocks; i++) {
+            long r0, R;
+            row_block(j->M, MAXR, i, nblocks, &r0, &R);
+            switch (R) {
+            case 1: qt_rows_widened(1, j, wf, t, o, ldo, r0, k0, k1); break;
+            case 2: qt_rows_widened(2, j, wf, t, o, ldo, r0, k0, k1); break;
+            case 3: qt_rows_widened(3, j, wf, t, o, ldo, r0, k0, k1); break;
+            case 4: qt_rows_widened(4, j, wf, t, o, ldo, r0, k0, k1); break;
+            case 5: qt_rows_widened(5, j, wf, t, o, ldo, r0, k0, k1); break;
+            default: qt_rows_widened(6, j, wf, t, o, ldo, r0, k0, k1); break;
+            }
+        }
+    }
+}
+
+/* The generic paths: row blocks of at most MAXR rows, each widening the weights itself (its
+ * chain is the same); with several blocks, k in chunks that keep the chunk of x for all rows and
+ * of the tile in cache. */
 #define QT_DRIVER(NAME, ATTR, BLOCK)                                                                 \
     ATTR static void NAME(const job_t *j, long t, float *o, long ldo) {                              \
         const long nblocks = (j->M + MAXR - 1) / MAXR;                                               \
-        const long kc = j->M <= 16 ? 256 : j->M <= 32 ? 128 : 64;                                   \
+        const long kc = j->M <= 16 ? 256 : j->M <= 32 ? 128 : 64;                                    \
         const long chunk = nblocks == 1 ? j->K : kc;                                                 \
         for (long k0 = 0; k0 < j->K; k0 += chunk) {                                                  \
             const long k1 = k0 + chunk < j->K ? k0 + chunk : j->K;                                   \
@@ -118,7 +205,6 @@ static inline __attribute__((always_inline)) T512 void qt_avx512_block(const job
 
 QT_DRIVER(tile_qt_generic, __attribute__((noinline)), qt_gen_block)
 QT_DRIVER(tile_qt_avx2, __attribute__((noinline, target("avx2,fma"))), qt_gen_block)
-QT_DRIVER(tile_qt_avx512, __attribute__((noinline)) T512, qt_avx512_block)
 
 /* out[M, ntiles*TILE] = x[M, K] @ W.T (+ bias [N] or NULL) for block weights: q [ntiles, K, TILE]
  * int8, fac [ntiles, K / group, parts, TILE] float32. Returns as npud_gemm (gemm.c). */
