@@ -10,9 +10,10 @@
  * is gemm.c's float chain over those weights: acc = 0; for k = 0..K-1: acc = fma(x[m,k], w[n,k], acc);
  * then y = acc + bias[n] (if any). Padded columns hold q = 0 and S = D = 0: they widen to 0.
  * Rows are blocked in registers (each weight vector widened once per k for every row of the
- * block), k goes in chunks when there are several blocks (the partial sums wait in the output,
- * stored and reloaded exactly), threads take whole tiles (pool.c): no element's chain changes,
- * so the AVX-512 path and the generic C one give the same bits for any M. */
+ * block; past 24 rows, once per k for all blocks, into an L1 buffer), k goes in chunks when
+ * there are several blocks (the partial sums wait in the output, stored and reloaded exactly),
+ * threads take whole tiles (pool.c): no element's chain changes, so the AVX-512 path and the
+ * generic C one give the same bits for any M. */
 
 static inline __attribute__((always_inline)) float qt_widen1(const job_t *j, long t, long k, long c) {
     const long K = j->K, g = j->group;
