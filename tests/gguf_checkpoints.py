@@ -71,11 +71,11 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_tiny_gguf(path: Path, arch: str, seed: int = 0, tokenizer: str | None = None, chat_template: str | None = None,
-                    name: str | None = None, **meta) -> Path:
+                    name: str | None = None, matrix_types: tuple[str, ...] = TYPES, **meta) -> Path:
     """A random arch ("llama", "qwen2", "qwen3", "gemma3") model; returns `path`.
 
-    Hidden 256 and MLP 512 so every block type fits a row. `meta` adds or overrides
-    {arch}.* metadata (a value None removes the key).
+    Hidden 256 and MLP 512 so every block type fits a row. The matrices take `matrix_types` in turn.
+    `meta` adds or overrides {arch}.* metadata (a value None removes the key).
     """
     import gguf
 
@@ -132,7 +132,7 @@ def write_tiny_gguf(path: Path, arch: str, seed: int = 0, tokenizer: str | None 
             w.add_string(full, value)
         else:
             w.add_uint32(full, value)
-    kinds = iter(TYPES * 40)
+    kinds = iter(matrix_types * 400)
 
     def add(name, n, k, permute_heads=None):
         type_name = next(kinds)

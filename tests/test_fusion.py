@@ -1,7 +1,7 @@
 """Fused projections and fused per-row kernels in the forward pass: the same bits as the primitives.
 
 The host backend fuses each layer's q/k/v and gate/up into one prepared weight at load (each part
-on a tile boundary, its own weight a view of the fused tiles), and the forward uses the fused
+on a tile boundary, its own weight a view of the fused tiles; GGUF block weights of one type alike), and the forward uses the fused
 add + RMS norm and head norm + RoPE kernels. Every logit must be bit-identical to a model run
 through the primitive interface alone (engine.testing.backends.PrimitivesOnly), for every weight
 format, in a step, a verify and a chunked prefill, on widths that are and are not multiples of the
@@ -9,6 +9,8 @@ tile; and the fused model holds no more weight bytes than the unfused one.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -90,6 +92,20 @@ def test_parts_are_views_with_the_tiles_of_their_own_preparation(fmt):
         assert rows_equal(cols, backend.linear(x, own))
 
 
+@pytest.mark.parametrize("fmt", [BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q6_K])
+def test_block_parts_are_views_with_their_own_tiles(fmt):
+    backend = BlockHostBackend()
+    parts = [dataclasses.replace(random_block_weight(fmt, n, 256, seed), bias=np.full(n, seed, np.float32))
+             for seed, n in enumerate((72, 24, 64))]
+    fused = backend.fuse_linears(parts)
+    assert fused.starts == (0, 128, 192) and fused.weight.out_features == 256
+    x = np.random.default_rng(9).standard_normal((3, 256)).astype(np.float32)
+    for part, view, cols in zip(parts, fused.parts, fused.split(backend.linear(x, fused.weight))):
+        assert np.array_equal(view.data, part.data) and np.array_equal(view.scale, part.scale)
+        assert np.array_equal(view.bias, part.bias) and np.shares_memory(view.data, fused.weight.data)
+        assert rows_equal(cols, backend.linear(x, part)) and rows_equal(backend.linear(x, view), cols)
+
+
 def test_only_like_weights_are_fused():
     backend = BlockHostBackend()
     f32 = _sample(WeightFormat.FP32, 64, 32, 0)
@@ -100,8 +116,12 @@ def test_only_like_weights_are_fused():
         "two K": [f32, _sample(WeightFormat.FP32, 64, 48, 4)],
         "a bias on one only": [f32, LinearWeight(WeightFormat.FP32, f32.data)],
         "prepared already": [f32, backend.prepare_linear(f32)],
-        "GGUF blocks": [random_block_weight(BlockFormat.Q8_0, 64, 64), random_block_weight(BlockFormat.Q8_0, 64, 64)],
+        "two block types": [random_block_weight(BlockFormat.Q8_0, 64, 256),
+                            random_block_weight(BlockFormat.Q4_K, 64, 256)],
+        "blocks beside floats": [random_block_weight(BlockFormat.Q8_0, 64, 32), f32],
+        "blocks, two K": [random_block_weight(BlockFormat.Q8_0, 64, 64), random_block_weight(BlockFormat.Q8_0, 64, 32)],
     }
     for name, parts in cases.items():
         assert backend.fuse_linears(parts) is None, name
     assert backend.fuse_linears([f32, f32]) is not None
+    assert backend.fuse_linears([random_block_weight(BlockFormat.Q8_0, 64, 64)] * 2) is not None

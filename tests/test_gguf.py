@@ -25,6 +25,7 @@ from engine.forward import Forward
 from engine.gguf import open_gguf
 from engine.gguf.describe import describe_gguf
 from engine.model import Model
+from engine.testing.backends import PrimitivesOnly
 from engine.tokenizer import Tokenizer
 from engine.weights import WeightsError, checkpoint_fingerprint
 from gguf_checkpoints import TYPES, write_tiny_gguf
@@ -188,6 +189,27 @@ def test_tiny_models_match_transformers_on_the_same_file(files, arch):
     single = Forward(model)
     for i, token in enumerate(ids[:6]):
         assert np.array_equal(single.step(token, i).view(np.uint32), got[i].view(np.uint32))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # qkv biases; head norms
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "Q6_K"])
+def test_fused_block_projections_give_the_bits_of_the_primitives(tmp_path, arch, type_name):
+    # every matrix of one block type: q/k/v and gate/up fuse into one "qtiles" weight each
+    path = write_tiny_gguf(tmp_path / "one-type.gguf", arch, matrix_types=(type_name,))
+    fused = Model.load(path)
+    plain = Model.load(path, backend=PrimitivesOnly(fused.backend))
+    for lw in fused.weights.layers:
+        assert lw.attn.qkv is not None and lw.mlp.gate_up is not None
+        assert np.shares_memory(lw.attn.v.data, lw.attn.qkv.weight.data)
+    ids = [(i * 37 + 11) % fused.config.vocab_size for i in range(20)]
+
+    def logits(model):  # steps, a verify, a chunked prefill
+        f = Forward(model)
+        out = [f.step(t, i) for i, t in enumerate(ids[:4])]
+        return out + [f.step_batch_all(ids[4:12], 4), Forward(model, prefill_chunk=5).prefill(ids)]
+
+    assert all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(logits(fused), logits(plain)))
+    assert fused.weight_bytes_per_token() == plain.weight_bytes_per_token()
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])  # gpt2 (byte-level BPE) and llama (SentencePiece) vocabularies

@@ -10,10 +10,12 @@ import dataclasses
 
 import numpy as np
 
-from kernels.base import LinearWeight
+from collections.abc import Sequence
+
+from kernels.base import FusedLinear, LinearWeight
 from kernels.ggml.blocks import LAYOUTS, BlockFormat
 from kernels.ggml.gemm import block_embed, block_linear, pack_block_matrix
-from kernels.host import CHECK_ROWS, HostBackend
+from kernels.host import CHECK_ROWS, TILE, HostBackend
 
 
 def is_block(w: LinearWeight) -> bool:
@@ -31,6 +33,35 @@ class BlockHostBackend(HostBackend):
                 w = dataclasses.replace(w, bias=np.ascontiguousarray(w.bias, dtype=np.float32))
             return w
         return super().prepare_linear(w)
+
+    def fuse_linears(self, parts: Sequence[LinearWeight]) -> FusedLinear | None:
+        """Block weights of one type and one K as one "qtiles" weight: each part's tiles (its own
+        padding included) one after another, so each part is a view and each column's chain its
+        own; None where the types differ, or a bias is on some parts only. Other weights: the host's."""
+        if not any(is_block(p) for p in parts):
+            return super().fuse_linears(parts)
+        first = parts[0]
+        if len(parts) < 2 or any(
+            p.fmt is not first.fmt or p.layout != "qtiles" or p.in_features != first.in_features
+            or (p.bias is None) != (first.bias is None) for p in parts
+        ):
+            return None
+        starts = np.cumsum([0] + [p.data.shape[0] * TILE for p in parts[:-1]]).tolist()
+        data = np.concatenate([p.data for p in parts])
+        factors = np.concatenate([p.scale for p in parts])
+        bias = None
+        if first.bias is not None:
+            bias = np.zeros(data.shape[0] * TILE, np.float32)
+            for p, s in zip(parts, starts):
+                bias[s : s + p.out_features] = p.bias
+        fused = LinearWeight(first.fmt, data, factors, bias, "qtiles", data.shape[0] * TILE, first.in_features)
+        views = []
+        for p, s in zip(parts, starts):
+            tiles = slice(s // TILE, s // TILE + p.data.shape[0])
+            views.append(LinearWeight(p.fmt, data[tiles], factors[tiles],
+                                      None if bias is None else bias[s : s + p.out_features], "qtiles",
+                                      p.out_features, p.in_features))
+        return FusedLinear(fused, tuple(views), tuple(starts))
 
     def linear(self, x: np.ndarray, w: LinearWeight) -> np.ndarray:
         if is_block(w):
