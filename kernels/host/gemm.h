@@ -49,6 +49,8 @@ typedef struct job {
     _Atomic uint8_t *state;  /* [nchunks]: FREE, OWNED, PUBLISHING, DONE, CALLER */
     struct job *retired;     /* next in the caller's list of jobs a stalled worker still holds */
     int caller_cpu;          /* the CPU the caller ran on when it published the job */
+    long published_ns;       /* when the caller published the job (pool.c's trace) */
+    atomic_long seen_ns;     /* when a worker first saw it, or 0 */
 } job_t;
 
 typedef void (*tile_fn)(const job_t *, long, float *, long);

@@ -13,7 +13,8 @@ AVX2+FMA (the generic C built for it), or the generic C that every x86-64 runs. 
 computes the same chain per element (the generic one with fmaf), so they give the same bits,
 which tests/test_kernels.py checks. gemm.c says how each element is computed.
 
-Threads: a persistent pool inside the library (workers spin briefly, then sleep). A call's
+Threads: a persistent pool inside the library (workers spin through the gaps of a burst of
+calls, at most half a millisecond, then sleep: pool.c's SPIN_MAX_NS). A call's
 output tiles go in small chunks that every thread, the caller included, takes from one
 counter; the caller takes back the chunks of a worker that stalls (on a shared machine its
 core may be busy with someone else) instead of waiting a scheduler time slice for it. A
@@ -263,12 +264,30 @@ def _call(fn, arrays: tuple, *args) -> int:
         return held
 
 
+POOL_TRACE = ("calls", "joined", "wake_ns", "slept", "caller_chunks", "call_ns", "own_ns", "wait_ns")
+
+
+def _pool_counters() -> tuple[int, ...]:
+    stats = (ctypes.c_long * (4 + len(POOL_TRACE)))()
+    library().npud_pool_stats(stats)
+    return tuple(stats)
+
+
 def pool_stats() -> tuple[int, int, int, int]:
     """So far: (chunks the pool's workers delivered, chunks the caller took back from a stalled
     worker, times a worker moved off the caller's CPU, chunks of the calls that went to the pool)."""
-    stats = (ctypes.c_long * 4)()
-    library().npud_pool_stats(stats)
-    return tuple(stats)
+    return _pool_counters()[:4]
+
+
+def pool_trace() -> dict[str, int]:
+    """So far, over the calls that went to the pool (pool.c's trace): `calls`; `joined`, those a
+    worker saw while the caller still ran, and `wake_ns`, their nanoseconds from the call's start
+    to that; `slept`, the workers' wakes from sleep rather than a spin; `caller_chunks`, the chunks
+    the caller computed, and `worker_chunks`, those the workers delivered; the caller's nanoseconds
+    in whole calls (`call_ns`), in its own chunks (`own_ns`) and waiting for or taking back the
+    chunks workers held (`wait_ns`)."""
+    counters = _pool_counters()
+    return dict(zip(POOL_TRACE, counters[4:]), worker_chunks=counters[0])
 
 
 def stall_workers(microseconds: int) -> None:
