@@ -11,6 +11,10 @@
  * ends the burst, and the budget starts again from SPIN_MIN_NS. */
 #define SPIN_MIN_NS 60000L
 #define SPIN_MAX_NS 500000L
+/* A spin whose clock jumped this far between two looks (64 pauses apart, 2-10 us) was
+ * preempted: another thread wants this CPU (on a loaded machine, perhaps the caller itself),
+ * so the worker gives it up and sleeps rather than spin on. */
+#define PREEMPTED_NS 50000L
 
 /* ------------------------------------------------------------------ thread pool */
 /* Persistent workers and work stealing. A call's output tiles go in chunks, and every thread,
@@ -64,6 +68,12 @@ long npud_pool_spin_budget(long budget, long waited_ns) {
     if (budget < 2 * waited_ns) budget = 2 * waited_ns;
     if (budget < SPIN_MIN_NS) budget = SPIN_MIN_NS;
     return budget > SPIN_MAX_NS ? SPIN_MAX_NS : budget;
+}
+
+/* Whether a worker that has spun for `spun_ns`, `since_look_ns` of them since it last looked
+ * at the clock, spins on (see SPIN_MAX_NS and PREEMPTED_NS). */
+int npud_pool_spin_on(long spun_ns, long since_look_ns, long budget) {
+    return spun_ns < budget && since_look_ns < PREEMPTED_NS;
 }
 
 /* A job with room for `ntiles` chunk states and `extra` bytes of the call's own buffers. */
@@ -181,10 +191,15 @@ static void *worker(void *arg) {
     for (;;) {
         unsigned call;
         const long wait_start = now_ns();
-        long spins = 0;
-        while ((call = atomic_load_explicit(&pool.call, memory_order_acquire)) == seen &&
-               (++spins % 64 || now_ns() - wait_start < budget))
+        long look = wait_start;
+        for (long spins = 1; (call = atomic_load_explicit(&pool.call, memory_order_acquire)) == seen; spins++) {
+            if (spins % 64 == 0) {
+                const long t = now_ns();
+                if (!npud_pool_spin_on(t - wait_start, t - look, budget)) break;
+                look = t;
+            }
             _mm_pause();
+        }
         if (call == seen) {
             pthread_mutex_lock(&pool.mu);
             while ((call = atomic_load(&pool.call)) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
