@@ -8,7 +8,11 @@ llama.cpp (llama-cpp-python built by bench/llamacpp.py into its own environment)
 same checkpoint converted to GGUF by llama.cpp's converter (bench/gguf_convert.py), f32 / bf16 /
 q8_0 at 1 and 2 threads; transformers runs fp32 and bf16 at 2 threads. The read bandwidth of
 1 and 2 threads is measured in the same run, and a per-op profile of one decode step, one
-8-row verify and one prefill (bf16 and int8-q8, 2 threads) says where the time goes.
+8-row verify and one prefill (bf16 and int8-q8, 2 threads) says where the time goes. The
+roofline table sets each measured verify8 / step and prefill beside what the hardware allows
+that format's arithmetic: bytes over the read bandwidth, multiply-adds over the GEMM's own
+rate on cache-resident weights (fp32 activations cost one FMA lane per weight per row: a
+one-thread 8-row verify cannot come near one step's time on those formats).
 
     NPUD_LLAMA_ENV=/work/shared-bench/llama-env .venv/bin/python bench/decode.py
 Options: --tokens N (decode steps timed, default 32), --prefill N (default 512), --quick
@@ -29,7 +33,10 @@ from synth import QWEN3_0P5B, build_random_checkpoint
 
 from engine.forward import Forward
 from engine.model import Model
+from engine.weights import weight_arrays
+from kernels.base import LinearWeight, WeightFormat
 from kernels.host import native
+from kernels.host.formats import kernel_for
 
 LLAMA_TYPE = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "int8-q8": "q8_0", "bf16-bf16": "bf16"}  # the GGUF beside each format
 
@@ -58,6 +65,23 @@ def measure_read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5
     return a.nbytes / best
 
 
+def measure_mac_rate(fmt: str, rows: int, n: int = 3072, k: int = 1024, repeats: int = 7) -> float:
+    """Multiply-adds per second of `fmt`'s GEMM over `rows` rows on a cache-resident weight
+    (3-12 MB, in L3): the arithmetic's own ceiling at the threads set, bandwidth aside."""
+    kernel = kernel_for(WeightFormat.parse(fmt))
+    rng = np.random.default_rng(1)
+    w = kernel.prepare(kernel.sample(rng, n, k))
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    calls = max(1, 256 // rows)
+    kernel.linear(x, w, True)
+
+    def run():
+        for _ in range(calls):
+            kernel.linear(x, w, True)
+
+    return calls * rows * n * k / min(_timed(run) for _ in range(repeats))
+
+
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -69,6 +93,16 @@ def set_threads(n: int) -> None:
 
     native.set_threads(n)
     numba.set_num_threads(n)
+
+
+def layer_macs(model: Model) -> tuple[int, int]:
+    """Multiply-adds per row: (the layers' linears, the lm_head)."""
+    def macs(w: LinearWeight) -> int:
+        return w.out_features * w.in_features
+
+    w = model.weights
+    layers = sum(macs(o) for layer in w.layers for o in weight_arrays(layer) if isinstance(o, LinearWeight))
+    return layers, macs(w.lm_head)
 
 
 def our_decode(model: Model, prompt: list[int], steps: int) -> float:
@@ -217,17 +251,26 @@ def main() -> None:
     bandwidth = {n: measure_read_bandwidth(n) for n in (1, 2)}
     rows = []  # (label, threads, decode s, prefill s, verify8 / step, bytes per token, llama key)
     profiles = {}
+    roofline = {}  # (fmt, threads) -> (verify8 / step at the roofline, prefill tok/s the arithmetic allows)
     for fmt in formats:
         model = Model.load(ckpt, fmt)
+        per_row, head = layer_macs(model)
+        nbytes = model.weight_bytes_per_token()
         for threads in (1, 2):
             set_threads(threads)
             step = our_decode(model, prompt, args.tokens)
             verify = our_verify(model, prompt)
             prefill = our_prefill(model, long_prompt)
-            rows.append((f"npud {fmt}", threads, step, prefill, verify / step, model.weight_bytes_per_token(),
-                         (LLAMA_TYPE[fmt], threads)))
+            rate8, rate64 = measure_mac_rate(fmt, 8), measure_mac_rate(fmt, 64)
+            # the roofline: a pass takes at least its weight bytes over the bandwidth and its
+            # multiply-adds over the arithmetic's rate (8 rows: the verify; 64: prefill's chunks)
+            step_floor = nbytes / bandwidth[threads]
+            verify_floor = max(step_floor, 8 * (per_row + head) / rate8)
+            roofline[fmt, threads] = (verify_floor / step_floor, rate64 / per_row)
+            rows.append((f"npud {fmt}", threads, step, prefill, verify / step, nbytes, (LLAMA_TYPE[fmt], threads)))
             print(f"# npud {fmt} threads={threads}: {1 / step:.1f} tok/s decode, "
-                  f"{len(long_prompt) / prefill:.1f} tok/s prefill, verify8 {verify / step:.2f}x", flush=True)
+                  f"{len(long_prompt) / prefill:.1f} tok/s prefill, verify8 {verify / step:.2f}x; "
+                  f"GEMM rate {rate8 / 1e9:.0f} / {rate64 / 1e9:.0f} GMAC/s at 8 / 64 rows", flush=True)
         if fmt in ("bf16", "int8-q8"):
             profiles[fmt] = profiles_of(model, prompt, long_prompt)
         del model
@@ -266,10 +309,23 @@ def main() -> None:
         print(f"| {label} | {threads} | {1 / step:.1f} | {dec_vs} | {len(long_prompt) / prefill:.1f} | {pre_vs} | "
               f"{f'{vratio:.2f}x' if vratio else '-'} | {gbs} | {of_bw} |")
     ours = {(r[0], r[1]): r for r in rows if r[0].startswith("npud")}
-    print("\n| npud format | 2-thread decode / 1-thread decode |")
-    print("|---|---|")
+    print("\n# the roofline of each format's arithmetic on this CPU, from this run: verify8 / step if a step ran at")
+    print("# the read bandwidth and a verify at the larger of that and its multiply-adds over the 8-row GEMM")
+    print("# rate (cache-resident weights); prefill tok/s at the 64-row GEMM rate (the layers' linears only)\n")
+    print("| npud format | threads | verify8 / step measured | at the roofline | prefill tok/s measured | "
+          "at the GEMM rate |")
+    print("|---|---|---|---|---|---|")
     for fmt in formats:
-        print(f"| {fmt} | {ours[f'npud {fmt}', 1][2] / ours[f'npud {fmt}', 2][2]:.2f}x |")
+        for threads in (1, 2):
+            _, _, _, prefill, vratio, _, _ = ours[f"npud {fmt}", threads]
+            floor, ceiling = roofline[fmt, threads]
+            print(f"| {fmt} | {threads} | {vratio:.2f}x | {floor:.2f}x | {len(long_prompt) / prefill:.1f} | "
+                  f"{ceiling:.1f} |")
+    print("\n| npud format | 2-thread decode / 1-thread decode | 2-thread / 1-thread read bandwidth |")
+    print("|---|---|---|")
+    for fmt in formats:
+        print(f"| {fmt} | {ours[f'npud {fmt}', 1][2] / ours[f'npud {fmt}', 2][2]:.2f}x | "
+              f"{bandwidth[2] / bandwidth[1]:.2f}x |")
     for fmt, by_pass in profiles.items():
         print(f"\n| per-op ms, npud {fmt}, 2 threads | " + " | ".join(by_pass) + " |")
         print("|---|" + "---|" * len(by_pass))
