@@ -154,7 +154,8 @@ def speculative_rows(model, tokenizer, n: int, reps: int) -> list[list]:
     from engine.drafters import PromptLookupHead
     from engine.forward import Forward
     from engine.sampling import Sampler
-    from engine.speculative import DecodeStats, SpeculativeConfig, plain_decode, speculative_decode
+    from engine.api import SpecParams
+    from engine.speculative import DecodeStats, plain_decode, speculative_decode
 
     def run(prompt, head):
         f = Forward(model)
@@ -162,7 +163,7 @@ def speculative_rows(model, tokenizer, n: int, reps: int) -> list[list]:
         out, stats = [], DecodeStats()
         common = dict(max_new_tokens=n, sampler=Sampler(), on_token=out.append, stats=stats)
         loop = plain_decode(f, prompt, **common) if head is None else \
-            speculative_decode(f, head, prompt, config=SpeculativeConfig(), **common)
+            speculative_decode(f, head, prompt, config=SpecParams(), **common)
         for _ in loop:
             pass
         return out, stats

@@ -12,6 +12,7 @@ nine types; max |npud - transformers| <= 1e-4 x max |logit| over 24 positions.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -27,10 +28,12 @@ from engine.model import Model
 from engine.tokenizer import Tokenizer
 from engine.weights import WeightsError, checkpoint_fingerprint
 from gguf_checkpoints import TYPES, write_tiny_gguf
+from kernel_fixtures import _fma32, isa_and_threads  # noqa: F401  (a fixture)
 from kernels.base import LinearWeight
-from kernels.ggml.backend import BlockHostBackend, check_block_invariance, random_block_weight
-from kernels.ggml.blocks import LAYOUTS, BlockFormat, unpack_blocks, widen
+from kernels.ggml.backend import BlockHostBackend, check_block_invariance, random_block_rows
+from kernels.ggml.blocks import LAYOUTS, BlockFormat, unpack_blocks, unpack_matrix, widen
 from kernels.ggml.gemm import dense_weights, pack_block_matrix
+from kernels.host import TILE, native
 
 gguf = pytest.importorskip("gguf") if os.environ.get("CI") != "true" else __import__("gguf")
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
@@ -59,20 +62,52 @@ def test_unpacked_blocks_widen_to_gguf_dequantize_bits(fmt):
 
 
 @pytest.mark.parametrize("fmt", list(BlockFormat))
-def test_packed_tiles_gather_and_gemm(fmt):
-    """The gather gives the dequantized rows; the GEMM the float32 k-ordered sums over them."""
-    w = random_block_weight(fmt, 70, 512, seed=5)
-    dense = dense_weights(w)
-    assert dense.shape == (70, 512)
-    b = BlockHostBackend(parallel=False)
+def test_packed_tiles_gather_and_gemm(fmt, isa_and_threads):
+    """The gather gives the dequantized rows; the GEMM, on every kernel path and thread count,
+    one FMA per k in k order over them, then the bias."""
+    raw = random_block_rows(fmt, 70, 512, seed=5)
+    dense = widen(*unpack_matrix(raw, fmt, 512))  # the reference's weights (the test above)
+    w = pack_block_matrix(raw, fmt, 512)
+    assert np.array_equal(dense_weights(w).view(np.uint32), dense.view(np.uint32))
+    b = BlockHostBackend(parallel=True)
     rows = np.array([69, 0, 64, 63, 7])
     assert np.array_equal(b.embed(w, rows), dense[rows])
-    x = np.random.default_rng(1).standard_normal((3, 512)).astype(np.float32)
-    expected = np.zeros((3, 70), np.float32)
-    for k in range(512):  # the float32 sum in increasing k, one rounding per op
-        expected = expected + x[:, k : k + 1] * dense[:, k][None, :]
-    assert np.array_equal(b.linear(x, w), expected)
-    assert np.array_equal(b.linear(x[:1], w), expected[:1])
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((30, 512)).astype(np.float32)
+    bias = rng.standard_normal(70).astype(np.float32)
+    acc = np.zeros((30, 70), np.float32)
+    for k in range(512):
+        acc = _fma32(np.repeat(x[:, k : k + 1], 70, axis=1), np.broadcast_to(dense[:, k], (30, 70)), acc)
+    wb = b.prepare_linear(dataclasses.replace(w, bias=bias))
+    for path in native.ISA_NAMES[: native.ISA_NAMES.index(native.best_isa()) + 1]:
+        native.set_isa(path)
+        for threads in (1, 2):
+            native.set_threads(threads)
+            # one row block; k chunks of three row blocks; five blocks on weights widened once (M = 30)
+            for m in (1, 3, 13, 30):
+                assert np.array_equal(b.linear(x[:m], w).view(np.uint32), acc[:m].view(np.uint32)), (path, m)
+            assert np.array_equal(b.linear(x, wb), acc + bias), path
+    padded = native.linear_qtiles(x, w.data, w.scale, 70, None, False)  # the tile's columns 70..127
+    assert padded.shape == (30, 128) and not padded[:, 70:].any()  # hold q = 0, S = D = 0: zeros
+
+
+def test_weights_widen_as_a_rounded_product_then_a_rounded_offset(isa_and_threads):
+    """Any float32 S and D (a real block's S * q is exact, so it cannot tell a fused multiply-
+    subtract from the reference's two roundings): the kernels widen round(round(S * q) - D)."""
+    rng = np.random.default_rng(4)
+    q = rng.integers(-32, 32, (1, 64, TILE)).astype(np.int8)
+    f = rng.standard_normal((1, 2, 2, TILE)).astype(np.float32)  # K = 64 in two groups of 32
+    w = LinearWeight(BlockFormat.Q4_K, q, scale=f, layout="qtiles", out_features=TILE, in_features=64)
+    dense = widen(q[0].T, f[0].transpose(2, 0, 1))
+    x = rng.standard_normal((30, 64)).astype(np.float32)  # 30 rows: the kernel's two ways to widen
+    acc = np.zeros((30, TILE), np.float32)
+    for k in range(64):
+        acc = _fma32(np.repeat(x[:, k : k + 1], TILE, axis=1), np.broadcast_to(dense[:, k], (30, TILE)), acc)
+    for path in native.ISA_NAMES[: native.ISA_NAMES.index(native.best_isa()) + 1]:
+        native.set_isa(path)
+        assert np.array_equal(dense_weights(w).view(np.uint32), dense.view(np.uint32)), path
+        for m in (2, 30):
+            assert np.array_equal(BlockHostBackend().linear(x[:m], w).view(np.uint32), acc[:m].view(np.uint32)), path
 
 
 def test_row_order_moves_whole_rows():

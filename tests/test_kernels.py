@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernel_fixtures import isa_and_threads  # noqa: F401  (a fixture)
+from kernel_fixtures import _fma32, isa_and_threads  # noqa: F401  (a fixture)
 
 from kernels.select import RowwiseBackend, select_backend
 from kernels.base import LinearWeight, WeightFormat
@@ -229,23 +229,6 @@ def test_linear_reads_views_and_read_only_rows_at_their_own_address(host):
     assert host.linear(rows[:0], w).shape == (0, 64)
     first, second = host.linear(rows[:1], w), host.linear(rows[1:2], w)  # two results kept: distinct outputs
     assert np.array_equal(first.view(np.uint32), want[:1]) and np.array_equal(second.view(np.uint32), want[1:2])
-
-def _fma32(a, b, c) -> np.ndarray:
-    """fma(a, b, c) on float32 arrays, rounded once: a * b is exact in float64, TwoSum gives the
-    sum's float64 rounding s and its error, and the error breaks the tie when s lies halfway
-    between two floats (the one case where rounding s again to float32 goes wrong)."""
-    a, b, c = (np.asarray(x, np.float32) for x in (a, b, c))
-    p = a.astype(np.float64) * b
-    c64 = c.astype(np.float64)
-    s = p + c64
-    bb = s - p
-    err = (p - (s - bb)) + (c64 - bb)
-    r = s.astype(np.float32)
-    r64 = r.astype(np.float64)
-    other = np.nextafter(r, np.where(s > r64, np.float32(np.inf), np.float32(-np.inf)))
-    halfway = (s != r64) & (s == (r64 + other.astype(np.float64)) / 2)
-    return np.where(halfway & (np.sign(err) == np.sign(s - r64)), other, r).astype(np.float32)
-
 
 def test_fma_reference_rounds_once():
     a = np.float32(1 + 2**-12)

@@ -1,4 +1,4 @@
-"""The host backend with GGML block weights: kernels/host.py's HostBackend plus the block GEMM.
+"""The host backend with GGML block weights: kernels/host's HostBackend plus the block GEMM.
 
 Only linear layers and embedding tables in a BlockFormat take the block path; every
 other weight and operation is HostBackend's, unchanged.
@@ -6,12 +6,14 @@ other weight and operation is HostBackend's, unchanged.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from kernels.base import LinearWeight
 from kernels.ggml.blocks import LAYOUTS, BlockFormat
 from kernels.ggml.gemm import block_embed, block_linear, pack_block_matrix
-from kernels.host import HostBackend
+from kernels.host import CHECK_ROWS, HostBackend
 
 
 def is_block(w: LinearWeight) -> bool:
@@ -25,6 +27,8 @@ class BlockHostBackend(HostBackend):
         if is_block(w):
             if w.layout != "qtiles":
                 raise ValueError(f"host backend cannot use {w.fmt.value} weights in layout {w.layout!r}")
+            if w.bias is not None:  # the kernel adds it: float32, contiguous
+                w = dataclasses.replace(w, bias=np.ascontiguousarray(w.bias, dtype=np.float32))
             return w
         return super().prepare_linear(w)
 
@@ -46,6 +50,11 @@ class BlockHostBackend(HostBackend):
 
 def random_block_weight(fmt: BlockFormat, n: int, k: int, seed: int = 0) -> LinearWeight:
     """A [n, k] weight of random blocks with finite scales (for self-checks and tests)."""
+    return pack_block_matrix(random_block_rows(fmt, n, k, seed), fmt, k)
+
+
+def random_block_rows(fmt: BlockFormat, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """[n, k / block_weights * block_bytes] uint8: n rows of random blocks with finite scales."""
     lay = LAYOUTS[fmt]
     rng = np.random.default_rng(seed)
     blocks = n * (k // lay.block_weights)
@@ -58,14 +67,15 @@ def random_block_weight(fmt: BlockFormat, n: int, k: int, seed: int = 0) -> Line
         raw[:, 0:4] = scales
     else:
         raw[:, 0:2] = scales[:, 0:2]
-    return pack_block_matrix(raw.reshape(n, -1), fmt, k)
+    return raw.reshape(n, -1)
 
 
-def check_block_invariance(backend, rows: int = 16, k: int = 512, n: int = 136, seed: int = 0) -> list[str]:
+def check_block_invariance(backend, rows: int = CHECK_ROWS, k: int = 512, n: int = 136, seed: int = 0) -> list[str]:
     """Run every block format's GEMM for M = 1..rows and compare row bits with one-row calls.
 
     Returns failure descriptions (empty when every row of every M matched). N is not a
-    multiple of the tile, so a padded tile is exercised too.
+    multiple of the tile, so a padded tile is exercised too; rows up to 64 take every row
+    block size and k chunk size of the kernel (blockgemm.c), K = 512 two of the largest chunks.
     """
     x = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32)
     failures = []

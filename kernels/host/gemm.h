@@ -1,6 +1,7 @@
 /* What the host GEMM's files share: the job a call becomes, its constants and the inline
  * helpers every kernel path uses. gemm.c: the float and q8 kernels and the ISA choice;
- * bf16dot.c: the bf16-dot format; pool.c: the thread pool that runs a job's tiles. */
+ * bf16dot.c: the bf16-dot format; blockgemm.c: GGML block weights; pool.c: the thread pool that
+ * runs a job's tiles. */
 #ifndef NPUD_GEMM_H
 #define NPUD_GEMM_H
 
@@ -23,7 +24,7 @@
 #define MAXR_Q8 4       /* q8: 4 x 4 int32 accumulators (the float ones wait in the output) */
 #define PF_BYTES 1024   /* software prefetch distance in the weight stream */
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2, FMT_Q8 = 3, FMT_BD = 4 };
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2, FMT_Q8 = 3, FMT_BD = 4, FMT_QT = 5 };
 /* ISA_AVX512_BF16: VNNI and AVX512_BF16 (every CPU with the latter has the former) */
 enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_VNNI = 3, ISA_AVX512_BF16 = 4 };
 
@@ -42,6 +43,8 @@ typedef struct job {
     const float *xs;         /* q8: [M, Kp / QB] */
     const int32_t *xsum;     /* q8: [M, Kp / QB], sum of each block's int8 values */
     const uint32_t *xb;      /* bf16-dot: [Kp / 2, M], each word a row's bf16 pair (x[k], x[k+1]) */
+    const float *fac;        /* GGML blocks (blockgemm.c): factor tiles [ntiles, K / group, parts, TILE] */
+    long group, parts;       /* GGML blocks: weights a factor group; 1 (S) or 2 (S, D) factors */
     /* the thread pool's part (see the pool below) */
     void (*tile)(const struct job *, long, float *, long);
     long chunk, nchunks;     /* tiles per chunk; chunks */

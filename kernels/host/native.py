@@ -67,7 +67,7 @@ ISA_NAMES = ("generic", "avx2", "avx512", "avx512-vnni", "avx512-bf16")  # each 
 FMT_F32, FMT_BF16, FMT_I8, FMT_Q8 = 0, 1, 2, 3
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("gemm.c", "bf16dot.c", "pool.c", "attention.c", "pointwise.c"))
+                for name in ("gemm.c", "bf16dot.c", "blockgemm.c", "pool.c", "attention.c", "pointwise.c"))
 # the library's name covers them too: gemm.h (what the GEMM sources share), vexp.h (the exponential
 # attention.c and pointwise.c share)
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("gemm.h", "vexp.h"))
@@ -148,6 +148,10 @@ def library() -> ctypes.CDLL:
             lib.npud_linear_q8.restype = _L
             lib.npud_linear_bd.argtypes = [_P, _L, _L, _L, _P, _L, _L, _P, _P, _P, _I]
             lib.npud_linear_bd.restype = _L
+            lib.npud_linear_qtiles.argtypes = [_P, _L, _L, _P, _P, _L, _L, _L, _L, _P, _P, _I]
+            lib.npud_linear_qtiles.restype = _L
+            lib.npud_gather_qtiles.argtypes = [_P, _P, _L, _L, _L, _P, _L, _P]
+            lib.npud_gather_qtiles.restype = None
             lib.npud_round_bf16.argtypes = [_P, _L, _L, _L, _P]
             lib.npud_round_bf16.restype = None
             lib.npud_bf16dot_hardware.argtypes = [_I]
@@ -352,6 +356,28 @@ def linear_bf16_dot(x: np.ndarray, w: np.ndarray, n: int, bias: np.ndarray | Non
     if _call((_lib or library()).npud_linear_bd, (w, bias), _addr(x), m, k, kp, _weight_ptr(w), tiles, n, None,
              _weight_ptr(bias), _addr(out), threads() if parallel else 1) < 0:
         raise MemoryError(f"no memory for the bf16 rows of a [{m}, {kp}] activation")
+    return out
+
+
+def linear_qtiles(x: np.ndarray, q: np.ndarray, f: np.ndarray, n: int, bias: np.ndarray | None,
+                  parallel: bool) -> np.ndarray:
+    """x: [M, K] f32, GGML block weights as q tiles [T, K, TILE] int8 and factor tiles
+    [T, K / g, P, TILE] f32 (blockgemm.c) -> [M, T * TILE] f32. Raises MemoryError as gemm."""
+    m, k = x.shape
+    tiles = q.shape[0]
+    out = np.empty((m, tiles * TILE), np.float32)
+    if _call((_lib or library()).npud_linear_qtiles, (q, f, bias), _addr(x), m, k, _weight_ptr(q), _weight_ptr(f),
+             k // f.shape[1], f.shape[2], tiles, n, _weight_ptr(bias), _addr(out), threads() if parallel else 1) < 0:
+        raise MemoryError(f"no memory for a transposed copy of a [{m}, {k}] activation")
+    return out
+
+
+def gather_qtiles(q: np.ndarray, f: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Rows `tokens` [M] (int64, in range) of a block table in linear_qtiles' tiles, widened -> [M, K] f32."""
+    k = q.shape[1]
+    out = np.empty((tokens.shape[0], k), np.float32)
+    library().npud_gather_qtiles(q.ctypes.data, f.ctypes.data, k, k // f.shape[1], f.shape[2], tokens.ctypes.data,
+                                 tokens.shape[0], out.ctypes.data)
     return out
 
 
