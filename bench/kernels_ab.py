@@ -32,7 +32,8 @@ PROMPT = list(range(1, 17))
 
 
 def library_of(rev: str, directory: Path):
-    """The host kernel library built from revision `rev`'s sources (loaded with native.py's bindings)."""
+    """The host kernel library built from revision `rev`'s sources (loaded with native.py's bindings);
+    the revision must have every source file this checkout builds (native.SOURCES)."""
     sources, headers = native.SOURCES, native.HEADERS
     for src in sources + headers:
         text = subprocess.run(["git", "show", f"{rev}:kernels/host/{src.name}"], cwd=ROOT, check=True,
