@@ -13,8 +13,7 @@ AVX2+FMA (the generic C built for it), or the generic C that every x86-64 runs. 
 computes the same chain per element (the generic one with fmaf), so they give the same bits,
 which tests/test_kernels.py checks. gemm.c says how each element is computed.
 
-Threads: a persistent pool inside the library (workers spin through the gaps of a burst of
-calls, at most half a millisecond, then sleep: pool.c's SPIN_MAX_NS). A call's
+Threads: a persistent pool inside the library (workers spin briefly, then sleep). A call's
 output tiles go in small chunks that every thread, the caller included, takes from one
 counter; the caller takes back the chunks of a worker that stalls (on a shared machine its
 core may be busy with someone else) instead of waiting a scheduler time slice for it. A

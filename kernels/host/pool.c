@@ -3,18 +3,14 @@
 
 #define MAX_THREADS 64
 #define CHUNK_BYTES (256 << 10) /* weight bytes a pool chunk reads at most */
-/* How long a worker spins for the next call before it sleeps (waking a sleeping worker costs
- * 30-150 us on a VM, more than a small layer's whole GEMM): it spins for twice the longest wait
- * between recent calls, the budget decaying by 1/16 a call, so that in a decode step's burst
- * it bridges the Python between GEMMs (the attention's gap included), and never longer than
- * SPIN_MAX_NS, after which it sleeps: an idle daemon holds no core. A wait longer than that
- * ends the burst, and the budget starts again from SPIN_MIN_NS. */
-#define SPIN_MIN_NS 60000L
-#define SPIN_MAX_NS 500000L
-/* A spin whose clock jumped this far between two looks (64 pauses apart, 2-10 us) was
- * preempted: another thread wants this CPU (on a loaded machine, perhaps the caller itself),
- * so the worker gives it up and sleeps rather than spin on. */
-#define PREEMPTED_NS 50000L
+/* pause instructions (tens of microseconds) a worker spins for the next call before it sleeps:
+ * enough to bridge the Python between the GEMMs of a layer, short enough not to hold a core
+ * that the machine's other processes (or numba's threads) want. A longer spin, twice the
+ * recent waits up to 0.5 ms so as to bridge attention's gap too, cut the worker's wakes from
+ * sleep in a decode step from 17% of the calls to 1-4%, but did not make the step faster, and
+ * the 2-thread lm_head was 15-25% slower in 6 of 7 interleaved runs (bench/kernels_ab.py):
+ * a worker that spins more gets less of the CPU when the machine is shared. */
+#define SPIN_WAIT 2000
 
 /* ------------------------------------------------------------------ thread pool */
 /* Persistent workers and work stealing. A call's output tiles go in chunks, and every thread,
@@ -59,21 +55,6 @@ static inline long now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec * 1000000000L + ts.tv_nsec;
-}
-
-/* The spin budget after a wait of `waited_ns` for a call, from the budget before it (see SPIN_MAX_NS). */
-long npud_pool_spin_budget(long budget, long waited_ns) {
-    if (waited_ns > SPIN_MAX_NS) return SPIN_MIN_NS;
-    budget -= budget / 16;
-    if (budget < 2 * waited_ns) budget = 2 * waited_ns;
-    if (budget < SPIN_MIN_NS) budget = SPIN_MIN_NS;
-    return budget > SPIN_MAX_NS ? SPIN_MAX_NS : budget;
-}
-
-/* Whether a worker that has spun for `spun_ns`, `since_look_ns` of them since it last looked
- * at the clock, spins on (see SPIN_MAX_NS and PREEMPTED_NS). */
-int npud_pool_spin_on(long spun_ns, long since_look_ns, long budget) {
-    return spun_ns < budget && since_look_ns < PREEMPTED_NS;
 }
 
 /* A job with room for `ntiles` chunk states and `extra` bytes of the call's own buffers. */
@@ -187,18 +168,12 @@ static void *worker(void *arg) {
     cpu_set_t allowed; /* the CPUs the process may use (the caller's mask at creation) */
     if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) CPU_ZERO(&allowed);
     pthread_setname_np(pthread_self(), "npud-gemm"); /* tests find the workers by it */
-    long budget = SPIN_MIN_NS;
     for (;;) {
         unsigned call;
-        const long wait_start = now_ns();
-        long look = wait_start;
-        for (long spins = 1; (call = atomic_load_explicit(&pool.call, memory_order_acquire)) == seen; spins++) {
-            if (spins % 64 == 0) {
-                const long t = now_ns();
-                if (!npud_pool_spin_on(t - wait_start, t - look, budget)) break;
-                look = t;
-            }
+        int spins = 0;
+        while ((call = atomic_load_explicit(&pool.call, memory_order_acquire)) == seen && spins < SPIN_WAIT) {
             _mm_pause();
+            spins++;
         }
         if (call == seen) {
             pthread_mutex_lock(&pool.mu);
@@ -206,7 +181,6 @@ static void *worker(void *arg) {
             pthread_mutex_unlock(&pool.mu);
             atomic_fetch_add_explicit(&pool.slept, 1, memory_order_relaxed);
         }
-        budget = npud_pool_spin_budget(budget, now_ns() - wait_start);
         seen = call;
         if (index >= atomic_load(&pool.active)) continue;
         job_t *j;
