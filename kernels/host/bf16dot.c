@@ -83,8 +83,7 @@ static inline __attribute__((always_inline)) TBF16 void bf16_rows(const int R, c
     const uint32_t *xb = j->xb + r0;
     o += r0 * ldo;
     __m512 acc[MAXR][4];
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < 4; v++) acc[r][v] = s0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + r * ldo + 16 * v);
+    acc_load(R, acc, o, ldo, s0 == 0);
     for (long s = s0; s < s1; s++) {
         const uint32_t *wp = wt + s * TILE;
         for (int l = 0; l < 4; l++) _mm_prefetch((const char *)wp + PF_BYTES + 64 * l, _MM_HINT_T0);
@@ -98,8 +97,7 @@ static inline __attribute__((always_inline)) TBF16 void bf16_rows(const int R, c
             acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, w3);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < 4; v++) store16(j, o + r * ldo + 16 * v, acc[r][v], t * TILE + 16 * v, s1 == np);
+    acc_store(R, j, acc, o, ldo, t, s1 == np);
 }
 
 static inline __attribute__((always_inline)) TBF16 void bf16_bd_block(const job_t *j, long t, float *o, long ldo,

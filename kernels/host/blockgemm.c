@@ -50,8 +50,7 @@ static inline __attribute__((always_inline)) T512 void qt_rows(const int R, cons
     const float *x = j->x + r0;
     o += r0 * ldo;
     __m512 acc[MAXR][4];
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < 4; v++) acc[r][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + r * ldo + 16 * v);
+    acc_load(R, acc, o, ldo, k0 == 0);
     for (long k = k0; k < k1;) {
         const long grp = k / g, kend = (grp + 1) * g < k1 ? (grp + 1) * g : k1;
         const float *f = ft + grp * P * TILE;
@@ -70,14 +69,10 @@ static inline __attribute__((always_inline)) T512 void qt_rows(const int R, cons
                 w[v] = _mm512_mul_ps(s[v], q);
                 if (P == 2) w[v] = _mm512_sub_ps(w[v], d[v]);
             }
-            for (int r = 0; r < R; r++) {
-                const __m512 xb = _mm512_set1_ps(x[k * M + r]);
-                for (int v = 0; v < 4; v++) acc[r][v] = _mm512_fmadd_ps(xb, w[v], acc[r][v]);
-            }
+            fma_rows(R, acc, x + k * M, w);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < 4; v++) store16(j, o + r * ldo + 16 * v, acc[r][v], t * TILE + 16 * v, k1 == K);
+    acc_store(R, j, acc, o, ldo, t, k1 == K);
 }
 
 #define QT_ROWS_P(P)                                                                                 \
@@ -127,22 +122,14 @@ static inline __attribute__((always_inline)) T512 void qt_rows_widened(const int
     const long M = j->M;
     o += r0 * ldo;
     __m512 acc[MAXR][4];
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < 4; v++) acc[r][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + r * ldo + 16 * v);
+    acc_load(R, acc, o, ldo, k0 == 0);
     for (long k = k0; k < k1; k++) {
         const float *w = wf + (k - k0) * TILE;
-        const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
-        const __m512 w2 = _mm512_loadu_ps(w + 32), w3 = _mm512_loadu_ps(w + 48);
-        for (int r = 0; r < R; r++) {
-            const __m512 xb = _mm512_set1_ps(x[k * M + r]);
-            acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
-            acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
-        }
+        const __m512 wv[4] = {_mm512_loadu_ps(w), _mm512_loadu_ps(w + 16), _mm512_loadu_ps(w + 32),
+                              _mm512_loadu_ps(w + 48)};
+        fma_rows(R, acc, x + k * M, wv);
     }
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < 4; v++) store16(j, o + r * ldo + 16 * v, acc[r][v], t * TILE + 16 * v, k1 == j->K);
+    acc_store(R, j, acc, o, ldo, t, k1 == j->K);
 }
 
 #define QT_KW 64 /* k rows of a tile widened at once when several row blocks share them (16 KiB) */

@@ -138,8 +138,7 @@ static inline __attribute__((always_inline)) T512 void avx512_rows(int fmt, cons
     const long M = j->M;
     o += r0 * ldo;
     __m512 acc[MAXR][4];
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < 4; v++) acc[r][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + r * ldo + 16 * v);
+    acc_load(R, acc, o, ldo, k0 == 0);
     for (long k = k0; k < k1; k++) {
         const char *row = wt + (size_t)k * TILE * es;
         _mm_prefetch(row + PF_BYTES, _MM_HINT_T0);
@@ -148,18 +147,11 @@ static inline __attribute__((always_inline)) T512 void avx512_rows(int fmt, cons
             _mm_prefetch(row + PF_BYTES + 128, _MM_HINT_T0);
             _mm_prefetch(row + PF_BYTES + 192, _MM_HINT_T0);
         }
-        const __m512 w0 = widen16(fmt, wt, k * TILE), w1 = widen16(fmt, wt, k * TILE + 16);
-        const __m512 w2 = widen16(fmt, wt, k * TILE + 32), w3 = widen16(fmt, wt, k * TILE + 48);
-        for (int r = 0; r < R; r++) {
-            const __m512 xb = _mm512_set1_ps(x[k * M + r]);
-            acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
-            acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
-        }
+        const __m512 w[4] = {widen16(fmt, wt, k * TILE), widen16(fmt, wt, k * TILE + 16),
+                             widen16(fmt, wt, k * TILE + 32), widen16(fmt, wt, k * TILE + 48)};
+        fma_rows(R, acc, x + k * M, w);
     }
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < 4; v++) store16(j, o + r * ldo + 16 * v, acc[r][v], t * TILE + 16 * v, k1 == K);
+    acc_store(R, j, acc, o, ldo, t, k1 == K);
 }
 
 static inline __attribute__((always_inline)) T512 void avx512_float_block(int fmt, const job_t *j, long t, float *o,

@@ -52,6 +52,8 @@ typedef struct job {
     _Atomic uint8_t *state;  /* [nchunks]: FREE, OWNED, PUBLISHING, DONE, CALLER */
     struct job *retired;     /* next in the caller's list of jobs a stalled worker still holds */
     int caller_cpu;          /* the CPU the caller ran on when it published the job */
+    long published_ns;       /* when the caller published the job (pool.c's trace) */
+    atomic_long seen_ns;     /* when a worker first saw it, or 0 */
 } job_t;
 
 typedef void (*tile_fn)(const job_t *, long, float *, long);
@@ -99,6 +101,31 @@ static inline __attribute__((always_inline)) T512 void store16(const job_t *j, f
         if (j->bias) v = _mm512_mask_add_ps(v, live, v, _mm512_maskz_loadu_ps(live, j->bias + n));
     }
     _mm512_storeu_ps(o, v);
+}
+
+/* An R-row block's 4R accumulators, 64 columns a row (row r of the block at o + r * ldo): zero
+ * where the chain starts, else the partial sums waiting in o (stored and reloaded exactly). */
+static inline __attribute__((always_inline)) T512 void acc_load(const int R, __m512 acc[MAXR][4], const float *o,
+                                                                long ldo, int start) {
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = start ? _mm512_setzero_ps() : _mm512_loadu_ps(o + r * ldo + 16 * v);
+}
+
+/* ... and back into o: the final values (scale and bias on, store16) when the chain ends. */
+static inline __attribute__((always_inline)) T512 void acc_store(const int R, const job_t *j, __m512 acc[MAXR][4],
+                                                                 float *o, long ldo, long t, int last) {
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < 4; v++) store16(j, o + r * ldo + 16 * v, acc[r][v], t * TILE + 16 * v, last);
+}
+
+/* One k of the float chain for the block: acc[r][v] = fma(xk[r], w[v], acc[r][v]), xk the
+ * block's activations at this k (adjacent in the transposed x). */
+static inline __attribute__((always_inline)) T512 void fma_rows(const int R, __m512 acc[MAXR][4], const float *xk,
+                                                                const __m512 w[4]) {
+    for (int r = 0; r < R; r++) {
+        const __m512 xb = _mm512_set1_ps(xk[r]);
+        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_fmadd_ps(xb, w[v], acc[r][v]);
+    }
 }
 
 #endif

@@ -263,12 +263,30 @@ def _call(fn, arrays: tuple, *args) -> int:
         return held
 
 
+POOL_TRACE = ("calls", "joined", "wake_ns", "slept", "caller_chunks", "call_ns", "own_ns", "wait_ns")
+
+
+def _pool_counters() -> tuple[int, ...]:
+    stats = (ctypes.c_long * (4 + len(POOL_TRACE)))()
+    library().npud_pool_stats(stats)
+    return tuple(stats)
+
+
 def pool_stats() -> tuple[int, int, int, int]:
     """So far: (chunks the pool's workers delivered, chunks the caller took back from a stalled
     worker, times a worker moved off the caller's CPU, chunks of the calls that went to the pool)."""
-    stats = (ctypes.c_long * 4)()
-    library().npud_pool_stats(stats)
-    return tuple(stats)
+    return _pool_counters()[:4]
+
+
+def pool_trace() -> dict[str, int]:
+    """So far, over the calls that went to the pool (pool.c's trace): `calls`; `joined`, those a
+    worker saw while the caller still ran, and `wake_ns`, their nanoseconds from the call's start
+    to that; `slept`, the workers' wakes from sleep rather than a spin; `caller_chunks`, the chunks
+    the caller computed, and `worker_chunks`, those the workers delivered; the caller's nanoseconds
+    in whole calls (`call_ns`), in its own chunks (`own_ns`) and waiting for or taking back the
+    chunks workers held (`wait_ns`)."""
+    counters = _pool_counters()
+    return dict(zip(POOL_TRACE, counters[4:]), worker_chunks=counters[0])
 
 
 def stall_workers(microseconds: int) -> None:

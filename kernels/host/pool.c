@@ -5,7 +5,11 @@
 #define CHUNK_BYTES (256 << 10) /* weight bytes a pool chunk reads at most */
 /* pause instructions (tens of microseconds) a worker spins for the next call before it sleeps:
  * enough to bridge the Python between the GEMMs of a layer, short enough not to hold a core
- * that the machine's other processes (or numba's threads) want */
+ * that the machine's other processes (or numba's threads) want. A longer spin, twice the
+ * recent waits up to 0.5 ms so as to bridge attention's gap too, cut the worker's wakes from
+ * sleep in a decode step from 17% of the calls to 1-4%, but did not make the step faster, and
+ * the 2-thread lm_head was 15-25% slower in 6 of 7 interleaved runs (bench/kernels_ab.py):
+ * a worker that spins more gets less of the CPU when the machine is shared. */
 #define SPIN_WAIT 2000
 
 /* ------------------------------------------------------------------ thread pool */
@@ -37,9 +41,21 @@ static struct {
     atomic_long published, stolen, moved;  /* chunks workers delivered; chunks the caller took back;
                                               workers that moved off the caller's CPU */
     atomic_long offered;                   /* chunks of the calls that went to the pool */
+    /* where a call's time goes (bench/gemm_threads.py): calls that went to the pool, calls a
+     * worker joined while the caller still ran, the nanoseconds from publishing the job to a
+     * worker's seeing it (summed over those calls), wakes from sleep (not a spin), chunks the
+     * caller ran, and the caller's nanoseconds in whole calls, in its own chunks, and waiting
+     * for (or taking back) the chunks workers held after the counter was spent */
+    atomic_long calls, joined, wake_ns, slept, caller_ran, call_ns, own_ns, wait_ns;
     atomic_long stall_us;                  /* tests: workers sleep this long on each chunk they take
                                               (and the caller lets one take the first) */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static inline long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
 
 /* A job with room for `ntiles` chunk states and `extra` bytes of the call's own buffers. */
 job_t *job_new(long ntiles, size_t extra) {
@@ -108,6 +124,7 @@ static void caller_chunks(job_t *j) {
     uint64_t spent = 0, ran = 0;
     if (atomic_load_explicit(&pool.stall_us, memory_order_relaxed)) /* tests: a worker takes the first chunk */
         for (int i = 0; i < 100000 && atomic_load(&j->next) == 0; i++) sched_yield();
+    const long start_ns = now_ns();
     for (;;) {
         const long c = atomic_fetch_add(&j->next, 1);
         if (c >= j->nchunks) break;
@@ -118,6 +135,8 @@ static void caller_chunks(job_t *j) {
         spent += __rdtsc() - t;
         ran++;
     }
+    const long spent_ns = now_ns();
+    long taken = 0;
     const uint64_t patience = ran ? 2 * spent / ran : 100000, since = __rdtsc();
     for (long c = 0; c < j->nchunks; c++) {
         long spins = 0;
@@ -127,6 +146,7 @@ static void caller_chunks(job_t *j) {
             if (st == FREE || (st == OWNED && __rdtsc() - since > patience)) {
                 if (!atomic_compare_exchange_strong(&j->state[c], &st, CALLER)) continue;
                 run_chunk(j, c, j->out + c * j->chunk * TILE, ldo);
+                taken++;
                 if (st == OWNED) atomic_fetch_add_explicit(&pool.stolen, 1, memory_order_relaxed);
                 break;
             }
@@ -135,6 +155,9 @@ static void caller_chunks(job_t *j) {
             else sched_yield();
         }
     }
+    atomic_fetch_add_explicit(&pool.caller_ran, (long)ran + taken, memory_order_relaxed);
+    atomic_fetch_add_explicit(&pool.own_ns, spent_ns - start_ns, memory_order_relaxed);
+    atomic_fetch_add_explicit(&pool.wait_ns, now_ns() - spent_ns, memory_order_relaxed);
 }
 
 static void *worker(void *arg) {
@@ -144,6 +167,7 @@ static void *worker(void *arg) {
     size_t cap = 0;
     cpu_set_t allowed; /* the CPUs the process may use (the caller's mask at creation) */
     if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) CPU_ZERO(&allowed);
+    pthread_setname_np(pthread_self(), "npud-gemm"); /* tests find the workers by it */
     for (;;) {
         unsigned call;
         int spins = 0;
@@ -155,6 +179,7 @@ static void *worker(void *arg) {
             pthread_mutex_lock(&pool.mu);
             while ((call = atomic_load(&pool.call)) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
             pthread_mutex_unlock(&pool.mu);
+            atomic_fetch_add_explicit(&pool.slept, 1, memory_order_relaxed);
         }
         seen = call;
         if (index >= atomic_load(&pool.active)) continue;
@@ -163,6 +188,10 @@ static void *worker(void *arg) {
             j = atomic_load(&pool.job);
             atomic_store(&pool.hazard[index], j);
         } while (j && atomic_load(&pool.job) != j);
+        if (j) {
+            long unseen = 0;
+            atomic_compare_exchange_strong(&j->seen_ns, &unseen, now_ns());
+        }
         if (j && sched_getcpu() == j->caller_cpu) move_off(j->caller_cpu, &allowed);
         if (j) worker_chunks(j, &scratch, &cap);
         atomic_store(&pool.hazard[index], NULL);
@@ -226,6 +255,7 @@ long dispatch(job_t *j, int threads) {
         j->nchunks = (j->ntiles + j->chunk - 1) / j->chunk;
         atomic_fetch_add_explicit(&pool.offered, j->nchunks, memory_order_relaxed);
         j->caller_cpu = sched_getcpu();
+        j->published_ns = now_ns();
         atomic_store(&pool.active, threads - 1);
         atomic_store(&pool.job, j);
         pthread_mutex_lock(&pool.mu);
@@ -234,6 +264,13 @@ long dispatch(job_t *j, int threads) {
         pthread_mutex_unlock(&pool.mu);
         caller_chunks(j);
         atomic_store(&pool.job, NULL);
+        const long seen_ns = atomic_load(&j->seen_ns), done_ns = now_ns();
+        atomic_fetch_add_explicit(&pool.calls, 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&pool.call_ns, done_ns - j->published_ns, memory_order_relaxed);
+        if (seen_ns) {
+            atomic_fetch_add_explicit(&pool.joined, 1, memory_order_relaxed);
+            atomic_fetch_add_explicit(&pool.wake_ns, seen_ns - j->published_ns, memory_order_relaxed);
+        }
         if (named_by_worker(j)) {
             j->retired = pool.retired;
             pool.retired = j;
@@ -255,12 +292,21 @@ long npud_pool_held(void) {
 }
 
 /* stats[0]: chunks workers delivered, [1]: chunks the caller took back from a worker,
- * [2]: times a worker moved off the caller's CPU, [3]: chunks of the calls that went to the pool. */
+ * [2]: times a worker moved off the caller's CPU, [3]: chunks of the calls that went to the pool,
+ * [4..11]: the trace (the pool's fields calls .. wait_ns, in that order). */
 void npud_pool_stats(long *stats) {
     stats[0] = atomic_load(&pool.published);
     stats[1] = atomic_load(&pool.stolen);
     stats[2] = atomic_load(&pool.moved);
     stats[3] = atomic_load(&pool.offered);
+    stats[4] = atomic_load(&pool.calls);
+    stats[5] = atomic_load(&pool.joined);
+    stats[6] = atomic_load(&pool.wake_ns);
+    stats[7] = atomic_load(&pool.slept);
+    stats[8] = atomic_load(&pool.caller_ran);
+    stats[9] = atomic_load(&pool.call_ns);
+    stats[10] = atomic_load(&pool.own_ns);
+    stats[11] = atomic_load(&pool.wait_ns);
 }
 
 /* Tests: workers sleep `us` microseconds on every chunk they take (a descheduled worker), and
