@@ -30,9 +30,10 @@ def numerics_identity(backend) -> str:
 # say) is taken for the new ones' result. 1: the numba GEMMs (separate multiply and add);
 # 2: the C GEMMs (one FMA per k; int8-q8's integer blocks; bf16-bf16's flushed FMA pairs); 3: the C
 # attention (FMA chains, its own exponential, a sixteen-lane softmax denominator); 4: the C GEMM
-# for GGML block weights (one FMA per k, where numba multiplied and added). Part of every
-# prefix-cache key (engine/fingerprint.py); an op's formula in engine/forward.py counts as a kernel change too.
-NUMERICS_VERSION = 4
+# for GGML block weights (one FMA per k, where numba multiplied and added); 5: gelu_tanh_mul in C
+# (float32 with npud_exp, where numba took tanh in float64). Part of every prefix-cache key
+# (engine/fingerprint.py); an op's formula in engine/forward.py counts as a kernel change too.
+NUMERICS_VERSION = 5
 
 
 class WeightFormat(enum.Enum):

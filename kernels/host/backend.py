@@ -130,15 +130,21 @@ class HostBackend:
                                 self.parallel and work >= PARALLEL_MIN_WORK)
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        return self._act_mul("silu_mul", pointwise.silu_mul, gate, up)
+
+    def gelu_tanh_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        return self._act_mul("gelu_tanh_mul", pointwise.gelu_tanh_mul, gate, up)
+
+    def _act_mul(self, name: str, kernel, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         if gate.ndim != 2 or up.shape != gate.shape:
-            raise ValueError(f"silu_mul: gate {gate.shape} and up {up.shape} must be the same [M, F]")
+            raise ValueError(f"{name}: gate {gate.shape} and up {up.shape} must be the same [M, F]")
         # the halves of a fused gate/up output are read where they lie
         ld = [pointwise.row_stride(a) if a.dtype == np.float32 else None for a in (gate, up)]
         if None in ld:
             gate = np.ascontiguousarray(gate, dtype=np.float32)
             up = np.ascontiguousarray(up, dtype=np.float32)
             ld = [gate.shape[1], up.shape[1]]
-        return pointwise.silu_mul(gate, up, self.parallel, *ld)
+        return kernel(gate, up, self.parallel, *ld)
 
     def embed(self, table: LinearWeight, tokens: np.ndarray) -> np.ndarray:
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
@@ -153,13 +159,6 @@ class HostBackend:
         return np.argmax(logits, axis=-1)
 
     # ---------------------------------------------- gemma4 / qwen3_5 (kernels/host/recurrent.py)
-
-    def gelu_tanh_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        gate = np.ascontiguousarray(gate, dtype=np.float32)
-        up = np.ascontiguousarray(up, dtype=np.float32)
-        out = np.empty_like(gate)
-        recurrent.gelu_tanh_mul(gate, up, out)
-        return out
 
     def sigmoid_mul(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)

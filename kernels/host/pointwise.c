@@ -1,4 +1,4 @@
-/* npud host per-row kernels: RMS norm, RoPE, SiLU-and-multiply; batch-invariant by construction
+/* npud host per-row kernels: RMS norm, RoPE, SiLU- and GELU-and-multiply; batch-invariant by construction
  * (see kernels/host/native.py). Each output depends on its own row alone, through one fixed chain:
  *   rms_norm:  sixteen float64 partial sums, lane l = d mod 16 adding fma(x_d, x_d, lane) in d
  *              order (each square is exact in float64), then the halving tree: lane i += lane
@@ -13,6 +13,11 @@
  *              g * sigmoid(g) with the exponential only of non-positive arguments (no overflow).
  *              Within 3 ulp of the float64 value for |g| <= 87 (tests/test_kernels.py); g < -87
  *              gives -0 (the true value is below 1.5e-36 in magnitude).
+ *   gelu_tanh_mul: gelu_tanh(g) = g/2 (1 + tanh(y)) = g / (1 + exp(-2y)), y = sqrt(2/pi) (g + 0.044715 g^3):
+ *              z = GELU_2C * fma(GELU_K, (g * g) * g, g); t = npud_exp(-|z|);
+ *              out = (g * ((z < 0 ? t : 1) / (1 + t))) * up (the exponential only of
+ *              non-positive arguments). Within 2e-6 relative of the float64 value, or 1e-37
+ *              absolute where it is that small (tests/test_pointwise.py).
  *   add_rms_norm: s_d = x_d + delta_d in float32 (the residual add), stored, then rms_norm of s.
  *   norm_rope: per (row, head) rms_norm over the head's Dh values, stored, then rope of that.
  * The two fused kernels save a call (and a pass over memory) and give the bits of the composed
@@ -104,6 +109,21 @@ INLINE void silu_mul_gen(const float *gate, long ldg, const float *up, long ldu,
     }
 }
 
+#define GELU_2C 1.59576912160573071f /* 2 sqrt(2 / pi) */
+#define GELU_K 0.044715f
+
+INLINE void gelu_tanh_mul_gen(const float *gate, long ldg, const float *up, long ldu, long F, float *out, long r0,
+                              long r1) {
+    for (long m = r0; m < r1; m++) {
+        for (long f = 0; f < F; f++) {
+            const float g = gate[m * ldg + f];
+            const float z = GELU_2C * fmaf(GELU_K, (g * g) * g, g);
+            const float t = exp_gen(-fabsf(z));
+            out[m * F + f] = (g * ((z < 0.0f ? t : 1.0f) / (1.0f + t))) * up[m * ldu + f];
+        }
+    }
+}
+
 #define GENERIC(suffix, attr)                                                                                      \
     static __attribute__((noinline)) attr void rms_norm_##suffix(const float *x, const float *w, long D,         \
                                                                  double eps, float *out, long r0, long r1) {     \
@@ -128,6 +148,11 @@ INLINE void silu_mul_gen(const float *gate, long ldg, const float *up, long ldu,
                                                                  long ldu, long F, float *out, long r0, long r1) \
     {                                                                                                              \
         silu_mul_gen(gate, ldg, up, ldu, F, out, r0, r1);                                                          \
+    }                                                                                                              \
+    static __attribute__((noinline)) attr void gelu_tanh_mul_##suffix(const float *gate, long ldg,               \
+                                                                      const float *up, long ldu, long F,         \
+                                                                      float *out, long r0, long r1) {            \
+        gelu_tanh_mul_gen(gate, ldg, up, ldu, F, out, r0, r1);                                                     \
     }
 
 GENERIC(generic, )
@@ -224,6 +249,23 @@ static __attribute__((noinline)) T512 void silu_mul_avx512(const float *gate, lo
     }
 }
 
+static __attribute__((noinline)) T512 void gelu_tanh_mul_avx512(const float *gate, long ldg, const float *up,
+                                                                long ldu, long F, float *out, long r0, long r1) {
+    const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f), zero = _mm512_setzero_ps();
+    for (long m = r0; m < r1; m++) {
+        for (long f = 0; f < F; f += 16) {
+            const __mmask16 k = tail_mask(F - f);
+            const __m512 g = _mm512_maskz_loadu_ps(k, gate + m * ldg + f);
+            const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+            const __m512 z = _mm512_mul_ps(_mm512_set1_ps(GELU_2C), _mm512_fmadd_ps(_mm512_set1_ps(GELU_K), cube, g));
+            const __m512 t = exp512(_mm512_or_ps(z, sign)); /* -|z| */
+            const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(z, zero, _CMP_LT_OQ), one, t);
+            const __m512 y = _mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(one, t)));
+            _mm512_mask_storeu_ps(out + m * F + f, k, _mm512_mul_ps(y, _mm512_maskz_loadu_ps(k, up + m * ldu + f)));
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ entry points (rows r0..r1-1) */
 
 /* x, out: [M, D]; w: [D] */
@@ -273,4 +315,12 @@ void npud_silu_mul(int isa, const float *gate, long ldg, const float *up, long l
     if (isa >= ISA_AVX512) silu_mul_avx512(gate, ldg, up, ldu, F, out, r0, r1);
     else if (isa == ISA_AVX2) silu_mul_avx2(gate, ldg, up, ldu, F, out, r0, r1);
     else silu_mul_generic(gate, ldg, up, ldu, F, out, r0, r1);
+}
+
+/* gate, up: M rows of F, ldg and ldu floats apart; out: [M, F] */
+void npud_gelu_tanh_mul(int isa, const float *gate, long ldg, const float *up, long ldu, long F, float *out,
+                        long r0, long r1) {
+    if (isa >= ISA_AVX512) gelu_tanh_mul_avx512(gate, ldg, up, ldu, F, out, r0, r1);
+    else if (isa == ISA_AVX2) gelu_tanh_mul_avx2(gate, ldg, up, ldu, F, out, r0, r1);
+    else gelu_tanh_mul_generic(gate, ldg, up, ldu, F, out, r0, r1);
 }

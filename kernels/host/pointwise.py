@@ -1,5 +1,5 @@
 """The per-row kernels of the host library (pointwise.c says how each output is computed): RMS norm,
-RoPE, SiLU-and-multiply, and the fused forms a decoder layer calls instead of two of them (the
+RoPE, SiLU- and GELU(tanh)-and-multiply, and the fused forms a decoder layer calls instead of two of them (the
 residual add with the RMS norm after it; a head's RMS norm with its RoPE), which give the bits of
 the composed calls and save one ctypes call and one pass over the rows each.
 
@@ -37,6 +37,7 @@ def _lib() -> ctypes.CDLL:
             ("npud_rope", [_I, _P, _L, _L, _L, _P, _P, _L, _L]),
             ("npud_norm_rope", [_I, _P, _L, _L, _L, _P, _D, _L, _P, _P, _L, _L]),
             ("npud_silu_mul", [_I, _P, _L, _P, _L, _L, _P, _L, _L]),
+            ("npud_gelu_tanh_mul", [_I, _P, _L, _P, _L, _L, _P, _L, _L]),
         ):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
@@ -143,8 +144,19 @@ def silu_mul(gate: np.ndarray, up: np.ndarray, parallel: bool, ld_gate: int | No
              ld_up: int | None = None) -> np.ndarray:
     """gate, up [M, F] f32 with contiguous rows ld_gate and ld_up floats apart (default F)
     -> silu(gate) * up [M, F] f32 (contiguous)."""
+    return _act_mul((_bound or _lib()).npud_silu_mul, gate, up, parallel, ld_gate, ld_up)
+
+
+def gelu_tanh_mul(gate: np.ndarray, up: np.ndarray, parallel: bool, ld_gate: int | None = None,
+                  ld_up: int | None = None) -> np.ndarray:
+    """As silu_mul, with gelu_tanh (torch's gelu(approximate="tanh")) in place of silu."""
+    return _act_mul((_bound or _lib()).npud_gelu_tanh_mul, gate, up, parallel, ld_gate, ld_up)
+
+
+def _act_mul(fn, gate: np.ndarray, up: np.ndarray, parallel: bool, ld_gate: int | None,
+             ld_up: int | None) -> np.ndarray:
     m, f = gate.shape
     out = np.empty((m, f), np.float32)
-    _rows((_bound or _lib()).npud_silu_mul, m, out.size, parallel, native.isa_code(), _first(gate),
-          f if ld_gate is None else ld_gate, _first(up), f if ld_up is None else ld_up, f, _addr(out))
+    _rows(fn, m, out.size, parallel, native.isa_code(), _first(gate), f if ld_gate is None else ld_gate,
+          _first(up), f if ld_up is None else ld_up, f, _addr(out))
     return out

@@ -28,18 +28,6 @@ def inv_rms(x, m, eps):
 
 
 @njit(cache=True, fastmath=False, nogil=True)
-def gelu_tanh_mul(gate, up, out):
-    # gate, up: [M, F] -> gelu_tanh(gate) * up; gelu_tanh(x) = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-    M, F = gate.shape
-    c = math.sqrt(2.0 / math.pi)
-    for m in range(M):
-        for f in range(F):
-            g = np.float64(gate[m, f])
-            act = np.float32(0.5 * g * (1.0 + math.tanh(c * (g + 0.044715 * g * g * g))))
-            out[m, f] = act * up[m, f]
-
-
-@njit(cache=True, fastmath=False, nogil=True)
 def sigmoid_mul(x, gate, out):
     # x, gate: [M, F] -> x * sigmoid(gate)
     M, F = x.shape
