@@ -1,4 +1,5 @@
-"""Host kernels of gemma4 and qwen3_5 layers: activations, softcap, l2 norm, the gated delta net.
+"""Host kernels of gemma4 and qwen3_5 layers: the sigmoid gate, softcap, l2 norm, the gated delta
+net (gemma's GELU is C: pointwise.c).
 
 Each output element (or each row, or each (row, head)) is computed by one fixed sequence of
 operations that reads only its own row (and, for the recurrent kernels, the state carried
