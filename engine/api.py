@@ -20,6 +20,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Protocol
 
 from kernels import errors as _kernel_errors  # standard library only, like this module
@@ -295,6 +296,10 @@ class GenerationResult:
 # -- what the daemon drives ----------------------------------------------------------------
 
 
+# A batched round's prompt rows (engine.api.ServedModel.run_batch): enough for one prefill
+# chunk, so a prompt joining a running batch costs the others at most one chunk per round.
+DEFAULT_PREFILL_BUDGET = 64
+
 class Session(Protocol):
     """One request's generation, run a bounded unit of work at a time (blocking calls; the
     daemon makes them from one thread at a time, and checks for cancellation and preemption
@@ -353,6 +358,17 @@ class ServedModel(Protocol):
 
     def cache_flush(self) -> int:
         """Write in-memory prefix-cache entries to disk; returns how many were written."""
+
+    def run_batch(self, sessions: Sequence[Session], *, prefill_budget: int = DEFAULT_PREFILL_BUDGET
+                  ) -> list[list[TokenEvent] | EngineError]:
+        """One round of each of `sessions` (started by this model, none done, each at most
+        once), their base passes packed into shared weight streams: item i is what
+        sessions[i].run_round() would have returned, with the same tokens, logits and state bit
+        for bit, or the EngineError that ended that session's round (the others go on).
+        Sessions still prefilling take at most `prefill_budget` prompt rows between them this
+        round (each at least one chunk when alone), so a long prompt joining a running batch
+        does not stall the others. Raises DeviceFault when the device fails: the round is void
+        for every session."""
 
 
 # A served model's prefix cache has a budget share for each of this many users (and one for

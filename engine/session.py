@@ -19,6 +19,9 @@ import structlog
 
 from engine.api import (
     DEFAULT_CACHE_USERS,
+    DEFAULT_PREFILL_BUDGET,
+    DeviceFault,
+    EngineError,
     GenerateRequest,
     GenerationParams,
     GenerationResult,
@@ -233,6 +236,24 @@ class LoadedModel:
             raise RequestError(f"model {self.name!r} has no draft model (speculative method 'draft')")
         return DraftModelHead(Forward(self.draft), self.tokenizer, self.draft_tokenizer, sampling,
                               self.tokenizer.decodable(self.draft.config.vocab_size))
+
+    def run_batch(self, sessions, *, prefill_budget: int = DEFAULT_PREFILL_BUDGET):
+        """engine.api.ServedModel.run_batch: one round of each session, in turn (each session's
+        own passes; the packed form shares them). Returns each session's events, or the
+        EngineError that ended its round; DeviceFault propagates."""
+        if len({id(s) for s in sessions}) != len(sessions):
+            raise ValueError("a session appears twice in one batched round")
+        out: list[list[TokenEvent] | EngineError] = []
+        for session in sessions:
+            if session.served is not self or session.done:
+                raise ValueError("run_batch takes sessions of this model that are not done")
+            try:
+                out.append(session.run_round())
+            except DeviceFault:
+                raise
+            except EngineError as exc:
+                out.append(exc)
+        return out
 
     # -- the prefix cache, as the daemon's cache.* methods see it ----------------------------
 
