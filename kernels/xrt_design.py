@@ -136,6 +136,7 @@ class DesignTable:
     device: str  # "npu1" or "npu2"
     designs: dict[tuple[int, int, str], GemmDesign]
     path: Path
+    on_host: tuple[str, ...] = ()  # the build's word on each shape it left to the host
 
     def lookup(self, k: int, n: int, weight_format: str) -> tuple[GemmDesign | None, str]:
         """The design for a [N, K] weight in `weight_format`, or None and why not."""
@@ -143,7 +144,9 @@ class DesignTable:
             return None, f"weight format {weight_format} runs on the host (the NPU designs take {list(SERVED_FORMATS)})"
         design = self.designs.get((k, n, weight_format))
         if design is None:
-            return None, f"no design for K={k}, N={n}, {weight_format} in {self.path}"
+            said = next((line for line in self.on_host if line.startswith(f"K={k} N={n} {weight_format}:")), None)
+            return None, f"no design for K={k}, N={n}, {weight_format} in {self.path}" + (
+                f" ({said})" if said else "")
         return design, "npu"
 
     def identity(self) -> str:
@@ -174,8 +177,11 @@ class DesignTable:
         if device not in MAX_COLUMNS:
             raise DesignError(f"{path}: device = {device!r}, expected npu1 (Phoenix, Hawk Point) or npu2 (Strix, Krackan)")
         entries = raw.get("designs")
-        if not isinstance(entries, list) or not entries:
-            raise DesignError(f"{path}: \"designs\" must be a non-empty list")
+        if not isinstance(entries, list):
+            raise DesignError(f"{path}: \"designs\" must be a list")
+        on_host = raw.get("on_host", [])
+        if not isinstance(on_host, list) or not all(isinstance(x, str) for x in on_host):
+            raise DesignError(f"{path}: \"on_host\" must be a list of strings")
         designs: dict[tuple[int, int, str], GemmDesign] = {}
         for i, entry in enumerate(entries):
             where = f"{path}: designs[{i}]"
@@ -189,7 +195,7 @@ class DesignTable:
             if design.key in designs:
                 raise DesignError(f"{where}: a second design for K={design.K}, N={design.N}, {design.weight_format}")
             designs[design.key] = design
-        return cls(device, designs, path)
+        return cls(device, designs, path, tuple(on_host))
 
 
 _INT_FIELDS = ("K", "N", "M", "compiled_K", "compiled_N", "tile_m", "tile_k", "tile_n", "columns")
@@ -284,8 +290,9 @@ def _hex_words(path: Path, data: bytes) -> np.ndarray:
     return np.array(values, dtype=np.uint32)
 
 
-def write_table(path: str | Path, device: str, designs: list[GemmDesign]) -> None:
-    """Write design.json for `designs` (their files are named relative to the table's folder)."""
+def write_table(path: str | Path, device: str, designs: list[GemmDesign], on_host: list[str] = ()) -> None:
+    """Write design.json for `designs` (their files are named relative to the table's folder),
+    with `on_host`: one line per shape the build left to the host and why."""
     path = Path(path)
     rows = []
     for d in sorted(designs, key=lambda d: d.key):
@@ -296,7 +303,8 @@ def write_table(path: str | Path, device: str, designs: list[GemmDesign]) -> Non
         row.update(n_passes=d.n_passes, dtype_in=d.dtype_in, dtype_out=d.dtype_out, b_col_major=d.b_col_major,
                    bfp16_emulation=d.bfp16_emulation, insts_format=d.insts_format)
         rows.append(row)
-    path.write_text(json.dumps({"version": 1, "device": device, "designs": rows}, indent=1) + "\n")
+    table = {"version": 1, "device": device, "designs": rows, "on_host": list(on_host)}
+    path.write_text(json.dumps(table, indent=1) + "\n")
 
 
 def _relative(p: Path, base: Path) -> str:

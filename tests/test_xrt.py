@@ -110,7 +110,7 @@ def test_design_table_file_errors(tmp_path):
     with pytest.raises(DesignError, match="cannot read"):
         DesignTable.load(tmp_path / "design.json")
     for raw, message in (([], "version"), ({"version": 1, "device": "npu3"}, "expected npu1"),
-                         ({"version": 1, "device": "npu1", "designs": []}, "non-empty list")):
+                         ({"version": 1, "device": "npu1", "designs": {}}, "must be a list")):
         (tmp_path / "design.json").write_text(json.dumps(raw))
         with pytest.raises(DesignError, match=message):
             DesignTable.load(tmp_path / "design.json")
