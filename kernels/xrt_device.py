@@ -40,7 +40,7 @@ CONTEXT_BUDGET = {"npu1": 6, "npu2": 16}
 FINAL_STATES = ("ERT_CMD_STATE_COMPLETED", "ERT_CMD_STATE_ERROR", "ERT_CMD_STATE_ABORT",
                 "ERT_CMD_STATE_TIMEOUT", "ERT_CMD_STATE_NORESPONSE", "ERT_CMD_STATE_SKERROR",
                 "ERT_CMD_STATE_SKCRASHED")
-_KEPT_FOREVER: list = []  # runs still in flight when their session closed: never collected
+_HOLDING_RUNS: list = []  # sessions with a run in flight: referenced here until it is over, never collected
 
 
 class XrtUnavailable(ValueError):
@@ -261,6 +261,8 @@ class DeviceSession:
 
     def _keep(self, run, entry: _Design, state: str) -> None:
         self.in_flight.append((run, str(entry.design.xclbin)))
+        if self not in _HOLDING_RUNS:  # a backend dropped meanwhile must not take the run with it
+            _HOLDING_RUNS.append(self)
         entry.retired = f"a run ended in {state} and may still be running"
         for other in self.designs.values():
             if other.design.xclbin == entry.design.xclbin:
@@ -278,14 +280,15 @@ class DeviceSession:
             if name is None or name not in FINAL_STATES:  # state() TIMEOUT: the driver ended it
                 still.append((run, xclbin))
         self.in_flight = still
+        if not still and self in _HOLDING_RUNS:
+            _HOLDING_RUNS.remove(self)
         busy = self.busy()
         self.plan.retired = [c for c in self.plan.retired if c.xclbin in busy]  # the others close now
         return len(still)
 
     def close(self) -> None:
-        """Let go of everything but the runs still in flight (kept referenced for good)."""
+        """Let go of everything but the runs still in flight (kept referenced until they end)."""
         if self.poll():
-            _KEPT_FOREVER.append(self)
             return
         self.weights.clear()
         self.designs.clear()

@@ -186,7 +186,8 @@ class hw_context:
         SIM.calls.append(("hw_context", str(xclbin_uuid)))
 
     def __del__(self):
-        self._sim.contexts_live -= 1
+        if hasattr(self, "_sim"):  # made, not refused
+            self._sim.contexts_live -= 1
 
 
 class bo:
