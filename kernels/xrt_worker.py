@@ -172,10 +172,10 @@ class WorkerDevice:
         if self.lost is None:
             try:
                 self._call("close", (), SETUP_TIMEOUT_S)
+                self.lost = "closed"
             except (NpuRunError, WorkerError):
                 pass
-            self._lose("closed")
-        self._finalizer()
+        self._finalizer()  # the pipes close; the worker exits (killed only if it does not)
 
 
 def _end(proc: subprocess.Popen) -> None:

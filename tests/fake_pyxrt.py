@@ -73,7 +73,7 @@ class ert_cmd_state(enum.Enum):  # XRT's ert.h
 
 IN_FLIGHT = (ert_cmd_state.ERT_CMD_STATE_NEW, ert_cmd_state.ERT_CMD_STATE_QUEUED,
              ert_cmd_state.ERT_CMD_STATE_RUNNING, ert_cmd_state.ERT_CMD_STATE_SUBMITTED)
-MODES = ("timeout", "error", "abort", "raise", "crash", "segfault", "hang")
+MODES = ("timeout", "error", "abort", "raise", "crash", "segfault", "hang")  # and "gil": Sim.configure
 
 
 GROUP_BASE = 0x100  # group_id(i) answers GROUP_BASE + i: a memory group, not the index itself
@@ -94,9 +94,17 @@ class Sim:
     contexts_made: int = 0
     finish_after_polls: int = 2  # a timed-out command completes after this many state() calls
     wait_hold_s: float = 0.0  # each wait keeps the GIL this long, as pyxrt's does
+    handshake: str | None = None  # a folder where a held wait says when it waits and who answered
     violations: list = field(default_factory=list)  # breaches seen where raising was impossible
     abort_on_collect: bool = False  # in a worker process: abort as XRT does
     control_seen: str | None = None
+
+    def configure(self, spec: dict) -> None:
+        """{"mode": "gil", "hold_s": s, "handshake": folder}, or a failure to inject (`inject`'s arguments)."""
+        if spec["mode"] == "gil":
+            self.wait_hold_s, self.handshake = float(spec["hold_s"]), spec.get("handshake")
+        else:
+            self.inject(spec["mode"], spec.get("after", 0), spec.get("times", 1))
 
     def inject(self, mode: str, after: int = 0, times: int = 1) -> None:
         if mode not in MODES:
@@ -120,8 +128,7 @@ class Sim:
             return
         if text and text != self.control_seen:
             self.control_seen = text
-            spec = json.loads(text)
-            self.inject(spec["mode"], spec.get("after", 0), spec.get("times", 1))
+            self.configure(json.loads(text))
 
 
 SIM = Sim()
@@ -256,7 +263,7 @@ class run:
     def wait(self, timeout_ms: int = 0):
         if timeout_ms <= 0:
             raise ProtocolViolation("run.wait() without a timeout: a hung run would block the daemon forever")
-        _hold_gil(self._sim.wait_hold_s)
+        _hold_gil(self._sim.wait_hold_s, self._sim.handshake)
         if self._state in IN_FLIGHT:
             return ert_cmd_state.ERT_CMD_STATE_TIMEOUT  # the wait gave up; the command runs on
         return self._state
@@ -275,19 +282,32 @@ class run:
             self._sim.violations.append("an xrt.run was destroyed while in flight (XRT aborts the process)")
 
 
-def _hold_gil(seconds: float) -> None:
+def _hold_gil(seconds: float, handshake: str | None = None) -> None:
     """Spin for `seconds` without letting another thread of this process run, as a pyxrt call
-    that keeps the GIL does."""
+    that keeps the GIL does. With a handshake folder: writes `waiting` first and, after,
+    `outcome`: "released" when `release` was touched while the spin ran (someone could run
+    meanwhile), else "held"."""
     if seconds <= 0:
         return
+    if handshake is not None:
+        Path(handshake, "waiting").touch()
     before = sys.getswitchinterval()
     sys.setswitchinterval(1000.0)
     try:
+        start = time.time()
         end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
+        while time.perf_counter() < end:  # no call in here lets the GIL go
             pass
+        stop = time.time()
     finally:
         sys.setswitchinterval(before)
+    if handshake is not None:
+        try:
+            touched = Path(handshake, "release").stat().st_mtime
+        except FileNotFoundError:
+            touched = None
+        answered = touched is not None and start <= touched <= stop
+        Path(handshake, "outcome").write_text("released" if answered else "held")
 
 
 class kernel:
