@@ -167,6 +167,7 @@ class DeviceSession:
         self.designs: dict[tuple, _Design] = {}
         self.weights: dict[int, tuple[tuple, list]] = {}  # handle -> (design key, B bo per pass)
         self.in_flight: list[tuple[object, str]] = []  # (run, xclbin) of runs that timed out
+        self.passes = 0  # kernel runs started
         self._next_handle = 1
 
     @property
@@ -238,6 +239,7 @@ class DeviceSession:
             entry.bo_a.write(a.view(np.uint8).ravel(), 0)
             entry.bo_a.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
             for p, bo_b in enumerate(bos):
+                self.passes += 1
                 run = kernel(OPCODE, entry.bo_insts, entry.num_insts, entry.bo_a, bo_b, entry.bo_c)
                 state = run.wait(int(timeout_ms))
                 if state != ok:
@@ -258,6 +260,10 @@ class DeviceSession:
         except Exception as exc:  # pyxrt raises RuntimeError (and others) from C++ for driver errors
             raise NpuRunError(f"GEMM K={d.K} N={d.N} on the NPU raised {type(exc).__name__}: {exc}") from exc
         return out
+
+    def stats(self) -> dict:
+        """{"passes": runs started, "contexts_opened": contexts created, "in_flight": runs kept}."""
+        return {"passes": self.passes, "contexts_opened": self.plan.opened, "in_flight": len(self.in_flight)}
 
     def _keep(self, run, entry: _Design, state: str) -> None:
         self.in_flight.append((run, str(entry.design.xclbin)))

@@ -163,8 +163,8 @@ class WorkerDevice:
     def run(self, handle: int, a_bits, timeout_ms: int):
         return self._call("run", (handle, a_bits, timeout_ms), timeout_ms / 1000 + REPLY_GRACE_S)
 
-    def contexts_opened(self) -> int:
-        return self._call("contexts_opened", (), SETUP_TIMEOUT_S)
+    def stats(self) -> dict:
+        return self._call("stats", (), SETUP_TIMEOUT_S)
 
     def close(self) -> None:
         """End the worker: it lets go of everything but runs still in flight, then exits
@@ -210,8 +210,6 @@ def _serve(frames_in: int, frames_out: int) -> None:
                 value = session.simulator
             elif method == "close":
                 value = None
-            elif method == "contexts_opened":
-                value = session.plan.opened
             else:
                 value = getattr(session, method)(*args)
             reply = ("ok", value)
