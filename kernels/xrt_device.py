@@ -221,14 +221,24 @@ class DeviceSession:
     def forget(self, handle: int) -> None:
         self.weights.pop(handle, None)
 
-    def run(self, handle: int, a_bits: np.ndarray, timeout_ms: int) -> np.ndarray:
-        """a_bits: [rows <= M, K] bf16 bits -> [rows, N] fp32: one pass over each N slice. Raises NpuRunError."""
+    def run(self, handle: int, a_bits: np.ndarray, timeout_ms: int, step: int | None = None) -> np.ndarray:
+        """a_bits: [rows, K] bf16 bits -> [rows, N] fp32: chunks of `step` rows (the design's M by
+        default; 1 for a design whose rows depend on their place), one pass over each N slice
+        per chunk. One call for a whole linear: the worker is asked once. Raises NpuRunError."""
         self.poll()
         key, bos = self.weights[handle]
         entry = self.designs[key]
-        d, xrt = entry.design, self.xrt
+        d = entry.design
         if entry.retired is not None:
             raise NpuRunError(f"GEMM K={d.K} N={d.N}: its context was retired ({entry.retired})", "retired")
+        step = d.M if step is None else min(int(step), d.M)
+        out = np.empty((a_bits.shape[0], d.N), np.float32)
+        for r0 in range(0, a_bits.shape[0], step):
+            out[r0 : r0 + step] = self._chunk(entry, bos, a_bits[r0 : r0 + step], timeout_ms)
+        return out
+
+    def _chunk(self, entry: _Design, bos: list, a_bits: np.ndarray, timeout_ms: int) -> np.ndarray:
+        d, xrt = entry.design, self.xrt
         rows = a_bits.shape[0]
         a = np.zeros((d.M, d.compiled_K), np.uint16)  # padding rows and columns are zeros
         a[:rows, : d.K] = a_bits

@@ -160,8 +160,10 @@ class WorkerDevice:
     def forget(self, handle: int) -> None:
         self._call("forget", (handle,), SETUP_TIMEOUT_S)
 
-    def run(self, handle: int, a_bits, timeout_ms: int):
-        return self._call("run", (handle, a_bits, timeout_ms), timeout_ms / 1000 + REPLY_GRACE_S)
+    def run(self, handle: int, a_bits, timeout_ms: int, step: int | None = None):
+        chunks = -(-a_bits.shape[0] // step) if step else a_bits.shape[0]  # each may take the timeout
+        return self._call("run", (handle, a_bits, timeout_ms, step),
+                          chunks * timeout_ms / 1000 + REPLY_GRACE_S)
 
     def stats(self) -> dict:
         return self._call("stats", (), SETUP_TIMEOUT_S)

@@ -95,6 +95,7 @@ class Sim:
     finish_after_polls: int = 2  # a timed-out command completes after this many state() calls
     wait_hold_s: float = 0.0  # each wait keeps the GIL this long, as pyxrt's does
     handshake: str | None = None  # a folder where a held wait says when it waits and who answered
+    compute: bool = True  # False: C is left as it was (the isolation benchmark times the calls only)
     violations: list = field(default_factory=list)  # breaches seen where raising was impossible
     abort_on_collect: bool = False  # in a worker process: abort as XRT does
     control_seen: str | None = None
@@ -103,6 +104,8 @@ class Sim:
         """{"mode": "gil", "hold_s": s, "handshake": folder}, or a failure to inject (`inject`'s arguments)."""
         if spec["mode"] == "gil":
             self.wait_hold_s, self.handshake = float(spec["hold_s"]), spec.get("handshake")
+        elif spec["mode"] == "compute":
+            self.compute = bool(spec["on"])
         else:
             self.inject(spec["mode"], spec.get("after", 0), spec.get("times", 1))
 
@@ -348,6 +351,9 @@ class kernel:
             return run(ert_cmd_state.ERT_CMD_STATE_ERROR if failure == "error" else ert_cmd_state.ERT_CMD_STATE_ABORT)
         g = self.gemm
         M, K, N = g["M"], g["K"], g["N"]
+        if not SIM.compute:
+            c.dev_newer = True
+            return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED)
         av = _bf16(a.dev[: M * K * 2]).reshape(M, K)
         bv = _bf16(b.dev[: K * N * 2]).reshape((N, K) if g["b_col_major"] else (K, N))
         bk = bv.T if g["b_col_major"] else bv  # [K, N]
