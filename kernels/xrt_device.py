@@ -272,7 +272,8 @@ class DeviceSession:
         return out
 
     def stats(self) -> dict:
-        """{"passes": runs started, "contexts_opened": contexts created, "in_flight": runs kept}."""
+        """{"passes": runs started, "contexts_opened": contexts created, "in_flight": runs kept} (after a poll)."""
+        self.poll()
         return {"passes": self.passes, "contexts_opened": self.plan.opened, "in_flight": len(self.in_flight)}
 
     def _keep(self, run, entry: _Design, state: str) -> None:
