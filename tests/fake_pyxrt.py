@@ -94,7 +94,7 @@ class Sim:
     contexts_made: int = 0
     finish_after_polls: int = 2  # a timed-out command completes after this many state() calls
     wait_hold_s: float = 0.0  # each wait keeps the GIL this long, as pyxrt's does
-    handshake: str | None = None  # a folder where a held wait says when it waits and who answered
+    handshake: str | None = None  # a folder where a held wait sees whether another thread ran (_hold_gil)
     compute: bool = True  # False: C is left as it was (the isolation benchmark times the calls only)
     violations: list = field(default_factory=list)  # breaches seen where raising was impossible
     abort_on_collect: bool = False  # in a worker process: abort as XRT does
@@ -134,7 +134,7 @@ class Sim:
             self.configure(json.loads(text))
 
 
-SIM = Sim()
+SIM = Sim(abort_on_collect=bool(os.environ.get("FAKE_PYXRT_CONTROL")))  # a worker aborts as XRT does
 
 
 def reset() -> Sim:
@@ -287,30 +287,30 @@ class run:
 
 def _hold_gil(seconds: float, handshake: str | None = None) -> None:
     """Spin for `seconds` without letting another thread of this process run, as a pyxrt call
-    that keeps the GIL does. With a handshake folder: writes `waiting` first and, after,
-    `outcome`: "released" when `release` was touched while the spin ran (someone could run
-    meanwhile), else "held"."""
+    that keeps the GIL does. With a handshake folder: `counter` holds 8 bytes that a thread
+    elsewhere keeps counting up (through mmap: plain memory, no call that lets the GIL go);
+    `outcome` then says "released" when it counted while the spin ran, else "held"."""
     if seconds <= 0:
         return
+    import mmap
+
+    shared = None
     if handshake is not None:
-        Path(handshake, "waiting").touch()
+        with open(Path(handshake, "counter"), "r+b") as f:
+            shared = mmap.mmap(f.fileno(), 8)
     before = sys.getswitchinterval()
     sys.setswitchinterval(1000.0)
     try:
-        start = time.time()
+        first = int.from_bytes(shared[:8], "little") if shared is not None else 0
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:  # no call in here lets the GIL go
             pass
-        stop = time.time()
+        last = int.from_bytes(shared[:8], "little") if shared is not None else 0
     finally:
         sys.setswitchinterval(before)
-    if handshake is not None:
-        try:
-            touched = Path(handshake, "release").stat().st_mtime
-        except FileNotFoundError:
-            touched = None
-        answered = touched is not None and start <= touched <= stop
-        Path(handshake, "outcome").write_text("released" if answered else "held")
+    if shared is not None:
+        shared.close()
+        Path(handshake, "outcome").write_text("released" if last > first else "held")
 
 
 class kernel:

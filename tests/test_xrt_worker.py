@@ -6,6 +6,7 @@ through the simulator's control file (FAKE_PYXRT_CONTROL), read by the worker.""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 
@@ -74,25 +75,35 @@ def test_a_timed_out_run_in_the_worker_is_kept_and_the_worker_exits_without_dest
     assert backend.device.proc.returncode == 0
 
 
-def _handshake_wait(backend, w, folder):
-    """Run one pass whose wait keeps the worker's GIL until `folder/release` appears; a thread
-    of this process answers the wait's `folder/waiting` with it. Returns the wait's outcome."""
+def _counted_wait(backend, w, folder):
+    """Run one pass whose wait keeps the GIL of the process it runs in, while a thread of this
+    process counts in `folder/counter` (shared memory); returns the wait's outcome: "released"
+    when the count moved during the wait, "held" when it could not."""
+    import mmap
+
+    (folder / "counter").write_bytes(bytes(8))
     stop = threading.Event()
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)  # no thread here asks the spinning one to let go: only a blocking call would
 
-    def answer():
+    def count():
+        with open(folder / "counter", "r+b") as f:
+            shared = mmap.mmap(f.fileno(), 8)
+        n = 0
         while not stop.is_set():
-            if (folder / "waiting").exists():
-                (folder / "release").touch()
-                return
-            time.sleep(0.002)
+            n += 1
+            shared[:8] = n.to_bytes(8, "little")
+            time.sleep(0.001)
+        shared.close()
 
-    helper = threading.Thread(target=answer)
-    helper.start()
+    counter = threading.Thread(target=count)
+    counter.start()
     try:
         backend.linear(np.ones((1, 64), np.float32), w)
     finally:
         stop.set()
-        helper.join()
+        counter.join()
+        sys.setswitchinterval(before)
     return (folder / "outcome").read_text()
 
 
@@ -103,10 +114,10 @@ def test_a_wait_that_keeps_the_gil_stalls_this_process_only_inline(tmp_path, con
     backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host, isolation=isolation,
                                timeout_ms=5000)
     w = backend.prepare_linear(bf16_weight(64, 64))
-    spec = {"mode": "gil", "hold_s": 1.5, "handshake": str(folder)}
+    spec = {"mode": "gil", "hold_s": 1.0, "handshake": str(folder)}
     if isolation == "inline":
         fake_pyxrt.SIM.configure(spec)
     else:
         control.write_text(json.dumps(spec))
-    assert _handshake_wait(backend, w, folder) == outcome
+    assert _counted_wait(backend, w, folder) == outcome
     backend.close()
