@@ -9,7 +9,8 @@ memlock limit, pyxrt, the device generation against the table's, the design tabl
 instruction stream's header, the NPU worker, every design's start-up check (with its
 tolerance policy), the AIE accumulator's rounding seen from the outputs, ninstr counted in
 words, a run that outlives its wait (kept and polled, never destroyed), and the
-hardware-context budget of the generation. A step that needs an earlier one is skipped
+hardware-context budget of the generation, and what the worker process costs a linear
+layer against running pyxrt inline. A step that needs an earlier one is skipped
 when that one failed. Nothing here writes to the device beyond running the designs.
 """
 
@@ -181,6 +182,35 @@ def check_outlived_wait(c: Checklist, table_path: Path, host) -> None:
         backend.close()
 
 
+def check_worker_cost(c: Checklist, table_path: Path, host, calls: int = 20) -> None:
+    """One design's linear (M rows) timed through the worker and inline, medians of `calls`."""
+    import statistics
+
+    table = DesignTable.load(table_path)
+    (k, n, _), design = sorted(table.designs.items())[0]
+    raw = np.zeros((n, k), np.uint16)
+    x = np.ones((design.M, k), np.float32)
+    medians = {}
+    for isolation in ("process", "inline"):  # inline last: pyxrt then lives in this process
+        backend = xrt.XrtBackend(DesignTable.load(table_path), host, isolation=isolation,
+                                 check=lambda *a: ([], []))
+        try:
+            weight = backend.prepare_linear(LinearWeight(WeightFormat.BF16, raw))
+            times = []
+            for _ in range(calls):
+                start = time.perf_counter()
+                backend.linear(x, weight)
+                times.append((time.perf_counter() - start) * 1e6)
+            medians[isolation] = statistics.median(times)
+        except xrt.NpuRunError as exc:
+            c.say("FAIL", "worker cost", f"{isolation}: {exc}")
+            return
+        finally:
+            backend.close()
+    c.say("INFO", "worker cost", f"K={k} N={n} M={design.M}: {medians['process']:.0f} us a linear in the worker, "
+          f"{medians['inline']:.0f} us inline (load {Path('/proc/loadavg').read_text().split()[0]})")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--design", type=Path, required=True, help="the design.json built for this machine")
@@ -211,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(budget {budget} on {table.device})")
         backend.close()
         check_outlived_wait(c, args.design, host)
+        check_worker_cost(c, args.design, host)
     print(f"{len(c.results)} steps, {c.failed} failed")
     return 1 if c.failed else 0
 
