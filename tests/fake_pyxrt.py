@@ -126,7 +126,7 @@ class Sim:
         if not path:
             return
         try:
-            text = open(path, encoding="utf-8").read()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError:
             return
         if text and text != self.control_seen:
