@@ -167,6 +167,8 @@ class LoadedModel:
             "backend_reason": self.backend_reason,
             # where each GEMM shape runs on an NPU backend: "npu", "npu-rowwise" or why the host
             "gemm_placement": getattr(self.model.backend, "describe_placement", dict)(),
+            # the start-up check's tolerance policy of each shape on the NPU (kernels/xrt_check.py)
+            "gemm_tolerance": getattr(self.model.backend, "describe_tolerance", dict)(),
             "fingerprint": self.model.fingerprint[:16],
             "checkpoint": {**self.model.checkpoint_info, "resident_bytes": self.model.nbytes},
         }

@@ -133,7 +133,7 @@ class Api:
         """Run a one-prompt job for a client that waits for it (`complete`, and every HTTP
         request): its events go to `emit` as they come; the job is cancelled when the caller is
         cancelled (its client went away) or falls behind. Returns the job's result."""
-        if self.queue.quarantine is not None:
+        if self.queue.quarantine_blocks:
             raise ApiError(ErrorCode.DEVICE_QUARANTINED,
                            f"the device is quarantined ({self.queue.quarantine.reason}); "
                            "an operator clears it with `npuctl device clear`")
@@ -255,7 +255,7 @@ class Api:
         p.finish()
         if (key is None) == (text is None):
             raise ApiError(ErrorCode.BAD_REQUEST, "params: give exactly one of 'key' and 'text'")
-        if text is not None and self.queue.quarantine is not None:
+        if text is not None and self.queue.quarantine_blocks:
             raise ApiError(ErrorCode.DEVICE_QUARANTINED, "the device is quarantined; clear it first")
         registry, owner = self.registry, self.owner
         registry.entry(model)

@@ -238,11 +238,14 @@ class ErrorsConfig:
     patterns: tuple[str, ...] = ()
     # The device's warnings that come before a hang or a firmware reset: counted, not faulted on.
     pre_hang_patterns: tuple[str, ...] = PRE_HANG_PATTERNS
+    # Error-level lines of the device that any process can cause, beside npud/guards.py's
+    # built-in BENIGN_PATTERNS: counted apart, never faulted on.
+    benign_patterns: tuple[str, ...] = ()
     poll_interval_s: float = 0.25
 
     def __post_init__(self) -> None:
         _positive("errors.poll_interval_s", self.poll_interval_s)
-        for name in ("patterns", "pre_hang_patterns"):
+        for name in ("patterns", "pre_hang_patterns", "benign_patterns"):
             for i, pattern in enumerate(getattr(self, name)):
                 try:
                     re.compile(pattern)

@@ -6,7 +6,10 @@ the job whether it was cancelled. The amdxdna error count is read at grant, befo
 result is committed, and at release; a count that grew faults the ticket, quarantines the
 device and requeues the job with nothing of the faulted work kept. A device call that
 fails inside a round (the engine's DeviceFault: an NPU run that timed out, aborted or
-raised) takes the same path.
+raised, an NPU worker that died or hung) takes the same path, and the models loaded for the
+NPU are unloaded: with backend "auto" they load again on the host and the queue goes on
+granting (the quarantine says `host_fallback`), so the job finishes on the host; with "xrt"
+they wait for the clear. Clearing the quarantine unloads them again, for the NPU.
 """
 
 from __future__ import annotations
@@ -256,12 +259,15 @@ class DeviceOwner:
         why = [f"{grown} amdxdna error line(s)"] if grown else []
         if reason == NPU_RUN_FAILED:
             why.insert(0, f"an NPU run failed ({ticket.fault_lines[0]})")
+        host_fallback = reason == NPU_RUN_FAILED and self.cfg.device.backend == "auto"
         q = Quarantine(since=self.jobs.wall(), reason=f"{' and '.join(why)} during ticket {ticket.id}",
-                       ticket=ticket.id, job=job.id, lines=ticket.fault_lines)
+                       ticket=ticket.id, job=job.id, lines=ticket.fault_lines, host_fallback=host_fallback)
         log.error("guard_device_fault", errors_at_grant=ticket.errors_at_grant,
                   errors_at_release=ticket.errors_at_release, lines=list(ticket.fault_lines))
         self.queue.set_quarantine(q)
-        log.error("device_quarantined", reason=q.reason)
+        log.error("device_quarantined", reason=q.reason, host_fallback=host_fallback)
+        if reason == NPU_RUN_FAILED:  # the models' NPU backend is lost: load them afresh
+            await self.engine_call(self._reload_models, "host" if host_fallback else self.cfg.device.backend)
         try:
             await self._save_quarantine(q.to_wire())
         except StoreError as exc:  # the quarantine holds in memory; only a restart would forget it
@@ -271,9 +277,18 @@ class DeviceOwner:
         if self.queue.quarantine is None:
             return False
         await self._save_quarantine(None)  # first: a clear that is not recorded would come back on restart
+        fell_back = self.queue.quarantine.host_fallback
         self.queue.set_quarantine(None)
+        if fell_back:  # back to the NPU: the host-loaded models go
+            await self.engine_call(self._reload_models, self.cfg.device.backend)
         log.warning("device_cleared")
         return True
+
+    def _reload_models(self, backend: str) -> None:
+        """Unload every model; the next use loads it for `backend` (blocking, in the engine thread)."""
+        self.registry.backend = backend
+        self.registry.unload_all()
+        log.warning("models_reloaded_for", backend=backend)
 
     async def _save_quarantine(self, value: dict | None) -> None:
         await self.jobs.set_device_state(QUARANTINE_KEY, value)
@@ -281,6 +296,9 @@ class DeviceOwner:
     async def restore_quarantine(self) -> None:
         value = await self.jobs.device_state(QUARANTINE_KEY)
         if value is not None:
+            host_fallback = bool(value.get("host_fallback", False))
             self.queue.set_quarantine(Quarantine(value["since"], value["reason"], value["ticket"], value["job"],
-                                                 tuple(value["lines"])))
-            log.error("device_quarantined", reason=value["reason"], restored=True)
+                                                 tuple(value["lines"]), host_fallback))
+            if host_fallback:
+                self.registry.backend = "host"
+            log.error("device_quarantined", reason=value["reason"], restored=True, host_fallback=host_fallback)

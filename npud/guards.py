@@ -5,6 +5,13 @@ sets the queue's hold/abort flags with hysteresis. ErrorCountGuard follows the k
 and counts the amdxdna device's error records (npud/kmsg.py says which); the device owner
 reads the count when a ticket is granted and released, and a count that grew in between
 faults the ticket and quarantines the device. Pre-hang warnings are counted beside it.
+
+Some of the driver's error-level lines say nothing about the device's health and can be caused
+by any process that opens it: an ioctl parameter the driver does not know (an XRT or xrt-smi
+newer than the driver, another user's monitoring tool) prints "Not supported request
+parameter N" from aie2_get_info / aie2_get_array / aie2_set_state (aie4_* on npu4 and later),
+in both drivers. Those are BENIGN_PATTERNS: counted apart, never faulted on. `errors.benign_patterns`
+extends the list.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import collections
 import errno
 import glob
 import os
+import re
 import stat
 
 import psutil
@@ -28,6 +36,13 @@ log = structlog.get_logger(__name__)
 
 MAX_KEPT_LINES = 1000  # error lines remembered for fault reports
 MAX_KEPT_PRE_HANG = 20  # the last pre-hang warnings, shown by `npuctl device`
+
+# The drivers' XDNA_ERR("Not supported request parameter %u") of the query/set ioctls (both
+# drivers, aie2_pci.c and aie4_pci.c), after "function: " and, in-kernel, "[drm] *ERROR* "
+BENIGN_PATTERNS = (
+    r": (\[drm\] \*ERROR\* )?aie[24]_(get_info|get_array|get_array_hwctx|set_state): "
+    r"Not supported request parameter \d+$",
+)
 
 
 class ThermalGuard:
@@ -146,7 +161,9 @@ class ErrorCountGuard:
     def __init__(self, cfg: ErrorsConfig) -> None:
         self.cfg = cfg
         self._matcher = Matcher(cfg.patterns, cfg.pre_hang_patterns)
+        self._benign = _benign(cfg)
         self.count = 0
+        self.benign_count = 0  # error-level lines any process can cause: counted, never faulted on
         self.pre_hang_count = 0
         self._pre_hang: collections.deque[str] = collections.deque(maxlen=MAX_KEPT_PRE_HANG)
         self.available = False
@@ -160,6 +177,7 @@ class ErrorCountGuard:
         reopen = cfg.source != self.cfg.source or cfg.enabled != self.cfg.enabled
         self.cfg = cfg
         self._matcher = Matcher(cfg.patterns, cfg.pre_hang_patterns)
+        self._benign = _benign(cfg)
         if reopen:
             self.close()
             if cfg.enabled:
@@ -242,7 +260,10 @@ class ErrorCountGuard:
     def _record(self, line: str) -> None:
         record = parse(line)
         kind = self._matcher.classify(record)
-        if kind is Kind.ERROR:
+        if kind is Kind.ERROR and any(p.search(record.message) for p in self._benign):
+            self.benign_count += 1
+            log.info("guard_device_benign_line", count=self.benign_count, line=record.message)
+        elif kind is Kind.ERROR:
             self.count += 1
             self._lines.append((self.count, record.message))
             log.warning("guard_device_error_line", count=self.count, line=record.message)
@@ -265,5 +286,10 @@ class ErrorCountGuard:
 
     def to_wire(self) -> dict:
         return {"count": self.count, "source": self.cfg.source, "available": self.available, "why": self.why,
-                "patterns": list(self.cfg.patterns), "pre_hang_count": self.pre_hang_count,
+                "patterns": list(self.cfg.patterns), "benign_count": self.benign_count,
+                "pre_hang_count": self.pre_hang_count,
                 "pre_hang_lines": list(self._pre_hang)}
+
+
+def _benign(cfg: ErrorsConfig) -> list[re.Pattern]:
+    return [re.compile(p) for p in BENIGN_PATTERNS + cfg.benign_patterns]

@@ -104,6 +104,11 @@ class ModelRegistry:
                 return
             self.unload(victim)
 
+    def unload_all(self) -> None:
+        """Unload every resident model (the backend they were loaded for is gone or changed)."""
+        for name in list(self._resident):
+            self.unload(name)
+
     def unload(self, name: str) -> None:
         if self._resident.pop(name, None) is not None:
             log.info("model_unloaded", model=name)

@@ -101,10 +101,12 @@ class Quarantine:
     ticket: int | None = None
     job: int | None = None
     lines: tuple[str, ...] = ()
+    # the NPU failed and the models run on the host meanwhile (backend "auto"): grants go on
+    host_fallback: bool = False
 
     def to_wire(self) -> dict:
         return {"since": self.since, "reason": self.reason, "ticket": self.ticket, "job": self.job,
-                "lines": list(self.lines)}
+                "lines": list(self.lines), "host_fallback": self.host_fallback}
 
 
 @dataclass(slots=True)
@@ -162,7 +164,7 @@ class TicketQueue:
     def can_grant(self) -> bool:
         return (
             self.granted is None
-            and self.quarantine is None
+            and not self.quarantine_blocks
             and not self.thermal_hold
             and not self.stopping
             and bool(self._queued)
@@ -235,6 +237,11 @@ class TicketQueue:
         return None
 
     # -- guards and operators ------------------------------------------------------------
+
+    @property
+    def quarantine_blocks(self) -> bool:
+        """A quarantine stops grants unless the models serve on the host meanwhile."""
+        return self.quarantine is not None and not self.quarantine.host_fallback
 
     def set_quarantine(self, quarantine: Quarantine | None) -> None:
         self.quarantine = quarantine

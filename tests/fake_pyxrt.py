@@ -9,10 +9,24 @@ arguments (opcode 3, instr, ninstr, A, B, C) matching what the xclbin declares. 
 raises ProtocolViolation.
 
 The "xclbin" is a JSON file written by `write_design_table` holding what a real xclbin
-bakes in: the kernel's name and argument count and the compiled GEMM shape. A run decodes
-the bf16 A and B buffers and computes C with fp32 accumulation over K in order, so the
-backend's results can be compared with the host's. It can be told to end a run in TIMEOUT
-or ABORT (C left zeroed), or to raise, after a number of good runs.
+bakes in: the kernel's name and argument count (aiecc declares 8), the compiled GEMM shape
+(refused, as the compiler would refuse it, when it breaks the toolchain's rules) and its
+binary instruction stream. A run decodes the bf16 A and B buffers and computes C with fp32
+accumulation over K in order (after bfp16 block quantisation for an emulating npu2 build),
+so the backend's results can be compared with the host's.
+
+What the real stack refuses or does, it refuses or does here: XRT's ert_cmd_state values
+(ert.h); only pyxrt's two sync overloads; `run.wait(ms)` answering TIMEOUT while the command
+goes on running, and a run collected while in flight aborting the process (xrt_kernel.cpp
+~run_impl; recorded as a violation instead when the simulator runs inside the test process);
+amdxdna's hardware-context limit; a wait that keeps the GIL (`Sim.wait_hold_s`).
+
+Failures are injected with `Sim.inject` (in this process) or, for the NPU worker process,
+by writing {"mode": ..., "after": n, "times": t} to the file named by FAKE_PYXRT_CONTROL:
+the worker's simulator arms it when it sees new contents. Modes: "timeout" (the wait gives
+up, the command runs on for `Sim.finish_after_polls` state() calls), "error" and "abort"
+(final states, C left zeroed), "raise" (XRT raises), and in a worker "crash" (std::abort),
+"segfault" and "hang" (the wait never returns).
 """
 
 from __future__ import annotations
@@ -20,7 +34,10 @@ from __future__ import annotations
 import enum
 import importlib.util
 import json
+import os
+import signal
 import sys
+import time
 import uuid as _uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,13 +56,24 @@ class xclBOSyncDirection(enum.Enum):
     XCL_BO_SYNC_BO_FROM_DEVICE = 1
 
 
-class ert_cmd_state(enum.Enum):
+class ert_cmd_state(enum.Enum):  # XRT's ert.h
     ERT_CMD_STATE_NEW = 1
     ERT_CMD_STATE_QUEUED = 2
+    ERT_CMD_STATE_RUNNING = 3
     ERT_CMD_STATE_COMPLETED = 4
     ERT_CMD_STATE_ERROR = 5
     ERT_CMD_STATE_ABORT = 6
-    ERT_CMD_STATE_TIMEOUT = 9
+    ERT_CMD_STATE_SUBMITTED = 7
+    ERT_CMD_STATE_TIMEOUT = 8
+    ERT_CMD_STATE_NORESPONSE = 9
+    ERT_CMD_STATE_SKERROR = 10
+    ERT_CMD_STATE_SKCRASHED = 11
+    ERT_CMD_STATE_MAX = 12
+
+
+IN_FLIGHT = (ert_cmd_state.ERT_CMD_STATE_NEW, ert_cmd_state.ERT_CMD_STATE_QUEUED,
+             ert_cmd_state.ERT_CMD_STATE_RUNNING, ert_cmd_state.ERT_CMD_STATE_SUBMITTED)
+MODES = ("timeout", "error", "abort", "raise", "crash", "segfault", "hang")  # and "gil": Sim.configure
 
 
 GROUP_BASE = 0x100  # group_id(i) answers GROUP_BASE + i: a memory group, not the index itself
@@ -57,29 +85,61 @@ class Sim:
 
     calls: list = field(default_factory=list)
     registered: set = field(default_factory=set)
-    fail_mode: str | None = None  # "timeout", "abort", "raise"
+    fail_mode: str | None = None  # one of MODES
     fail_after: int = 0  # good runs before the failure
     fail_times: int = 0  # failing runs, then good again
     runs: int = 0
+    context_limit: int = 6  # amdxdna's hwctx_limit on npu1 (16 on npu4/5/6)
+    contexts_live: int = 0
+    contexts_made: int = 0
+    finish_after_polls: int = 2  # a timed-out command completes after this many state() calls
+    wait_hold_s: float = 0.0  # each wait keeps the GIL this long, as pyxrt's does
+    handshake: str | None = None  # a folder where a held wait sees whether another thread ran (_hold_gil)
+    compute: bool = True  # False: C is left as it was (the isolation benchmark times the calls only)
+    violations: list = field(default_factory=list)  # breaches seen where raising was impossible
+    abort_on_collect: bool = False  # in a worker process: abort as XRT does
+    control_seen: str | None = None
+
+    def configure(self, spec: dict) -> None:
+        """{"mode": "gil", "hold_s": s, "handshake": folder}, or a failure to inject (`inject`'s arguments)."""
+        if spec["mode"] == "gil":
+            self.wait_hold_s, self.handshake = float(spec["hold_s"]), spec.get("handshake")
+        elif spec["mode"] == "compute":
+            self.compute = bool(spec["on"])
+        else:
+            self.inject(spec["mode"], spec.get("after", 0), spec.get("times", 1))
 
     def inject(self, mode: str, after: int = 0, times: int = 1) -> None:
-        if mode not in ("timeout", "abort", "raise"):
+        if mode not in MODES:
             raise ValueError(mode)
         self.fail_mode, self.fail_after, self.fail_times = mode, self.runs + after, times
 
     def _failure(self) -> str | None:
+        self._read_control()
         if self.fail_mode is None or self.runs < self.fail_after or self.fail_times <= 0:
             return None
         self.fail_times -= 1
         return self.fail_mode
 
+    def _read_control(self) -> None:
+        path = os.environ.get("FAKE_PYXRT_CONTROL")
+        if not path:
+            return
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError:
+            return
+        if text and text != self.control_seen:
+            self.control_seen = text
+            self.configure(json.loads(text))
 
-SIM = Sim()
+
+SIM = Sim(abort_on_collect=bool(os.environ.get("FAKE_PYXRT_CONTROL")))  # a worker aborts as XRT does
 
 
 def reset() -> Sim:
     global SIM
-    SIM = Sim()
+    SIM = Sim(abort_on_collect=bool(os.environ.get("FAKE_PYXRT_CONTROL")))
     return SIM
 
 
@@ -126,8 +186,18 @@ class hw_context:
     def __init__(self, dev: device, xclbin_uuid):
         if xclbin_uuid not in SIM.registered:
             raise ProtocolViolation("hw_context for an xclbin that was not registered on the device")
+        if SIM.contexts_live >= SIM.context_limit:
+            raise RuntimeError(f"simulated: DRM_IOCTL_AMDXDNA_CREATE_HWCTX failed: all {SIM.context_limit} "
+                               "hardware contexts of the device are taken")
         self.device, self.uuid = dev, xclbin_uuid
+        self._sim = SIM
+        SIM.contexts_live += 1
+        SIM.contexts_made += 1
         SIM.calls.append(("hw_context", str(xclbin_uuid)))
+
+    def __del__(self):
+        if hasattr(self, "_sim"):  # made, not refused
+            self._sim.contexts_live -= 1
 
 
 class bo:
@@ -171,9 +241,13 @@ class bo:
         if self.dev_newer:
             raise ProtocolViolation(f"bo of argument {self.arg} read before a sync from the device")
         SIM.calls.append(("read", self.arg, size))
-        return self.host[skip : skip + size].copy()
+        return self.host[skip : skip + size].view(np.int8).copy()
 
-    def sync(self, direction, size: int | None = None, offset: int = 0):
+    def sync(self, direction, *size_offset):
+        # pyxrt binds sync(direction) and sync(direction, size, offset), nothing else
+        if not isinstance(direction, xclBOSyncDirection) or len(size_offset) not in (0, 2):
+            raise TypeError("sync(): incompatible function arguments; sync(self, dir, size, offset) "
+                            "or sync(self, dir)")
         SIM.calls.append(("sync", self.arg, direction.name))
         if direction is xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE:
             self.dev[:] = self.host
@@ -184,16 +258,59 @@ class bo:
 
 
 class run:
-    def __init__(self, state):
+    def __init__(self, state, polls_to_finish: int | None = None):
         self._state = state
+        self._polls_left = polls_to_finish  # in flight: state() calls until it completes (None: never)
+        self._sim = SIM
 
     def wait(self, timeout_ms: int = 0):
         if timeout_ms <= 0:
             raise ProtocolViolation("run.wait() without a timeout: a hung run would block the daemon forever")
+        _hold_gil(self._sim.wait_hold_s, self._sim.handshake)
+        if self._state in IN_FLIGHT:
+            return ert_cmd_state.ERT_CMD_STATE_TIMEOUT  # the wait gave up; the command runs on
         return self._state
 
     def state(self):
+        if self._state in IN_FLIGHT and self._polls_left is not None:
+            self._polls_left -= 1
+            if self._polls_left <= 0:
+                self._state = ert_cmd_state.ERT_CMD_STATE_COMPLETED
         return self._state
+
+    def __del__(self):
+        if self._state in IN_FLIGHT:  # xrt::run's destructor on a command in flight: std::abort
+            if self._sim.abort_on_collect:
+                os.abort()
+            self._sim.violations.append("an xrt.run was destroyed while in flight (XRT aborts the process)")
+
+
+def _hold_gil(seconds: float, handshake: str | None = None) -> None:
+    """Spin for `seconds` without letting another thread of this process run, as a pyxrt call
+    that keeps the GIL does. With a handshake folder: `counter` holds 8 bytes that a thread
+    elsewhere keeps counting up (through mmap: plain memory, no call that lets the GIL go);
+    `outcome` then says "released" when it counted while the spin ran, else "held"."""
+    if seconds <= 0:
+        return
+    import mmap
+
+    shared = None
+    if handshake is not None:
+        with open(Path(handshake, "counter"), "r+b") as f:
+            shared = mmap.mmap(f.fileno(), 8)
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        first = int.from_bytes(shared[:8], "little") if shared is not None else 0
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:  # no call in here lets the GIL go
+            pass
+        last = int.from_bytes(shared[:8], "little") if shared is not None else 0
+    finally:
+        sys.setswitchinterval(before)
+    if shared is not None:
+        shared.close()
+        Path(handshake, "outcome").write_text("released" if last > first else "held")
 
 
 class kernel:
@@ -218,16 +335,30 @@ class kernel:
         SIM.runs += 1
         if failure == "raise":
             raise RuntimeError("simulated: DRM_IOCTL_AMDXDNA_EXEC_CMD failed: Input/output error")
+        if failure == "crash":
+            os.abort()  # std::abort somewhere in the driver stack
+        if failure == "segfault":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if failure == "hang":
+            while True:  # a wait that never returns
+                time.sleep(3600)
         _, instr, ninstr, a, b, c = args
-        if failure in ("timeout", "abort"):
+        if failure in ("timeout", "error", "abort"):
             c.dev[:] = 0
             c.dev_newer = True
-            return run(ert_cmd_state.ERT_CMD_STATE_TIMEOUT if failure == "timeout" else ert_cmd_state.ERT_CMD_STATE_ABORT)
+            if failure == "timeout":
+                return run(ert_cmd_state.ERT_CMD_STATE_RUNNING, SIM.finish_after_polls)
+            return run(ert_cmd_state.ERT_CMD_STATE_ERROR if failure == "error" else ert_cmd_state.ERT_CMD_STATE_ABORT)
         g = self.gemm
         M, K, N = g["M"], g["K"], g["N"]
+        if not SIM.compute:
+            c.dev_newer = True
+            return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED)
         av = _bf16(a.dev[: M * K * 2]).reshape(M, K)
         bv = _bf16(b.dev[: K * N * 2]).reshape((N, K) if g["b_col_major"] else (K, N))
         bk = bv.T if g["b_col_major"] else bv  # [K, N]
+        if g.get("bfp16"):  # npu2's emulation: blocks of 8 along K under one exponent, 8-bit mantissas
+            av, bk = _bfp16(av, axis=1), _bfp16(bk, axis=0)
         acc = np.zeros((M, N), np.float32)
         for k in range(K):  # fp32, in order over K, one rounding per multiply and per add
             acc = acc + av[:, k : k + 1] * bk[k : k + 1, :]
@@ -263,6 +394,18 @@ def _bf16(raw: np.ndarray) -> np.ndarray:
     return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def _bfp16(x: np.ndarray, axis: int) -> np.ndarray:
+    """x with each block of 8 along `axis` truncated to 8-bit mantissas (sign apart, 7 bits
+    below the leading one of the block's largest magnitude)."""
+    moved = np.moveaxis(x, axis, -1)
+    blocks = moved.reshape(*moved.shape[:-1], -1, 8).astype(np.float64)
+    top = np.abs(blocks).max(axis=-1, keepdims=True)
+    exp = np.floor(np.log2(np.where(top > 0, top, 1.0)))
+    step = 2.0 ** (exp - 6)
+    q = np.trunc(blocks / step) * step
+    return np.moveaxis(q.reshape(moved.shape).astype(np.float32), -1, axis)
+
+
 _XCLBINS: list[xclbin] = []
 _real_xclbin_init = xclbin.__init__
 
@@ -276,38 +419,69 @@ xclbin.__init__ = _tracked_init
 
 
 def install(monkeypatch) -> Sim:
-    """Put this simulator in sys.modules as `pyxrt` (for one test) and return its fresh state."""
+    """Make this simulator the XRT binding (for one test), in this process (`pyxrt` in
+    sys.modules) and in NPU worker processes (kernels.xrt.BINDING); returns its fresh state."""
+    from kernels import xrt
+
     _XCLBINS.clear()
     monkeypatch.setitem(sys.modules, "pyxrt", sys.modules[__name__])
+    monkeypatch.setattr(xrt, "BINDING", __name__)
     return reset()
 
 
+def insts_words(device: str, payload: int, seed: int = 0) -> np.ndarray:
+    """An instruction stream as aiecc writes one: the transaction header, then `payload` words."""
+    from kernels.xrt_design import TXN_GENERATION
+
+    body = (np.arange(1, payload + 1, dtype=np.uint32) + np.uint32(seed)) * np.uint32(0x01000193)
+    columns = 5 if device == "npu1" else 8
+    size = (4 + payload) * 4
+    head = [6 << 24 | TXN_GENERATION[device] << 16 | 1 << 8, 1 << 8 | columns, payload // 4, size]
+    return np.concatenate([np.array(head, np.uint32), body])
+
+
 def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 32, tile: tuple = (8, 8, 8),
-                       columns: int = 1, b_col_major: bool = True, insts_text: bool = True,
-                       num_args: int = 8, kernel_name: str = "MLIR_AIE") -> Path:
+                       columns: int = 1, b_col_major: bool = False, insts_format: str = "binary",
+                       num_args: int = 8, kernel_name: str = "MLIR_AIE", bfp16_emulation: bool = False,
+                       xclbin_bfp16: bool | None = None, shared_xclbins: bool = False) -> Path:
     """design.json plus simulated xclbins and instruction files for (K, N) bf16 shapes; returns its path.
 
-    The compiled K and N are rounded up to the tile rules (tile_k, tile_n * columns)."""
-    from kernels.xrt_design import GemmDesign, write_table
+    The compiled K and N are rounded up to the tile rules (tile_k, tile_n * columns); an N past
+    what one pass can move is split into passes (kernels/xrt_rules.py). `xclbin_bfp16`: whether
+    the simulated xclbin quantises as npu2's emulation does (default: as the table says).
+    `shared_xclbins`: shapes with the same compiled shape share one xclbin, as the build tool
+    writes them."""
+    from kernels.xrt_design import GemmDesign, tile_rule_errors, write_table
+    from kernels.xrt_rules import split_n
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tm, tk, tn = tile
     designs = []
     for i, (k, n) in enumerate(shapes):
-        ck, cn = -(-k // tk) * tk, -(-n // (tn * columns)) * (tn * columns)
-        xb, ins = folder / f"gemm_{k}x{n}.xclbin", folder / (f"insts_{k}x{n}." + ("txt" if insts_text else "bin"))
-        words = np.arange(1, 17 + i, dtype=np.uint32) * np.uint32(0x01000193)
+        ck = -(-k // tk) * tk
+        found = split_n(n, M, ck, tm, tk, tn, columns, b_col_major)
+        passes, cn = found if found is not None else (1, -(-n // (tn * columns)) * (tn * columns))
+        stem = f"{ck}x{cn}" if shared_xclbins else f"{k}x{n}"
+        xb = folder / f"gemm_{stem}.xclbin"
+        ins = folder / (f"insts_{stem}." + ("txt" if insts_format == "hex" else "bin"))
+        words = insts_words(device, 12 + i if not shared_xclbins else 12, seed=0 if shared_xclbins else i)
         xb.write_text(json.dumps({"kernels": [{"name": kernel_name, "num_args": num_args}],
-                                  "gemm": {"M": M, "K": ck, "N": cn, "b_col_major": b_col_major},
+                                  "gemm": {"M": M, "K": ck, "N": cn, "b_col_major": b_col_major,
+                                           "bfp16": bfp16_emulation if xclbin_bfp16 is None else xclbin_bfp16},
                                   "insts": [int(w) for w in words]}))
-        if insts_text:
+        if insts_format == "hex":
             ins.write_text("".join(f"{w:08x}\n" for w in words))
         else:
             ins.write_bytes(words.astype("<u4").tobytes())
-        designs.append(GemmDesign(K=k, N=n, weight_format="bf16", xclbin=xb, insts=ins, kernel="MLIR_AIE", M=M,
-                                  compiled_K=ck, compiled_N=cn, tile_m=tm, tile_k=tk, tile_n=tn, columns=columns,
-                                  dtype_in="bf16", dtype_out="f32", b_col_major=b_col_major))
+        design = GemmDesign(K=k, N=n, weight_format="bf16", xclbin=xb, insts=ins, kernel="MLIR_AIE", M=M,
+                            compiled_K=ck, compiled_N=cn, tile_m=tm, tile_k=tk, tile_n=tn, columns=columns,
+                            dtype_in="bf16", dtype_out="f32", b_col_major=b_col_major,
+                            bfp16_emulation=bfp16_emulation, n_passes=passes, insts_format=insts_format)
+        errors = tile_rule_errors(device, design)
+        if errors:  # the compiler would not have built it: no xclbin either
+            raise ValueError(f"K={k} N={n}: " + "; ".join(errors))
+        designs.append(design)
     write_table(folder / "design.json", device, designs)
     return folder / "design.json"
 

@@ -60,6 +60,18 @@ NOT_THE_DRIVER = [
     (4, DEV + "aie2_get_info: Not supported request parameter 99"),
 ]
 
+# Error-level lines any process can cause (an ioctl parameter the driver does not know: XRT or
+# xrt-smi newer than the driver): XDNA_ERR(xdna, "Not supported request parameter %u", ...) in
+# aie2_get_info / aie2_get_array / aie2_set_state (aie2_pci.c) and aie4_* (aie4_pci.c), both drivers
+BENIGN_ERRORS = [
+    (3, DEV + "[drm] *ERROR* aie2_get_info: Not supported request parameter 4"),
+    (3, DEV + "[drm] *ERROR* aie2_get_array: Not supported request parameter 2"),
+    (3, DEV + "[drm] *ERROR* aie2_set_state: Not supported request parameter 5"),
+    (3, DEV + "aie2_get_info: Not supported request parameter 11"),
+    (3, DEV + "aie2_get_array_hwctx: Not supported request parameter 0"),
+    (3, DEV + "aie4_get_info: Not supported request parameter 7"),
+]
+
 
 def record(seq: int, priority: int, message: str) -> str:
     """One /dev/kmsg record with the dictionary lines dev_printk attaches."""

@@ -10,7 +10,7 @@ import pytest
 import fake_pyxrt
 
 from engine.testing.checkpoints import build_tiny_checkpoint
-from kernels.xrt_design import DesignTable
+from kernels.xrt_design import DesignTable, read_insts
 
 tool = fake_pyxrt.build_tool()
 
@@ -31,39 +31,73 @@ def test_shapes_are_the_distinct_linears_with_the_tied_head_only(ckpt):
     assert [(s.K, s.N) for s in twice] == [(s.K, s.N) for s in shapes] and len(twice[0].layers) == 8
 
 
+def _stub_build(built, device, fail=()):
+    def build(design):  # stands in for the IRON build: writes the two files it would, binary as aiecc does
+        if (design.compiled_K, design.compiled_N) in fail:
+            raise tool.subprocess.CalledProcessError(2, ["make"])
+        design.xclbin.write_bytes(b"xclbin")
+        design.insts.write_bytes(fake_pyxrt.insts_words(device, 8).astype("<u4").tobytes())
+        built.append(design)
+    return build
+
+
 @pytest.mark.parametrize("device", ["npu1", "npu2"])
 def test_table_written_for_every_shape_loads_and_serves_them(ckpt, tmp_path, device):
     shapes = tool.gemm_shapes([ckpt], "bf16")
     built = []
-
-    def build(design):  # stands in for the IRON build: writes the two files it would
-        design.xclbin.write_bytes(b"xclbin")
-        design.insts.write_text("00000001\n")
-        built.append(design)
-
-    path, on_host = tool.build_table(shapes, tool.Tiling(device), tmp_path, build)
-    assert on_host == [] and len(built) == 4
+    path, on_host = tool.build_table(shapes, tool.Tiling(device), tmp_path, _stub_build(built, device))
+    # 64x64 and 64x128 pad to one shape (N to 128 = tile_n 32 x 4 columns): one build, one xclbin
+    assert on_host == [] and len(built) == 3
     table = DesignTable.load(path)
     assert table.device == device
     for s in shapes:
         design, why = table.lookup(s.K, s.N, "bf16")
         assert why == "npu" and design.compiled_K % 64 == 0 and design.compiled_N % 128 == 0
         assert design.compiled_K >= s.K and design.compiled_N >= s.N and design.M == 32
+        assert design.insts.suffix == ".bin" and design.insts_format == "binary" and design.n_passes == 1
+        assert read_insts(design.insts, design.insts_format, device).size == 12
     assert table.lookup(64, 320, "bf16")[0].compiled_N == 384
+    assert table.lookup(64, 64, "bf16")[0].xclbin == table.lookup(64, 128, "bf16")[0].xclbin
+    assert table.lookup(64, 64, "bf16")[0].bfp16_emulation == (device == "npu2")  # the stock builds
+
+
+def test_the_output_layer_splits_into_passes_and_what_cannot_build_stays_on_the_host_said(tmp_path):
+    shapes = [tool.Shape(1024, 151936, "bf16", ("head",)), tool.Shape(64 * 1024 + 64, 64, "bf16", ("wide_k",)),
+              tool.Shape(64, 64, "bf16", ("fails",)), tool.Shape(128, 64, "bf16", ("ok",)),
+              tool.Shape(64, 64, "int8", ("int8",))]
+    built = []
+    path, on_host = tool.build_table(shapes, tool.Tiling("npu2"), tmp_path, _stub_build(built, "npu2", fail={(64, 128)}))
+    table = DesignTable.load(path)  # written although a build failed and shapes stay on the host
+    head = table.lookup(1024, 151936, "bf16")[0]
+    # one pass moves at most 64 x 32 x 4 = 8192 columns: the vocabulary takes 19 passes of 7997 -> 8064
+    assert (head.n_passes, head.compiled_N) == (19, 8064)
+    assert table.lookup(128, 64, "bf16")[1] == "npu"
+    assert [line.split(":")[0] for line in on_host] == ["K=65600 N=64 bf16", "K=64 N=64 bf16", "K=64 N=64 int8"]
+    assert "A's size 1 = 1025 exceeds 1023" in on_host[0] and "the build failed (CalledProcessError" in on_host[1]
+    none, why = table.lookup(64, 64, "bf16")
+    assert none is None and "the build failed" in why  # npud's npu_shape_on_host line carries the build's word
 
 
 def test_formats_the_designs_do_not_serve_are_left_to_the_host(ckpt, tmp_path):
     shapes = tool.gemm_shapes([ckpt], "int8")
-    with pytest.raises(ValueError, match="no shape the NPU designs serve"):
-        tool.build_table(shapes, tool.Tiling("npu2"), tmp_path, lambda d: None)
+    path, on_host = tool.build_table(shapes, tool.Tiling("npu2"), tmp_path, lambda d: None)
+    assert len(on_host) == 4 and all("runs on the host" in line for line in on_host)
+    assert DesignTable.load(path).designs == {}
+
+
+def test_npu2_defaults_to_the_stock_build_s_bfp16_emulation():
+    assert tool.Tiling("npu2").bfp16_emulation and not tool.Tiling("npu1").bfp16_emulation
+    assert tool.Tiling("npu2", bfp16_emulation=False).bfp16_emulation is False
 
 
 def test_a_tiling_that_breaks_the_rules_fails_before_building(ckpt, tmp_path):
     shape = tool.gemm_shapes([ckpt], "bf16")[0]
     with pytest.raises(ValueError, match="tile_m = 4 is not a multiple of the npu2 bf16 micro-tile's 8"):
-        tool.plan(shape, tool.Tiling("npu2", rows=16, bfp16_emulation=True), tmp_path)
+        tool.plan(shape, tool.Tiling("npu2", rows=16), tmp_path)
     with pytest.raises(ValueError, match="columns = 8: npu1 has 4"):
         tool.plan(shape, tool.Tiling("npu1", columns=8), tmp_path)
+    with pytest.raises(ValueError, match="B column-major needs tile_m, tile_k, tile_n multiples of 32"):
+        tool.plan(shape, tool.Tiling("npu1", b_col_major=True), tmp_path)  # tile_m 8: the generator asserts
 
 
 def test_main_lists_shapes_and_says_what_is_missing(ckpt, tmp_path, capsys, monkeypatch):

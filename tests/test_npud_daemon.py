@@ -386,7 +386,7 @@ async def test_a_result_finished_after_an_error_line_is_not_kept(nursery, workdi
 async def test_a_failed_npu_run_faults_the_ticket_quarantines_and_commits_nothing_of_it(nursery, workdir):
     fault = workdir / "fault"
     cfg = make_config(workdir, knobs={"tokens_per_round": 2, "fault_file": str(fault), "fault_prompt": "second",
-                                      "fault_at_token": 4})
+                                      "fault_at_token": 4}, device={"backend": "xrt"})  # NPU or nothing
     daemon = await start(nursery, cfg)
     daemon.owner.fw_version = "1.5.2.380"  # what sysfs fw_version says on an NPU machine
     fault.touch()
@@ -413,6 +413,36 @@ async def test_a_failed_npu_run_faults_the_ticket_quarantines_and_commits_nothin
         assert [r["text"] for r in results] == [fakes.expected_text("first", 8), fakes.expected_text("second", 8)]
         tickets = daemon.store.tickets(job_id=job)
         assert [t["outcome"] for t in tickets] == ["done", "faulted"] and all(t["fw_version"] for t in tickets)
+    daemon.request_stop()
+
+
+async def test_with_backend_auto_a_failed_npu_run_goes_on_on_the_host_until_cleared(nursery, workdir):
+    fault = workdir / "fault"
+    cfg = make_config(workdir, knobs={"tokens_per_round": 2, "fault_file": str(fault), "fault_prompt": "second",
+                                      "fault_at_token": 4})
+    backends = []
+
+    def loader(*args, backend="auto", **kw):  # the host has no NPU run to fail
+        backends.append(backend)
+        if backend == "host":
+            fault.unlink(missing_ok=True)
+        return fakes.load_model(*args, backend=backend, **kw)
+
+    daemon = await start(nursery, cfg, loader=loader)
+    fault.touch()
+    async with await connect(daemon) as c:
+        job = (await c.submit(["first", "second"], max_tokens=8))["job"]
+        await wait_state(c, job, ("done",))  # no clear needed: the job finished on the host
+        quarantine = (await c.device_status())["quarantine"]
+        assert quarantine["host_fallback"] is True and quarantine["reason"].startswith("an NPU run failed")
+        results = (await c.result(job))["results"]
+        assert [r["text"] for r in results] == [fakes.expected_text("first", 8), fakes.expected_text("second", 8)]
+        assert [t["outcome"] for t in daemon.store.tickets(job_id=job)] == ["done", "faulted"]  # newest first
+        assert await c.complete("first", max_tokens=8).wait()  # other clients are served meanwhile
+        assert backends == ["auto", "host"]
+        assert (await c.device_clear())["cleared"] is True
+        await c.complete("first", max_tokens=8).wait()
+        assert backends == ["auto", "host", "auto"]  # loaded for the NPU again
     daemon.request_stop()
 
 

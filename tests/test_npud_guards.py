@@ -197,6 +197,33 @@ def test_a_mixed_log_counts_each_kind(tmp_path):
     assert (guard.count, guard.pre_hang_count) == (len(fx.IN_KERNEL_ERRORS) + len(fx.OUT_OF_TREE_ERRORS), 3)
 
 
+@pytest.mark.parametrize("priority, message", fx.BENIGN_ERRORS)
+def test_error_lines_any_process_can_cause_are_benign(tmp_path, priority, message):
+    guard = _guard_on(tmp_path, [(priority, message)])
+    assert (guard.count, guard.benign_count) == (0, 1) and guard.to_wire()["benign_count"] == 1
+
+
+def test_benign_lines_leave_the_real_errors_counted_and_config_extends_them(tmp_path):
+    log = tmp_path / "kmsg"
+    log.write_text("")
+    extra = ErrorsConfig(source=str(log), benign_patterns=(r"aie2_query_firmware_version: .* ret -95$",))
+    guard = ErrorCountGuard(extra)
+    assert guard.open()
+    own = fx.DEV + "[drm] *ERROR* aie2_query_firmware_version: Failed to query fw version, ret -95"
+    lookalike = fx.DEV + "[drm] *ERROR* aie2_get_info: Not supported request parameter 4 (and then a hang)"
+    with open(log, "a") as f:
+        for seq, (priority, message) in enumerate(fx.BENIGN_ERRORS + [(3, own), (3, lookalike)]
+                                                  + fx.IN_KERNEL_ERRORS, 1):
+            f.write(fx.record(seq, priority, message))
+    guard.poll()
+    assert guard.benign_count == len(fx.BENIGN_ERRORS) + 1
+    assert guard.lines_since(0) == [lookalike] + [m for _, m in fx.IN_KERNEL_ERRORS]
+    guard.reconfigure(ErrorsConfig(source=str(log)))  # the extension gone: that line is an error again
+    with open(log, "a") as f:
+        f.write(fx.record(99, 3, own))
+    assert guard.poll() == len(fx.IN_KERNEL_ERRORS) + 2
+
+
 # -- the NPU's own sensor first, then k10temp ----------------------------------------------
 
 def _hwmon(root, index, name, files):

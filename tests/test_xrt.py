@@ -5,6 +5,7 @@ protocol, run states, the start-up check. Nothing here is evidence about a real 
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import numpy as np
@@ -21,12 +22,19 @@ from kernels.xrt_design import DesignError, DesignTable, read_insts
 
 @pytest.fixture
 def sim(monkeypatch):
-    return fake_pyxrt.install(monkeypatch)
+    state = fake_pyxrt.install(monkeypatch)
+    yield state
+    assert state.violations == []  # e.g. a run collected in flight: a real XRT aborts the process
 
 
 @pytest.fixture(scope="module")
 def host():
     return default_backend()
+
+
+def load(table, host, **kw):
+    """The backend with its device session in this process: the simulator sees every call."""
+    return xrt.load_backend(table, host, isolation="inline", **kw)
 
 
 def bf16_weight(n, k, seed=0):
@@ -53,7 +61,8 @@ def test_design_table_loads_and_looks_up(tmp_path):
     table = DesignTable.load(fake_pyxrt.write_design_table(tmp_path, [(64, 136), (128, 64)]))
     design, why = table.lookup(64, 136, "bf16")
     assert why == "npu" and (design.compiled_K, design.compiled_N, design.M) == (64, 136, 32)
-    assert design.insts.suffix == ".txt" and design.b_col_major
+    assert design.insts.suffix == ".bin" and design.insts_format == "binary" and not design.b_col_major
+    assert design.n_passes == 1
     assert table.lookup(64, 136, "int8")[0] is None and "runs on the host" in table.lookup(64, 136, "int8")[1]
     none, why = table.lookup(64, 137, "bf16")
     assert none is None and "no design for K=64, N=137" in why
@@ -72,9 +81,18 @@ def test_design_table_loads_and_looks_up(tmp_path):
     ({"M": "32"}, "npu2", "M = '32' is not an integer"),
     ({"b_col_major": 1}, "npu2", "b_col_major = 1 is not true or false"),
     ({"xclbin": "missing.xclbin"}, "npu2", "does not exist"),
+    # the generator's asserts: its column counts, and 32-multiples with B column-major
+    ({"columns": 3, "compiled_N": 144}, "npu2", "columns = 3: whole_array takes [1, 2, 4, 8] on npu2"),
+    ({"b_col_major": True}, "npu2", "B column-major needs tile_m, tile_k, tile_n multiples of 32 (tile_m = 8"),
+    # the verifier's transfer limits: N / (n * columns) <= 64 per pass, K / k <= 1023
+    ({"N": 9000, "compiled_N": 9000}, "npu2", "A's outermost size 1125 exceeds 64"),
+    ({"K": 8192 + 8, "compiled_K": 8192 + 8}, "npu2", "A's size 1 = 1025 exceeds 1023"),
+    ({"N": 9000, "compiled_N": 4504, "n_passes": 2}, "npu2", "A's outermost size 563 exceeds 64"),
+    ({"N": 500, "compiled_N": 256, "n_passes": 3}, "npu2", "n_passes = 3: 2 passes of 256 already cover N = 500"),
+    ({"insts_format": "text"}, "npu2", "insts_format = 'text'"),
 ])
 def test_design_table_refuses_what_could_not_have_been_compiled(tmp_path, entry, device, message):
-    with pytest.raises(DesignError, match=message.replace("*", r"\*").replace("(", r"\(")):
+    with pytest.raises(DesignError, match=re.escape(message)):
         DesignTable.load(table_json(tmp_path, entry=entry, device=device))
 
 
@@ -92,7 +110,7 @@ def test_design_table_file_errors(tmp_path):
     with pytest.raises(DesignError, match="cannot read"):
         DesignTable.load(tmp_path / "design.json")
     for raw, message in (([], "version"), ({"version": 1, "device": "npu3"}, "expected npu1"),
-                         ({"version": 1, "device": "npu1", "designs": []}, "non-empty list")):
+                         ({"version": 1, "device": "npu1", "designs": {}}, "must be a list")):
         (tmp_path / "design.json").write_text(json.dumps(raw))
         with pytest.raises(DesignError, match=message):
             DesignTable.load(tmp_path / "design.json")
@@ -108,25 +126,44 @@ def test_design_table_file_errors(tmp_path):
         DesignTable.load(path)
 
 
-def test_instruction_files_text_and_binary_read_the_same(tmp_path):
-    words = np.array([0x06030100, 0x00000105, 0xFFFFFFFF, 7], np.uint32)
-    (tmp_path / "insts.txt").write_text("".join(f"{w:08x}\n" for w in words) + "\n")
-    (tmp_path / "insts.bin").write_bytes(words.astype("<u4").tobytes())
-    assert read_insts(tmp_path / "insts.txt").tolist() == read_insts(tmp_path / "insts.bin").tolist() == words.tolist()
+def test_instruction_streams_are_binary_with_aiecc_s_header(tmp_path):
+    words = fake_pyxrt.insts_words("npu2", 8)
+    (tmp_path / "insts.txt").write_bytes(words.astype("<u4").tobytes())  # aiecc writes binary whatever the name
+    assert read_insts(tmp_path / "insts.txt", device="npu2").tolist() == words.tolist()
+    with pytest.raises(DesignError, match="compiled for generation 4, the table's device npu1 is 3"):
+        read_insts(tmp_path / "insts.txt", device="npu1")
+    (tmp_path / "hex.txt").write_text("".join(f"{w:08x}\n" for w in words))
+    with pytest.raises(DesignError, match="not an NPU instruction stream.*it reads as text.*insts_format"):
+        read_insts(tmp_path / "hex.txt")  # the old reading of *.txt as hex is gone
+    assert read_insts(tmp_path / "hex.txt", "hex").tolist() == words.tolist()  # only when the table says so
+    (tmp_path / "short.bin").write_bytes(words[:-1].astype("<u4").tobytes())
+    with pytest.raises(DesignError, match=r"the header says 48 bytes, the file has 44"):
+        read_insts(tmp_path / "short.bin")
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
+    with pytest.raises(DesignError, match="not a binary instruction stream"):
+        read_insts(tmp_path / "odd.bin")
     (tmp_path / "bad.txt").write_text("0x12\nzz\n")
     with pytest.raises(DesignError, match="hexadecimal"):
-        read_insts(tmp_path / "bad.txt")
-    (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
-    with pytest.raises(DesignError, match="whole number of 32-bit words"):
-        read_insts(tmp_path / "odd.bin")
+        read_insts(tmp_path / "bad.txt", "hex")
+
+
+def test_a_hex_instruction_file_named_in_a_binary_table_sends_the_shape_to_the_host(tmp_path, sim, host):
+    table = fake_pyxrt.write_design_table(tmp_path, [(64, 64)])
+    words = read_insts(tmp_path / "insts_64x64.bin")
+    (tmp_path / "insts_64x64.bin").write_text("".join(f"{w:08x}\n" for w in words))
+    backend = load(table, host)
+    backend.prepare_linear(bf16_weight(64, 64))
+    assert "not an NPU instruction stream" in backend.placement[(64, 64, "bf16")]
 
 
 # -- the backend on the simulator ----------------------------------------------------------
 
-@pytest.mark.parametrize("b_col_major, insts_text", [(True, True), (False, False)])
-def test_npu_rows_equal_the_host_gemm_of_bf16_inputs_for_every_batch(tmp_path, sim, host, b_col_major, insts_text):
-    table = fake_pyxrt.write_design_table(tmp_path, [(72, 100)], b_col_major=b_col_major, insts_text=insts_text)
-    backend = xrt.load_backend(table, host)
+@pytest.mark.parametrize("b_col_major, insts_format, tile", [(True, "hex", (32, 32, 32)), (False, "binary", (8, 8, 8))])
+def test_npu_rows_equal_the_host_gemm_of_bf16_inputs_for_every_batch(tmp_path, sim, host, b_col_major, insts_format,
+                                                                      tile):
+    table = fake_pyxrt.write_design_table(tmp_path, [(72, 100)], b_col_major=b_col_major, insts_format=insts_format,
+                                          tile=tile, M=4 * tile[0])
+    backend = load(table, host)
     assert backend.name == "xrt-simulator"  # the simulator never passes for the NPU
     w = bf16_weight(100, 72)
     w = LinearWeight(w.fmt, w.data, bias=np.linspace(-1, 1, 100).astype(np.float32))
@@ -142,7 +179,7 @@ def test_npu_rows_equal_the_host_gemm_of_bf16_inputs_for_every_batch(tmp_path, s
 
 
 def test_the_call_sequence_syncs_inputs_before_and_output_after_each_run(tmp_path, sim, host):
-    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
+    backend = load(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
     w = backend.prepare_linear(bf16_weight(64, 64))
     sim.calls.clear()
     backend.linear(np.ones((1, 64), np.float32), w)
@@ -151,7 +188,7 @@ def test_the_call_sequence_syncs_inputs_before_and_output_after_each_run(tmp_pat
 
 
 def test_buffers_are_made_as_aie_utils_xrt_makes_them(tmp_path, sim, host):
-    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(72, 100)]), host)
+    backend = load(fake_pyxrt.write_design_table(tmp_path, [(72, 100)]), host)
     backend.prepare_linear(bf16_weight(100, 72))
     made = [c[1:] for c in sim.calls if c[0] == "bo"]
     # instructions cacheable in group 1; A [M, cK] bf16, C [M, cN] f32, B [cN, cK] bf16 host_only
@@ -160,7 +197,7 @@ def test_buffers_are_made_as_aie_utils_xrt_makes_them(tmp_path, sim, host):
 
 
 def test_shapes_and_formats_without_a_design_run_on_the_host_said_once(tmp_path, sim, host):
-    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
+    backend = load(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
     x = np.random.default_rng(2).standard_normal((3, 64)).astype(np.float32)
     with structlog.testing.capture_logs() as logs:
         a = backend.prepare_linear(bf16_weight(48, 64))
@@ -176,7 +213,7 @@ def test_shapes_and_formats_without_a_design_run_on_the_host_said_once(tmp_path,
 
 def test_the_npu_backend_keeps_every_linear_apart(tmp_path, sim, host):
     # a design is compiled for one layer's shape: fused q/k/v (the host's choice) would have none
-    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
+    backend = load(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
     parts = [bf16_weight(64, 64), bf16_weight(64, 64, seed=1)]
     assert host.fuse_linears(parts) is not None
     assert fuse_linears(backend, parts) is None
@@ -185,7 +222,7 @@ def test_the_npu_backend_keeps_every_linear_apart(tmp_path, sim, host):
 @pytest.mark.parametrize("mode, state", [("timeout", "ERT_CMD_STATE_TIMEOUT"), ("abort", "ERT_CMD_STATE_ABORT"),
                                          ("raise", None)])
 def test_a_run_that_does_not_complete_raises_a_device_fault(tmp_path, sim, host, mode, state):
-    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host, timeout_ms=250)
+    backend = load(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host, timeout_ms=250)
     w = backend.prepare_linear(bf16_weight(64, 64))
     sim.inject(mode)
     with pytest.raises(xrt.NpuRunError) as info:
@@ -194,45 +231,73 @@ def test_a_run_that_does_not_complete_raises_a_device_fault(tmp_path, sim, host,
     assert (state or "RuntimeError") in str(info.value)
     if mode != "raise":
         assert "timeout 250 ms" in str(info.value)
-    backend.linear(np.ones((2, 64), np.float32), w)  # the next run is good again
+    if mode != "timeout":
+        backend.linear(np.ones((2, 64), np.float32), w)  # the run is over: the next is good again
+        return
+    # the wait gave up but the command runs on: kept (never collected in flight), its context retired
+    session = backend.device
+    assert len(session.in_flight) == 1 and sim.contexts_live == 1  # the context lives while its run does
+    with pytest.raises(xrt.NpuRunError, match="its context was retired"):
+        backend.linear(np.ones((2, 64), np.float32), w)
+    assert session.poll() == 0  # polled until the command ended, then let go with its context
+    assert sim.contexts_live == 0
+    assert sim.violations == []
+
+
+def test_the_simulator_aborts_like_xrt_when_a_run_in_flight_is_collected(sim):
+    import gc
+
+    fake_pyxrt.run(fake_pyxrt.ert_cmd_state.ERT_CMD_STATE_RUNNING, None)
+    gc.collect()
+    assert sim.violations == ["an xrt.run was destroyed while in flight (XRT aborts the process)"]
+    sim.violations.clear()
+
+
+def test_a_run_that_ends_in_error_is_a_fault_and_the_command_is_over(tmp_path, sim, host):
+    backend = load(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host, timeout_ms=250)
+    w = backend.prepare_linear(bf16_weight(64, 64))
+    sim.inject("error")
+    with pytest.raises(xrt.NpuRunError, match="ERT_CMD_STATE_ERROR"):
+        backend.linear(np.ones((2, 64), np.float32), w)
+    assert backend.device.in_flight == []
 
 
 def test_a_kernel_the_xclbin_does_not_have_is_refused_or_sent_to_the_host(tmp_path, sim, host):
     table = fake_pyxrt.write_design_table(tmp_path, [(64, 64)], kernel_name="OTHER")
     with pytest.raises(xrt.XrtUnavailable, match="has no kernel 'MLIR_AIE'"):
-        xrt.load_backend(table, host, strict=True)  # at load: every xclbin is read, used or not
+        load(table, host, strict=True)  # at load: every xclbin is read, used or not
     with structlog.testing.capture_logs() as logs:
-        backend = xrt.load_backend(table, host)
+        backend = load(table, host)
     assert "has no kernel 'MLIR_AIE' (it has ['OTHER'])" in backend.placement[(64, 64, "bf16")]
     assert [e["event"] for e in logs] == ["npu_shape_on_host"]
     backend.prepare_linear(bf16_weight(64, 64))  # runs on the host, said once
     assert not [c for c in fake_pyxrt.SIM.calls if c[0] == "register_xclbin"]
     few = fake_pyxrt.write_design_table(tmp_path / "few", [(64, 64)], num_args=5)
     with pytest.raises(xrt.XrtUnavailable, match="declares 5 arguments"):
-        xrt.load_backend(few, host, strict=True)
+        load(few, host, strict=True)
     (tmp_path / "gemm_64x64.xclbin").write_text("not an xclbin")
     with pytest.raises(xrt.XrtUnavailable, match="does not open as an xclbin"):
-        xrt.load_backend(table, host, strict=True)
+        load(table, host, strict=True)
 
 
 def test_startup_check_catches_a_design_compiled_for_another_layout(tmp_path, sim, host):
     # design.json says B is column-major; the xclbin reads it row-major: the same wrong
     # answer every time, which a self-comparison would pass
-    table = fake_pyxrt.write_design_table(tmp_path, [(64, 64)], b_col_major=False)
+    table = fake_pyxrt.write_design_table(tmp_path, [(64, 64)], b_col_major=False, tile=(32, 32, 32), M=128)
     raw = json.loads(table.read_text())
     raw["designs"][0]["b_col_major"] = True
     table.write_text(json.dumps(raw))
     with structlog.testing.capture_logs() as logs:
-        backend = xrt.load_backend(table, host)
+        backend = load(table, host)
         backend.prepare_linear(bf16_weight(64, 64))
     assert backend.placement[(64, 64, "bf16")].startswith("failed the start-up check (K=64 N=64:")
     assert [e["fallback"] for e in logs if e["event"] == "kernel_self_check_failed"] == ["host"]
     with pytest.raises(xrt.XrtUnavailable, match="failed the start-up check"):
-        xrt.load_backend(table, host, strict=True).prepare_linear(bf16_weight(64, 64))
+        load(table, host, strict=True).prepare_linear(bf16_weight(64, 64))
 
 
 def test_a_weight_the_npu_cannot_hold_says_what_to_check(tmp_path, sim, host, monkeypatch):
-    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
+    backend = load(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
     backend.prepare_linear(bf16_weight(64, 64))
     runner = backend._runners[(64, 64, "bf16")]
 
@@ -254,13 +319,13 @@ def test_startup_check_catches_nan_outputs(tmp_path, sim, host, monkeypatch):
         return result
 
     monkeypatch.setattr(fake_pyxrt.kernel, "__call__", one_nan)
-    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
+    backend = load(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
     backend.prepare_linear(bf16_weight(64, 64))
     assert "outputs differ from the host" in backend.placement[(64, 64, "bf16")]
 
 
 def test_startup_check_catches_an_aborted_run(tmp_path, sim, host):
-    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
+    backend = load(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
     sim.inject("abort", after=1)
     backend.prepare_linear(bf16_weight(64, 64))
     assert "ERT_CMD_STATE_ABORT" in backend.placement[(64, 64, "bf16")]
@@ -277,7 +342,7 @@ def test_rows_that_depend_on_their_place_in_a_pass_are_run_one_per_pass(tmp_path
         return result
 
     monkeypatch.setattr(fake_pyxrt.kernel, "__call__", skewed)
-    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
+    backend = load(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
     w = backend.prepare_linear(bf16_weight(64, 64))
     assert backend.placement[(64, 64, "bf16")] == "npu-rowwise"
     x = np.random.default_rng(3).standard_normal((5, 64)).astype(np.float32)
@@ -288,18 +353,18 @@ def test_rows_that_depend_on_their_place_in_a_pass_are_run_one_per_pass(tmp_path
 
 def test_numerics_identity_names_the_designs_and_where_each_shape_runs(tmp_path, sim, host):
     table = fake_pyxrt.write_design_table(tmp_path, [(64, 64)])
-    backend = xrt.load_backend(table, host)
+    backend = load(table, host)
     before = backend.numerics_id()
     assert before.startswith("xrt-simulator/designs=") and before.endswith("/activations=bf16/accumulate=fp32")
     assert before != host.name  # never the host's identity through __getattr__
     backend.prepare_linear(bf16_weight(64, 64))
     assert backend.numerics_id() != before and '"64x64 bf16": "npu"' in backend.numerics_id()
-    again = xrt.load_backend(table, host)
+    again = load(table, host)
     again.prepare_linear(bf16_weight(64, 64))
     assert again.numerics_id() == backend.numerics_id()
-    insts = tmp_path / "insts_64x64.txt"
-    insts.write_text(insts.read_text() + "00000000\n")  # another build of the design
-    assert xrt.load_backend(table, host).table_identity != backend.table_identity
+    insts = tmp_path / "insts_64x64.bin"
+    insts.write_bytes(insts.read_bytes() + bytes(4))  # another build of the design
+    assert load(table, host).table_identity != backend.table_identity
 
 
 def test_tolerance_is_the_two_summation_orders_bound():
@@ -326,23 +391,28 @@ def test_select_backend_builds_the_npu_backend_where_it_can(tmp_path, sim, monke
 # -- the simulator catches what a real device would refuse ---------------------------------
 
 def test_simulator_refuses_the_old_call_with_scalar_shape_arguments(tmp_path, sim, host):
-    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
+    backend = load(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
     w = backend.prepare_linear(bf16_weight(64, 64))
-    runner, bo_b = backend._weights[id(w.data)]
-    runner.bo_a.sync(fake_pyxrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
+    session, (_, handle) = backend.device, backend._weights[id(w.data)]
+    entry = session.designs[(64, 64, "bf16")]
+    kernel, bo_b = session.plan.kernel(entry.design, set()), session.weights[handle][1][0]
+    to_device = fake_pyxrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE
+    entry.bo_a.sync(to_device)
     with pytest.raises(fake_pyxrt.ProtocolViolation, match="9 arguments to a kernel that declares 8"):
-        runner.kernel(3, runner.bo_insts, runner.num_insts, runner.bo_a, bo_b, runner.bo_c, 32, 64, 64)
-    runner.bo_a.write(np.zeros(8, np.uint8), 0)
+        kernel(3, entry.bo_insts, entry.num_insts, entry.bo_a, bo_b, entry.bo_c, 32, 64, 64)
+    entry.bo_a.write(np.zeros(8, np.uint8), 0)
     with pytest.raises(fake_pyxrt.ProtocolViolation, match="written but not synced"):
-        runner.kernel(3, runner.bo_insts, runner.num_insts, runner.bo_a, bo_b, runner.bo_c)
-    runner.bo_a.sync(fake_pyxrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
+        kernel(3, entry.bo_insts, entry.num_insts, entry.bo_a, bo_b, entry.bo_c)
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        entry.bo_a.sync(to_device, 64)  # pyxrt binds sync(dir) and sync(dir, size, offset) only
+    entry.bo_a.sync(to_device, entry.bo_a.size(), 0)
     with pytest.raises(fake_pyxrt.ProtocolViolation, match="ninstr"):
-        runner.kernel(3, runner.bo_insts, runner.num_insts + 1, runner.bo_a, bo_b, runner.bo_c)
-    runner.kernel(3, runner.bo_insts, runner.num_insts, runner.bo_a, bo_b, runner.bo_c)
+        kernel(3, entry.bo_insts, entry.num_insts + 1, entry.bo_a, bo_b, entry.bo_c)
+    kernel(3, entry.bo_insts, entry.num_insts, entry.bo_a, bo_b, entry.bo_c)
     with pytest.raises(fake_pyxrt.ProtocolViolation, match="before a sync from the device"):
-        runner.bo_c.read(4, 0)
+        entry.bo_c.read(4, 0)
     with pytest.raises(fake_pyxrt.ProtocolViolation, match="made cacheable"):
-        runner.buffer(64, 3, fake_pyxrt.bo.cacheable)
+        session.buffer(kernel, 64, 3, fake_pyxrt.bo.cacheable)
 
 
 # -- real hardware ---------------------------------------------------------------------------
@@ -359,7 +429,7 @@ def _real_npu() -> bool:
 @pytest.mark.npu
 @pytest.mark.skipif(not _real_npu(), reason=NPU_REASON)
 def test_npu_every_design_passes_the_startup_check(host):
-    backend = xrt.load_backend(NPU_DESIGN, host, strict=True)
+    backend = load(NPU_DESIGN, host, strict=True)
     assert backend.name == "xrt"
     for (k, n, fmt) in backend.table.designs:
         backend.prepare_linear(bf16_weight(n, k))  # strict: a failed check raises
@@ -369,7 +439,7 @@ def test_npu_every_design_passes_the_startup_check(host):
 @pytest.mark.npu
 @pytest.mark.skipif(not _real_npu(), reason=NPU_REASON)
 def test_npu_rows_are_bit_identical_across_batches(host):
-    backend = xrt.load_backend(NPU_DESIGN, host, strict=True)
+    backend = load(NPU_DESIGN, host, strict=True)
     (k, n, _), design = next(iter(backend.table.designs.items()))
     raw = bf16_weight(n, k)
     w = backend.prepare_linear(raw)

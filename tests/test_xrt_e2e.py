@@ -1,9 +1,13 @@
-"""End to end through the NPU backend on the pyxrt SIMULATOR (tests/fake_pyxrt.py): a bf16
-model served with backend "xrt" decodes the same greedy tokens as on the host, for every
-speculative method. Evidence about the backend's protocol and arithmetic, not about an NPU."""
+"""End to end through the NPU backend on the pyxrt SIMULATOR (tests/fake_pyxrt.py), in the NPU
+worker process: a bf16 model served with backend "xrt" decodes the same greedy tokens as on
+the host, for every speculative method; through the whole daemon, a worker that aborts,
+segfaults or hangs mid-round quarantines the device while the daemon goes on answering, and
+the job finishes on the host with the host's output. Evidence about the backend's protocol,
+arithmetic and isolation, not about an NPU."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -15,7 +19,7 @@ import test_npud_support as fakes
 from clients.client import AsyncClient, DeviceQuarantined
 from engine.testing.checkpoints import build_tiny_checkpoint
 from engine.api import DeviceFault, GenerateRequest, GenerationParams, SpecParams, load_model
-from kernels import xrt
+from kernels import xrt, xrt_worker
 from npud.config import parse_config
 from npud.daemon import Daemon
 
@@ -35,9 +39,23 @@ def host_served(ckpt):
 
 
 @pytest.fixture
-def npu_served(ckpt, tmp_path, monkeypatch):
-    sim = fake_pyxrt.install(monkeypatch)
+def control(tmp_path, monkeypatch):
+    """The simulator's control file, read by the NPU worker (fake_pyxrt's docstring)."""
+    fake_pyxrt.install(monkeypatch)
     monkeypatch.setattr(xrt, "probe", lambda: (True, "simulated accel0 with tests/fake_pyxrt.py"))
+    monkeypatch.setattr(xrt_worker, "REPLY_GRACE_S", 1.0)
+    path = tmp_path / "control.json"
+    monkeypatch.setenv("FAKE_PYXRT_CONTROL", str(path))
+    return path
+
+
+def passes(served) -> int:
+    """The NPU passes run so far by `served`'s backend (asked of its worker: only while idle)."""
+    return served.model.backend.device.stats()["passes"]
+
+
+@pytest.fixture
+def npu_served(ckpt, tmp_path, control):
     shapes = [(s.K, s.N) for s in gemm_shapes([ckpt], "bf16")]
     # npu1 tiling, M = 16 rows a pass: the prompt's prefill takes more than one pass, and N is
     # padded to 16-column multiples (tile_n 4 x 4 columns)
@@ -45,7 +63,8 @@ def npu_served(ckpt, tmp_path, monkeypatch):
                                           columns=4)
     served = load_model("tiny", ckpt, draft_dir=ckpt, weight_format="bf16", backend="xrt",
                         xrt_design=table, xrt_timeout_ms=1000)
-    return served, sim
+    yield served, control
+    served.model.backend.close()
 
 
 def drive(session):
@@ -56,25 +75,26 @@ def drive(session):
 
 @pytest.mark.parametrize("method", ["none", "ngram", "draft"])
 def test_greedy_output_through_the_simulated_npu_equals_the_host(host_served, npu_served, method):
-    served, sim = npu_served
+    served, _ = npu_served
     d = served.describe()
     assert d["backend"] == "xrt-simulator"
     assert set(d["gemm_placement"].values()) == {"npu"} and len(d["gemm_placement"]) == 4
+    assert set(d["gemm_tolerance"].values()) == {"bf16-exact-products"}  # npu1
     req = GenerateRequest(prompt=PROMPT, params=GenerationParams(max_tokens=24,
                                                                  spec=SpecParams(method=method, k=4)))
-    before = sim.runs
+    before = passes(served)
     got = drive(served.start(req))
     want = drive(host_served.start(req))
     assert got.prompt_tokens > 16  # several passes of M rows
     assert list(got.token_ids) == list(want.token_ids) and got.text == want.text
-    assert sim.runs > before  # the GEMMs did go through the simulated device
+    assert passes(served) > before  # the GEMMs did go through the simulated device
 
 
 def test_a_failed_run_mid_generation_raises_a_device_fault(npu_served):
-    served, sim = npu_served
+    served, control = npu_served
     session = served.start(GenerateRequest(prompt=PROMPT, params=GenerationParams(max_tokens=24)))
     session.run_round()
-    sim.inject("timeout")
+    control.write_text(json.dumps({"mode": "timeout"}))
     with pytest.raises(DeviceFault, match="ERT_CMD_STATE_TIMEOUT"):
         while not session.done:
             session.run_round()
@@ -92,38 +112,44 @@ async def _wait_state(c, job, states):
     return status
 
 
-async def test_the_daemon_serves_through_the_simulated_npu_and_faults_a_failed_run(ckpt, host_served, monkeypatch):
-    sim = fake_pyxrt.install(monkeypatch)
-    monkeypatch.setattr(xrt, "probe", lambda: (True, "simulated accel0 with tests/fake_pyxrt.py"))
+def _daemon_config(workdir, ckpt, backend):
+    table = fake_pyxrt.write_design_table(workdir / "designs", [(s.K, s.N) for s in gemm_shapes([ckpt], "bf16")])
+    (workdir / "kmsg").touch()
+    return parse_config({
+        "server": {"socket_path": str(workdir / "s.sock")}, "store": {"state_dir": str(workdir / "state")},
+        "thermal": {"enabled": False}, "errors": {"source": str(workdir / "kmsg"), "poll_interval_s": 0.05},
+        "device": {"backend": backend, "xrt_design": str(table), "xrt_timeout_ms": 1000},
+        "models": [{"name": "tiny", "checkpoint_dir": str(ckpt), "weight_format": "bf16"}]})
+
+
+async def _warm_up(c, daemon, want) -> int:
+    """Run PROMPTS once on the simulated NPU; returns the passes one prompt takes."""
+    job = (await c.submit(PROMPTS, max_tokens=16))["job"]
+    await _wait_state(c, job, ("done",))
+    assert [r["text"] for r in (await c.result(job))["results"]] == want
+    [model] = (await c.models())["models"]
+    assert model["describe"]["backend"] == "xrt-simulator"
+    return passes(daemon.registry.resident("tiny")) // 2  # the device is idle: its worker may be asked
+
+
+async def test_the_daemon_serves_through_the_simulated_npu_and_faults_a_failed_run(ckpt, host_served, control):
     workdir = fakes.short_tempdir()
     try:
-        table = fake_pyxrt.write_design_table(workdir / "designs", [(s.K, s.N) for s in gemm_shapes([ckpt], "bf16")])
-        (workdir / "kmsg").touch()
-        cfg = parse_config({
-            "server": {"socket_path": str(workdir / "s.sock")}, "store": {"state_dir": str(workdir / "state")},
-            "thermal": {"enabled": False}, "errors": {"source": str(workdir / "kmsg"), "poll_interval_s": 0.05},
-            "device": {"backend": "xrt", "xrt_design": str(table), "xrt_timeout_ms": 1000},
-            "models": [{"name": "tiny", "checkpoint_dir": str(ckpt), "weight_format": "bf16"}]})
+        cfg = _daemon_config(workdir, ckpt, "xrt")  # the NPU or nothing: the job waits for the clear
         want = [drive(host_served.start(GenerateRequest(prompt=p, params=GenerationParams(max_tokens=16)))).text
                 for p in PROMPTS]
         async with trio.open_nursery() as nursery:
             daemon = await nursery.start(Daemon(cfg).run)
             async with await AsyncClient.connect(cfg.server.socket_path) as c:
-                job = (await c.submit(PROMPTS, max_tokens=16))["job"]
-                await _wait_state(c, job, ("done",))
-                assert [r["text"] for r in (await c.result(job))["results"]] == want
-                [model] = (await c.models())["models"]
-                assert model["describe"]["backend"] == "xrt-simulator"
-
-                # a run that times out in the middle of the second prompt of the next job (a prompt is
-                # about 250 runs here, the start-up checks 40: the margin is about 100 runs either way)
-                runs_per_prompt = sim.runs // 2
-                sim.inject("timeout", after=runs_per_prompt + runs_per_prompt // 2)
+                per_prompt = await _warm_up(c, daemon, want)
+                # a run that times out in the middle of the second prompt of the next job
+                control.write_text(json.dumps({"mode": "timeout", "after": per_prompt + per_prompt // 2}))
                 job = (await c.submit(PROMPTS, max_tokens=16))["job"]
                 with trio.fail_after(120):
                     while daemon.queue.quarantine is None:
                         await trio.sleep(0.02)
                 assert "ERT_CMD_STATE_TIMEOUT" in daemon.queue.quarantine.reason
+                assert not daemon.queue.quarantine.host_fallback
                 status = await _wait_state(c, job, ("queued",))
                 assert status["done_prompts"] == 1
                 assert [r["prompt"] for r in (await c.result(job))["results"]] == [0]
@@ -134,6 +160,50 @@ async def test_the_daemon_serves_through_the_simulated_npu_and_faults_a_failed_r
                 assert [r["text"] for r in (await c.result(job))["results"]] == want  # redone from prompt 1
                 outcomes = [(t["outcome"], t["reason"]) for t in daemon.store.tickets(job_id=job)]
                 assert outcomes == [("done", None), ("faulted", "npu_run_failed")]
+            daemon.request_stop()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("mode, said", [("crash", "killed by SIGABRT"), ("segfault", "killed by SIGSEGV"),
+                                        ("hang", "hung in run and was killed")])
+async def test_a_worker_killed_mid_round_quarantines_and_the_job_finishes_on_the_host(ckpt, host_served, control,
+                                                                                      mode, said):
+    workdir = fakes.short_tempdir()
+    try:
+        cfg = _daemon_config(workdir, ckpt, "auto")
+        want = [drive(host_served.start(GenerateRequest(prompt=p, params=GenerationParams(max_tokens=16)))).text
+                for p in PROMPTS]
+        async with trio.open_nursery() as nursery:
+            daemon = await nursery.start(Daemon(cfg).run)
+            async with await AsyncClient.connect(cfg.server.socket_path) as c, \
+                    await AsyncClient.connect(cfg.server.socket_path) as other:
+                per_prompt = await _warm_up(c, daemon, want)
+                worker = daemon.registry.resident("tiny").model.backend.device
+                control.write_text(json.dumps({"mode": mode, "after": per_prompt + per_prompt // 2}))
+                job = (await c.submit(PROMPTS, max_tokens=16))["job"]
+                answered = {"before": 0, "after": 0}
+                done = trio.Event()
+
+                async def the_other_client():  # answered all along, the fault included
+                    while not done.is_set():
+                        with trio.fail_after(30):
+                            await other.device_status()
+                        answered["after" if daemon.queue.quarantine is not None else "before"] += 1
+                        await trio.sleep(0.01)
+
+                nursery.start_soon(the_other_client)
+                await _wait_state(c, job, ("done",))  # no clear: the host took over
+                done.set()
+                assert worker.proc.poll() is not None and worker.lost  # the worker is gone, killed if hung
+                q = daemon.queue.quarantine
+                assert q.host_fallback and said in q.reason
+                assert [r["text"] for r in (await c.result(job))["results"]] == want  # the host-only output
+                outcomes = [(t["outcome"], t["reason"]) for t in daemon.store.tickets(job_id=job)]
+                assert outcomes == [("done", None), ("faulted", "npu_run_failed")]
+                [model] = (await c.models())["models"]
+                assert model["describe"]["backend"].startswith("host")
+                assert answered["before"] > 0 and answered["after"] > 0
             daemon.request_stop()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

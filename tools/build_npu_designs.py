@@ -7,8 +7,18 @@
 Lists the distinct (K, N, weight format) of the checkpoints' linear layers (a base, its
 draft, its DFlash drafter: give them all), plans one mlir-aie IRON `whole_array` GEMM per
 bf16 shape with the npu1 (Phoenix, Hawk Point) or npu2 (Strix, Krackan) tiling, builds each
-with the example's Makefile (IRON -> MLIR -> aiecc.py with Peano -> xclbin + insts.txt) and
-writes DIR/design.json. Other weight formats run on the host and are listed as such.
+with the example's Makefile (IRON -> MLIR -> aiecc.py with Peano -> xclbin + the binary
+instruction stream) and writes DIR/design.json.
+
+A layer wider than one pass can move (the output layer: kernels/xrt_rules.py) is planned as
+several passes of one design; layers whose padded shapes are equal share one build (one
+xclbin, one hardware context). A shape the rules refuse, or whose build fails, stays on the
+host: the tool says why, builds the others, and always writes design.json (with what did
+build, and `"on_host"` listing the rest and why). Other weight formats run on the host too.
+
+npu2 designs default to bfp16 emulation, as mlir-aie's stock npu2 build compiles the mm
+kernel (--no-bfp16-emulation for a checkout built without it); the start-up check applies
+the matching tolerance (docs/npu.md, "Exactness").
 
 Building needs what is not on the package index: the mlir-aie and llvm-aie (Peano) wheels,
 and an mlir-aie source checkout for the example (docs/npu.md says how). Without them the
@@ -29,6 +39,7 @@ from pathlib import Path
 
 from kernels.base import LinearWeight, WeightFormat
 from kernels.xrt_design import N_AIE_ROWS, SERVED_FORMATS, GemmDesign, tile_rule_errors, write_table
+from kernels.xrt_rules import split_n
 
 EXAMPLE = "programming_examples/basic/matrix_multiplication/whole_array"
 EXIT_MISSING = 3
@@ -98,7 +109,11 @@ class Tiling:
     tile_n: int = 32
     columns: int = 4
     b_col_major: bool = False  # True: B is the weight as loaded, [N, K]; whole_array then wants 32-multiples
-    bfp16_emulation: bool = False  # npu2 only: 8x8x8 bf16 MACs through bfp16 (see docs/npu.md)
+    bfp16_emulation: bool | None = None  # npu2's 8x8x8 bf16 MACs through bfp16; None: as the stock build (npu2 on)
+
+    def __post_init__(self) -> None:
+        if self.bfp16_emulation is None:
+            object.__setattr__(self, "bfp16_emulation", self.device == "npu2")
 
     @property
     def tile_m(self) -> int:
@@ -106,17 +121,19 @@ class Tiling:
 
 
 def plan(shape: Shape, tiling: Tiling, out_dir: Path) -> GemmDesign:
-    """The design for `shape` under `tiling` (K and N padded up to the tiles); raises ValueError
-    with the broken rules when the tiling cannot build it."""
+    """The design for `shape` under `tiling` (K and N padded up to the tiles, N split into
+    passes where one pass cannot move it); raises ValueError with the broken rules when the
+    tiling cannot build it. Shapes with the same padded shape get the same files."""
     t = tiling
     ck = -(-shape.K // t.tile_k) * t.tile_k
-    cn = -(-shape.N // (t.tile_n * t.columns)) * (t.tile_n * t.columns)
-    stem = f"gemm_{shape.K}x{shape.N}"
+    split = split_n(shape.N, t.rows, ck, t.tile_m, t.tile_k, t.tile_n, t.columns, t.b_col_major)
+    passes, cn = split if split is not None else (1, -(-shape.N // (t.tile_n * t.columns)) * (t.tile_n * t.columns))
+    stem = f"{t.rows}x{ck}x{cn}"
     design = GemmDesign(K=shape.K, N=shape.N, weight_format=shape.weight_format,
-                        xclbin=out_dir / f"{stem}.xclbin", insts=out_dir / f"insts_{shape.K}x{shape.N}.txt",
+                        xclbin=out_dir / f"gemm_{stem}.xclbin", insts=out_dir / f"insts_{stem}.bin",
                         kernel="MLIR_AIE", M=t.rows, compiled_K=ck, compiled_N=cn, tile_m=t.tile_m,
                         tile_k=t.tile_k, tile_n=t.tile_n, columns=t.columns, dtype_in="bf16", dtype_out="f32",
-                        b_col_major=t.b_col_major, bfp16_emulation=t.bfp16_emulation)
+                        b_col_major=t.b_col_major, bfp16_emulation=t.bfp16_emulation, n_passes=passes)
     errors = tile_rule_errors(t.device, design)
     if errors:
         raise ValueError(f"K={shape.K} N={shape.N}: " + "; ".join(errors))
@@ -142,49 +159,62 @@ def missing_toolchain(mlir_aie_src: str | None) -> list[str]:
 
 
 def build_with_iron(design: GemmDesign, tiling: Tiling, mlir_aie_src: Path, work: Path) -> None:
-    """Build one design with the whole_array example's Makefile; copies its xclbin and insts.txt
-    to the design's paths. Raises subprocess.CalledProcessError when the build fails."""
-    stem = f"npud_{design.K}x{design.N}"
+    """Build one design with the whole_array example's Makefile; copies its xclbin and its
+    instruction stream (binary, as aiecc writes it whatever the name) to the design's paths.
+    Raises subprocess.CalledProcessError when the build fails."""
+    stem = f"npud_{design.M}x{design.compiled_K}x{design.compiled_N}"
     variables = {
         "M": design.M, "K": design.compiled_K, "N": design.compiled_N, "m": design.tile_m, "k": design.tile_k,
         "n": design.tile_n, "n_aie_cols": design.columns, "b_col_maj": int(design.b_col_major),
         "dtype_in": "bf16", "dtype_out": "f32", "devicename": "npu2" if tiling.device == "npu2" else "npu",
-        "xclbin_target": f"build/{stem}.xclbin", "insts_target": f"build/{stem}_insts.txt",
+        "xclbin_target": f"build/{stem}.xclbin", "insts_target": f"build/{stem}_insts.bin",
     }
     if tiling.device == "npu2":
         variables["NPU2"] = 1
     # bfp16 emulation is a compile flag of the mm micro-kernel (AIE_API_EMULATE_BFLOAT16_MMUL_WITH_BFP16)
-    # set by mlir-aie's own npu2 build flags, not by this tool: --bfp16-emulation declares what the
-    # checkout does, so the table carries the 8x8x8 micro-tile rule; the start-up check measures it
+    # set by mlir-aie's own npu2 build flags, not by this tool: the tiling declares what the checkout
+    # does (on for npu2 unless --no-bfp16-emulation), so the table carries the 8x8x8 micro-tile rule
+    # and the start-up check the bfp16 tolerance
     src = Path(mlir_aie_src) / EXAMPLE
     work.mkdir(parents=True, exist_ok=True)
     cmd = ["make", "-C", str(src), f"build/{stem}.xclbin", *(f"{k}={v}" for k, v in variables.items())]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     shutil.copyfile(src / "build" / f"{stem}.xclbin", design.xclbin)
-    shutil.copyfile(src / "build" / f"{stem}_insts.txt", design.insts)
+    shutil.copyfile(src / "build" / f"{stem}_insts.bin", design.insts)
 
 
 def build_table(shapes: list[Shape], tiling: Tiling, out_dir: Path,
                 build: Callable[[GemmDesign], None]) -> tuple[Path, list[str]]:
-    """Plan and build a design for every served shape, then write out_dir/design.json.
+    """Plan and build a design for every served shape it can, then write out_dir/design.json.
 
-    Returns (the table's path, one line per shape left to the host and why). Raises
-    ValueError when a shape cannot be tiled, and whatever `build` raises."""
+    Returns (the table's path, one line per shape left to the host and why). A shape the
+    rules refuse or whose build raises is one of those; the table is written whatever
+    built (designs may be empty), so npud always learns where each shape runs."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    designs, on_host = [], []
+    designs, on_host, built = [], [], {}
     for shape in shapes:
+        where = f"K={shape.K} N={shape.N} {shape.weight_format}"
         if shape.weight_format not in SERVED_FORMATS:
-            on_host.append(f"K={shape.K} N={shape.N} {shape.weight_format}: runs on the host "
-                           f"(the NPU designs take {list(SERVED_FORMATS)})")
+            on_host.append(f"{where}: runs on the host (the NPU designs take {list(SERVED_FORMATS)})")
             continue
-        design = plan(shape, tiling, out_dir)
-        build(design)
+        try:
+            design = plan(shape, tiling, out_dir)
+        except ValueError as exc:
+            on_host.append(f"{where}: the toolchain would refuse it ({exc})")
+            continue
+        if design.xclbin not in built:  # shapes with one padded shape share one build
+            try:
+                build(design)
+                built[design.xclbin] = None
+            except Exception as exc:  # a failed make, a missing output: this shape only
+                built[design.xclbin] = f"{type(exc).__name__}: {exc}"
+        if built[design.xclbin] is not None:
+            on_host.append(f"{where}: the build failed ({built[design.xclbin]})")
+            continue
         designs.append(design)
-    if not designs:
-        raise ValueError("no shape the NPU designs serve: use --weight-format bf16")
     path = out_dir / "design.json"
-    write_table(path, tiling.device, designs)
+    write_table(path, tiling.device, designs, on_host=on_host)
     return path, on_host
 
 
@@ -201,8 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tile-n", type=int, default=32)
     p.add_argument("--columns", type=int, default=4)
     p.add_argument("--b-col-major", action="store_true", help="B as the weight is stored, [N, K]")
-    p.add_argument("--bfp16-emulation", action="store_true",
-                   help="npu2: the checkout's mm kernel emulates bf16 MACs with bfp16 (8x8x8 micro-tiles)")
+    p.add_argument("--bfp16-emulation", action=argparse.BooleanOptionalAction, default=None,
+                   help="npu2: the checkout's mm kernel emulates bf16 MACs with bfp16 (8x8x8 micro-tiles); "
+                        "default: on for npu2, as mlir-aie's stock npu2 build")
     p.add_argument("--mlir-aie-src", default=os.environ.get("MLIR_AIE_SRC"))
     args = p.parse_args(argv)
     shapes = gemm_shapes(args.checkpoints, args.weight_format, args.dflash)
@@ -214,9 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--device and --out are needed to build (or --list)")
     tiling = Tiling(args.device, args.rows, args.tile_k, args.tile_n, args.columns, args.b_col_major,
                     args.bfp16_emulation)
-    for shape in shapes:  # every plan first: a bad tiling fails before an hour of compiling
+    for shape in shapes:  # every plan first: what stays on the host is said before an hour of compiling
         if shape.weight_format in SERVED_FORMATS:
-            plan(shape, tiling, args.out)
+            try:
+                plan(shape, tiling, args.out)
+            except ValueError as exc:
+                print(f"stays on the host: {exc}", file=sys.stderr)
     missing = missing_toolchain(args.mlir_aie_src)
     if missing:
         print("cannot build the NPU designs here; missing:", file=sys.stderr)

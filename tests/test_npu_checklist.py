@@ -1,0 +1,82 @@
+"""tools/npu_checklist.py on a simulated machine: a fake accel node and sysfs, the pyxrt
+SIMULATOR in the NPU worker. The verdicts about the device are the simulator's, not an NPU's;
+what is tested is that each step runs and says PASS, FAIL, SKIP or INFO with what it saw."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import resource
+from pathlib import Path
+
+import pytest
+
+import fake_pyxrt
+from kernels import xrt
+
+
+def _tool():
+    path = Path(__file__).resolve().parent.parent / "tools" / "npu_checklist.py"
+    spec = importlib.util.spec_from_file_location("npu_checklist", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def machine(tmp_path, monkeypatch):
+    fake_pyxrt.install(monkeypatch)
+    monkeypatch.setattr(xrt, "probe", lambda accel_dir="/dev/accel": (True, "simulated accel0"))
+    control = tmp_path / "control.json"
+    monkeypatch.setenv("FAKE_PYXRT_CONTROL", str(control))
+    (tmp_path / "accel").mkdir()
+    (tmp_path / "accel" / "accel0").touch()
+    device = tmp_path / "sysfs" / "accel0" / "device"
+    device.mkdir(parents=True)
+    (tmp_path / "drivers" / "amdxdna").mkdir(parents=True)
+    (device / "driver").symlink_to(tmp_path / "drivers" / "amdxdna")
+    (device / "fw_version").write_text("1.5.2.380\n")
+    (device / "device").write_text("0x17f0\n")
+    (device / "revision").write_text("0x10\n")
+    table = fake_pyxrt.write_design_table(tmp_path / "designs", [(64, 64), (64, 1100)])
+    return tmp_path, table, control
+
+
+def test_every_step_says_its_verdict(machine, capsys):
+    tmp_path, table, control = machine
+    control.write_text(json.dumps({"mode": "timeout", "after": 1000, "times": 0}))  # armed later, by hand
+    rc = _tool().main(["--design", str(table), "--accel-dir", str(tmp_path / "accel"),
+                       "--sysfs-dir", str(tmp_path / "sysfs"), "--timeout-ms", "2000"])
+    lines = capsys.readouterr().out.splitlines()
+    verdicts = {line.split("] ", 1)[1].split(":", 1)[0]: line[1:5].strip() for line in lines if line.startswith("[")}
+    for step in ("device node", "driver", "firmware", "access", "pyxrt", "design table", "generation",
+                 "instructions 64x64", "instructions 64x1100", "NPU worker", "start-up check 64x64",
+                 "start-up check 64x1100", "ninstr in words", "hardware contexts"):
+        assert verdicts[step] == "PASS", (step, lines)
+    assert verdicts["accumulator rounding"] == verdicts["worker cost"] == "INFO"
+    assert verdicts["a run that outlives its wait"] in ("PASS", "SKIP")
+    unlimited = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0] == resource.RLIM_INFINITY
+    assert verdicts["memlock"] == ("PASS" if unlimited else "FAIL")
+    assert rc == (0 if unlimited else 1)
+    assert any("bit-identical to the host's in-order sum: True" in line for line in lines)
+
+
+def test_a_table_for_the_other_generation_fails_its_step(machine, capsys):
+    tmp_path, table, _ = machine
+    (tmp_path / "sysfs" / "accel0" / "device" / "device").write_text("0x1502\n")  # a Phoenix
+    _tool().main(["--design", str(table), "--accel-dir", str(tmp_path / "accel"),
+                  "--sysfs-dir", str(tmp_path / "sysfs")])
+    out = capsys.readouterr().out
+    assert "[FAIL] generation: PCI 0x1502 rev 0x10: npu1 (hw contexts: 6); the design table is for npu2" in out
+
+
+def test_a_run_that_outlives_its_wait_is_kept_until_it_ends(machine, capsys):
+    from kernels.select import default_backend
+
+    tmp_path, table, control = machine
+    control.write_text(json.dumps({"mode": "timeout"}))
+    tool = _tool()
+    checklist = tool.Checklist()
+    tool.check_outlived_wait(checklist, table, default_backend())
+    [(verdict, step, detail)] = checklist.results
+    assert (verdict, step) == ("PASS", "a run that outlives its wait") and "ERT_CMD_STATE_TIMEOUT" in detail

@@ -1,0 +1,114 @@
+"""The NPU device session on the pyxrt SIMULATOR (tests/fake_pyxrt.py), inline: passes over a
+layer wider than one design, the hardware-context plan, the tolerance policy of each device
+generation. Evidence about npud's bookkeeping, not about an NPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import structlog
+
+import fake_pyxrt
+from kernels import xrt
+from kernels.select import default_backend
+from kernels.xrt_check import bf16_round, tolerance
+from test_xrt import bf16_weight, bits, load
+
+
+@pytest.fixture
+def sim(monkeypatch):
+    state = fake_pyxrt.install(monkeypatch)
+    yield state
+    assert state.violations == []
+
+
+@pytest.fixture(scope="module")
+def host():
+    return default_backend()
+
+
+def test_a_layer_wider_than_one_pass_runs_as_passes_bit_for_bit_the_host_s(tmp_path, sim, host):
+    # tile_n 8 on one column: a pass moves at most 64 x 8 = 512 columns; 1100 takes 3 of 368
+    table = fake_pyxrt.write_design_table(tmp_path, [(64, 1100)])
+    backend = load(table, host)
+    design = backend.table.designs[(64, 1100, "bf16")]
+    assert (design.n_passes, design.compiled_N) == (3, 368)
+    w = backend.prepare_linear(bf16_weight(1100, 64))
+    assert backend.placement[(64, 1100, "bf16")] == "npu"
+    x = np.random.default_rng(4).standard_normal((33, 64)).astype(np.float32)
+    sim.calls.clear()
+    got = backend.linear(x, w)
+    assert np.array_equal(bits(got), bits(host.linear(bf16_round(x), w)))
+    assert [c for c in sim.calls if c[0] == "run"] == [("run", 6)] * 6  # 2 chunks of M rows x 3 passes
+
+
+def test_contexts_stay_within_the_budget_least_recently_used_closed_first(tmp_path, sim, host):
+    shapes = [(64, 8 * (i + 1)) for i in range(8)]  # 8 designs, 8 xclbins
+    table = fake_pyxrt.write_design_table(tmp_path, shapes, device="npu1", M=16, tile=(4, 8, 4))
+    backend = load(table, host)  # npu1: 6 contexts, the simulator's limit too
+    weights = [backend.prepare_linear(bf16_weight(n, k, seed=n)) for k, n in shapes]
+    assert set(backend.placement.values()) == {"npu"}
+    x = np.random.default_rng(5).standard_normal((3, 64)).astype(np.float32)
+    for w in weights + weights[::-1]:
+        assert np.array_equal(bits(backend.linear(x, w)), bits(host.linear(bf16_round(x), w)))
+    assert sim.contexts_live == 6 and sim.contexts_made > 8  # reopened as they were used
+    plan = backend.device.plan
+    assert list(plan.open) == [str(tmp_path / f"gemm_64x{n}.xclbin") for _, n in shapes[:6][::-1]]
+
+
+def test_without_the_plan_the_seventh_context_is_refused(tmp_path, sim, host):
+    # the old way, one context per shape and never closed: the driver refuses the seventh on npu1
+    shapes = [(64, 8 * (i + 1)) for i in range(7)]
+    table = fake_pyxrt.write_design_table(tmp_path, shapes, device="npu1", M=16, tile=(4, 8, 4))
+    backend = load(table, host, context_budget=16)
+    for k, n in shapes:
+        backend.prepare_linear(bf16_weight(n, k))
+    assert "hardware contexts of the device are taken" in backend.placement[(64, 56, "bf16")]
+
+
+def test_shapes_of_one_xclbin_share_its_context(tmp_path, sim, host):
+    shapes = [(64, 60), (64, 64), (60, 64), (64, 8)]  # three pad to 64 x 64 with tile 8 on one column
+    table = fake_pyxrt.write_design_table(tmp_path, shapes, shared_xclbins=True)
+    backend = load(table, host)
+    for k, n in shapes:
+        backend.prepare_linear(bf16_weight(n, k))
+    assert set(backend.placement.values()) == {"npu"} and sim.contexts_made == 2
+
+
+@pytest.mark.parametrize("declared, placed", [(False, "failed the start-up check"), (True, "npu")])
+def test_npu2_s_bfp16_build_needs_its_own_tolerance(tmp_path, sim, host, declared, placed):
+    # a stock npu2 build quantises in bfp16 blocks; checked with the exact-bf16 bound it fails
+    table = fake_pyxrt.write_design_table(tmp_path, [(64, 64)], bfp16_emulation=declared, xclbin_bfp16=True)
+    backend = load(table, host)
+    with structlog.testing.capture_logs() as logs:
+        backend.prepare_linear(bf16_weight(64, 64))
+    assert backend.placement[(64, 64, "bf16")].startswith(placed)
+    if declared:
+        [passed] = [e for e in logs if e["event"] == "kernel_self_check_passed"]
+        assert passed["tolerance"] == "bfp16-blocks"
+        assert backend.describe_tolerance() == {"64x64 bf16": "bfp16-blocks"}
+    else:
+        assert "bf16-exact-products tolerance" in backend.placement[(64, 64, "bf16")]
+
+
+def test_the_bfp16_bound_covers_block_quantisation_and_no_more():
+    rng = np.random.default_rng(6)
+    a = bf16_round(rng.standard_normal((4, 64)).astype(np.float32))
+    w = bf16_round(rng.standard_normal((8, 64)).astype(np.float32))
+    qa, qw = fake_pyxrt._bfp16(a, axis=1), fake_pyxrt._bfp16(w, axis=1)
+    diff = np.abs(qa.astype(np.float64) @ qw.astype(np.float64).T - a.astype(np.float64) @ w.astype(np.float64).T)
+    assert np.all(diff <= tolerance(a, w, "bfp16-blocks"))
+    assert np.any(diff > tolerance(a, w, "bf16-exact-products"))
+    with pytest.raises(ValueError, match="unknown tolerance policy"):
+        tolerance(a, w, "none")
+
+
+def test_a_timed_out_run_s_context_is_never_reused_by_other_shapes_of_its_xclbin(tmp_path, sim, host):
+    table = fake_pyxrt.write_design_table(tmp_path, [(64, 60), (64, 64)], shared_xclbins=True)
+    backend = load(table, host, timeout_ms=100)
+    a, b = (backend.prepare_linear(bf16_weight(n, 64, seed=n)) for n in (60, 64))
+    sim.inject("timeout")
+    with pytest.raises(xrt.NpuRunError, match="ERT_CMD_STATE_TIMEOUT"):
+        backend.linear(np.ones((1, 64), np.float32), a)
+    with pytest.raises(xrt.NpuRunError, match="its context was retired"):
+        backend.linear(np.ones((1, 64), np.float32), b)

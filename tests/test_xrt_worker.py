@@ -1,0 +1,123 @@
+"""The NPU worker process (kernels/xrt_worker.py) on the pyxrt SIMULATOR: the same results as
+inline; an abort, a segfault or a hang in the driver stack faults the run and leaves this
+process alive; the worker's GIL-holding waits do not stall this process. Failures are armed
+through the simulator's control file (FAKE_PYXRT_CONTROL), read by the worker."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import fake_pyxrt
+from kernels import xrt, xrt_worker
+from kernels.base import DeviceFault
+from kernels.select import default_backend
+from kernels.xrt_check import bf16_round
+from test_xrt import bf16_weight, bits
+
+
+@pytest.fixture
+def control(tmp_path, monkeypatch):
+    fake_pyxrt.install(monkeypatch)
+    path = tmp_path / "control.json"
+    monkeypatch.setenv("FAKE_PYXRT_CONTROL", str(path))
+    monkeypatch.setattr(xrt_worker, "REPLY_GRACE_S", 1.0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def host():
+    return default_backend()
+
+
+def test_the_worker_serves_the_same_bits_as_inline(tmp_path, control, host):
+    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 100)]), host)
+    try:
+        assert backend.isolation == "process" and backend.name == "xrt-simulator"
+        w = backend.prepare_linear(bf16_weight(100, 64))
+        x = np.random.default_rng(8).standard_normal((40, 64)).astype(np.float32)
+        assert np.array_equal(bits(backend.linear(x, w)), bits(host.linear(bf16_round(x), w)))
+    finally:
+        backend.close()
+    assert backend.device.proc.returncode == 0
+
+
+@pytest.mark.parametrize("mode, state, said", [("crash", "worker_died", "killed by SIGABRT"),
+                                               ("segfault", "worker_died", "killed by SIGSEGV"),
+                                               ("hang", "worker_hung", "hung in run and was killed")])
+def test_a_worker_that_aborts_segfaults_or_hangs_faults_the_run_not_this_process(tmp_path, control, host, mode,
+                                                                                 state, said):
+    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host, timeout_ms=200)
+    w = backend.prepare_linear(bf16_weight(64, 64))
+    control.write_text(json.dumps({"mode": mode}))
+    with pytest.raises(xrt.NpuRunError, match=said) as info:
+        backend.linear(np.ones((2, 64), np.float32), w)
+    assert isinstance(info.value, DeviceFault) and info.value.state == state
+    assert backend.device.proc.poll() is not None  # the worker is gone, killed if it hung
+    with pytest.raises(xrt.NpuRunError, match="the NPU worker is gone") as again:
+        backend.linear(np.ones((2, 64), np.float32), w)  # at once, without a worker to ask
+    assert again.value.state == "worker_lost"
+    backend.close()
+
+
+def test_a_timed_out_run_in_the_worker_is_kept_and_the_worker_exits_without_destroying_it(tmp_path, control, host):
+    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host, timeout_ms=200)
+    w = backend.prepare_linear(bf16_weight(64, 64))
+    control.write_text(json.dumps({"mode": "timeout"}))
+    with pytest.raises(xrt.NpuRunError, match="ERT_CMD_STATE_TIMEOUT"):
+        backend.linear(np.ones((2, 64), np.float32), w)
+    backend.close()  # a destroyed in-flight run would abort the worker (the simulator aborts as XRT does)
+    assert backend.device.proc.returncode == 0
+
+
+def _counted_wait(backend, w, folder):
+    """Run one pass whose wait keeps the GIL of the process it runs in, while a thread of this
+    process counts in `folder/counter` (shared memory); returns the wait's outcome: "released"
+    when the count moved during the wait, "held" when it could not."""
+    import mmap
+
+    (folder / "counter").write_bytes(bytes(8))
+    stop = threading.Event()
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)  # no thread here asks the spinning one to let go: only a blocking call would
+
+    def count():
+        with open(folder / "counter", "r+b") as f:
+            shared = mmap.mmap(f.fileno(), 8)
+        n = 0
+        while not stop.is_set():
+            n += 1
+            shared[:8] = n.to_bytes(8, "little")
+            time.sleep(0.001)
+        shared.close()
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        backend.linear(np.ones((1, 64), np.float32), w)
+    finally:
+        stop.set()
+        counter.join()
+        sys.setswitchinterval(before)
+    return (folder / "outcome").read_text()
+
+
+@pytest.mark.parametrize("isolation, outcome", [("process", "released"), ("inline", "held")])
+def test_a_wait_that_keeps_the_gil_stalls_this_process_only_inline(tmp_path, control, host, isolation, outcome):
+    folder = tmp_path / "handshake"
+    folder.mkdir()
+    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host, isolation=isolation,
+                               timeout_ms=5000)
+    w = backend.prepare_linear(bf16_weight(64, 64))
+    spec = {"mode": "gil", "hold_s": 1.0, "handshake": str(folder)}
+    if isolation == "inline":
+        fake_pyxrt.SIM.configure(spec)
+    else:
+        control.write_text(json.dumps(spec))
+    assert _counted_wait(backend, w, folder) == outcome
+    backend.close()
