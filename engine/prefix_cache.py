@@ -37,7 +37,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +45,8 @@ import numpy as np
 import structlog
 
 from engine import prefix_store as store
+from engine.forward import drive
+from engine.packed import Pass
 from engine.prefix_match import (
     CachedPrefill,
     MatchSource,
@@ -197,11 +199,19 @@ class PrefixCache:
         self, forward, prompt: Sequence[int], *, rest: bool = True, restore: bool = True, defer_insert: bool = False,
         scope: str | None = None,
     ) -> CachedPrefill:
+        """prefill_passes with the passes run on `forward` alone (see there)."""
+        return drive(forward, self.prefill_passes(forward, prompt, rest=rest, restore=restore,
+                                                  defer_insert=defer_insert, scope=scope))
+
+    def prefill_passes(
+        self, forward, prompt: Sequence[int], *, rest: bool = True, restore: bool = True, defer_insert: bool = False,
+        scope: str | None = None,
+    ) -> Generator[Pass, np.ndarray, CachedPrefill]:
         """The caller protocol: restore the longest cached prefix of `prompt` into `forward`,
         prefill to the last block boundary, offer that state to the cache, prefill the rest.
 
-        `forward` is a fresh engine.forward.Forward (anything with `state`, `positions_held`
-        and `prefill(tokens) -> logits`). With `rest=False` the prompt's last token is left
+        `forward` is a fresh engine.forward.Forward; its prefill chunks are yielded as passes
+        (engine.packed.Pass) for a driver to run (engine/batch.py), which sends their logits back. With `rest=False` the prompt's last token is left
         to the caller's decode loop, which also runs whatever follows the boundary (the
         session does this). With `restore=False` nothing is looked up, but the state is still
         offered. With `defer_insert`, an insert at the very end of the prompt is returned as
@@ -222,13 +232,13 @@ class PrefixCache:
         boundary = self.insert_boundary(end)
         logits, insert = None, None
         if forward.positions_held < boundary:
-            logits = forward.prefill(prompt[forward.positions_held : boundary])
+            logits = (yield from forward.prefill_passes(prompt[forward.positions_held : boundary]))[0]
             if defer_insert and boundary == len(prompt):
                 insert = lambda: self.insert(prompt, forward.state.snapshot(), scope)  # noqa: E731
             else:
                 self.insert(prompt[:boundary], forward.state.snapshot(), scope)
         if rest and forward.positions_held < end:
-            logits = forward.prefill(prompt[forward.positions_held : end])
+            logits = (yield from forward.prefill_passes(prompt[forward.positions_held : end]))[0]
         return CachedPrefill(match, logits, insert)
 
     def insert(self, tokens: Sequence[int], snapshot: StateSnapshot, scope: str | None = None) -> str | None:
