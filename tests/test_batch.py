@@ -320,7 +320,7 @@ def test_a_packed_pass_hands_each_sequence_its_own_rows(spec_model):
         for f, p in zip(fs, prompts):
             f.prefill(p)
         taps = _Taps()
-        fs[2].set_layer_taps([1, 3], taps)  # the last: its rows lie after the others'""
+        fs[2].set_layer_taps([1, 3], taps)  # the last: its rows lie after the others'
         return fs, taps
 
     alone, alone_taps = setup()
