@@ -2,7 +2,7 @@
 and sessions that generate one request a round at a time.
 
 `LoadedModel` and `ModelSession` implement engine.api's `ServedModel` and `Session`; the
-daemon sees only those protocols (and gets a model from engine.api.load_model). It never
+daemon sees only those protocols (and gets a model from engine.loader.load_model). It never
 touches a tensor: it calls `start(request)` and then `run_round()` from its device-owner
 thread until `done`, checking for cancellation and preemption between rounds. A session
 keeps its own state, so a preempted batch job resumes exactly where it stopped.
@@ -413,7 +413,7 @@ class ModelSession:
 
 
 def describe_checkpoint(path) -> dict:
-    """engine.api.describe_checkpoint: a .gguf file's header, or a checkpoint directory's
+    """engine.loader.describe_checkpoint: a .gguf file's header, or a checkpoint directory's
     config, tokenizer and weight headers, checked and described."""
     if Path(path).is_dir():
         return _describe_directory(Path(path))
