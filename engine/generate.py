@@ -9,11 +9,14 @@ task) can run one round at a time and check for cancellation in between.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
+
+import numpy as np
 
 from engine.api import FinishReason, GenerationParams, TokenEvent
+from engine.packed import Pass, Rows
 from engine.sampling import Sampler
-from engine.speculative import DecodeStats, plain_decode, speculative_decode
+from engine.speculative import DecodeStats, plain_loop, speculative_loop
 
 
 class Generation:
@@ -61,10 +64,26 @@ class Generation:
         self._cancelled = True
 
     def rounds(self) -> Iterator[list[TokenEvent]]:
-        """Prefill (first round), then one decode round per item."""
+        """Prefill (first round), then one decode round per item; the passes run on the forward
+        alone (work() is the same rounds for a driver that packs passes)."""
+        sent = None
+        work = self.work()
+        while True:
+            try:
+                item = work.send(sent)
+            except StopIteration:
+                return
+            sent = self.forward.run(item) if isinstance(item, Pass) else None
+            if not isinstance(item, Pass):
+                yield item
+
+    def work(self) -> Generator[Pass | list[TokenEvent], np.ndarray | None, None]:
+        """The rounds as a driver runs them: yields each base pass (engine.packed.Pass; send its
+        logits back) and, at the end of each round, the list of TokenEvents it released. The
+        prefill's chunks come first, then an empty round end, then the decode rounds."""
         held = self.forward.positions_held
         if held < len(self.prompt_ids) - 1:
-            self.forward.prefill(self.prompt_ids[held:-1])
+            yield from self.forward.prefill_passes(self.prompt_ids[held:-1], logits=Rows.NONE)
         if self._cancelled:
             self.finish_reason = FinishReason.CANCELLED
             return
@@ -79,10 +98,19 @@ class Generation:
             eos_ids=self._eos,
         )
         if self.head is None:
-            loop = plain_decode(self.forward, self.prompt_ids, **common)
+            loop = plain_loop(self.forward, self.prompt_ids, **common)
         else:
-            loop = speculative_decode(self.forward, self.head, self.prompt_ids, config=self.params.spec, **common)
-        for _ in loop:
+            loop = speculative_loop(self.forward, self.head, self.prompt_ids, config=self.params.spec, **common)
+        sent = None
+        while True:
+            try:
+                item = loop.send(sent)
+            except StopIteration:
+                break
+            if isinstance(item, Pass):
+                sent = yield item
+                continue
+            sent = None
             if self._cancelled and self.finish_reason is None:
                 self.finish_reason = FinishReason.CANCELLED
             if self.finish_reason is not None:

@@ -24,7 +24,7 @@ the scope used least recently (dropping that scope's entries). With a `state_dir
 is written to disk (a spill, engine/prefix_store.py) and read back on a hit; `flush()`
 writes the entries that are only in memory (call it when idle and before exit); the disk
 is bounded by `max_disk_bytes` (LRU; an entry evicted from disk is gone). Pinned entries
-are never evicted, and pins are kept in `pins.json`. At start-up the index is rebuilt from
+are never evicted, and pins are kept in `pins.json`. At start-up the index is rebuilt (engine/prefix_dir.py) from
 the directory: a truncated, corrupt or incomplete file, or one of another geometry, is
 deleted with a log line, and so are the files under another key (engine/fingerprint.py:
 the model's weights, weight format, backend or engine numerics changed), with one log line
@@ -34,17 +34,18 @@ for all of them: a snapshot is only ever restored into the numerics that compute
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Generator, Sequence
 from pathlib import Path
 
 import numpy as np
 import structlog
 
-from engine import prefix_store as store
+from engine import prefix_dir, prefix_store as store
+from engine.prefix_dir import Entry
+from engine.forward import drive
+from engine.packed import Pass
 from engine.prefix_match import (
     CachedPrefill,
     MatchSource,
@@ -56,28 +57,6 @@ from engine.prefix_match import (
 from engine.state import ModelState, PlaneKind, PlaneSnapshot, StateError, StateSnapshot
 
 log = structlog.get_logger(__name__)
-
-PINS_FILE = "pins.json"
-
-
-@dataclass(slots=True, eq=False)
-class _Entry:
-    key: str
-    tokens: np.ndarray  # int64 [num_tokens], read-only
-    hashes: tuple[bytes, ...]  # chained key of each full block
-    recurrent: bool  # serves exactly num_tokens only
-    nbytes: int  # snapshot bytes
-    snapshot: StateSnapshot | None = None  # None: on disk only
-    path: Path | None = None  # None: not written (yet)
-    file_bytes: int = 0
-    last_used: int = 0
-    pins: set[str] = field(default_factory=set)
-    scope: str | None = None  # whose entry (GenerateRequest.cache_scope); None: the shared scope
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
 
 class PrefixCache:
     """Snapshots of prompt prefixes for one model; every public method holds a lock."""
@@ -120,7 +99,7 @@ class PrefixCache:
             b"npud-prefix\0%s\0%d" % (fingerprint.encode(), block_size), digest_size=16
         ).digest()
         self._lock = threading.RLock()
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._entries: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
         self._blocks: dict[bytes, set[str]] = {}  # block key -> entries that can serve it
         self._pins: dict[str, str] = {}
         self._shares: OrderedDict[str, None] = OrderedDict()  # owner scopes holding a share, LRU first
@@ -132,7 +111,7 @@ class PrefixCache:
         self.state_dir = Path(state_dir) if state_dir is not None else None
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
-            self._rebuild()
+            prefix_dir.rebuild(self)
 
     # ------------------------------------------------------------------ lookup and insert
 
@@ -197,11 +176,19 @@ class PrefixCache:
         self, forward, prompt: Sequence[int], *, rest: bool = True, restore: bool = True, defer_insert: bool = False,
         scope: str | None = None,
     ) -> CachedPrefill:
+        """prefill_passes with the passes run on `forward` alone (see there)."""
+        return drive(forward, self.prefill_passes(forward, prompt, rest=rest, restore=restore,
+                                                  defer_insert=defer_insert, scope=scope))
+
+    def prefill_passes(
+        self, forward, prompt: Sequence[int], *, rest: bool = True, restore: bool = True, defer_insert: bool = False,
+        scope: str | None = None,
+    ) -> Generator[Pass, np.ndarray, CachedPrefill]:
         """The caller protocol: restore the longest cached prefix of `prompt` into `forward`,
         prefill to the last block boundary, offer that state to the cache, prefill the rest.
 
-        `forward` is a fresh engine.forward.Forward (anything with `state`, `positions_held`
-        and `prefill(tokens) -> logits`). With `rest=False` the prompt's last token is left
+        `forward` is a fresh engine.forward.Forward; its prefill chunks are yielded as passes
+        (engine.packed.Pass) for a driver to run (engine/batch.py), which sends their logits back. With `rest=False` the prompt's last token is left
         to the caller's decode loop, which also runs whatever follows the boundary (the
         session does this). With `restore=False` nothing is looked up, but the state is still
         offered. With `defer_insert`, an insert at the very end of the prompt is returned as
@@ -222,13 +209,13 @@ class PrefixCache:
         boundary = self.insert_boundary(end)
         logits, insert = None, None
         if forward.positions_held < boundary:
-            logits = forward.prefill(prompt[forward.positions_held : boundary])
+            logits = (yield from forward.prefill_passes(prompt[forward.positions_held : boundary]))[0]
             if defer_insert and boundary == len(prompt):
                 insert = lambda: self.insert(prompt, forward.state.snapshot(), scope)  # noqa: E731
             else:
                 self.insert(prompt[:boundary], forward.state.snapshot(), scope)
         if rest and forward.positions_held < end:
-            logits = forward.prefill(prompt[forward.positions_held : end])
+            logits = (yield from forward.prefill_passes(prompt[forward.positions_held : end]))[0]
         return CachedPrefill(match, logits, insert)
 
     def insert(self, tokens: Sequence[int], snapshot: StateSnapshot, scope: str | None = None) -> str | None:
@@ -270,7 +257,7 @@ class PrefixCache:
             if boundary != snapshot.positions:
                 snapshot = _owned(snapshot.prefix(boundary))
             _freeze(snapshot)
-            entry = _Entry(key, tokens, tuple(hashes), recurrent, snapshot.nbytes, snapshot, scope=scope)
+            entry = Entry(key, tokens, tuple(hashes), recurrent, snapshot.nbytes, snapshot, scope=scope)
             self._take_share(scope)
             self._add(entry)
             if not recurrent:
@@ -292,18 +279,18 @@ class PrefixCache:
             if entry is None:
                 raise PrefixCacheError(f"no cached entry {key!r}")
             if self.state_dir is not None and entry.path is None and entry.snapshot is not None:
-                self._write(entry)
+                prefix_dir.write(self, entry)
             self._unpin(name)
             self._pins[name] = key
             entry.pins.add(name)
-            self._save_pins()
+            prefix_dir.save_pins(self)
 
     def unpin(self, name: str) -> bool:
         """Remove pin `name`; returns whether it existed. The entry becomes evictable."""
         with self._lock:
             existed = self._unpin(name)
             if existed:
-                self._save_pins()
+                prefix_dir.save_pins(self)
                 self._enforce_budgets()
             return existed
 
@@ -320,7 +307,7 @@ class PrefixCache:
             had_pins = bool(entry.pins)
             self._remove(entry)
             if had_pins:
-                self._save_pins()
+                prefix_dir.save_pins(self)
             return True
 
     # ------------------------------------------------------------------ disk
@@ -332,7 +319,7 @@ class PrefixCache:
         with self._lock:
             written = 0
             for entry in list(self._entries.values()):
-                if entry.path is None and entry.snapshot is not None and self._write(entry):
+                if entry.path is None and entry.snapshot is not None and prefix_dir.write(self, entry):
                     written += 1
             self._enforce_budgets()
             return written
@@ -361,12 +348,12 @@ class PrefixCache:
             out.append(parent)
         return out
 
-    def _touch(self, entry: _Entry) -> None:
+    def _touch(self, entry: Entry) -> None:
         self._tick += 1
         entry.last_used = self._tick
         self._entries.move_to_end(entry.key)
 
-    def _add(self, entry: _Entry) -> None:
+    def _add(self, entry: Entry) -> None:
         self._entries[entry.key] = entry
         self._touch(entry)
         for h in entry.hashes[-1:] if entry.recurrent else entry.hashes:
@@ -375,7 +362,7 @@ class PrefixCache:
             self._bytes_held += entry.nbytes
         self._disk_bytes += entry.file_bytes
 
-    def _remove(self, entry: _Entry) -> None:
+    def _remove(self, entry: Entry) -> None:
         del self._entries[entry.key]
         for h in entry.hashes:
             keys = self._blocks.get(h)
@@ -387,9 +374,9 @@ class PrefixCache:
             self._pins.pop(name, None)
         entry.pins.clear()
         self._release(entry)
-        self._delete_file(entry)
+        prefix_dir.delete_file(self, entry)
 
-    def _release(self, entry: _Entry) -> None:
+    def _release(self, entry: Entry) -> None:
         if entry.snapshot is not None:
             entry.snapshot = None
             self._bytes_held -= entry.nbytes
@@ -401,7 +388,7 @@ class PrefixCache:
         self._entries[key].pins.discard(name)
         return True
 
-    def _drop_superseded(self, entry: _Entry) -> None:
+    def _drop_superseded(self, entry: Entry) -> None:
         # a shorter unpinned KV-only entry on this entry's path serves nothing this one can't
         for depth_blocks, h in enumerate(entry.hashes[:-1], start=1):
             for key in list(self._blocks.get(h, ())):
@@ -433,14 +420,14 @@ class PrefixCache:
         if not self.max_scopes:
             self._enforce(list(self._entries.values()), self.max_bytes, self.max_disk_bytes)
             return
-        groups: dict[str | None, list[_Entry]] = {}
+        groups: dict[str | None, list[Entry]] = {}
         for entry in self._entries.values():  # least recently used first
             groups.setdefault(entry.scope, []).append(entry)
         shares = self.max_scopes + 1
         for entries in groups.values():
             self._enforce(entries, self.max_bytes // shares, self.max_disk_bytes // shares)
 
-    def _enforce(self, entries: list[_Entry], max_bytes: int, max_disk_bytes: int) -> None:
+    def _enforce(self, entries: list[Entry], max_bytes: int, max_disk_bytes: int) -> None:
         # least recently used first; the entry just used or inserted is the newest
         held = sum(e.nbytes for e in entries if e.snapshot is not None)
         for entry in entries:
@@ -449,7 +436,7 @@ class PrefixCache:
             if entry.snapshot is None or entry.pins:
                 continue
             held -= entry.nbytes
-            if self.state_dir is not None and (entry.path is not None or self._write(entry)):
+            if self.state_dir is not None and (entry.path is not None or prefix_dir.write(self, entry)):
                 self._release(entry)
                 self._counts["spills"] += 1
             else:
@@ -465,7 +452,7 @@ class PrefixCache:
                 self._remove(entry)
                 self._counts["evictions"] += 1
 
-    def _snapshot_of(self, entry: _Entry) -> StateSnapshot | None:
+    def _snapshot_of(self, entry: Entry) -> StateSnapshot | None:
         """The entry's snapshot, read from disk when needed; None (entry dropped) if its file is bad."""
         self._touch(entry)
         if entry.snapshot is not None:
@@ -479,104 +466,12 @@ class PrefixCache:
             pinned = bool(entry.pins)
             self._remove(entry)
             if pinned:
-                self._save_pins()
+                prefix_dir.save_pins(self)
             return None
         _freeze(snap)
         entry.snapshot = snap
         self._bytes_held += entry.nbytes
         return snap
-
-    def _write(self, entry: _Entry) -> bool:
-        """Write the entry's file; False (logged) when the disk refuses."""
-        path = self.state_dir / f"{entry.key}{store.SUFFIX}"
-        try:
-            size = store.write_entry(path, entry.snapshot, fingerprint=self.fingerprint,
-                                     block_size=self.block_size, key=entry.key, tokens=entry.tokens.tolist(),
-                                     scope=entry.scope)
-        except OSError as exc:
-            log.warning("prefix_cache_write_failed", path=str(path), error=str(exc))
-            return False
-        entry.path, entry.file_bytes = path, size
-        self._disk_bytes += size
-        return True
-
-    def _delete_file(self, entry: _Entry) -> None:
-        if entry.path is not None:
-            store.unlink(entry.path)
-            self._disk_bytes -= entry.file_bytes
-            entry.path, entry.file_bytes = None, 0
-
-    def _rebuild(self) -> None:
-        """Index the files of this model in the state dir; drop the bad ones."""
-        for tmp in self.state_dir.glob("*.tmp"):
-            store.unlink(tmp)  # an interrupted write
-        found, stale = [], []
-        for path in self.state_dir.glob(f"*{store.SUFFIX}"):
-            try:
-                entry = self._index_file(path)
-            except store.OtherModel:
-                stale.append(path)
-                continue
-            except (store.BadFile, OSError) as exc:
-                log.warning("prefix_cache_file_dropped", path=str(path), reason=str(exc))
-                self._counts["files_dropped"] += 1
-                store.unlink(path)
-                continue
-            found.append((path.stat().st_mtime_ns, entry))
-        if stale:
-            # snapshots of other numerics (weights, format, backend, kernels): never restored
-            for path in stale:
-                store.unlink(path)
-            self._counts["files_dropped"] += len(stale)
-            log.warning("prefix_cache_stale_dropped", files=len(stale), directory=str(self.state_dir),
-                        reason="their key is not this model's: its weights, weight format, backend or "
-                               "engine numerics changed since they were written")
-        for _, entry in sorted(found, key=lambda f: f[0]):
-            self._take_share(entry.scope)
-            self._add(entry)
-        self._load_pins()
-        self._enforce_budgets()
-
-    def _index_file(self, path: Path) -> _Entry:
-        """An on-disk entry for a file, after every check short of reading its tensors."""
-        info = store.read_entry_info(path, fingerprint=self.fingerprint, block_size=self.block_size,
-                                     template=self._template)
-        tokens = np.asarray(info.tokens, dtype=np.int64)
-        tokens.flags.writeable = False
-        hashes = self._chain(tokens, info.scope)
-        key = hashes[-1].hex()
-        if info.key != key or path.name != f"{key}{store.SUFFIX}":
-            raise store.BadFile(f"key {info.key!r} (file {path.name}) is not the hash of its tokens, {key}")
-        recurrent = any(p.kind is PlaneKind.RECURRENT for p in self._template.planes)
-        return _Entry(key, tokens, tuple(hashes), recurrent, info.nbytes, None, path, info.size, scope=info.scope)
-
-    def _save_pins(self) -> None:
-        if self.state_dir is None:
-            return
-        try:
-            store.write_atomic(self.state_dir / PINS_FILE, [json.dumps(self._pins, sort_keys=True).encode()])
-        except OSError as exc:
-            log.warning("prefix_cache_write_failed", path=str(self.state_dir / PINS_FILE), error=str(exc))
-
-    def _load_pins(self) -> None:
-        path = self.state_dir / PINS_FILE
-        if not path.exists():
-            return
-        try:
-            pins = json.loads(path.read_text())
-            if not isinstance(pins, dict):
-                raise ValueError("not a JSON object")
-        except (OSError, ValueError) as exc:
-            log.warning("prefix_cache_pins_dropped", path=str(path), reason=str(exc))
-            return
-        for name, key in pins.items():
-            entry = self._entries.get(key) if isinstance(key, str) else None
-            if entry is None:
-                log.info("prefix_cache_pin_dropped", name=name, key=key, reason="no such entry on disk")
-                continue
-            self._pins[name] = key
-            entry.pins.add(name)
-
 
 # ---------------------------------------------------------------------- helpers
 

@@ -2,7 +2,7 @@
 and sessions that generate one request a round at a time.
 
 `LoadedModel` and `ModelSession` implement engine.api's `ServedModel` and `Session`; the
-daemon sees only those protocols (and gets a model from engine.api.load_model). It never
+daemon sees only those protocols (and gets a model from engine.loader.load_model). It never
 touches a tensor: it calls `start(request)` and then `run_round()` from its device-owner
 thread until `done`, checking for cancellation and preemption between rounds. A session
 keeps its own state, so a preempted batch job resumes exactly where it stopped.
@@ -34,6 +34,7 @@ from engine.api import (
     TokenEvent,
 )
 from engine.assistant import Assistant, AssistantHead
+from engine.batch import Work, run_round
 from engine.dflash import DFlashDraft, DFlashHead
 from engine.drafters import DraftModelHead, PromptLookupHead, check_same_tokenizer
 from engine.fim import find_fim_tokens, fim_prompt_ids
@@ -239,23 +240,16 @@ class LoadedModel:
         return DraftModelHead(Forward(self.draft), self.tokenizer, self.draft_tokenizer, sampling,
                               self.tokenizer.decodable(self.draft.config.vocab_size))
 
-    def run_batch(self, sessions, *, prefill_budget: int = DEFAULT_PREFILL_BUDGET):
-        """engine.api.ServedModel.run_batch: one round of each session, in turn (each session's
-        own passes; the packed form shares them). Returns each session's events, or the
-        EngineError that ended its round; DeviceFault propagates."""
+    def run_batch(self, sessions, *, prefill_budget: int | None = DEFAULT_PREFILL_BUDGET):
+        """engine.api.ServedModel.run_batch: one round of each session, their base passes packed
+        into shared weight streams (engine/batch.py). Returns each session's events, or the
+        EngineError that ended its round; DeviceFault propagates. prefill_budget None: no limit."""
         if len({id(s) for s in sessions}) != len(sessions):
             raise ValueError("a session appears twice in one batched round")
-        out: list[list[TokenEvent] | EngineError] = []
-        for session in sessions:
-            if session.served is not self or session.done:
-                raise ValueError("run_batch takes sessions of this model that are not done")
-            try:
-                out.append(session.run_round())
-            except DeviceFault:
-                raise
-            except EngineError as exc:
-                out.append(exc)
-        return out
+        if any(s.served is not self or s.done for s in sessions):
+            raise ValueError("run_batch takes sessions of this model that are not done")
+        ends = run_round(self.model, [s._work for s in sessions], prefill_budget)
+        return [end if isinstance(end, EngineError) else s._end_round(end) for s, end in zip(sessions, ends)]
 
     # -- the prefix cache, as the daemon's cache.* methods see it ----------------------------
 
@@ -355,10 +349,9 @@ class ModelSession:
             head.attach(self.forward)
         self.generation = Generation(self.forward, served.tokenizer, prompt_ids, params, head=head,
                                      stop_token_ids=stop_token_ids)
-        self._rounds = self.generation.rounds()
         self._done = False
         self._cache = served.prefix_cache if params.use_prefix_cache else None
-        self._prefilled = False
+        self._work = Work(self.forward, self._rounds())
         self._started = time.perf_counter()
         self._first_token_s: float | None = None
 
@@ -370,36 +363,38 @@ class ModelSession:
         self.generation.cancel()
 
     def run_round(self) -> list[TokenEvent]:
-        """One round (the first prefills); returns the events it released."""
+        """One round (the first prefills the whole prompt); returns the events it released.
+        The same driver as a batched round (engine/batch.py), with this session alone."""
         if self._done:
             return []
-        if not self._prefilled:
-            self._prefilled = True
-            if self._cache is not None:
-                self._prefill_through_cache()
-        try:
-            events = next(self._rounds)
-        except StopIteration:
+        (end,) = run_round(self.served.model, [self._work], prefill_budget=None)
+        if isinstance(end, EngineError):
+            raise end
+        return self._end_round(end)
+
+    def _rounds(self):
+        """The session's rounds as engine.batch.Work runs them: the prompt's cached prefix
+        restored and the prefill up to its last block boundary offered to the cache (when the
+        request uses it), then the generation's rounds."""
+        if self._cache is not None:
+            done = yield from self._cache.prefill_passes(self.forward, self.prompt_ids, rest=False,
+                                                         restore=self._restore_allowed, scope=self.request.cache_scope)
+            # the decode loop runs the prompt's last token itself, so the state covers prompt[:-1]
+            if done.match is not None:
+                self.num_cached_tokens = done.match.num_cached_tokens
+        yield from self.generation.work()
+
+    def _end_round(self, events: list[TokenEvent] | None) -> list[TokenEvent]:
+        """Book a round's end (None: the rounds were over); returns its events."""
+        if events is None:
             events = []
             self._done = True
         if events and self._first_token_s is None:
             self._first_token_s = time.perf_counter() - self._started
         if self.generation.finish_reason is not None:
-            for _ in self._rounds:  # the final yield releases held-back text
-                pass
+            self._work.drain()  # the final yield releases held-back text
             self._done = True
         return events
-
-    def _prefill_through_cache(self) -> None:
-        """Restore the longest cached prefix of the prompt, prefill to the last block boundary
-        and offer that state to the cache; the generation prefills the rest.
-
-        The decode loop runs the prompt's last token itself, so the state covers prompt[:-1].
-        """
-        done = self._cache.prefill(self.forward, self.prompt_ids, rest=False, restore=self._restore_allowed,
-                                   scope=self.request.cache_scope)
-        if done.match is not None:
-            self.num_cached_tokens = done.match.num_cached_tokens
 
     def result(self) -> GenerationResult:
         """The finished generation; raises RuntimeError before `done`."""
@@ -420,7 +415,7 @@ class ModelSession:
 
 
 def describe_checkpoint(path) -> dict:
-    """engine.api.describe_checkpoint: a .gguf file's header, or a checkpoint directory's
+    """engine.loader.describe_checkpoint: a .gguf file's header, or a checkpoint directory's
     config, tokenizer and weight headers, checked and described."""
     if Path(path).is_dir():
         return _describe_directory(Path(path))

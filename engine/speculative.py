@@ -16,6 +16,13 @@ leaves (the next job can continue from it).
 
 Rejected rows are rolled back by `truncate`, never by snapshots.
 
+The loops do not run the base's passes themselves: each pass is yielded as an
+engine.packed.Pass (tokens, start position, which logits rows) and its logits are sent
+back, so one driver runs a session alone (engine.forward.drive) and another packs the
+passes of many sessions into one weight stream (engine/batch.py). The loops also yield a
+RoundEvent at the end of each round. A pass's time is measured around its yield, so in a
+packed round it is the packed pass's time.
+
 Break-even fallback: each speculative round is timed (draft + passes) against the median
 plain step; once the last `fallback_rounds` rounds together yielded fewer tokens than plain
 steps would have in that time, the job continues with plain-step rounds (optionally
@@ -26,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,12 +49,14 @@ from engine.decode_stats import (  # re-exported: callers import the run's stats
     RoundKind,
 )
 from engine.drafters import NO_DRAFT, Draft, DraftHead
+from engine.packed import Pass, Rows
 from engine.sampling import Sampler
 
 
 class Base(Protocol):
     """The target model as the loop drives it (engine.forward.Forward implements it). Heads
-    that read layer taps also call its set_layer_taps(layer_ids, sink)."""
+    that read layer taps also call its set_layer_taps(layer_ids, sink). The loops ask their
+    driver for passes; run_on runs them through step and step_batch_all."""
 
     @property
     def positions_held(self) -> int: ...
@@ -69,8 +78,12 @@ class Base(Protocol):
 
 OnToken = Callable[[int], "bool | None"]
 
+# what a decode loop yields: a base pass to run (the driver sends its logits back) or the end
+# of a round; what a round generator returns at its end
+Loop = Generator["Pass | RoundEvent", "np.ndarray | None", None]
 
-def speculative_decode(
+
+def speculative_loop(
     base: Base,
     head: DraftHead | None,
     prompt: Sequence[int],
@@ -82,8 +95,9 @@ def speculative_decode(
     config: SpecParams = SpecParams(),
     eos_ids: frozenset[int] = frozenset(),
     clock: Callable[[], float] = time.perf_counter,
-) -> Iterator[RoundEvent]:
-    """Decode up to max_new_tokens after prompt, speculating with head; yields after each round.
+) -> Loop:
+    """Decode up to max_new_tokens after prompt, speculating with head; yields each base pass
+    (engine.packed.Pass; send its logits back) and a RoundEvent after each round.
 
     The base must hold prompt[:-1]: the loop runs the prompt's last token itself through a plain
     step, which gives the first logits and times the plain step the break-even rule compares
@@ -103,7 +117,7 @@ def speculative_decode(
     k_next = config.k  # drafts asked for next round, before the batch and budget limits
 
     started = clock()
-    t1 = sampler.choose(passes.step(prompt[-1], len(prompt) - 1, counted=False))
+    t1 = sampler.choose((yield from passes.step(prompt[-1], len(prompt) - 1, counted=False)))
     while not emit.done:
         pos = len(tokens)  # t1's position
         if not speculating and reprobe_at is not None and stats.emitted >= reprobe_at:
@@ -112,7 +126,7 @@ def speculative_decode(
         left = max_new_tokens - stats.emitted - 1  # tokens the run may emit after t1
         # t1 takes a batch row in the one-pass round; in the two-pass round it runs alone
         k = min(k_next, base.max_batch_rows() - (0 if two_pass else 1), left) if speculating else 0
-        done = _two_pass_round(run, t1, pos, k) if two_pass else _one_pass_round(run, t1, pos, k)
+        done = yield from (_two_pass_round(run, t1, pos, k) if two_pass else _one_pass_round(run, t1, pos, k))
         t1 = done.next_t1
 
         fallback = None
@@ -134,6 +148,36 @@ def speculative_decode(
                 reprobe_at = stats.emitted + config.reprobe_after
         stats.seconds = clock() - started
         yield RoundEvent(done.kind, tuple(tokens[pos:]), done.drafted, done.take)
+
+
+def speculative_decode(base: Base, head: DraftHead | None, prompt: Sequence[int], **kw) -> Iterator[RoundEvent]:
+    """speculative_loop with its passes run on `base` itself (its step and step_batch_all);
+    yields a RoundEvent after each round."""
+    return run_on(base, speculative_loop(base, head, prompt, **kw))
+
+
+def plain_decode(base: Base, prompt: Sequence[int], **kw) -> Iterator[RoundEvent]:
+    """plain_loop with its passes run on `base` itself; yields a RoundEvent per token."""
+    return run_on(base, plain_loop(base, prompt, **kw))
+
+
+def run_on(base: Base, loop: Loop) -> Iterator[RoundEvent]:
+    """Run `loop`'s passes on `base` alone (one row through step, more through step_batch_all)
+    and yield its RoundEvents."""
+    sent = None
+    while True:
+        try:
+            item = loop.send(sent)
+        except StopIteration:
+            return
+        if isinstance(item, Pass):
+            if item.num_rows == 1:
+                sent = base.step(item.tokens[0], item.start_pos)[None]
+            else:
+                sent = base.step_batch_all(item.tokens, item.start_pos)
+        else:
+            sent = None
+            yield item
 
 
 @dataclass(slots=True)
@@ -162,15 +206,15 @@ class _Round:
     problem: str | None  # why the head gave no draft, or None
 
 
-def _one_pass_round(run: _Run, t1: int, pos: int, k: int) -> _Round:
+def _one_pass_round(run: _Run, t1: int, pos: int, k: int) -> Generator[Pass, np.ndarray, _Round]:
     """[t1, d1..dk] verified as one batch of k + 1 rows, draft i against row i; a plain-step
     round when k is 0 or the head proposes nothing."""
     draft, spent, problem = NO_DRAFT, 0.0, None
     if k > 0:
         draft, spent, problem = _draft(run.head, run.tokens + [t1], k, run.passes.vocab, run.stats, run.clock)
     if not draft.tokens:
-        return _step_round(run, t1, pos, spent, problem)
-    verify = run.passes.batch([t1, *draft.tokens], pos)
+        return (yield from _step_round(run, t1, pos, spent, problem))
+    verify = yield from run.passes.batch([t1, *draft.tokens], pos)
     spent += run.passes.last_seconds
     take, next_t1 = _accept(run.sampler, draft, verify, first=0)
     kept = run.emit([t1, *draft.tokens[:take]])  # take + 1 unless the run stops inside
@@ -179,9 +223,10 @@ def _one_pass_round(run: _Run, t1: int, pos: int, k: int) -> _Round:
     return _Round(RoundKind.ONE_PASS, next_t1, len(draft.tokens), take, spent, problem)
 
 
-def _step_round(run: _Run, t1: int, pos: int, spent: float, problem: str | None) -> _Round:
+def _step_round(run: _Run, t1: int, pos: int, spent: float, problem: str | None
+                ) -> Generator[Pass, np.ndarray, _Round]:
     """t1 alone through a plain step: the round plain decode runs."""
-    logits = run.passes.step(t1, pos)
+    logits = yield from run.passes.step(t1, pos)
     spent += run.passes.last_seconds
     run.emit([t1])
     if run.head is not None:
@@ -190,11 +235,11 @@ def _step_round(run: _Run, t1: int, pos: int, spent: float, problem: str | None)
     return _Round(RoundKind.STEP, next_t1, 0, 0, spent, problem)
 
 
-def _two_pass_round(run: _Run, t1: int, pos: int, k: int) -> _Round:
+def _two_pass_round(run: _Run, t1: int, pos: int, k: int) -> Generator[Pass, np.ndarray, _Round]:
     """t1 through a plain step whose hidden row the head reads to draft d1..dk; d1 is judged on
     the step's logits (a wrong d1 costs no batch), and only a kept d1 sends d1..dk through one
     batch of k rows, draft i against row i - 1. A plain-step round when nothing is drafted."""
-    logits = run.passes.step(t1, pos)
+    logits = yield from run.passes.step(t1, pos)
     spent = run.passes.last_seconds
     run.emit([t1])
     run.head.commit_rows([t1], run.base.last_hidden_rows(), 1)
@@ -207,7 +252,7 @@ def _two_pass_round(run: _Run, t1: int, pos: int, k: int) -> _Round:
         return _Round(RoundKind.STEP, next_t1, 0, 0, spent, problem)
     take, next_t1 = 0, run.sampler.judge(draft.tokens[0], _q(draft, 0), logits)
     if next_t1 is None:  # d1 kept
-        verify = run.passes.batch(draft.tokens, pos + 1)
+        verify = yield from run.passes.batch(draft.tokens, pos + 1)
         rows = run.base.last_hidden_rows()
         spent += run.passes.last_seconds
         take, next_t1 = _accept(run.sampler, draft, verify, first=1)
@@ -217,7 +262,7 @@ def _two_pass_round(run: _Run, t1: int, pos: int, k: int) -> _Round:
     return _Round(RoundKind.TWO_PASS, next_t1, len(draft.tokens), take, spent, problem)
 
 
-def plain_decode(
+def plain_loop(
     base: Base,
     prompt: Sequence[int],
     *,
@@ -227,8 +272,9 @@ def plain_decode(
     stats: DecodeStats,
     eos_ids: frozenset[int] = frozenset(),
     clock: Callable[[], float] = time.perf_counter,
-) -> Iterator[RoundEvent]:
-    """One step per token: the reference the speculative loop must equal; yields per token.
+) -> Loop:
+    """One step per token: the reference the speculative loop must equal; yields each step's
+    pass (send its logits back) and a RoundEvent per token.
 
     Same contract as speculative_decode: the base holds prompt[:-1], every emitted token has
     been run when on_token sees it, and the run stops on False, an EOS id or max_new_tokens.
@@ -239,10 +285,10 @@ def plain_decode(
     passes = _Passes(base, stats, clock)
     emit = _Emitter(tokens, len(prompt) + max_new_tokens, on_token, eos_ids, stats)
     started = clock()
-    logits = passes.step(prompt[-1], len(prompt) - 1, counted=False)
+    logits = yield from passes.step(prompt[-1], len(prompt) - 1, counted=False)
     while not emit.done:
         token = sampler.choose(logits)
-        logits = passes.step(token, len(tokens))
+        logits = yield from passes.step(token, len(tokens))
         emit([token])
         stats.plain_steps += 1
         stats.seconds = clock() - started
@@ -303,29 +349,29 @@ def _check_start(base: Base, prompt: Sequence[int], max_new_tokens: int) -> None
 
 
 class _Passes:
-    """Runs the base's passes and counts and times them into the stats."""
+    """Asks the driver for the base's passes, and counts and times them into the stats."""
 
     def __init__(self, base: Base, stats: DecodeStats, clock: Callable[[], float]) -> None:
         self.base, self.stats, self.clock = base, stats, clock
         self.vocab = 0  # the logits width, known after the first pass
         self.last_seconds = 0.0
 
-    def step(self, token: int, pos: int, counted: bool = True) -> np.ndarray:
+    def step(self, token: int, pos: int, counted: bool = True) -> Generator[Pass, np.ndarray, np.ndarray]:
         """logits [V] of token at pos; counted=False for the prompt's last token."""
         started = self.clock()
-        logits = self.base.step(token, pos)
+        logits = (yield Pass((token,), pos, Rows.ALL))[0]
         self.last_seconds = self.clock() - started
         self.vocab = logits.shape[-1]
         self.stats.step_samples.append(self.last_seconds)
         self.stats.base_steps += counted
         return logits
 
-    def batch(self, tokens: Sequence[int], pos: int) -> np.ndarray:
+    def batch(self, tokens: Sequence[int], pos: int) -> Generator[Pass, np.ndarray, np.ndarray]:
         """logits [M, V] of tokens from pos; a single row goes through step."""
         if len(tokens) == 1:
-            return self.step(tokens[0], pos)[None]
+            return (yield from self.step(tokens[0], pos))[None]
         started = self.clock()
-        logits = self.base.step_batch_all(tokens, pos)
+        logits = yield Pass(tuple(tokens), pos, Rows.ALL)
         self.last_seconds = self.clock() - started
         self.stats.verify_samples.append(self.last_seconds)
         self.stats.base_batches += 1

@@ -481,7 +481,7 @@ def load_config(path: Path) -> DaemonConfig:
 def check_models(cfg: DaemonConfig) -> list[str]:
     """Problems a --check-config reports, one per model file that would not load: the base
     checkpoint and a draft model are read as a load reads them but for the tensor data
-    (engine.api.describe_checkpoint: config.json, tokenizer, safetensors headers, or a .gguf's
+    (engine.loader.describe_checkpoint: config.json, tokenizer, safetensors headers, or a .gguf's
     metadata and tensor table); a drafter directory must hold a config.json."""
     problems = []
     for m in cfg.models:
@@ -502,7 +502,7 @@ def check_models(cfg: DaemonConfig) -> list[str]:
 def _describe(where: str, path: str) -> list[str]:
     """A checkpoint read by the engine without its weights: an unsupported architecture, a
     broken config or tokenizer, a missing weight file is reported here, not on the first request."""
-    from engine.api import describe_checkpoint
+    from engine.loader import describe_checkpoint
 
     if not Path(path).exists():
         return [f"{where} = {path!r}: no such GGUF file"]

@@ -2,7 +2,7 @@
 ticket and stays resident while memory allows, the least recently used going first.
 
 `get` loads a model and is blocking: only the device owner calls it, in a worker thread.
-Models come from a `ModelLoader` (engine.api.load_model; tests pass a fake engine's).
+Models come from a `ModelLoader` (engine.loader.load_model; tests pass a fake engine's).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pathlib import Path
 import psutil
 import structlog
 
-from engine.api import DEFAULT_CACHE_USERS, EngineError, ModelLoader, ServedModel, load_model
+from engine.api import DEFAULT_CACHE_USERS, EngineError, ModelLoader, ServedModel
+from engine.loader import load_model
 from npud.config import ModelEntry
 from npud.protocol import ApiError, ErrorCode
 
@@ -38,7 +39,7 @@ class ModelRegistry:
                  loader: ModelLoader = load_model, backend: str = "auto", xrt_design: str | None = None,
                  xrt_timeout_ms: int | None = None, cache_users: int = DEFAULT_CACHE_USERS) -> None:
         self._entries = {m.name: m for m in models}
-        self.cache_users = cache_users  # the prefix cache's per-user budget shares (engine.api.load_model)
+        self.cache_users = cache_users  # the prefix cache's per-user budget shares (engine.loader.load_model)
         self.cache_root = cache_root  # prefix caches persist under cache_root/<model>; None: memory only
         self.backend = backend
         self.xrt_design = xrt_design

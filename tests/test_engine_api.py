@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 import test_npud_support as fakes
-from engine import api
+from engine import api, loader
 from engine.session import LoadedModel, ModelSession
 
 
@@ -43,7 +43,7 @@ def test_the_engine_and_the_fake_implement_the_protocols(protocol, implementatio
 
 def test_the_loaders_take_what_the_daemon_passes():
     expected = _parameters(api.ModelLoader.__call__)
-    assert _parameters(api.load_model) == expected
+    assert _parameters(loader.load_model) == expected
     assert [p[:2] for p in _parameters(fakes.load_model)] == [p[:2] for p in expected]
     assert _parameters(LoadedModel.load)[:2] == expected[:2]
 

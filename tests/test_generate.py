@@ -14,8 +14,8 @@ from engine.api import (
     RequestError,
     SamplingParams,
     SpecParams,
-    load_model,
 )
+from engine.loader import load_model
 from decoding import plain_tokens
 from engine.forward import Forward
 from engine.generate import Generation, _longest_stop_prefix_suffix

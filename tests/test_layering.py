@@ -1,5 +1,5 @@
-"""The layers import only downwards: clients -> npud (its protocol) -> engine.api -> engine ->
-kernels. An AST walk over every module's imports (function-level ones included), checked on
+"""The layers import only downwards: clients -> npud (its protocol) -> engine.api and the
+factory engine.loader -> engine -> kernels; engine.api imports nothing of the engine back. An AST walk over every module's imports (function-level ones included), checked on
 the real tree and shown to fail on a fixture tree with each kind of violation planted."""
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def violations(root: Path) -> list[str]:
                     and not _under(module, "npud.protocol"))):
                 found.append(where + f"clients import only npud.protocol of the daemon, not {module}")
             if layer == "npud":
-                if _under(module, "engine") and not _under(module, "engine.api"):
-                    found.append(where + f"npud sees the engine only through engine.api, not {module}")
+                if _under(module, "engine") and not _under(module, "engine.api", "engine.loader"):
+                    found.append(where + f"npud sees the engine only through engine.api and engine.loader, not {module}")
                 if _under(module, "kernels", "numpy"):
                     found.append(where + f"npud never touches a tensor ({module})")
             if layer in ("engine", "kernels"):
@@ -79,14 +79,18 @@ def violations(root: Path) -> list[str]:
                     found.append(where + f"{layer} never imports {module}")
             if layer == "kernels" and _under(module, "engine"):
                 found.append(where + f"kernels sit below the engine ({module})")
-            if rel in (Path("engine/api.py"), Path("kernels/errors.py")):
+            if rel in (Path("engine/api.py"), Path("engine/loader.py"), Path("kernels/errors.py")):
                 stdlib = module.split(".")[0] in STDLIB or module.startswith("__future__")
                 # the backends' errors (DeviceFault) are re-exported: a module that is itself
                 # standard library only, checked by this same rule
                 if rel == Path("engine/api.py") and module in ("kernels", "kernels.errors"):
                     continue
-                # load_model imports the engine proper when called, and only there
-                if not stdlib and (top or not _under(module, "engine.session")):
+                # the factory: engine.api's types at the top, the engine proper when called (and
+                # only there); engine.api itself imports nothing of the engine
+                if rel == Path("engine/loader.py") and (_under(module, "engine.api") or (
+                        not top and _under(module, "engine.session"))):
+                    continue
+                if not stdlib:
                     found.append(where + f"{rel.with_suffix('').as_posix().replace('/', '.')} is standard library only ({module})")
     return found
 
@@ -95,9 +99,9 @@ def test_the_tree_keeps_its_layers():
     assert violations(REPO) == []
 
 
-def test_npud_reaches_the_engine_only_through_engine_api():
+def test_npud_reaches_the_engine_only_through_engine_api_and_its_loader():
     npud = [m for p in (REPO / "npud").rglob("*.py") for m, _, _ in _imports(p) if _under(m, "engine")]
-    assert npud and all(_under(m, "engine.api") for m in npud)
+    assert npud and all(_under(m, "engine.api", "engine.loader") for m in npud)
 
 
 CLEAN = {
@@ -106,8 +110,9 @@ CLEAN = {
                  "importlib.import_module('pyxrt')\n",
     "engine/__init__.py": "",
     "engine/e.py": "import numpy as np\nfrom engine.api import ConfigError\nfrom kernels import base\n",
-    "engine/api.py": "import enum\nfrom dataclasses import dataclass\nfrom kernels import errors\n\n"
-                     "def load_model():\n    from engine.session import LoadedModel\n",
+    "engine/api.py": "import enum\nfrom dataclasses import dataclass\nfrom kernels import errors\n",
+    "engine/loader.py": "from pathlib import Path\nfrom engine.api import ServedModel\n\n"
+                        "def load_model():\n    from engine.session import LoadedModel\n",
     "kernels/errors.py": "class DeviceFault(RuntimeError):\n    pass\n",
     "kernels/k.py": "import numpy as np\nimport structlog\n",
 }
@@ -129,6 +134,10 @@ PLANTED = [
     ("kernels/k.py", "from engine.config import ModelConfig\n", "below the engine"),
     ("engine/api.py", "import numpy as np\n", "standard library only"),
     ("engine/api.py", "from engine.session import LoadedModel\n", "standard library only"),
+    ("engine/api.py", "def load_model():\n    from engine.session import LoadedModel\n", "standard library only"),
+    ("engine/loader.py", "from engine.session import LoadedModel\n", "standard library only"),
+    ("engine/loader.py", "def f():\n    import numpy\n", "standard library only"),
+    ("npud/n.py", "from engine.loader import load_model\nfrom engine.forward import Forward\n", "only through engine.api"),
     ("engine/api.py", "def g():\n    import numpy\n", "standard library only"),
     ("engine/api.py", "from kernels import base\n", "standard library only"),
     ("kernels/errors.py", "import numpy as np\n", "kernels.errors is standard library only"),
@@ -157,7 +166,17 @@ def test_a_planted_violation_fails_the_check(tmp_path, rel, planted, rule):
 def test_importing_the_daemon_loads_no_engine_beyond_its_api_and_no_numpy():
     # at run time, transitively: what the AST walk checks one import at a time (kernels.errors
     # is engine.api's re-exported DeviceFault, standard library only)
-    code = ("import sys, npud.main, npud.daemon\n"
+    code = ("import sys, npud.main, npud.daemon, npud.config\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('engine', 'kernels', 'numpy', 'numba')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120, check=True)
-    assert out.stdout.split() == ["['engine',", "'engine.api',", "'kernels',", "'kernels.errors']"]
+    assert out.stdout.split() == ["['engine',", "'engine.api',", "'engine.loader',", "'kernels',", "'kernels.errors']"]
+
+
+def test_engine_api_is_in_no_import_circle():
+    """engine.api imports nothing of the engine (not even lazily): the factory that imports the
+    engine proper lives in engine.loader, which nothing in the engine imports."""
+    api = [m for m, _, _ in _imports(REPO / "engine" / "api.py") if _under(m, "engine")]
+    assert api == []
+    inside = [p for p in (REPO / "engine").rglob("*.py")
+              if any(_under(m, "engine.loader") for m, _, _ in _imports(p))]
+    assert inside == []

@@ -1,0 +1,50 @@
+"""The engine's factory: how the daemon gets a real model, beside the implementation it builds.
+
+Standard library only at import time, like engine/api.py: the daemon imports this module and
+engine.api, nothing else of the engine. Each function imports the engine proper (numpy, numba,
+the kernels) when it is called, so a daemon that has not loaded a model yet (or
+`npud --check-config`) never pays for it; and engine/api.py, which holds types and protocols
+only, imports nothing of the engine back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.api import DEFAULT_CACHE_USERS, ServedModel
+
+
+def load_model(name: str, checkpoint_dir: str | Path, *, draft_dir: str | Path | None = None,
+               dflash_dir: str | Path | None = None, weight_format: str = "bf16",
+               cache_dir: str | Path | None = None, backend: str = "auto",
+               xrt_design: str | Path | None = None, assistant_dir: str | Path | None = None,
+               xrt_timeout_ms: int | None = None, cache_users: int = DEFAULT_CACHE_USERS) -> ServedModel:
+    """Load a model from a checkpoint directory (with an optional draft model, DFlash drafter
+    and Gemma 4 assistant), its prefix cache persistent under `cache_dir` when given, on `backend` ("auto",
+    "host" or "xrt"; `xrt_timeout_ms` bounds each NPU run, None for the backend's default).
+    The prefix cache's budgets are split into a share for the shared scope and one for each
+    of `cache_users` users, so no user's entries are evicted by another's (0: one budget for
+    all, for a daemon only one user talks to).
+    Blocking. Raises ModelError (or another EngineError) for files that are
+    not what they claim, OSError for files that cannot be read."""
+    # Imported here, not at the top: the engine proper pulls in numpy and numba, which a
+    # daemon that has not loaded a model yet (or `npud --check-config`) does not need.
+    from engine.session import LoadedModel
+
+    return LoadedModel.load(name, checkpoint_dir, draft_dir=draft_dir, dflash_dir=dflash_dir,
+                            weight_format=weight_format, cache_dir=cache_dir, backend=backend,
+                            xrt_design=xrt_design, assistant_dir=assistant_dir,
+                            xrt_timeout_ms=xrt_timeout_ms, cache_scopes=cache_users)
+
+
+def describe_checkpoint(path: str | Path) -> dict:
+    """What a checkpoint is without loading its weights: a .gguf file from its header
+    (architecture, model_type, quant_mix, parameters, file_bytes, context_length), a checkpoint
+    directory from its config.json, tokenizer and safetensors headers (format, model_type,
+    tensors, parameters, file_bytes, context_length); standard types only. Blocking. Raises
+    ValueError (the engine's ConfigError / WeightsError / TokenizerError) naming an unsupported
+    architecture, a bad file or a tensor of a type npud cannot run, so `npud --check-config`
+    fails there."""
+    from engine.session import describe_checkpoint as describe  # the engine proper, only when asked
+
+    return describe(path)
