@@ -16,6 +16,7 @@ from kernels.base import FusedLinear, LinearWeight
 from kernels.ggml.blocks import LAYOUTS, BlockFormat
 from kernels.ggml.gemm import LAYOUT_FLOAT, LAYOUT_Q8, block_embed, block_linear, pack_block_matrix
 from kernels.host import CHECK_ROWS, TILE, HostBackend
+from kernels.host.resident import resident_copy
 
 
 def is_block(w: LinearWeight) -> bool:
@@ -49,6 +50,8 @@ class BlockHostBackend(HostBackend):
         starts = np.cumsum([0] + [p.data.shape[0] * TILE for p in parts[:-1]]).tolist()
         data = np.concatenate([p.data for p in parts])
         factors = np.concatenate([p.scale for p in parts])
+        if first.layout == LAYOUT_Q8:  # huge pages, as pack_block_matrix's
+            data, factors = resident_copy(data), resident_copy(factors)
         bias = None
         if first.bias is not None:
             bias = np.zeros(data.shape[0] * TILE, np.float32)

@@ -21,6 +21,7 @@ from kernels.base import LinearWeight
 from kernels.ggml.blocks import LAYOUTS, BlockFormat
 from kernels.host import native
 from kernels.host.formats import PARALLEL_MIN_BYTES
+from kernels.host.resident import resident_copy
 
 TILE = native.TILE
 _PACK_ROWS = TILE * 256  # rows unpacked per step while packing, to bound temporaries
@@ -65,6 +66,8 @@ def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarra
             else:
                 q_tiles[t, :, : i1 - i0] = q[i0 - r0 : i1 - r0].T
             f_tiles[t, :, :, : i1 - i0] = factors[i0 - r0 : i1 - r0].transpose(1, 2, 0)
+    if q8:  # huge pages: a one-row call streams them faster (kernels/host/resident.py)
+        q_tiles, f_tiles = resident_copy(q_tiles), resident_copy(f_tiles)
     return LinearWeight(fmt=fmt, data=q_tiles, scale=f_tiles, layout=layout, out_features=n, in_features=k)
 
 
