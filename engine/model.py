@@ -27,6 +27,8 @@ class Model:
         self.fingerprint = weights.fingerprint
         # what the checkpoint file says about itself (GGUF: architecture, quant mix, sizes); {} otherwise
         self.checkpoint_info: dict = {}
+        # an r-row pass in plain steps (engine/pass_costs.py), set by whoever calibrates it; None: not known
+        self.pass_costs = None
         # one RoPE table per distinct spec (sliding and full layers may differ)
         cache: dict = {}
         self.inv_freq = [cache.setdefault(spec.rope, spec.rope.inv_freq()) for spec in config.layers]

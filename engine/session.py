@@ -43,15 +43,19 @@ from engine.generate import Generation
 from engine.gguf import is_gguf
 from engine.gguf.load import GGUF_Q8
 from engine.model import Model
+from engine.pass_costs import load_or_calibrate
 from engine.prefix_cache import PrefixCache, PrefixCacheError
 from engine.state import ModelState
 from engine.tokenizer import Tokenizer, TokenizerError
 from engine.weights import checkpoint_files
 from kernels.base import numerics_identity
+from kernels.host import num_threads
 from kernels.select import select_backend
 from kernels.xrt import XrtUnavailable
 
 log = structlog.get_logger(__name__)
+
+CALIBRATED_ROWS = 16  # the pass costs cover a verify of up to this many rows (Forward's max_batch_rows)
 
 
 class LoadedModel:
@@ -121,6 +125,8 @@ class LoadedModel:
         except XrtUnavailable as exc:  # kernels/ does not know the engine's error types
             raise ModelError(str(exc)) from exc
         model = Model.load(checkpoint_dir, weight_format, kernels)
+        # the speculation break-even rule's cost model: read from the kernel cache, or measured once
+        model.pass_costs = load_or_calibrate(model, num_threads(), CALIBRATED_ROWS)
         tokenizer = Tokenizer.from_dir(checkpoint_dir)
         # "gguf-q8" names a GGUF file's path: safetensors companions (a draft, a drafter head) take bf16
         companion_format = "bf16" if weight_format == GGUF_Q8 else weight_format
