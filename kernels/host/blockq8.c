@@ -56,7 +56,9 @@ static inline __attribute__((always_inline)) void bq_gen_block(const job_t *j, l
 }
 
 /* Rows r0 .. r0 + R - 1 (output row r at o + r * ldo) x 64 columns for groups [g0, g1): per group, 4R int32 sums by vpdpbusd (each weight
- * vector loaded once for the R rows), then the float step into 4R float accumulators. */
+ * vector loaded once for the R rows), then the float step into 4R float accumulators: in registers
+ * up to 2 rows, past that in o (L1: the driver's row buffer), so that the registers hold the int32
+ * sums (measured 1.2-1.5x at 8 and 64 rows on Zen 4). */
 static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R, const int P, const int g,
                                                                      const job_t *j, long t, float *o, long ldo,
                                                                      long r0, long g0, long g1) {
@@ -68,7 +70,8 @@ static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R
     const int32_t *xsum = j->xsum + r0 * ng;
     __m512 acc[MAXR_Q8][4];
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < 4; v++) acc[r][v] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + r * ldo + 16 * v);
+        for (int v = 0; v < 4; v++)
+            acc[r][v] = g0 == 0 || R > 2 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + r * ldo + 16 * v);
     for (long G = g0; G < g1; G++) {
         __m512i isum[MAXR_Q8][4];
         for (int r = 0; r < R; r++) {
@@ -102,13 +105,19 @@ static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R
             for (int v = 0; v < 4; v++) {
                 __m512 val = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][v]), _mm512_loadu_ps(f + 16 * v));
                 if (P == 2) val = _mm512_fnmadd_ps(_mm512_loadu_ps(f + TILE + 16 * v), sf, val);
-                acc[r][v] = _mm512_fmadd_ps(val, d, acc[r][v]);
+                if (R <= 2) {
+                    acc[r][v] = _mm512_fmadd_ps(val, d, acc[r][v]);
+                } else { /* more rows: the float sums wait in o (L1), the registers hold the int32 ones */
+                    float *p = o + r * ldo + 16 * v;
+                    _mm512_storeu_ps(p, _mm512_fmadd_ps(val, d, G == g0 && g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(p)));
+                }
             }
         }
     }
     const int last = g1 == ng;
     for (int r = 0; r < R; r++)
         for (int v = 0; v < 4; v++) {
+            if (R > 2) acc[r][v] = _mm512_loadu_ps(o + r * ldo + 16 * v);
             if (last) store16(j, o + r * ldo + 16 * v, acc[r][v], t * TILE + 16 * v, 1);
             else _mm512_storeu_ps(o + r * ldo + 16 * v, acc[r][v]);
         }
