@@ -72,6 +72,9 @@ class DecodeStats:
     finish: LoopEnd | None = None
     fallbacks: list[Fallback] = field(default_factory=list)
     reprobes: int = 0
+    # the break-even rule's cost model when it used one (engine/pass_costs.py: source, ratios of an
+    # r-row pass to a plain step, calibration key); None: rounds were judged by their measured times
+    cost_model: dict | None = None
 
     @property
     def base_passes(self) -> int:
@@ -126,6 +129,7 @@ class DecodeStats:
             "fell_back": self.fell_back,
             "fallbacks": [f.as_dict() for f in self.fallbacks],
             "reprobes": self.reprobes,
+            "cost_model": self.cost_model,
         }
 
 

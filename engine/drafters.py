@@ -79,6 +79,8 @@ class PromptLookupHead:
     (reset() starts a job; a context that does not extend the indexed one is re-indexed).
     """
 
+    drafts_free = True  # drafting costs next to nothing: the break-even rule counts only base passes
+
     def __init__(self, min_n: int = 2, max_n: int = 4, lookback: int | None = None) -> None:
         if not (isinstance(min_n, int) and min_n >= 1):
             raise ConfigError(f"PromptLookupHead.min_n must be an integer >= 1, got {min_n!r}")

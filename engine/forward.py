@@ -76,6 +76,10 @@ class Forward:
     def max_batch_rows(self) -> int:
         return self._max_batch_rows
 
+    def pass_costs(self):
+        """The model's calibrated cost of an r-row pass in plain steps (engine/pass_costs.py), or None."""
+        return self.model.pass_costs
+
     def step(self, token: int, pos: int) -> np.ndarray:
         """Run one token at `pos` (== positions_held); returns its logits [V]."""
         return self._run([token], pos, "all")[0]

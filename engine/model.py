@@ -27,6 +27,8 @@ class Model:
         self.fingerprint = weights.fingerprint
         # what the checkpoint file says about itself (GGUF: architecture, quant mix, sizes); {} otherwise
         self.checkpoint_info: dict = {}
+        # an r-row pass in plain steps (engine/pass_costs.py), set by whoever calibrates it; None: not known
+        self.pass_costs = None
         # one RoPE table per distinct spec (sliding and full layers may differ)
         cache: dict = {}
         self.inv_freq = [cache.setdefault(spec.rope, spec.rope.inv_freq()) for spec in config.layers]
@@ -38,16 +40,23 @@ class Model:
         fmt: WeightFormat | str = WeightFormat.BF16,
         backend: Backend | None = None,
     ) -> "Model":
-        """Read config.json and the safetensors weights, or a .gguf file; raises ConfigError or WeightsError."""
-        if isinstance(fmt, str):
-            fmt = WeightFormat.parse(fmt)
+        """Read config.json and the safetensors weights, or a .gguf file; raises ConfigError or
+        WeightsError, and ValueError for an unknown format (or "gguf-q8" for a checkpoint that is no
+        GGUF file)."""
         from engine.gguf import is_gguf
+        from engine.gguf.load import GGUF_Q8
 
-        if is_gguf(checkpoint_dir):
-            # a GGUF file's weights keep their own types; `fmt` applies to safetensors conversion
+        gguf = is_gguf(checkpoint_dir)
+        if fmt == GGUF_Q8 and not gguf:
+            raise ValueError(f"weight format {GGUF_Q8!r} is for GGUF files; {checkpoint_dir} is not one")
+        if isinstance(fmt, str) and fmt != GGUF_Q8:
+            fmt = WeightFormat.parse(fmt)
+        if gguf:
+            # a GGUF file's weights keep their own types; "gguf-q8" runs them against q8 activation
+            # rows, any other `fmt` (it applies to safetensors conversion) on the exact float path
             from engine.gguf.load import load_gguf_model
 
-            config, weights, info = load_gguf_model(checkpoint_dir)
+            config, weights, info = load_gguf_model(checkpoint_dir, q8=fmt == GGUF_Q8)
             model = cls(config, weights, backend)
             model.checkpoint_info = info
             return model

@@ -41,16 +41,22 @@ from engine.fim import find_fim_tokens, fim_prompt_ids
 from engine.fingerprint import MEMO_FILE, DigestMemo, numerics_key
 from engine.forward import Forward
 from engine.generate import Generation
+from engine.gguf import is_gguf
+from engine.gguf.load import GGUF_Q8
 from engine.model import Model
+from engine.pass_costs import load_or_calibrate
 from engine.prefix_cache import PrefixCache, PrefixCacheError
 from engine.state import ModelState
 from engine.tokenizer import Tokenizer, TokenizerError
 from engine.weights import checkpoint_files
 from kernels.base import numerics_identity
+from kernels.host import num_threads
 from kernels.select import select_backend
 from kernels.xrt import XrtUnavailable
 
 log = structlog.get_logger(__name__)
+
+CALIBRATED_ROWS = 16  # the pass costs cover a verify of up to this many rows (Forward's max_batch_rows)
 
 
 class LoadedModel:
@@ -120,10 +126,14 @@ class LoadedModel:
         except XrtUnavailable as exc:  # kernels/ does not know the engine's error types
             raise ModelError(str(exc)) from exc
         model = Model.load(checkpoint_dir, weight_format, kernels)
+        # the speculation break-even rule's cost model: read from the kernel cache, or measured once
+        model.pass_costs = load_or_calibrate(model, num_threads(), CALIBRATED_ROWS)
         tokenizer = Tokenizer.from_dir(checkpoint_dir)
+        # "gguf-q8" names a GGUF file's path: safetensors companions (a draft, a drafter head) take bf16
+        companion_format = "bf16" if weight_format == GGUF_Q8 else weight_format
         draft = draft_tokenizer = None
         if draft_dir is not None:
-            draft = Model.load(draft_dir, weight_format, kernels)
+            draft = Model.load(draft_dir, weight_format if is_gguf(draft_dir) else companion_format, kernels)
             draft_tokenizer = Tokenizer.from_dir(draft_dir)
             check_same_tokenizer(tokenizer, draft_tokenizer)
         cache_key = _cache_key(checkpoint_dir, cache_dir, weight_format, kernels)
@@ -135,8 +145,8 @@ class LoadedModel:
             block_size=cache_block,
             max_scopes=cache_scopes,  # each user has a share of the budgets (engine/prefix_cache.py)
         )
-        dflash = DFlashDraft.load(dflash_dir, model, weight_format) if dflash_dir is not None else None
-        assistant = Assistant.load(assistant_dir, model, weight_format) if assistant_dir is not None else None
+        dflash = DFlashDraft.load(dflash_dir, model, companion_format) if dflash_dir is not None else None
+        assistant = Assistant.load(assistant_dir, model, companion_format) if assistant_dir is not None else None
         served = cls(name, model, tokenizer, draft, cache, draft_tokenizer, dflash, assistant)
         served.backend_reason = backend_reason
         return served

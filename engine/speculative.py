@@ -111,7 +111,7 @@ def speculative_loop(
     passes = _Passes(base, stats, clock)
     emit = _Emitter(tokens, len(prompt) + max_new_tokens, on_token, eos_ids, stats)
     run = _Run(base, head, sampler, passes, emit, tokens, stats, clock)
-    breakeven = _BreakEven(config, stats)
+    breakeven = _BreakEven(config, stats, base, head)
     two_pass = head is not None and head.needs_last_hidden()
     speculating, reprobe_at = head is not None, None
     k_next = config.k  # drafts asked for next round, before the batch and budget limits
@@ -409,13 +409,22 @@ class _Emitter:
 
 class _BreakEven:
     """Decides the fallback: the last config.fallback_rounds speculative rounds, taken together,
-    produced fewer tokens than plain steps would have in the time they took (draft + passes).
-    Taking them together keeps one lucky round from hiding a losing streak."""
+    produced fewer tokens than plain steps would have for what they cost. Taking them together
+    keeps one lucky round from hiding a losing streak.
 
-    def __init__(self, config: SpecParams, stats: DecodeStats) -> None:
+    What a round costs: when the head drafts for free (`drafts_free`, prompt lookup) and the base
+    has a cost model (`pass_costs()`: engine/pass_costs.py, the kernels' calibration of an r-row
+    pass in plain steps, cached per CPU, format, threads and shape), the cost of its pass of
+    drafted + 1 rows, so the decision depends on the tokens alone, not on how busy the machine
+    is; otherwise its measured seconds (draft + passes) over the median plain step."""
+
+    def __init__(self, config: SpecParams, stats: DecodeStats, base: object = None, head: object = None) -> None:
         self.config, self.stats = config, stats
         # (seconds, produced, drafted, accepted) of the latest rounds
         self.window: deque[tuple[float, int, int, int]] = deque(maxlen=max(config.fallback_rounds, 1))
+        pass_costs = getattr(base, "pass_costs", None)
+        self.costs = pass_costs() if callable(pass_costs) and getattr(head, "drafts_free", False) else None
+        stats.cost_model = self.costs.as_dict() if self.costs is not None else None
 
     def judge(self, seconds: float, produced: int, drafted: int, accepted: int) -> Fallback | None:
         self.window.append((seconds, produced, drafted, accepted))
@@ -423,21 +432,28 @@ class _BreakEven:
             return None
         step = self.stats.step_seconds
         spent, produced, drafted, accepted = (sum(x) for x in zip(*self.window))
-        if produced * step >= spent:
-            return None
         n = len(self.window)
-        cost = spent / n / step  # a round, in plain steps
+        if self.costs is not None:
+            steps = sum(self.costs.rows(d + 1) for _, _, d, _ in self.window)  # the rounds' passes
+            if produced >= steps:
+                return None
+            cost = steps / n  # a round, in plain steps
+        else:
+            if produced * step >= spent:
+                return None
+            cost = spent / n / step
         acceptance = accepted / drafted
         # a round pays off when it yields `cost` tokens: t1 plus cost - 1 accepted drafts
         needed = (cost - 1.0) / (drafted / n)
         self.window.clear()
+        basis = "calibrated pass costs" if self.costs is not None else "measured round times"
         return Fallback(
             round=self.stats.rounds,
             emitted=self.stats.emitted,
             reason=FallbackReason.BELOW_BREAK_EVEN,
             message=(
                 f"{n} consecutive rounds below break-even: acceptance {acceptance:.2f} where "
-                f"{needed:.2f} was needed at a round cost of {cost:.2f} plain steps"
+                f"{needed:.2f} was needed at a round cost of {cost:.2f} plain steps ({basis})"
             ),
             acceptance=acceptance,
             break_even_acceptance=needed,

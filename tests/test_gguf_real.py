@@ -7,7 +7,9 @@ Logits: max |npud - transformers| <= 1e-3 x max |logit| over 5 prompts x 64 posi
 run fp32 over the same dequantized weights; what differs is the order of sums and the
 transcendentals); 128 greedy tokens identical on each prompt, checked as transformers'
 argmax after every prefix of npud's output (one forward per prompt instead of 128 steps).
-Everything after that compares npud with itself, bit for bit.
+Everything after that compares npud with itself, bit for bit. The "gguf-q8" format (the blocks
+against q8 activation rows) has its own bound against the same reference, and its speculative
+output equals its own plain greedy output.
 """
 
 from __future__ import annotations
@@ -199,3 +201,48 @@ def test_prefix_cache_restore_past_the_sliding_window(model, tokenizer):
         a, b = warm.step(token, pos), cold.step(token, pos)
         assert rows_equal(a, b)
         token = int(np.argmax(a))
+
+
+# ------------------------------------------------------------------ gguf-q8: the blocks against q8 activation rows
+
+Q8_BOUND = 6e-2  # max |gguf-q8 - transformers| / max |logit| (measured on these prompts: 4.7e-2)
+Q8_TOP1 = 0.98  # positions whose argmax agrees with transformers' (measured: 953 of 960, 99.3%)
+
+
+@pytest.fixture(scope="module")
+def q8_model(path):
+    return Model.load(path, "gguf-q8")
+
+
+def test_gguf_q8_logits_within_its_bound_and_greedy_choices_agree(q8_model, prompt_ids, plain, reference):
+    """Over each prompt and npud's 128 exact greedy tokens (192 positions x 5 prompts), the same
+    sequences transformers ran."""
+    agree = total = 0
+    for ids, tokens, expected in zip(prompt_ids, plain, reference):
+        got = Forward(q8_model).step_batch_all(ids + tokens, 0)
+        assert np.abs(got - expected).max() <= Q8_BOUND * np.abs(expected).max()
+        agree += int((got.argmax(axis=-1) == expected.argmax(axis=-1)).sum())
+        total += got.shape[0]
+    assert agree >= Q8_TOP1 * total
+
+
+@pytest.fixture(scope="module")
+def plain_q8(q8_model, prompt_ids):
+    return greedy_run(Forward(q8_model), prompt_ids[0], 96)[0]
+
+
+@pytest.mark.parametrize("k", [1, 5, 16])
+def test_gguf_q8_prompt_lookup_equals_its_plain_greedy(q8_model, prompt_ids, plain_q8, k):
+    out, stats = greedy_run(Forward(q8_model, max_batch_rows=32), prompt_ids[0], 96, PromptLookupHead(), k)
+    assert out == plain_q8 and stats.drafted > 0
+
+
+def test_gguf_q8_batched_rows_bit_identical_to_single_steps(q8_model, prompt_ids):
+    ids = prompt_ids[2]
+    batched = Forward(q8_model)
+    batched.prefill(ids[:40])
+    rows = batched.step_batch_all(ids[40:56], 40)
+    single = Forward(q8_model)
+    single.prefill(ids[:40])
+    for i in range(16):
+        assert rows_equal(rows[i], single.step(ids[40 + i], 40 + i))

@@ -10,11 +10,15 @@ from engine.gguf.weights import load_gguf_weights
 from engine.weights import ModelWeights
 
 
-def load_gguf_model(path) -> tuple[ModelConfig, ModelWeights, dict]:
-    """Returns (config, weights, describe_gguf's dict) of a .gguf file, read once; raises
-    ConfigError or WeightsError."""
+GGUF_Q8 = "gguf-q8"  # the weight format that runs a GGUF file's block matrices against q8 activation rows
+
+
+def load_gguf_model(path, q8: bool = False) -> tuple[ModelConfig, ModelWeights, dict]:
+    """Returns (config, weights, describe_gguf's dict) of a .gguf file, read once; q8: block
+    matrices against q8 activation rows (kernels/host/blockq8.c), else the exact float path.
+    Raises ConfigError or WeightsError."""
     g = open_gguf(path)
     cfg = gguf_config(g)
-    weights = load_gguf_weights(g, cfg)
+    weights = load_gguf_weights(g, cfg, q8)
     return cfg, weights, describe_file(g, cfg)
 

@@ -25,7 +25,7 @@ from engine.gguf.reader import GgufFile, GgufTensor
 from engine.weights import AttentionWeights, LayerWeights, MlpWeights, ModelWeights, WeightsError, checkpoint_fingerprint
 from kernels.base import LinearWeight, WeightFormat
 from kernels.ggml.blocks import BlockFormat
-from kernels.ggml.gemm import pack_block_matrix
+from kernels.ggml.gemm import LAYOUT_FLOAT, LAYOUT_Q8, pack_block_matrix
 
 BLOCK_TYPES = {fmt.name: fmt for fmt in BlockFormat}  # ggml type name -> BlockFormat
 DENSE_TYPES = ("F32", "F16", "BF16")
@@ -89,10 +89,11 @@ def dense_array(t: GgufTensor) -> np.ndarray:
     return np.array(t.array(), dtype=np.float32)
 
 
-def _matrix(t: GgufTensor, rows: np.ndarray | None = None) -> LinearWeight:
-    """A [N, K] tensor as a LinearWeight: block types in block form, dense types as they are."""
+def _matrix(t: GgufTensor, rows: np.ndarray | None = None, layout: str = LAYOUT_FLOAT) -> LinearWeight:
+    """A [N, K] tensor as a LinearWeight: block types in block form (`layout`: kernels/ggml/gemm.py),
+    dense types as they are."""
     if t.type_name in BLOCK_TYPES:
-        return pack_block_matrix(t.raw_rows(), BLOCK_TYPES[t.type_name], t.shape[1], rows)
+        return pack_block_matrix(t.raw_rows(), BLOCK_TYPES[t.type_name], t.shape[1], rows, layout)
     if t.type_name == "BF16":
         data = t.array()
         return LinearWeight(WeightFormat.BF16, np.ascontiguousarray(data if rows is None else data[rows]))
@@ -108,12 +109,14 @@ def _unpermute_rows(n_rows: int, num_heads: int) -> np.ndarray:
     return (h * head_dim + 2 * i + s).reshape(-1)
 
 
-def load_gguf_weights(g: GgufFile, cfg: ModelConfig) -> ModelWeights:
-    """Returns the model's weights from a GGUF file whose config is `cfg`.
+def load_gguf_weights(g: GgufFile, cfg: ModelConfig, q8: bool = False) -> ModelWeights:
+    """Returns the model's weights from a GGUF file whose config is `cfg`; q8: block matrices in
+    the layout that multiplies them against q8 activation rows ("gguf-q8"), else the exact float one.
 
     Raises WeightsError for a missing tensor, a wrong shape, or a type npud cannot run.
     """
     check_gguf_tensors(g, cfg)
+    layout = LAYOUT_Q8 if q8 else LAYOUT_FLOAT
     t = g.tensors
     gemma = _is_gemma3(cfg)
     permuted = cfg.model_type in ("llama", "mistral")
@@ -128,7 +131,7 @@ def load_gguf_weights(g: GgufFile, cfg: ModelConfig) -> ModelWeights:
         return one + (w - one) if gemma else w
 
     def linear(name: str, has_bias: bool, rows: np.ndarray | None = None) -> LinearWeight:
-        w = _matrix(t[f"{name}.weight"], rows)
+        w = _matrix(t[f"{name}.weight"], rows, layout)
         if has_bias:
             bias = vector(f"{name}.bias")
             w = dataclasses.replace(w, bias=bias if rows is None else bias[rows])
@@ -156,8 +159,8 @@ def load_gguf_weights(g: GgufFile, cfg: ModelConfig) -> ModelWeights:
         else:
             layers.append(LayerWeights(input_norm=norm(f"{p}attn_norm.weight"), attn=attn,
                                        post_attention_norm=norm(f"{p}ffn_norm.weight"), mlp=mlp))
-    embed = _matrix(t["token_embd.weight"])
-    lm_head = embed if cfg.tie_word_embeddings else _matrix(t["output.weight"])
+    embed = _matrix(t["token_embd.weight"], None, layout)
+    lm_head = embed if cfg.tie_word_embeddings else _matrix(t["output.weight"], None, layout)
     return ModelWeights(embed=embed, layers=layers, final_norm=norm("output_norm.weight"), lm_head=lm_head,
                         fingerprint=checkpoint_fingerprint(g.path))
 

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 
 from kernels.base import FusedLinear, LinearWeight
 from kernels.ggml.blocks import LAYOUTS, BlockFormat
-from kernels.ggml.gemm import block_embed, block_linear, pack_block_matrix
+from kernels.ggml.gemm import LAYOUT_FLOAT, LAYOUT_Q8, block_embed, block_linear, pack_block_matrix
 from kernels.host import CHECK_ROWS, TILE, HostBackend
+from kernels.host.resident import resident_copy
 
 
 def is_block(w: LinearWeight) -> bool:
@@ -27,7 +28,7 @@ class BlockHostBackend(HostBackend):
 
     def prepare_linear(self, w: LinearWeight) -> LinearWeight:
         if is_block(w):
-            if w.layout != "qtiles":
+            if w.layout not in (LAYOUT_FLOAT, LAYOUT_Q8):
                 raise ValueError(f"host backend cannot use {w.fmt.value} weights in layout {w.layout!r}")
             if w.bias is not None:  # the kernel adds it: float32, contiguous
                 w = dataclasses.replace(w, bias=np.ascontiguousarray(w.bias, dtype=np.float32))
@@ -42,24 +43,26 @@ class BlockHostBackend(HostBackend):
             return super().fuse_linears(parts)
         first = parts[0]
         if len(parts) < 2 or any(
-            p.fmt is not first.fmt or p.layout != "qtiles" or p.in_features != first.in_features
+            p.fmt is not first.fmt or p.layout != first.layout or p.in_features != first.in_features
             or (p.bias is None) != (first.bias is None) for p in parts
         ):
             return None
         starts = np.cumsum([0] + [p.data.shape[0] * TILE for p in parts[:-1]]).tolist()
         data = np.concatenate([p.data for p in parts])
         factors = np.concatenate([p.scale for p in parts])
+        if first.layout == LAYOUT_Q8:  # huge pages, as pack_block_matrix's
+            data, factors = resident_copy(data), resident_copy(factors)
         bias = None
         if first.bias is not None:
             bias = np.zeros(data.shape[0] * TILE, np.float32)
             for p, s in zip(parts, starts):
                 bias[s : s + p.out_features] = p.bias
-        fused = LinearWeight(first.fmt, data, factors, bias, "qtiles", data.shape[0] * TILE, first.in_features)
+        fused = LinearWeight(first.fmt, data, factors, bias, first.layout, data.shape[0] * TILE, first.in_features)
         views = []
         for p, s in zip(parts, starts):
             tiles = slice(s // TILE, s // TILE + p.data.shape[0])
             views.append(LinearWeight(p.fmt, data[tiles], factors[tiles],
-                                      None if bias is None else bias[s : s + p.out_features], "qtiles",
+                                      None if bias is None else bias[s : s + p.out_features], first.layout,
                                       p.out_features, p.in_features))
         return FusedLinear(fused, tuple(views), tuple(starts))
 
@@ -79,9 +82,9 @@ class BlockHostBackend(HostBackend):
         return block_embed(table, tokens)
 
 
-def random_block_weight(fmt: BlockFormat, n: int, k: int, seed: int = 0) -> LinearWeight:
+def random_block_weight(fmt: BlockFormat, n: int, k: int, seed: int = 0, layout: str = LAYOUT_FLOAT) -> LinearWeight:
     """A [n, k] weight of random blocks with finite scales (for self-checks and tests)."""
-    return pack_block_matrix(random_block_rows(fmt, n, k, seed), fmt, k)
+    return pack_block_matrix(random_block_rows(fmt, n, k, seed), fmt, k, layout=layout)
 
 
 def random_block_rows(fmt: BlockFormat, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -109,11 +112,33 @@ def check_block_invariance(backend, rows: int = CHECK_ROWS, k: int = 512, n: int
     block size and k chunk size of the kernel (blockgemm.c), K = 512 two of the largest chunks.
     """
     x = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32)
+    x[rows // 2] *= 1e-3  # a row of another magnitude: its own q8 block scales
     failures = []
-    for fmt in BlockFormat:
-        w = backend.prepare_linear(random_block_weight(fmt, n, k, seed))
-        single = np.concatenate([backend.linear(x[i : i + 1], w) for i in range(rows)])
-        for m in range(1, rows + 1):
-            if not np.array_equal(backend.linear(x[:m], w).view(np.uint32), single[:m].view(np.uint32)):
-                failures.append(f"{fmt.value} M={m}")
+    for layout in (LAYOUT_FLOAT, LAYOUT_Q8):
+        tag = "" if layout == LAYOUT_FLOAT else "/q8"
+        for fmt in BlockFormat:
+            w = backend.prepare_linear(random_block_weight(fmt, n, k, seed, layout))
+            single = np.concatenate([backend.linear(x[i : i + 1], w) for i in range(rows)])
+            for m in range(1, rows + 1):
+                if not np.array_equal(backend.linear(x[:m], w).view(np.uint32), single[:m].view(np.uint32)):
+                    failures.append(f"{fmt.value}{tag} M={m}")
+            if layout == LAYOUT_Q8:
+                failures += _isa_failures(backend, x, w, single, f"{fmt.value}{tag}")
+    return failures
+
+
+def _isa_failures(backend, x: np.ndarray, w: LinearWeight, best: np.ndarray, name: str) -> list[str]:
+    """The q8 block kernel on every slower ISA path this CPU has (down to the generic C) against the
+    path in use: one-row calls and the whole M-row call must give the same bits on each."""
+    from kernels.host import native
+
+    in_use = native.isa()
+    failures = []
+    try:
+        for path in native.ISA_NAMES[: native.ISA_NAMES.index(in_use)]:
+            native.set_isa(path)
+            if not np.array_equal(backend.linear(x, w).view(np.uint32), best.view(np.uint32)):
+                failures.append(f"{name} isa={path}")
+    finally:
+        native.set_isa(in_use)
     return failures

@@ -21,18 +21,27 @@ from kernels.base import LinearWeight
 from kernels.ggml.blocks import LAYOUTS, BlockFormat
 from kernels.host import native
 from kernels.host.formats import PARALLEL_MIN_BYTES
+from kernels.host.resident import resident_copy
 
 TILE = native.TILE
 _PACK_ROWS = TILE * 256  # rows unpacked per step while packing, to bound temporaries
 
 
-def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarray | None = None) -> LinearWeight:
+LAYOUT_FLOAT, LAYOUT_Q8 = "qtiles", "q8blocks"  # widened into the float chain; integer sums against q8 rows
+
+
+def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarray | None = None,
+                      layout: str = LAYOUT_FLOAT) -> LinearWeight:
     """A [N, K] block matrix (raw GGUF rows, [N, row bytes] uint8) laid out in tiles.
 
     rows: an optional row order (row i of the result is raw row rows[i]), for checkpoints
-    whose rows are stored permuted. Returns a LinearWeight with layout "qtiles". Raises
-    ValueError for a row width that does not hold K weights of `fmt`.
+    whose rows are stored permuted. layout: "qtiles" (q tiles [T, K, TILE] int8, the exact
+    float path: blockgemm.c) or "q8blocks" (q + 128 as uint8 [T, K / 4, TILE, 4], against q8
+    activation rows: blockq8.c); both with factor tiles [T, K / g, P, TILE]. Raises ValueError
+    for a row width that does not hold K weights of `fmt`, or an unknown layout.
     """
+    if layout not in (LAYOUT_FLOAT, LAYOUT_Q8):
+        raise ValueError(f"unknown block layout {layout!r}")
     from kernels.ggml.blocks import unpack_matrix
 
     lay = LAYOUTS[fmt]
@@ -41,7 +50,8 @@ def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarra
         raise ValueError(f"{fmt.value}: a row of {k} weights is not a whole number of {lay.block_weights}-weight blocks")
     tiles = -(-n // TILE)
     parts = 2 if lay.has_offset else 1
-    q_tiles = np.zeros((tiles, k, TILE), np.int8)
+    q8 = layout == LAYOUT_Q8
+    q_tiles = np.full((tiles, k // 4, TILE, 4), 128, np.uint8) if q8 else np.zeros((tiles, k, TILE), np.int8)
     f_tiles = np.zeros((tiles, k // lay.group, parts, TILE), np.float32)
     for r0 in range(0, n, _PACK_ROWS):
         r1 = min(n, r0 + _PACK_ROWS)
@@ -50,9 +60,15 @@ def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarra
         for i0 in range(r0, r1, TILE):
             i1 = min(r1, i0 + TILE)
             t = i0 // TILE
-            q_tiles[t, :, : i1 - i0] = q[i0 - r0 : i1 - r0].T
+            if q8:  # column c's k = 4 i + j at [t, i, c, j]; padded columns hold q = 0 (128)
+                part = q[i0 - r0 : i1 - r0].astype(np.int16) + 128
+                q_tiles[t, :, : i1 - i0, :] = part.astype(np.uint8).reshape(i1 - i0, k // 4, 4).transpose(1, 0, 2)
+            else:
+                q_tiles[t, :, : i1 - i0] = q[i0 - r0 : i1 - r0].T
             f_tiles[t, :, :, : i1 - i0] = factors[i0 - r0 : i1 - r0].transpose(1, 2, 0)
-    return LinearWeight(fmt=fmt, data=q_tiles, scale=f_tiles, layout="qtiles", out_features=n, in_features=k)
+    if q8:  # huge pages: a one-row call streams them faster (kernels/host/resident.py)
+        q_tiles, f_tiles = resident_copy(q_tiles), resident_copy(f_tiles)
+    return LinearWeight(fmt=fmt, data=q_tiles, scale=f_tiles, layout=layout, out_features=n, in_features=k)
 
 
 def block_linear(x: np.ndarray, w: LinearWeight, parallel: bool) -> np.ndarray:
@@ -62,15 +78,22 @@ def block_linear(x: np.ndarray, w: LinearWeight, parallel: bool) -> np.ndarray:
         raise ValueError(f"linear: x has shape {x.shape}, weight expects [M, {w.in_features}]")
     # by weight size alone, so a step and a verify of the same layer take the same path
     parallel = parallel and w.data.nbytes >= PARALLEL_MIN_BYTES
-    out = native.linear_qtiles(x, w.data, w.scale, w.out_features, w.bias, parallel)
+    kernel = native.linear_bq8 if w.layout == LAYOUT_Q8 else native.linear_qtiles
+    out = kernel(x, w.data, w.scale, w.out_features, w.bias, parallel)
     return out[:, : w.out_features]
 
 
 def block_embed(table: LinearWeight, tokens: np.ndarray) -> np.ndarray:
-    """Rows of a "qtiles" table widened to float32: tokens [M] (in range) -> [M, D]."""
+    """Rows of a "qtiles" or "q8blocks" table widened to float32: tokens [M] (in range) -> [M, D]."""
+    if table.layout == LAYOUT_Q8:
+        from kernels.ggml.blocks import widen
+
+        tiles, cols = tokens // TILE, tokens % TILE
+        q = (table.data[tiles, :, cols, :].astype(np.int16) - 128).astype(np.int8).reshape(len(tokens), -1)
+        return widen(q, np.ascontiguousarray(table.scale[tiles, :, :, cols]))
     return native.gather_qtiles(table.data, table.scale, np.ascontiguousarray(tokens, dtype=np.int64))
 
 
 def dense_weights(w: LinearWeight) -> np.ndarray:
-    """The float32 [N, K] weights of a "qtiles" LinearWeight (for tests and references)."""
+    """The float32 [N, K] weights of a "qtiles" or "q8blocks" LinearWeight (for tests and references)."""
     return block_embed(w, np.arange(w.out_features, dtype=np.int64))

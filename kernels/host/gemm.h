@@ -1,6 +1,7 @@
 /* What the host GEMM's files share: the job a call becomes, its constants and the inline
  * helpers every kernel path uses. gemm.c: the float and q8 kernels and the ISA choice;
- * bf16dot.c: the bf16-dot format; blockgemm.c: GGML block weights; pool.c: the thread pool that
+ * bf16dot.c: the bf16-dot format; blockgemm.c: GGML block weights; blockq8.c: GGML block weights
+ * against q8 rows; pool.c: the thread pool that
  * runs a job's tiles. */
 #ifndef NPUD_GEMM_H
 #define NPUD_GEMM_H
@@ -24,7 +25,7 @@
 #define MAXR_Q8 4       /* q8: 4 x 4 int32 accumulators (the float ones wait in the output) */
 #define PF_BYTES 1024   /* software prefetch distance in the weight stream */
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2, FMT_Q8 = 3, FMT_BD = 4, FMT_QT = 5 };
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2, FMT_Q8 = 3, FMT_BD = 4, FMT_QT = 5, FMT_BQ = 6 };
 /* ISA_AVX512_BF16: VNNI and AVX512_BF16 (every CPU with the latter has the former) */
 enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_VNNI = 3, ISA_AVX512_BF16 = 4 };
 
@@ -68,6 +69,9 @@ INTERNAL int isa_in_use(void);
 INTERNAL job_t *job_new(long ntiles, size_t extra);
 INTERNAL void *job_extra(job_t *j, long ntiles);
 INTERNAL long dispatch(job_t *j, int threads);
+
+/* gemm.c: rows of x [M, K] in q8 blocks of QB (zero-padded to Kp); blockq8.c uses it too */
+void npud_quantize_q8(const float *x, long M, long K, long Kp, int8_t *xq, float *xs, int32_t *xsum);
 
 /* ------------------------------------------------------------------ row blocks */
 

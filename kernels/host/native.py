@@ -65,7 +65,7 @@ ISA_NAMES = ("generic", "avx2", "avx512", "avx512-vnni", "avx512-bf16")  # each 
 FMT_F32, FMT_BF16, FMT_I8, FMT_Q8 = 0, 1, 2, 3
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("gemm.c", "bf16dot.c", "blockgemm.c", "pool.c", "attention.c", "pointwise.c"))
+                for name in ("gemm.c", "bf16dot.c", "blockgemm.c", "blockq8.c", "pool.c", "attention.c", "pointwise.c"))
 # the library's name covers them too: gemm.h (what the GEMM sources share), vexp.h (the exponential
 # attention.c and pointwise.c share)
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("gemm.h", "vexp.h"))
@@ -148,6 +148,8 @@ def library() -> ctypes.CDLL:
             lib.npud_linear_bd.restype = _L
             lib.npud_linear_qtiles.argtypes = [_P, _L, _L, _P, _P, _L, _L, _L, _L, _P, _P, _I]
             lib.npud_linear_qtiles.restype = _L
+            lib.npud_linear_bq8.argtypes = [_P, _L, _L, _P, _P, _L, _L, _L, _L, _P, _P, _I]
+            lib.npud_linear_bq8.restype = _L
             lib.npud_gather_qtiles.argtypes = [_P, _P, _L, _L, _L, _P, _L, _P]
             lib.npud_gather_qtiles.restype = None
             lib.npud_round_bf16.argtypes = [_P, _L, _L, _L, _P]
@@ -364,6 +366,20 @@ def linear_qtiles(x: np.ndarray, q: np.ndarray, f: np.ndarray, n: int, bias: np.
     if _call((_lib or library()).npud_linear_qtiles, (q, f, bias), _addr(x), m, k, _weight_ptr(q), _weight_ptr(f),
              k // f.shape[1], f.shape[2], tiles, n, _weight_ptr(bias), _addr(out), threads() if parallel else 1) < 0:
         raise MemoryError(f"no memory for a transposed copy of a [{m}, {k}] activation")
+    return out
+
+
+def linear_bq8(x: np.ndarray, q: np.ndarray, f: np.ndarray, n: int, bias: np.ndarray | None,
+               parallel: bool) -> np.ndarray:
+    """x: [M, K] f32 quantized per row in q8 blocks, GGML block weights as q tiles [T, K / 4, TILE, 4]
+    uint8 (q + 128) and factor tiles [T, K / g, P, TILE] f32 (blockq8.c) -> [M, T * TILE] f32.
+    Raises MemoryError when the row buffer cannot be allocated."""
+    m, k = x.shape
+    tiles = q.shape[0]
+    out = np.empty((m, tiles * TILE), np.float32)
+    if _call((_lib or library()).npud_linear_bq8, (q, f, bias), _addr(x), m, k, _weight_ptr(q), _weight_ptr(f),
+             k // f.shape[1], f.shape[2], tiles, n, _weight_ptr(bias), _addr(out), threads() if parallel else 1) < 0:
+        raise MemoryError(f"no memory for the q8 rows of a [{m}, {k}] activation")
     return out
 
 

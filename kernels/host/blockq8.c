@@ -1,0 +1,209 @@
+#include "gemm.h"
+
+/* ------------------------------------------------------------------ GGML block weights against q8 rows */
+/* The "gguf-q8" path: GGUF block weights (kernels/ggml/q8gemm.py lays them out) multiplied by
+ * activations quantized per row in blocks of QB = 32 (npud_quantize_q8: llama.cpp's q8_0
+ * rounding, d = max|x| / 127, q = round(x / d)), with exact integer sums.
+ *
+ * Weights: q tiles [ntiles, K / 4, TILE, 4] uint8 holding q + 128 (q the block's small integer,
+ * kernels/ggml/blocks.py), factor tiles [ntiles, K / g, P, TILE] float32 (S, then D for P = 2),
+ * g = 32 (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K) or 16 (Q6_K). Weight (n, k) is S * q (- D): gguf's own
+ * dequantized weight. For row m and column n, over the weight groups G = 0, 1, ... in k order:
+ *   i_G = sum over the group's k of q[n,k] * xq[m,k]            (exact, int32: any order)
+ *   v   = (float) i_G * S_G                                      (one rounding)
+ *   v   = fma(-D_G, (float) s_G, v)   (P = 2; s_G = sum of the group's xq, exact)
+ *   acc = fma(v, d[m, b(G)], acc)     (d: the row's scale of the activation block holding G)
+ * then y = acc + bias[n] (if any). Every value in the chain is row m's own, so a row's bits do
+ * not depend on the other rows; integer sums are exact, so VNNI's vpdpbusd (u8 x s8 in groups
+ * of four, with the sum started at -128 * s_G to undo the + 128), the AVX2 build and the generic
+ * C give the same bits. Rows go in blocks of MAXR_Q8, groups in chunks when there are several
+ * blocks (the partial sums wait in the output, stored and reloaded exactly), threads take whole
+ * tiles (pool.c). */
+
+#define BQ_KC 512 /* k per chunk when several row blocks share a tile's weights (32 KiB of them) */
+
+static inline __attribute__((always_inline)) void bq_gen_block(const job_t *j, long t, float *o, long ldo, long r0,
+                                                               long R, long g0, long g1) {
+    const long K = j->K, g = j->group, P = j->parts, ng = K / g, nb = K / QB;
+    const uint8_t *wt = (const uint8_t *)j->w + (size_t)t * K * TILE;
+    const float *ft = j->fac + (size_t)t * ng * P * TILE;
+    float acc[MAXR_Q8][TILE];
+    int32_t isum[TILE];
+    for (long r = 0; r < R; r++)
+        for (int c = 0; c < TILE; c++) acc[r][c] = g0 == 0 ? 0.0f : o[r * ldo + c];
+    for (long G = g0; G < g1; G++) {
+        const float *f = ft + G * P * TILE;
+        for (long r = 0; r < R; r++) {
+            const int8_t *xq = j->xq + (r0 + r) * K + G * g;
+            const int32_t s = j->xsum[(r0 + r) * ng + G];
+            for (int c = 0; c < TILE; c++) isum[c] = -128 * s;
+            for (long k4 = 0; k4 < g / 4; k4++) {
+                const uint8_t *wp = wt + ((size_t)G * (g / 4) + k4) * TILE * 4;
+                for (int c = 0; c < TILE; c++)
+                    for (int i = 0; i < 4; i++) isum[c] += (int32_t)xq[k4 * 4 + i] * (int32_t)wp[c * 4 + i];
+            }
+            const float d = j->xs[(r0 + r) * nb + G * g / QB], sf = (float)s;
+            for (int c = 0; c < TILE; c++) {
+                float v = (float)isum[c] * f[c];
+                if (P == 2) v = fmaf(-f[TILE + c], sf, v);
+                acc[r][c] = fmaf(v, d, acc[r][c]);
+            }
+        }
+    }
+    for (long r = 0; r < R; r++)
+        for (int c = 0; c < TILE; c++)
+            o[r * ldo + c] = g1 == ng ? store_value(j, acc[r][c], t * TILE + c) : acc[r][c];
+}
+
+/* Rows r0 .. r0 + R - 1 (output row r at o + r * ldo) x 64 columns for groups [g0, g1): per group, 4R int32 sums by vpdpbusd (each weight
+ * vector loaded once for the R rows), then the float step into 4R float accumulators: in registers
+ * up to 2 rows, past that in o (L1: the driver's row buffer), so that the registers hold the int32
+ * sums (measured 1.2-1.5x at 8 and 64 rows on Zen 4). */
+static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R, const int P, const int g,
+                                                                     const job_t *j, long t, float *o, long ldo,
+                                                                     long r0, long g0, long g1) {
+    const long K = j->K, ng = K / g, nb = K / QB;
+    const uint8_t *wt = (const uint8_t *)j->w + (size_t)t * K * TILE;
+    const float *ft = j->fac + (size_t)t * ng * P * TILE;
+    const int8_t *xq = j->xq + r0 * K;
+    const float *xs = j->xs + r0 * nb;
+    const int32_t *xsum = j->xsum + r0 * ng;
+    __m512 acc[MAXR_Q8][4];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < 4; v++)
+            acc[r][v] = g0 == 0 || R > 2 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + r * ldo + 16 * v);
+    for (long G = g0; G < g1; G++) {
+        __m512i isum[MAXR_Q8][4];
+        for (int r = 0; r < R; r++) {
+            const __m512i init = _mm512_set1_epi32(-128 * xsum[r * ng + G]);
+            for (int v = 0; v < 4; v++) isum[r][v] = init;
+        }
+        const uint8_t *wg = wt + (size_t)G * g * TILE;
+        for (int k4 = 0; k4 < g / 4; k4++) {
+            const uint8_t *wp = wg + (size_t)k4 * TILE * 4;
+            _mm_prefetch((const char *)wp + PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)wp + PF_BYTES + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)wp + PF_BYTES + 128, _MM_HINT_T0);
+            _mm_prefetch((const char *)wp + PF_BYTES + 192, _MM_HINT_T0);
+            const __m512i w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 64);
+            const __m512i w2 = _mm512_loadu_si512(wp + 128), w3 = _mm512_loadu_si512(wp + 192);
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                memcpy(&four, xq + r * K + G * g + k4 * 4, 4);
+                const __m512i xb = _mm512_set1_epi32(four);
+                isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w0, xb);
+                isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w1, xb);
+                isum[r][2] = _mm512_dpbusd_epi32(isum[r][2], w2, xb);
+                isum[r][3] = _mm512_dpbusd_epi32(isum[r][3], w3, xb);
+            }
+        }
+        const float *f = ft + G * P * TILE;
+        _mm_prefetch((const char *)(f + 4 * P * TILE), _MM_HINT_T0);
+        for (int r = 0; r < R; r++) {
+            const __m512 d = _mm512_set1_ps(xs[r * nb + G * g / QB]);
+            const __m512 sf = _mm512_set1_ps((float)xsum[r * ng + G]);
+            for (int v = 0; v < 4; v++) {
+                __m512 val = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][v]), _mm512_loadu_ps(f + 16 * v));
+                if (P == 2) val = _mm512_fnmadd_ps(_mm512_loadu_ps(f + TILE + 16 * v), sf, val);
+                if (R <= 2) {
+                    acc[r][v] = _mm512_fmadd_ps(val, d, acc[r][v]);
+                } else { /* more rows: the float sums wait in o (L1), the registers hold the int32 ones */
+                    float *p = o + r * ldo + 16 * v;
+                    _mm512_storeu_ps(p, _mm512_fmadd_ps(val, d, G == g0 && g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(p)));
+                }
+            }
+        }
+    }
+    const int last = g1 == ng;
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < 4; v++) {
+            if (R > 2) acc[r][v] = _mm512_loadu_ps(o + r * ldo + 16 * v);
+            if (last) store16(j, o + r * ldo + 16 * v, acc[r][v], t * TILE + 16 * v, 1);
+            else _mm512_storeu_ps(o + r * ldo + 16 * v, acc[r][v]);
+        }
+}
+
+#define BQ_ROWS(P, g)                                                                                \
+    switch (R) {                                                                                     \
+    case 1: bq_vnni_rows(1, P, g, j, t, o, ldo, r0, g0, g1); break;                                  \
+    case 2: bq_vnni_rows(2, P, g, j, t, o, ldo, r0, g0, g1); break;                                  \
+    case 3: bq_vnni_rows(3, P, g, j, t, o, ldo, r0, g0, g1); break;                                  \
+    default: bq_vnni_rows(4, P, g, j, t, o, ldo, r0, g0, g1); break;                                 \
+    }
+
+static inline __attribute__((always_inline)) TVNNI void bq_vnni_block(const job_t *j, long t, float *o, long ldo,
+                                                                      long r0, long R, long g0, long g1) {
+    if (j->parts == 2) {
+        BQ_ROWS(2, 32)
+    } else if (j->group == 16) {
+        BQ_ROWS(1, 16)
+    } else {
+        BQ_ROWS(1, 32)
+    }
+}
+
+/* One tile for every row: row blocks of at most MAXR_Q8 rows; with several blocks, groups go in
+ * chunks of BQ_KC k so the chunk of the tile stays in cache while every block runs over it. Several
+ * rows go through a buffer of BQ_ROWS x 64 (rows 256 bytes apart) and are copied out at the end:
+ * the output's rows lie N floats apart, a multiple of 4 KiB for wide layers, so that the rows'
+ * partial sums written straight into it share a few cache sets (gemma's head: 3x slower at 8 rows). */
+#define BQ_ROWS 64
+#define BQ_DRIVER(NAME, ATTR, BLOCK)                                                                 \
+    ATTR static void NAME(const job_t *j, long t, float *o, long ldo) {                              \
+        const long ng = j->K / j->group;                                                             \
+        if (j->M == 1) {                                                                             \
+            BLOCK(j, t, o, ldo, 0, 1, 0, ng);                                                        \
+            return;                                                                                  \
+        }                                                                                            \
+        float buf[BQ_ROWS * TILE] __attribute__((aligned(64)));                                      \
+        for (long m0 = 0; m0 < j->M; m0 += BQ_ROWS) {                                                \
+            const long mr = j->M - m0 < BQ_ROWS ? j->M - m0 : BQ_ROWS;                               \
+            const long nblocks = (mr + MAXR_Q8 - 1) / MAXR_Q8;                                       \
+            const long chunk = nblocks == 1 ? ng : BQ_KC / j->group;                                 \
+            for (long g0 = 0; g0 < ng; g0 += chunk) {                                                \
+                const long g1 = g0 + chunk < ng ? g0 + chunk : ng;                                   \
+                for (long i = 0; i < nblocks; i++) {                                                 \
+                    long r0, rn;                                                                     \
+                    row_block(mr, MAXR_Q8, i, nblocks, &r0, &rn);                                    \
+                    BLOCK(j, t, buf + r0 * TILE, TILE, m0 + r0, rn, g0, g1);                         \
+                }                                                                                    \
+            }                                                                                        \
+            for (long r = 0; r < mr; r++) memcpy(o + (m0 + r) * ldo, buf + r * TILE, TILE * sizeof(float)); \
+        }                                                                                            \
+    }
+
+BQ_DRIVER(tile_bq_generic, __attribute__((noinline)), bq_gen_block)
+BQ_DRIVER(tile_bq_avx2, __attribute__((noinline, target("avx2,fma"))), bq_gen_block)
+BQ_DRIVER(tile_bq_avx512, __attribute__((noinline)) T512, bq_gen_block)
+BQ_DRIVER(tile_bq_vnni, __attribute__((noinline)) TVNNI, bq_vnni_block)
+
+/* out[M, ntiles*TILE] = x[M, K] @ W.T (+ bias [N] or NULL) for block weights against q8 rows:
+ * q [ntiles, K / 4, TILE, 4] uint8 (q + 128), fac [ntiles, K / group, parts, TILE] float32; K a
+ * multiple of QB and of group. Returns as npud_gemm (gemm.c). */
+long npud_linear_bq8(const float *x, long M, long K, const uint8_t *q, const float *fac, long group, long parts,
+                     long ntiles, long N, const float *bias, float *out, int threads) {
+    const long nb = K / QB, ng = K / group;
+    const size_t qbytes = ((size_t)M * K + 63) / 64 * 64;
+    job_t *j = job_new(ntiles, qbytes + (size_t)M * nb * (sizeof(float) + sizeof(int32_t)) +
+                                   (size_t)M * ng * sizeof(int32_t));
+    if (!j) return -1;
+    int8_t *xq = job_extra(j, ntiles);
+    float *xs = (float *)((char *)xq + qbytes);
+    int32_t *bsum = (int32_t *)(xs + M * nb);
+    int32_t *gsum = bsum + M * nb;
+    npud_quantize_q8(x, M, K, K, xq, xs, bsum);
+    for (long m = 0; m < M; m++) /* the sum of each weight group's int8 activations (exact) */
+        for (long G = 0; G < ng; G++) {
+            int32_t s = 0;
+            for (long k = G * group; k < (G + 1) * group; k++) s += xq[m * K + k];
+            gsum[m * ng + G] = s;
+        }
+    j->fmt = FMT_BQ, j->M = M, j->K = K, j->w = q, j->fac = fac, j->group = group, j->parts = parts;
+    j->ntiles = ntiles, j->N = N, j->bias = bias, j->out = out, j->xq = xq, j->xs = xs, j->xsum = gsum;
+    const int isa = isa_in_use();
+    j->tile = isa >= ISA_AVX512_VNNI ? tile_bq_vnni
+              : isa == ISA_AVX512    ? tile_bq_avx512
+              : isa == ISA_AVX2      ? tile_bq_avx2
+                                     : tile_bq_generic;
+    return dispatch(j, threads);
+}

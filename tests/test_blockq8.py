@@ -1,0 +1,112 @@
+"""GGUF block weights against q8 activation rows (the "gguf-q8" format, kernels/host/blockq8.c):
+the layout holds gguf's own weights, the kernel computes the chain blockq8.c documents (exact
+integer group sums, then one float step per group in k order), on every ISA path and thread
+count, and a row's bits do not depend on the other rows."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kernel_fixtures import _fma32, isa_and_threads  # noqa: F401  (a fixture)
+from kernels.ggml.backend import BlockHostBackend, check_block_invariance, random_block_rows
+from kernels.ggml.blocks import LAYOUTS, BlockFormat, unpack_matrix, widen
+from kernels.ggml.gemm import LAYOUT_Q8, dense_weights, pack_block_matrix
+from kernels.host import QB, TILE, native
+
+K = 512
+
+
+def _paths() -> list[str]:
+    return list(native.ISA_NAMES[: native.ISA_NAMES.index(native.best_isa()) + 1])
+
+
+def _reference(x: np.ndarray, q: np.ndarray, factors: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """blockq8.c's chain in numpy: per group G of g weights, i = exact sum of q * xq, v = f32(i) * S,
+    v = fma(-D, f32(sum xq), v) (with an offset), acc = fma(v, d[block of G], acc); then + bias."""
+    xq, xs, _ = native.quantize_q8(x, x.shape[1])
+    m, n, g = x.shape[0], q.shape[0], q.shape[1] // factors.shape[1]
+    acc = np.zeros((m, n), np.float32)
+    for G in range(factors.shape[1]):
+        ks = slice(G * g, (G + 1) * g)
+        isum = xq[:, ks].astype(np.int64) @ q[:, ks].astype(np.int64).T  # [M, N], exact
+        v = isum.astype(np.float32) * factors[None, :, G, 0]
+        if factors.shape[2] == 2:
+            s = xq[:, ks].astype(np.int64).sum(axis=1).astype(np.float32)
+            v = _fma32(-np.broadcast_to(factors[None, :, G, 1], (m, n)), np.repeat(s[:, None], n, axis=1), v)
+        acc = _fma32(v, np.repeat(xs[:, G * g // QB][:, None], n, axis=1), acc)
+    return acc + bias
+
+
+@pytest.mark.parametrize("fmt", list(BlockFormat))
+def test_layout_holds_ggufs_weights_and_the_kernel_computes_the_documented_chain(fmt, isa_and_threads):
+    raw = random_block_rows(fmt, 70, K, seed=5)
+    q, factors = unpack_matrix(raw, fmt, K)
+    w = pack_block_matrix(raw, fmt, K, layout=LAYOUT_Q8)
+    assert w.layout == LAYOUT_Q8 and w.data.shape == (2, K // 4, TILE, 4) and w.data.dtype == np.uint8
+    dense = widen(q, factors)
+    assert np.array_equal(dense_weights(w).view(np.uint32), dense.view(np.uint32))
+    b = BlockHostBackend(parallel=True)
+    rows = np.array([69, 0, 64, 63, 7])
+    assert np.array_equal(b.embed(w, rows).view(np.uint32), dense[rows].view(np.uint32))
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((9, K)).astype(np.float32)
+    x[3] *= 1e-4  # a row of another magnitude
+    bias = rng.standard_normal(70).astype(np.float32)
+    expected = _reference(x, q, factors, bias)
+    wb = b.prepare_linear(dataclasses.replace(w, bias=bias))
+    for path in _paths():
+        assert native.set_isa(path) == path
+        for threads in (1, 2):
+            native.set_threads(threads)
+            assert np.array_equal(b.linear(x, wb).view(np.uint32), expected.view(np.uint32)), (path, threads)
+
+
+@pytest.mark.parametrize("fmt", [BlockFormat.Q5_0, BlockFormat.Q4_K, BlockFormat.Q6_K])
+def test_every_path_and_thread_count_gives_the_same_bits_for_every_row_count(fmt, isa_and_threads):
+    """Rows 1..64 in one call (every row block size, one and several k chunks at K = 1024), on
+    each path and thread count, equal the one-row calls of the best path."""
+    b = BlockHostBackend(parallel=True)
+    w = b.prepare_linear(pack_block_matrix(random_block_rows(fmt, 136, 1024, seed=2), fmt, 1024, layout=LAYOUT_Q8))
+    x = np.random.default_rng(3).standard_normal((64, 1024)).astype(np.float32)
+    native.set_isa(None)
+    single = np.concatenate([b.linear(x[i : i + 1], w) for i in range(64)]).view(np.uint32)
+    for path in _paths():
+        native.set_isa(path)
+        for threads in (1, 3):
+            native.set_threads(threads)
+            for m in (1, 5, 8, 17, 64):
+                assert np.array_equal(b.linear(x[:m], w).view(np.uint32), single[:m]), (path, threads, m)
+
+
+def test_start_up_check_covers_the_q8_layout_on_every_path():
+    """check_block_invariance runs both layouts; a backend whose q8 rows depend on the batch fails
+    it with the q8 layout's names (the other layout's rows are its own)."""
+    assert check_block_invariance(BlockHostBackend()) == []
+
+    class SharedScale(BlockHostBackend):  # every row quantized with the first row's block scales
+        def linear(self, x, w):
+            if w.layout != LAYOUT_Q8 or x.shape[0] == 1:
+                return super().linear(x, w)
+            xq, xs, _ = native.quantize_q8(x, x.shape[1])
+            return (xq * np.repeat(xs[:1], QB, axis=1)) @ dense_weights(w).T
+
+    failures = check_block_invariance(SharedScale(), rows=6)
+    assert failures and all("/q8 M=" in f or "/q8 isa=" in f for f in failures)
+    assert {f.split(" ")[0] for f in failures} == {f"{fmt.value}/q8" for fmt in BlockFormat}
+
+
+def test_gguf_q8_needs_a_gguf_file(tmp_path):
+    from engine.model import Model
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="gguf-q8.*GGUF"):
+        Model.load(tmp_path, "gguf-q8")
+
+
+def test_groups_and_offsets_are_the_block_types():
+    # the kernel takes g = 16 only with one factor (Q6_K) and the offset only with g = 32
+    for fmt, lay in LAYOUTS.items():
+        assert (lay.group, lay.has_offset) in ((32, False), (32, True), (16, False)), fmt

@@ -1,0 +1,134 @@
+"""The break-even rule's cost model (engine/pass_costs.py): calibrated once and cached, it decides
+the fallback from the tokens alone, so the same prompt makes the same speculation choices with
+the CPU busy as without."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine.api import SpecParams
+from engine.drafters import PromptLookupHead
+from engine.forward import Forward
+from engine.model import Model
+from engine.pass_costs import PassCosts, calibration_key, load_or_calibrate
+from engine.sampling import Sampler
+from engine.speculative import DecodeStats, speculative_decode
+from engine.testing.checkpoints import build_tiny_checkpoint
+from test_speculative import N, OracleHead, ToyBase, run_spec
+
+
+class CostedBase(ToyBase):
+    """ToyBase (its clock: a step 1.0, each verify row 0.25 more) with an injected cost model."""
+
+    def __init__(self, ratios, **kw):
+        super().__init__(**kw)
+        self.costs = PassCosts(tuple(ratios), "injected")
+
+    def pass_costs(self):
+        return self.costs
+
+
+class FreeOracle(OracleHead):
+    drafts_free = True
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from test_speculative import run_plain
+
+    return run_plain(n=N + 16)[0]
+
+
+@pytest.mark.parametrize("five_rows, quality, falls_back", [
+    (3.5, "half", True),  # t1 + 2 of 4 drafts = 3 tokens < 3.5 steps: fall back (the clock's 2.25 would keep it)
+    (1.2, "garbage", True),  # 1 token < 1.2 steps
+    (0.9 + 0.1, "garbage", False),  # a 5-row pass costing one step: t1 alone pays for it (the clock says 2.25)
+])
+def test_injected_costs_decide_whatever_the_clock_says(reference, five_rows, quality, falls_back):
+    ratios = [1.0, 1.0, 1.0, 1.0, five_rows, five_rows, five_rows, five_rows]
+    base = CostedBase(ratios, row_cost=10.0)  # the clock: a 5-row verify 51 steps; ignored
+    out, _, stats, _ = run_spec(FreeOracle(reference, quality), k=4, fallback_rounds=1, base=base)
+    assert out == reference[:N]
+    assert stats.fell_back is falls_back
+    assert stats.cost_model == {"source": "injected", "ratios": ratios, "key": ""}
+    assert stats.as_dict()["cost_model"] == stats.cost_model
+    if falls_back:
+        fb = stats.fallbacks[0]
+        produced = 3 if quality == "half" else 1
+        assert fb.round == 1 and fb.cost_ratio == pytest.approx(five_rows)
+        # t1 plus (cost - 1) accepted drafts of the 4 pay for the round
+        assert fb.break_even_acceptance == pytest.approx((five_rows - 1) / 4)
+        assert fb.acceptance == pytest.approx((produced - 1) / 4)
+        assert "calibrated pass costs" in fb.message
+
+
+def test_without_free_drafts_or_costs_the_clock_decides(reference):
+    # a head that does not say its drafts are free: the measured times (a 5-row verify 2.25 steps)
+    out, _, stats, _ = run_spec(OracleHead(reference, "half"), k=4, fallback_rounds=1,
+                                base=CostedBase([1.0] * 4 + [3.5] * 4))
+    assert out == reference[:N] and not stats.fell_back and stats.cost_model is None
+
+
+def test_pass_costs_are_validated():
+    with pytest.raises(ValueError, match="ratios"):
+        PassCosts((2.0, 3.0), "injected")
+    assert PassCosts((1.0, 1.5), "injected").rows(4) == pytest.approx(3.0)
+
+
+PROMPT = [11, 57, 200, 3, 98, 140, 7, 77, 31, 11, 57, 200, 3, 98, 11, 57, 200, 5, 98, 140, 7]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("costs")
+    return Model.load(build_tiny_checkpoint(root / "qwen3", model_type="qwen3"), "fp32"), root / "cache"
+
+
+def _decisions(model) -> tuple:
+    f = Forward(model, max_batch_rows=8)
+    f.prefill(PROMPT[:-1])
+    stats = DecodeStats()
+    config = SpecParams(k=6, fallback_rounds=1, reprobe_after=3)
+    for _ in speculative_decode(f, PromptLookupHead(), PROMPT, max_new_tokens=96, sampler=Sampler(),
+                                on_token=lambda t: None, stats=stats, config=config):
+        pass
+    return stats.rounds, stats.drafted, stats.accepted, stats.plain_steps, [(b.round, b.emitted) for b in stats.fallbacks]
+
+
+def test_calibration_is_cached_per_key_and_monotone(tiny):
+    model, cache = tiny
+    first = load_or_calibrate(model, 2, 8, cache / "own")
+    again = load_or_calibrate(model, 2, 8, cache / "own")
+    assert again.source == "cached" and again.ratios == first.ratios and again.key == first.key
+    assert first.ratios[0] == 1.0 and list(first.ratios) == sorted(first.ratios) and len(first.ratios) == 8
+    assert calibration_key(model, 1, 8) != first.key != calibration_key(model, 2, 16)
+
+
+def test_same_speculation_decisions_with_a_cpu_hog_running(tiny):
+    """The table as a calibration left it in the cache (a fixed one here, so that the prompt's
+    decisions are known to include both outcomes), then the same run quiet and under a hog."""
+    model, cache = tiny
+    key = calibration_key(model, 2, 8)
+    (cache / "pass-costs").mkdir(parents=True, exist_ok=True)
+    (cache / "pass-costs" / f"{key}.json").write_text(json.dumps({"ratios": [1.0 + 0.15 * r for r in range(8)]}))
+    model.pass_costs = load_or_calibrate(model, 2, 8, cache)
+    try:
+        quiet = _decisions(model)
+        rounds, _, _, _, fallbacks = quiet
+        assert rounds > len(fallbacks) > 0  # both outcomes of the rule occur on this prompt
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+        try:
+            model.pass_costs = load_or_calibrate(model, 2, 8, cache)  # a later load: the cached table
+            assert model.pass_costs.source == "cached"
+            busy = [_decisions(model) for _ in range(2)]
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
+        assert busy == [quiet, quiet]
+    finally:
+        model.pass_costs = None
