@@ -342,7 +342,10 @@ async def test_stream_and_cancel_of_finished_and_unknown_jobs(nursery, workdir):
 
 
 async def test_a_preempted_batch_job_continues_in_a_new_ticket(nursery, workdir):
-    daemon = await start(nursery, make_config(workdir, knobs={"tokens_per_round": 1, "round_sleep_s": 0.01}))
+    # without batching (max_batch 1): a waiting interactive request preempts the batch ticket
+    # (test_npud_batching.py has it joining the batch instead)
+    daemon = await start(nursery, make_config(workdir, knobs={"tokens_per_round": 1, "round_sleep_s": 0.01},
+                                              batching={"max_batch": 1}))
     async with await connect(daemon) as c:
         batch = (await c.submit(["b0", "b1"], max_tokens=30))["job"]
         with trio.fail_after(5):
@@ -362,7 +365,8 @@ async def test_a_preempted_batch_job_continues_in_a_new_ticket(nursery, workdir)
 
 async def test_a_result_finished_after_an_error_line_is_not_kept(nursery, workdir):
     knobs = {"tokens_per_round": 1, "round_sleep_s": 0.05}
-    daemon = await start(nursery, make_config(workdir, knobs=knobs))
+    # one prompt at a time (max_batch 1), so that one is committed before the error line
+    daemon = await start(nursery, make_config(workdir, knobs=knobs, batching={"max_batch": 1}))
     prompts = [f"p{i}" for i in range(4)]
     async with await connect(daemon) as c:
         job = (await c.submit(prompts, max_tokens=4))["job"]
@@ -386,8 +390,8 @@ async def test_a_result_finished_after_an_error_line_is_not_kept(nursery, workdi
 async def test_a_failed_npu_run_faults_the_ticket_quarantines_and_commits_nothing_of_it(nursery, workdir):
     fault = workdir / "fault"
     cfg = make_config(workdir, knobs={"tokens_per_round": 2, "fault_file": str(fault), "fault_prompt": "second",
-                                      "fault_at_token": 4})
-    daemon = await start(nursery, cfg)
+                                      "fault_at_token": 4}, batching={"max_batch": 1})
+    daemon = await start(nursery, cfg)  # one prompt at a time: the first is committed before the fault
     daemon.owner.fw_version = "1.5.2.380"  # what sysfs fw_version says on an NPU machine
     fault.touch()
     async with await connect(daemon) as c:
