@@ -327,7 +327,7 @@ class DeviceOwner:
         if job.error is not None:
             return
         try:
-            await self.jobs.commit_result(job, prompt, body, tokens)
+            await self.jobs.commit_result(job, prompt, body, tokens, batch.ticket)
         except StoreError as exc:
             job.error = store_api_error(exc)
             batch.drop_job(job)

@@ -340,9 +340,11 @@ class JobManager:
         self.publish(job, "ticket", self._ticket_event(job, holder))
         await self._write_state(job, left)
 
-    async def commit_result(self, job: Job, prompt: int, body: dict, tokens: int) -> None:
-        """Record one finished prompt; raises StoreError when it could not be written."""
-        await self.db(self.store.add_result, job.id, prompt, body, tokens)
+    async def commit_result(self, job: Job, prompt: int, body: dict, tokens: int, ticket: Ticket | None = None) -> None:
+        """Record one finished prompt (and the state of the ticket it ran under, which then
+        tells what rode it even after a crash); raises StoreError when it could not be written."""
+        await self.db(self.store.add_result, job.id, prompt, body, tokens,
+                      ticket=None if ticket is None else ticket.to_wire())
         job.last_result = {"prompt": prompt, **body}
         job.done_prompts.add(prompt)
         self.publish(job, "progress", {"prompt": prompt, "finish_reason": body.get("finish_reason"),

@@ -207,11 +207,13 @@ class Store:
         ))
         self._write("updating a job", statements)
 
-    def add_result(self, job_id: int, prompt: int, body: dict, tokens: int) -> None:
-        """Record one prompt's result (exactly once: a second one for the same prompt is an error)."""
+    def add_result(self, job_id: int, prompt: int, body: dict, tokens: int, *, ticket: dict | None = None) -> None:
+        """Record one prompt's result (exactly once: a second one for the same prompt is an error),
+        and with `ticket` (its wire form) the ticket it was made under, in the same commit."""
         self._write("recording a result", [
             ("INSERT INTO results (job_id, prompt, body) VALUES (?, ?, ?)", (job_id, prompt, json.dumps(body))),
             ("UPDATE jobs SET tokens = tokens + ? WHERE id = ?", (tokens, job_id)),
+            *([] if ticket is None else [_ticket_upsert(ticket)]),
         ])
 
     def job(self, job_id: int) -> dict | None:
