@@ -245,3 +245,28 @@ def test_batching_settings_are_checked_by_name(tmp_path, value, fragment):
             parse_config({"batching": {name: 0}})
     cfg = parse_config({"batching": {"max_batch": 16, "max_batch_positions": 4096, "prefill_budget": 32}})
     assert (cfg.batching.max_batch, cfg.batching.max_batch_positions, cfg.batching.prefill_budget) == (16, 4096, 32)
+
+
+def test_a_ticket_is_found_by_every_job_that_rode_it_and_users_see_only_their_own(tmp_path):
+    from npud.jobs import JobManager
+    from npud.store import Store
+
+    store = Store.open(tmp_path)
+    ids = [store.insert_job(owner_uid=uid, priority="batch", interactive=False, model="m", request={},
+                            num_prompts=1, created_at=1.0) for uid in (100, 200, 100)]
+    ticket = {"ticket": 1, "job": ids[0], "priority": "batch", "state": "released", "outcome": "done",
+              "reason": None, "queued_at": 1.0, "granted_at": 2.0, "released_at": 3.0, "thermal_c": None,
+              "errors_at_grant": 0, "errors_at_release": 0, "fault_lines": [], "tokens": 9, "drafted": 0,
+              "accepted": 0, "sequences": [{"job": ids[0], "prompt": 0, "owner_uid": 100},
+                                           {"job": ids[1], "prompt": 0, "owner_uid": 200}]}
+    store.save_ticket(ticket)
+    assert [t["ticket"] for t in store.tickets(job_id=ids[1])] == [1]  # it rode ticket 1
+    assert store.tickets(job_id=ids[2]) == []
+    [row] = store.tickets(owner_uid=200)
+    assert row["jobs"] == [ids[0], ids[1]] and row["owner_uid"] == 100
+    mine = JobManager._own_view(row, 200)  # user 200 rode user 100's ticket
+    assert (mine["job"], mine["owner_uid"], mine["jobs"], mine["other_sequences"]) == (None, None, [ids[1]], 1)
+    assert [s["job"] for s in mine["sequences"]] == [ids[1]]
+    lead = JobManager._own_view(row, 100)
+    assert (lead["job"], lead["jobs"], lead["other_sequences"]) == (ids[0], [ids[0]], 1)
+    store.close()
