@@ -141,6 +141,10 @@ async def set_aside_run(daemon, logs):
         assert await texts(c, a) == [fakes.expected_text("a0", 40), fakes.expected_text("a1", 40)]
         assert (await c.status(a))["tokens"] == 80
         assert await texts(c, b) == [fakes.expected_text("q0", 5), fakes.expected_text("q1", 5)]
+        # one ticket carried all three jobs and generated each token once: a set-aside session
+        # was resumed, not restarted
+        [held] = await tickets(c, a)
+        assert held["jobs"] == [a, now["job"], b] and held["tokens"] == 80 + 4 + 10
 
 
 async def test_a_cancelled_job_leaves_the_batch_and_the_others_finish_as_alone(nursery, workdir):
@@ -196,6 +200,26 @@ async def test_a_fault_mid_batch_requeues_every_job_on_the_ticket_and_commits_no
         await wait_state(c, d)
         assert await texts(c, d) == [fakes.expected_text("d0", 20)]
         assert daemon.store.job(a)["tokens"] == 24 and daemon.store.job(d)["tokens"] == 20  # committed once
+        # after the fault every unfinished prompt ran again from its start: no session of the
+        # faulted ticket was trusted
+        after = [t for t in await tickets(c, a) if t["ticket"] > faulted["ticket"]]
+        assert sum(t["tokens"] for t in after) == 24 + 20
+    daemon.request_stop()
+
+
+async def test_an_error_line_during_a_round_commits_nothing_that_round_finished(nursery, workdir):
+    daemon = await start(nursery, make_config(workdir, knobs={"tokens_per_round": 1, "round_sleep_s": 0.05}))
+    prompts = ["e0", "e1", "e2"]
+    async with await connect(daemon) as c:
+        job = (await c.submit(prompts, max_tokens=8))["job"]
+        await wait_tokens(c, job, 6)  # two rounds of the three; the eighth finishes all three
+        with open(workdir / "kmsg", "a") as f:
+            f.write(f"3,1,1,-;{fakes.KMSG_ERROR}\n")
+        await wait_state(c, job, ("queued",))
+        assert (await c.result(job))["results"] == []
+        await c.device_clear()
+        await wait_state(c, job)
+        assert await texts(c, job) == [fakes.expected_text(p, 8) for p in prompts]
     daemon.request_stop()
 
 
