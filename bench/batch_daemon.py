@@ -6,12 +6,14 @@
    whether every text is byte-identical between the modes.
 2. An interactive request (`complete`) joining a running batch job of 8 sequences: its
    inter-token gaps (p50, p95) against the same request alone (solo step), alternating.
+3. (--overhead) The daemon's own CPU per sequence-round, batched and sequential, on the test
+   suite's fake engine (tests/test_npud_support.py: no engine time), in this process.
 
 Every row carries /proc/loadavg at its start. Greedy decoding, no speculation (spec none),
 prompts that differ from their first token (no prefix-cache reuse between them).
 
 Run: .venv/bin/python bench/batch_daemon.py [--rounds 2] [--models pycode,gemma-3-270m]
-     [--max-tokens 32] [--threads 2]
+     [--max-tokens 32] [--threads 2];  .venv/bin/python bench/batch_daemon.py --overhead [--rounds 3]
 """
 
 from __future__ import annotations
@@ -188,6 +190,41 @@ def kv_bytes_per_position(model: str, gemma: Path | None) -> tuple[float, float]
     return allocated / positions, held / positions
 
 
+def overhead(rounds: int) -> None:
+    """The daemon's CPU per sequence-round on the fake engine: a 64-prompt job of 32 tokens each."""
+    import shutil
+
+    import trio
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import test_npud_support as fakes
+    from clients.client import AsyncClient
+
+    async def run(max_batch: int) -> tuple[float, float]:
+        d = fakes.short_tempdir()
+        cfg = fakes.make_config(d, knobs={"tokens_per_round": 1}, batching={"max_batch": max_batch})
+        async with trio.open_nursery() as n:
+            daemon = await fakes.start(n, cfg)
+            async with await AsyncClient.connect(cfg.server.socket_path) as c:
+                wall, cpu = time.perf_counter(), time.process_time()
+                job = (await c.submit([f"p{i}" for i in range(64)], max_tokens=32))["job"]
+                while (await c.status(job))["state"] != "done":
+                    await trio.sleep(0.02)
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            daemon.request_stop()
+        shutil.rmtree(d)
+        return wall, cpu
+
+    print("\n## The daemon's CPU per sequence-round (fake engine, 64 prompts x 32 tokens, this process)\n")
+    print("| round | mode | wall s | CPU ms per sequence-round | load |")
+    print("|---|---|---|---|---|")
+    for r in range(rounds):
+        for max_batch in ((1, 8) if r % 2 == 0 else (8, 1)):
+            at = load()
+            wall, cpu = trio.run(run, max_batch)
+            print(f"| {r} | max_batch {max_batch} | {wall:.2f} | {cpu / 2048 * 1000:.3f} | {at} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
@@ -195,7 +232,11 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--overhead", action="store_true", help="only part 3, the daemon's own CPU")
     args = ap.parse_args()
+    if args.overhead:
+        overhead(args.rounds)
+        return 0
     gemma = gemma_path()
     models = [m for m in args.models.split(",") if m != "gemma-3-270m" or gemma is not None]
     print(f"# bench/batch_daemon.py: {args.prompts}-prompt jobs, max_tokens {args.max_tokens}, greedy, "
