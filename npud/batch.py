@@ -57,7 +57,8 @@ class RunningBatch:
         self.model = lead.spec.model
         self.jobs: list[Job] = [lead]  # riders still in it, lead first, in join order
         self.running: list[Sequence] = []  # the next round's sequences, in the order they started running
-        self.sizes: dict[tuple[int, int], int] = {}  # (job, prompt) -> positions, measured once
+        # (job, prompt) -> positions, or why the prompt cannot run: measured once
+        self.sizes: dict[tuple[int, int], int | Exception] = {}
         self.ended: list[tuple[Job, JobState]] = []  # the jobs whose end ended the ticket, finished with it
 
     def priority(self) -> Priority:

@@ -272,17 +272,20 @@ class DeviceOwner:
         if prompt in job.sequences:
             return job.sequences[prompt].positions
         key = (job.id, prompt)
-        if key not in batch.sizes:
+        if key not in batch.sizes:  # measured once: tokenizing a long prompt takes a while
             try:
                 batch.sizes[key] = await self.engine_call(self._measure, served, job, prompt)
             except DeviceFault:
                 raise
             except Exception as exc:
-                if not committing:
-                    return 0
-                await self._commit(batch, job, prompt, {"error": prompt_error(exc).to_wire()}, 0)
-                return None
-        return batch.sizes[key]
+                batch.sizes[key] = exc
+        size = batch.sizes[key]
+        if not isinstance(size, Exception):
+            return size
+        if not committing:
+            return 0
+        await self._commit(batch, job, prompt, {"error": prompt_error(size).to_wire()}, 0)
+        return None
 
     async def _round(self, batch: RunningBatch, served: ServedModel) -> bool:
         """One batched engine round of the running sequences; their events go to their jobs'
