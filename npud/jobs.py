@@ -24,7 +24,7 @@ from npud.jobspec import JobSpec
 from npud.memtrim import Trimmer
 from npud.protocol import ApiError, ErrorCode
 from npud.store import Store, StoreCode, StoreError
-from npud.tickets import Outcome, Priority, Ticket, TicketQueue, TicketState, YieldReason
+from npud.tickets import Outcome, Priority, Ticket, TicketQueue, TicketState, YieldReason, owner_view
 
 log = structlog.get_logger(__name__)
 
@@ -477,21 +477,8 @@ class JobManager:
                 stored = [granted.to_wire() if t["ticket"] == granted.id else t for t in stored]
         merged = sorted(live + stored, key=lambda t: -t["ticket"])
         if owner is not None:
-            merged = [self._own_view(t, owner) for t in merged]
+            merged = [owner_view(t, owner) for t in merged]
         return merged[:limit]
-
-    @staticmethod
-    def _own_view(ticket: dict, owner: int) -> dict:
-        """A ticket as a user who is not an admin sees it: other users' jobs on it are counted,
-        not named (job ids of other users cannot be probed for)."""
-        mine = [s for s in ticket.get("sequences", []) if s["owner_uid"] == owner]
-        lead_mine = ticket.get("owner_uid") == owner
-        out = {**ticket, "sequences": mine, "other_sequences": len(ticket.get("sequences", [])) - len(mine),
-               "jobs": [j for j in ticket.get("jobs", []) if (j == ticket["job"] and lead_mine)
-                        or any(s["job"] == j for s in mine)]}
-        if not lead_mine:
-            out["job"] = out["owner_uid"] = None
-        return out
 
     async def prune(self, retention_days: float) -> int:
         cutoff = self.wall() - retention_days * 86400.0

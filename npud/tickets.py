@@ -300,3 +300,17 @@ class TicketQueue:
         for t in self._queued:
             out[t.priority.label] += 1
         return out
+
+
+def owner_view(ticket: dict, owner: int) -> dict:
+    """A ticket's wire form as a user who is not an admin sees it: other users' jobs on it
+    (a batch they shared) are counted, not named, so job ids of other users cannot be probed for."""
+    sequences = ticket.get("sequences", [])
+    mine = [s for s in sequences if s["owner_uid"] == owner]
+    lead_mine = ticket.get("owner_uid") == owner
+    out = {**ticket, "sequences": mine, "other_sequences": len(sequences) - len(mine),
+           "jobs": [j for j in ticket.get("jobs", []) if (j == ticket["job"] and lead_mine)
+                    or any(s["job"] == j for s in mine)]}
+    if not lead_mine:
+        out["job"] = out["owner_uid"] = None
+    return out

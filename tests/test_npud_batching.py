@@ -272,8 +272,8 @@ def test_batching_settings_are_checked_by_name(tmp_path, value, fragment):
 
 
 def test_a_ticket_is_found_by_every_job_that_rode_it_and_users_see_only_their_own(tmp_path):
-    from npud.jobs import JobManager
     from npud.store import Store
+    from npud.tickets import owner_view
 
     store = Store.open(tmp_path)
     ids = [store.insert_job(owner_uid=uid, priority="batch", interactive=False, model="m", request={},
@@ -288,9 +288,9 @@ def test_a_ticket_is_found_by_every_job_that_rode_it_and_users_see_only_their_ow
     assert store.tickets(job_id=ids[2]) == []
     [row] = store.tickets(owner_uid=200)
     assert row["jobs"] == [ids[0], ids[1]] and row["owner_uid"] == 100
-    mine = JobManager._own_view(row, 200)  # user 200 rode user 100's ticket
+    mine = owner_view(row, 200)  # user 200 rode user 100's ticket
     assert (mine["job"], mine["owner_uid"], mine["jobs"], mine["other_sequences"]) == (None, None, [ids[1]], 1)
     assert [s["job"] for s in mine["sequences"]] == [ids[1]]
-    lead = JobManager._own_view(row, 100)
+    lead = owner_view(row, 100)
     assert (lead["job"], lead["jobs"], lead["other_sequences"]) == (ids[0], [ids[0]], 1)
     store.close()
