@@ -33,8 +33,8 @@ async def connect(daemon) -> AsyncClient:
     return await AsyncClient.connect(daemon.cfg.server.socket_path)
 
 
-async def wait_state(client, job, states=("done",)):
-    with trio.fail_after(20):
+async def wait_state(client, job, states=("done",), timeout=20):
+    with trio.fail_after(timeout):
         while (status := await client.status(job))["state"] not in states:
             await trio.sleep(0.01)
     return status
@@ -250,7 +250,7 @@ async def test_a_stream_that_falls_behind_is_cut_off_not_the_job(nursery, workdi
         await stream.send_all(b'{"id": 1, "method": "stream", "params": {"job": %d}}\n' % job)
         await trio.sleep(0.1)  # subscribed; now let the rounds run without reading
         daemon.queue.set_thermal(hold=False, abort=False)
-        await wait_state(c, job)
+        await wait_state(c, job, timeout=120)  # 20000 rounds: slow on a busy machine
         data = b""
         with trio.fail_after(5):
             while b'"ok":false' not in data:
