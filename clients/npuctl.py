@@ -205,7 +205,9 @@ def build_parser() -> Parser:
 
     p = add("jobs", cmd_jobs, "list jobs",
             "List jobs, newest first: yours, or everyone's with --all-users (admin). Columns: job, user, state, "
-            "priority, model, prompts done/total, tokens, created, finished, error.")
+            "priority, model, prompts done/total, tokens, ticket (the one an unfinished job waits with, holds or "
+            "rides: jobs with the same ticket share the device in one batch; with its prompts running now), "
+            "created, finished, error.")
     p.add_argument("--state", action="append", choices=("queued", "running", "done", "failed", "cancelled"),
                    help="only jobs in this state (repeatable)")
     p.add_argument("--all-users", action="store_true", help="every user's jobs (needs the admin group)")
@@ -213,7 +215,7 @@ def build_parser() -> Parser:
     p.add_argument("--before", type=job_id, metavar="JOB", help="only jobs older than JOB (for paging)")
 
     p = add("status", cmd_status, "show one job",
-            "Show a job's state, progress, queue position, times and error.")
+            "Show a job's state, progress, ticket and running prompts, queue position, times and error.")
     p.add_argument("job", type=job_id, metavar="JOB", help="a job id, from `npuctl submit` or `npuctl jobs`")
 
     p = add("result", cmd_result, "print a job's results",
@@ -230,14 +232,15 @@ def build_parser() -> Parser:
     p = add("tickets", cmd_tickets, "show the ticket history (device holds)",
             "Show the history of device holds, newest first, as a table: ticket, job, user, priority, "
             "queued/granted/released times, wait, outcome (with the reason for preempted or failed), "
-            "temperature at grant, amdxdna error counts at grant->release, tokens, acceptance. "
-            "Non-admin users see the tickets of their own jobs.",
+            "temperature at grant, amdxdna error counts at grant->release, tokens, acceptance, sequences (how "
+            "many prompts ran under the ticket and, when it was shared in a batch, the jobs that rode it). "
+            "Non-admin users see the tickets of their own jobs and those their jobs rode.",
             epilog="times for --since/--until: Unix seconds, a time ago (30s, 10m, 2h, 1d), or an ISO date/time "
                    "in local time (2026-11-29, 2026-11-29T09:30)")
     p.add_argument("--since", type=when, metavar="TIME", help="only tickets queued at or after TIME")
     p.add_argument("--until", type=when, metavar="TIME", help="only tickets queued before TIME")
-    p.add_argument("--job", type=job_id, metavar="JOB", help="only the tickets of JOB")
-    p.add_argument("--outcome", choices=("done", "cancelled", "failed", "faulted", "preempted"),
+    p.add_argument("--job", type=job_id, metavar="JOB", help="only the tickets JOB held or rode")
+    p.add_argument("--outcome", choices=("done", "cancelled", "failed", "faulted", "preempted", "joined"),
                    help="only released tickets with this outcome")
     p.add_argument("--state", choices=("queued", "granted", "released"), help="only tickets in this state")
     p.add_argument("--limit", type=int, metavar="N", help="at most N tickets (1..1000, default 100)")

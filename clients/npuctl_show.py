@@ -28,11 +28,21 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         emit_json(reply)
         return EXIT_OK
     rows = [[j["job"], user_name(j.get("owner_uid")), j["state"], j.get("priority"), j.get("model"), _prompts(j),
-             j.get("tokens"), fmt_time(j.get("created_at")), fmt_time(j.get("finished_at")),
+             j.get("tokens"), _ticket(j), fmt_time(j.get("created_at")), fmt_time(j.get("finished_at")),
              (j.get("error") or {}).get("message")] for j in reply["jobs"]]
-    print_table(sys.stdout, ["job", "user", "state", "priority", "model", "prompts", "tokens", "created",
+    print_table(sys.stdout, ["job", "user", "state", "priority", "model", "prompts", "tokens", "ticket", "created",
                              "finished", "error"], rows, tty=is_tty(sys.stdout))
     return EXIT_OK
+
+
+def _ticket(j: dict) -> str:
+    """The ticket an unfinished job holds, rides or waits with, and its prompts running now:
+    jobs that show the same ticket share the device in one batch."""
+    ticket = j.get("ticket")
+    if ticket is None:
+        return "-"
+    running = j.get("running_prompts") or []
+    return f"{ticket}" + (f" ({len(running)} running)" if running else "")
 
 
 def _status_fields(s: dict) -> list[tuple[str, Any]]:
@@ -40,7 +50,9 @@ def _status_fields(s: dict) -> list[tuple[str, Any]]:
     return [
         ("job", s["job"]), ("user", user_name(s.get("owner_uid"))), ("state", s["state"]),
         ("priority", s.get("priority")), ("model", s.get("model")), ("prompts", _prompts(s)),
-        ("tokens", s.get("tokens")), ("tickets", s.get("tickets")), ("queue position", s.get("queue_position")),
+        ("tokens", s.get("tokens")), ("tickets", s.get("tickets")), ("ticket", _ticket(s)),
+        ("running prompts", " ".join(str(p) for p in s.get("running_prompts") or []) or None),
+        ("queue position", s.get("queue_position")),
         ("created", fmt_time(s.get("created_at"))), ("started", fmt_time(s.get("started_at"))),
         ("finished", fmt_time(s.get("finished_at"))), ("cancel requested", s.get("cancel_requested")),
         ("error", None if not error else f"{error.get('message')} ({error.get('code')})"),
@@ -149,11 +161,27 @@ def ticket_row(t: dict, owner: int | None) -> list[Any]:
     return [t["ticket"], t["job"], user_name(owner), t.get("priority"), fmt_time(t.get("queued_at")),
             fmt_time(t.get("granted_at")), fmt_time(t.get("released_at")), fmt_duration(_wait_s(t)), outcome,
             "-" if temp is None else f"{temp:.1f}C", errors, t.get("tokens"),
-            fmt_rate(int(t.get("accepted") or 0), int(t.get("drafted") or 0))]
+            fmt_rate(int(t.get("accepted") or 0), int(t.get("drafted") or 0)), _shared(t)]
+
+
+def _shared(t: dict) -> str:
+    """The sequences that ran in a ticket and, when it was shared, the jobs that rode it:
+    "3" (one job, three prompts), "5: 12,14,15" (five sequences of jobs 12, 14 and 15), with
+    "+N" for other users' sequences."""
+    sequences = t.get("sequences") or []
+    if not sequences and not t.get("other_sequences"):
+        return "-"
+    jobs = t.get("jobs") or []
+    out = str(len(sequences) + int(t.get("other_sequences") or 0))
+    if len(jobs) > 1 or t.get("other_sequences"):
+        out += ": " + ",".join(str(j) for j in jobs)
+    if t.get("other_sequences"):
+        out += f" +{t['other_sequences']} of others"
+    return out
 
 
 TICKET_HEADERS = ["ticket", "job", "user", "priority", "queued", "granted", "released", "wait", "outcome", "temp",
-                  "errors", "tokens", "accept"]
+                  "errors", "tokens", "accept", "sequences"]
 
 
 def cmd_tickets(args: argparse.Namespace) -> int:

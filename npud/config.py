@@ -188,6 +188,32 @@ class SchedulerConfig:
         _positive("scheduler.quantum_ms", self.quantum_ms)
 
 
+MAX_BATCH_LIMIT = 256  # sequences in one running batch, at most (engine rows per round grow with it)
+
+
+@dataclass(slots=True, frozen=True)
+class BatchingConfig:
+    # Sequences of one model advanced together, one batched engine round at a time: a batch
+    # job's prompts and interactive requests that join at a round boundary. 1: no batching
+    # (each ticket runs one prompt of one job at a time).
+    max_batch: int = 8
+    # The context positions (prompt tokens + max_tokens, each clamped to the model's context)
+    # of the running sequences, summed: the KV memory they may come to hold. A sequence that
+    # does not fit waits; one sequence alone always runs.
+    max_batch_positions: int = 32768
+    # Prompt rows that sequences still prefilling may take in one round between them, so a long
+    # prompt joining does not stall the running sequences' steps (engine.api run_batch).
+    prefill_budget: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_batch_positions", "prefill_budget"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DaemonConfigError(f"batching.{name}", value, "must be a whole number of at least 1")
+        if self.max_batch > MAX_BATCH_LIMIT:
+            raise DaemonConfigError("batching.max_batch", self.max_batch, f"must be at most {MAX_BATCH_LIMIT}")
+
+
 @dataclass(slots=True, frozen=True)
 class DeviceConfig:
     accel_dir: str = "/dev/accel"
@@ -311,6 +337,7 @@ class DaemonConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     thermal: ThermalConfig = field(default_factory=ThermalConfig)
     errors: ErrorsConfig = field(default_factory=ErrorsConfig)
@@ -435,7 +462,7 @@ def _build(cls: type, raw: Any, section: str) -> Any:
 
 _SECTIONS = {
     "server": ServerConfig, "limits": LimitsConfig, "store": StoreConfig, "scheduler": SchedulerConfig,
-    "device": DeviceConfig, "thermal": ThermalConfig, "errors": ErrorsConfig, "logging": LoggingConfig,
+    "batching": BatchingConfig, "device": DeviceConfig, "thermal": ThermalConfig, "errors": ErrorsConfig, "logging": LoggingConfig,
     "metrics": MetricsConfig, "http": HttpConfig,
 }
 

@@ -23,16 +23,17 @@ from typing import TypeVar
 import structlog
 import trio
 
-from engine.api import DeviceFault, EngineError, FinishReason, GenerationResult, ServedModel, Session
+from engine.api import DeviceFault, EngineError, GenerationResult, ServedModel
+from npud.batch import Kind, RunningBatch
 from npud.config import DaemonConfig
 from npud.guards import ErrorCountGuard, ThermalGuard
-from npud.jobs import Job, JobManager, store_api_error
+from npud.jobs import Job, JobManager, JobState, Sequence, store_api_error
 from npud.jobspec import api_error
 from npud.metrics import Metrics
 from npud.protocol import ApiError, ErrorCode
 from npud.registry import ModelRegistry
 from npud.store import StoreError
-from npud.tickets import Outcome, Quarantine, Ticket, TicketQueue, YieldReason
+from npud.tickets import Outcome, Priority, Quarantine, Ticket, TicketQueue, YieldReason
 
 log = structlog.get_logger(__name__)
 
@@ -79,6 +80,19 @@ def prompt_error(exc: Exception) -> ApiError:
     return ApiError(ErrorCode.INTERNAL_ERROR, "the engine failed on this prompt; the daemon log has the details")
 
 
+_ENDED = {JobState.DONE: Outcome.DONE, JobState.CANCELLED: Outcome.CANCELLED, JobState.FAILED: Outcome.FAILED}
+
+
+def ended_outcome(ticket: Ticket, ended: list[tuple[Job, JobState]]) -> tuple[Outcome, str | None, None]:
+    """A ticket that ends because nothing rides it any more ends as its own job did when that
+    job ended it, else as the first job that did (done when none did now)."""
+    if not ended:
+        return Outcome.DONE, None, None
+    job, state = next(((j, s) for j, s in ended if j.id == ticket.job_id), ended[0])
+    reason = job.error.code if state is JobState.FAILED and job.error is not None else None
+    return _ENDED[state], reason, None
+
+
 class DeviceOwner:
     def __init__(self, cfg: DaemonConfig, queue: TicketQueue, jobs: JobManager, registry: ModelRegistry,
                  thermal: ThermalGuard, errors: ErrorCountGuard, metrics: Metrics | None = None) -> None:
@@ -116,22 +130,23 @@ class DeviceOwner:
         await self._idle.wait()
 
     async def hold(self, ticket: Ticket) -> None:
-        job = self.jobs.active[ticket.job_id]
+        lead = self.jobs.active[ticket.job_id]
+        batch = RunningBatch(ticket, lead)
         ticket.errors_at_grant = self.errors.poll()
         ticket.thermal_c = self.thermal.reading_c
         ticket.fw_version = self.fw_version
-        with structlog.contextvars.bound_contextvars(job=job.id, ticket=ticket.id):
+        with structlog.contextvars.bound_contextvars(job=lead.id, ticket=ticket.id):
             log.info("ticket_granted", priority=ticket.priority.label, thermal_c=ticket.thermal_c,
                      waited_ms=round((ticket.granted_at - ticket.queued_at) * 1000, 1))
             outcome, reason, yielded = Outcome.FAILED, None, None
             try:
-                await self.jobs.on_granted(job, ticket)
-                outcome, reason, yielded = await self._work(job, ticket)
-            except ApiError as exc:
-                job.error, outcome, reason = exc, Outcome.FAILED, exc.code
-            except StoreError as exc:  # a result that could not be committed
-                job.error = store_api_error(exc)
-                outcome, reason = Outcome.FAILED, job.error.code
+                await self.jobs.on_granted(lead, ticket)
+                outcome, reason, yielded = await self._work(batch)
+            except (ApiError, StoreError) as exc:  # the model did not load, or the store failed
+                error = exc if isinstance(exc, ApiError) else store_api_error(exc)
+                for job in batch.jobs:
+                    job.error = error
+                outcome, reason = Outcome.FAILED, error.code
             except trio.Cancelled:
                 outcome, reason, yielded = Outcome.PREEMPTED, YieldReason.SHUTDOWN.value, YieldReason.SHUTDOWN
                 raise
@@ -142,71 +157,186 @@ class DeviceOwner:
                     ticket.fault_lines = (f"{type(exc).__name__}: {exc}",)
                 else:
                     log.exception("device_owner_error")
-                    job.error = ApiError(ErrorCode.INTERNAL_ERROR, "the job failed in the daemon; its log has the details")
+                    for job in batch.jobs:
+                        job.error = ApiError(ErrorCode.INTERNAL_ERROR,
+                                             "the job failed in the daemon; its log has the details")
                     outcome, reason = Outcome.FAILED, ErrorCode.INTERNAL_ERROR.value
             finally:
                 with trio.CancelScope(shield=True):
-                    ticket.errors_at_release = self.errors.poll()
-                    if ticket.errors_at_release > ticket.errors_at_grant:
-                        if outcome is not Outcome.FAULTED:
-                            reason = "amdxdna_errors"
-                        outcome, yielded = Outcome.FAULTED, None
-                        ticket.fault_lines += tuple(self.errors.lines_since(ticket.errors_at_grant))
-                    if outcome is Outcome.FAULTED:
-                        job.error = None  # whatever failed, the job runs again once the device is cleared
-                        await self.quarantine(job, ticket, reason)
-                    self.queue.release(ticket, outcome, reason)
-                    log.info("ticket_released", outcome=outcome.value, reason=reason, tokens=ticket.tokens,
-                             held_ms=round((ticket.released_at - ticket.granted_at) * 1000, 1))
-                    await self.jobs.on_released(job, ticket, yielded)
+                    await self._release(batch, outcome, reason, yielded)
 
-    async def _work(self, job: Job, ticket: Ticket) -> tuple[Outcome, str | None, YieldReason | None]:
-        """Run the job's prompts until it is done or must yield; returns (outcome, reason, yielded).
+    async def _release(self, batch: RunningBatch, outcome: Outcome, reason: str | None,
+                       yielded: YieldReason | None) -> None:
+        """End the hold: a grown error count faults it; every rider still in the batch is
+        requeued (or finished with the ticket's outcome), the jobs that ended it are finished."""
+        ticket = batch.ticket
+        ticket.errors_at_release = self.errors.poll()
+        if ticket.errors_at_release > ticket.errors_at_grant:
+            if outcome is not Outcome.FAULTED:
+                reason = "amdxdna_errors"
+            outcome, yielded = Outcome.FAULTED, None
+            ticket.fault_lines += tuple(self.errors.lines_since(ticket.errors_at_grant))
+        if outcome is Outcome.FAULTED:
+            for job in batch.jobs:
+                job.error = None  # whatever failed, the job runs again once the device is cleared
+            await self.quarantine(ticket, reason)
+        self.queue.release(ticket, outcome, reason)
+        log.info("ticket_released", outcome=outcome.value, reason=reason, tokens=ticket.tokens,
+                 jobs=len(ticket.jobs), sequences=len(ticket.sequences),
+                 held_ms=round((ticket.released_at - ticket.granted_at) * 1000, 1))
+        for job, state in batch.ended:
+            await self.jobs.finish(job, state, ticket=ticket)
+        for job in batch.jobs:
+            await self.jobs.on_released(job, ticket, yielded)
 
-        A prompt that fails (an engine error, or an exception the engine should not have raised)
-        gets that failure as its result and the next prompt runs."""
-        served = await self._model(job)
-        while (prompt := job.next_prompt()) is not None:
-            session = job.session if job.session_prompt == prompt else None
-            if session is None and job.cancel_requested:
-                return Outcome.CANCELLED, None, None
+    async def _work(self, batch: RunningBatch) -> tuple[Outcome, str | None, YieldReason | None]:
+        """Run rounds of the batch until nothing rides it or it must yield; returns (outcome,
+        reason, yielded). Each round boundary: the error count, cancellations, joins, the jobs
+        that ended, the queue's question (yield?), then one batched engine round."""
+        ticket = batch.ticket
+        served = await self._model(batch.jobs[0])
+        while True:  # the error count was read at grant and after each round (_round)
+            for job in batch.jobs:
+                if job.cancel_requested:
+                    for seq in job.sequences.values():
+                        seq.session.cancel()  # its next round ends it with finish_reason "cancelled"
+            if not (self.queue.stopping or self.queue.thermal_abort):
+                if not await self._fill(batch, served):
+                    return Outcome.FAULTED, "amdxdna_errors", None
+            ended = batch.take_ended()
+            if not batch.jobs:  # nothing rides the ticket any more: it ends with the jobs that ended now
+                batch.ended = ended
+                return ended_outcome(ticket, ended)
+            for job, state in ended:  # the batch goes on without them
+                await self.jobs.finish(job, state)
+            yielded = self.queue.should_yield(ticket, batch.priority())
+            if yielded is not None:
+                return Outcome.PREEMPTED, yielded.value, yielded
+            if not batch.running:
+                raise RuntimeError(f"jobs {[j.id for j in batch.jobs]} ride ticket {ticket.id} with nothing to run")
+            if not await self._round(batch, served):
+                return Outcome.FAULTED, "amdxdna_errors", None
+
+    def _errors_grew(self, ticket: Ticket) -> bool:
+        return self.errors.poll() > ticket.errors_at_grant
+
+    async def _fill(self, batch: RunningBatch, served: ServedModel) -> bool:
+        """Fill the batch from the best candidates while they fit (npud/batch.py); returns False
+        when the device erred meanwhile (the ticket faults)."""
+        limits = self.cfg.batching
+        may_join = not self.queue.thermal_hold
+        while candidates := batch.candidates(self.queue.queued(), self.jobs.active, limits, may_join=may_join):
+            cand = candidates[0]
+            job = cand.job
+            if cand.kind is Kind.KEPT:
+                positions = cand.sequence.positions
+            else:
+                prompt = cand.prompt if cand.kind is Kind.NEXT else min(job.sequences, default=job.next_prompt())
+                positions = 0 if prompt is None else await self._positions(batch, served, job, prompt,
+                                                                           committing=cand.kind is Kind.NEXT)
+                if positions is None:  # the prompt failed: its error is its result
+                    if self._errors_grew(batch.ticket):
+                        return False
+                    continue
+            if not batch.fits(positions, limits):
+                if job.priority is Priority.INTERACTIVE:
+                    for seq in batch.set_aside_for(positions, limits):
+                        log.info("sequence_set_aside", set_aside_job=seq.job.id, prompt=seq.prompt, for_job=job.id)
+                if not batch.fits(positions, limits):
+                    return True
+            if cand.kind is Kind.JOIN:
+                self.queue.join(cand.ticket, batch.ticket)
+                batch.add_job(job)
+                log.info("job_joined_batch", joined_job=job.id, left_ticket=cand.ticket.id,
+                         running=len(batch.running))
+                await self.jobs.on_joined(job, batch.ticket, cand.ticket)
+            elif cand.kind is Kind.KEPT:
+                batch.run(cand.sequence)
+            else:
+                try:
+                    session = await self.engine_call(served.start, job.spec.engine_request(prompt, job.owner_uid))
+                except DeviceFault:
+                    raise
+                except Exception as exc:  # this prompt cannot run; the others still can
+                    if self._errors_grew(batch.ticket):
+                        return False
+                    await self._commit(batch, job, prompt, {"error": prompt_error(exc).to_wire()}, 0)
+                    continue
+                seq = Sequence(job, prompt, session, positions)
+                job.sequences[prompt] = seq
+                batch.run(seq)
+        return True
+
+    async def _positions(self, batch: RunningBatch, served: ServedModel, job: Job, prompt: int, *,
+                         committing: bool) -> int | None:
+        """The context positions a prompt may fill (measured once per batch). A prompt that
+        cannot run gets its error as its result when `committing` (None is returned); a joining
+        job's is committed once it rides, so it counts as fitting anything (0)."""
+        if prompt in job.sequences:
+            return job.sequences[prompt].positions
+        key = (job.id, prompt)
+        if key not in batch.sizes:  # measured once: tokenizing a long prompt takes a while
             try:
-                if session is None:
-                    session = await self.engine_call(self._start, served, job, prompt)
-                    job.session, job.session_prompt = session, prompt
-                while not session.done:
-                    if job.cancel_requested:
-                        session.cancel()  # the next round ends the session with finish_reason "cancelled"
-                    else:
-                        yielded = self.queue.should_yield(ticket)
-                        if yielded is not None:
-                            return Outcome.PREEMPTED, yielded.value, yielded
-                    events = await self.engine_call(session.run_round)
-                    if events:
-                        # an event without a token id releases held-back text at the end of a run
-                        token_ids = [int(e.token_id) for e in events if e.token_id is not None]
-                        self.jobs.count_tokens(job, ticket, len(token_ids))
-                        self.jobs.publish(job, "token", {"prompt": prompt, "text": "".join(e.text for e in events),
-                                                         "token_ids": token_ids})
-                result = session.result()
-            except DeviceFault:  # the device failed, not the prompt: the round is void and the ticket faults
-                job.session = job.session_prompt = None
+                batch.sizes[key] = await self.engine_call(self._measure, served, job, prompt)
+            except DeviceFault:
                 raise
-            except Exception as exc:  # this prompt cannot run; the others still can
-                job.session = job.session_prompt = None
-                if self.errors.poll() > ticket.errors_at_grant:
-                    return Outcome.FAULTED, "amdxdna_errors", None  # the device erred: the prompt runs again
-                await self.jobs.commit_result(job, prompt, {"error": prompt_error(exc).to_wire()}, 0)
+            except Exception as exc:
+                batch.sizes[key] = exc
+        size = batch.sizes[key]
+        if not isinstance(size, Exception):
+            return size
+        if not committing:
+            return 0
+        await self._commit(batch, job, prompt, {"error": prompt_error(size).to_wire()}, 0)
+        return None
+
+    async def _round(self, batch: RunningBatch, served: ServedModel) -> bool:
+        """One batched engine round of the running sequences; their events go to their jobs'
+        followers and finished ones are committed. Returns False when the device erred during
+        it: nothing of the round is published or committed (the ticket faults)."""
+        seqs = list(batch.running)
+        try:
+            results = await self.engine_call(served.run_batch, [s.session for s in seqs],
+                                             prefill_budget=self.cfg.batching.prefill_budget)
+        except DeviceFault:  # the device failed, not the prompts: the round is void and the ticket faults
+            raise
+        except Exception as exc:  # an engine bug: the round's sessions are in no known state
+            if self._errors_grew(batch.ticket):
+                return False
+            for seq in seqs:
+                batch.remove(seq)
+                await self._commit(batch, seq.job, seq.prompt, {"error": prompt_error(exc).to_wire()}, 0)
+            return True
+        if self._errors_grew(batch.ticket):
+            return False  # not committed: made while the device erred
+        for seq, events in zip(seqs, results):
+            job = seq.job
+            if isinstance(events, Exception):  # this prompt's round failed; the others went on
+                batch.remove(seq)
+                await self._commit(batch, job, seq.prompt, {"error": prompt_error(events).to_wire()}, 0)
                 continue
-            job.session = job.session_prompt = None
-            if self.errors.poll() > ticket.errors_at_grant:
-                return Outcome.FAULTED, "amdxdna_errors", None  # not committed: made while the device erred
-            body = result_body(result)
-            self._account(job, ticket, prompt, body["stats"])
-            await self.jobs.commit_result(job, prompt, body, len(body["token_ids"]))
-            if result.finish_reason == FinishReason.CANCELLED:
-                return Outcome.CANCELLED, None, None
-        return Outcome.DONE, None, None
+            if events:
+                # an event without a token id releases held-back text at the end of a run
+                token_ids = [int(e.token_id) for e in events if e.token_id is not None]
+                self.jobs.count_tokens(job, batch.ticket, len(token_ids))
+                self.jobs.publish(job, "token", {"prompt": seq.prompt, "text": "".join(e.text for e in events),
+                                                 "token_ids": token_ids})
+            if seq.session.done:
+                batch.remove(seq)
+                body = result_body(seq.session.result())
+                self._account(job, batch.ticket, seq.prompt, body["stats"])
+                await self._commit(batch, job, seq.prompt, body, len(body["token_ids"]))
+        return True
+
+    async def _commit(self, batch: RunningBatch, job: Job, prompt: int, body: dict, tokens: int) -> None:
+        """Commit one prompt's result; a store that fails it fails the job (its sequences leave)."""
+        if job.error is not None:
+            return
+        try:
+            await self.jobs.commit_result(job, prompt, body, tokens, batch.ticket)
+        except StoreError as exc:
+            job.error = store_api_error(exc)
+            batch.drop_job(job)
 
     async def _model(self, job: Job) -> ServedModel:
         """The job's model, loaded if it is not resident. A load is told to the job's followers
@@ -225,8 +355,9 @@ class DeviceOwner:
                                                 "load_ms": round((time.perf_counter() - started) * 1000, 1)})
         return served
 
-    def _start(self, served: ServedModel, job: Job, prompt: int) -> Session:
-        """Check the prompt's length and start its session (blocking; in the engine thread).
+    def _measure(self, served: ServedModel, job: Job, prompt: int) -> int:
+        """The context positions the prompt may fill: its tokens plus max_tokens, at most the
+        model's context (blocking; in the engine thread).
 
         Raises ApiError(prompt_too_long), EngineError, or whatever an engine bug raises."""
         limit = self.cfg.limits.max_prompt_tokens
@@ -235,7 +366,7 @@ class DeviceOwner:
         if num_tokens > limit:
             raise ApiError(ErrorCode.PROMPT_TOO_LONG,
                            f"the prompt has {num_tokens} tokens, more than limits.max_prompt_tokens = {limit}")
-        return served.start(request)
+        return min(num_tokens + request.params.max_tokens, served.max_context)
 
     def _account(self, job: Job, ticket: Ticket, prompt: int, stats: dict) -> None:
         ticket.drafted += int(stats.get("drafted") or 0)
@@ -250,18 +381,18 @@ class DeviceOwner:
 
     def models_in_use(self) -> set[str]:
         """Models that must stay loaded: those with a session kept across preemption."""
-        return {j.spec.model for j in self.jobs.active.values() if j.session is not None}
+        return {j.spec.model for j in self.jobs.active.values() if j.sequences}
 
     # -- quarantine ----------------------------------------------------------------------
 
-    async def quarantine(self, job: Job, ticket: Ticket, reason: str | None = None) -> None:
+    async def quarantine(self, ticket: Ticket, reason: str | None = None) -> None:
         grown = ticket.errors_at_release - ticket.errors_at_grant
         why = [f"{grown} amdxdna error line(s)"] if grown else []
         if reason == NPU_RUN_FAILED:
             why.insert(0, f"an NPU run failed ({ticket.fault_lines[0]})")
         host_fallback = reason == NPU_RUN_FAILED and self.cfg.device.backend == "auto"
         q = Quarantine(since=self.jobs.wall(), reason=f"{' and '.join(why)} during ticket {ticket.id}",
-                       ticket=ticket.id, job=job.id, lines=ticket.fault_lines, host_fallback=host_fallback)
+                       ticket=ticket.id, job=ticket.job_id, lines=ticket.fault_lines, host_fallback=host_fallback)
         log.error("guard_device_fault", errors_at_grant=ticket.errors_at_grant,
                   errors_at_release=ticket.errors_at_release, lines=list(ticket.fault_lines))
         self.queue.set_quarantine(q)

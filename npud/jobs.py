@@ -24,7 +24,7 @@ from npud.jobspec import JobSpec
 from npud.memtrim import Trimmer
 from npud.protocol import ApiError, ErrorCode
 from npud.store import Store, StoreCode, StoreError
-from npud.tickets import Outcome, Priority, Ticket, TicketQueue, TicketState, YieldReason
+from npud.tickets import Outcome, Priority, Ticket, TicketQueue, TicketState, YieldReason, owner_view
 
 log = structlog.get_logger(__name__)
 
@@ -82,6 +82,17 @@ class Subscriber:
 
 
 @dataclass(slots=True, eq=False)
+class Sequence:
+    """One prompt of a job in generation: its engine session (kept across preemption and
+    while set aside to make room in a batch) and the context positions it may fill."""
+
+    job: "Job"
+    prompt: int
+    session: Session
+    positions: int  # prompt tokens + max_tokens, clamped to the model's context
+
+
+@dataclass(slots=True, eq=False)
 class Job:
     id: int
     owner_uid: int
@@ -97,17 +108,18 @@ class Job:
     num_tickets: int = 0
     error: ApiError | None = None
     cancel_requested: bool = False
-    ticket: Ticket | None = None
-    session: Session | None = None  # the engine session of `session_prompt`, kept across preemption
-    session_prompt: int | None = None
+    ticket: Ticket | None = None  # its queued ticket, or the granted one it holds or rides
+    joined_from: Ticket | None = None  # the queued ticket it left to ride `ticket` (its place in the queue)
+    sequences: dict[int, Sequence] = field(default_factory=dict)  # prompt -> its sequence, until its result
     loading_model: str | None = None  # the model being loaded for this job (a cold start), told to new streams
     last_result: dict | None = None  # the result last committed, as the store holds it
     subscribers: list[Subscriber] = field(default_factory=list)
     finished: trio.Event = field(default_factory=trio.Event)
 
     def next_prompt(self) -> int | None:
-        """The first prompt without a result, or None when all have one."""
-        return next((i for i in range(self.spec.num_prompts) if i not in self.done_prompts), None)
+        """The first prompt with neither a result nor a sequence, or None when there is none."""
+        return next((i for i in range(self.spec.num_prompts)
+                     if i not in self.done_prompts and i not in self.sequences), None)
 
     def status(self) -> dict:
         return {
@@ -117,6 +129,9 @@ class Job:
             "created_at": self.created_at, "started_at": self.started_at, "finished_at": self.finished_at,
             "cancel_requested": self.cancel_requested,
             "error": None if self.error is None else self.error.to_wire(),
+            # the ticket it holds, rides or waits with, and the prompts in generation now
+            "ticket": None if self.ticket is None else self.ticket.id,
+            "running_prompts": sorted(self.sequences),
         }
 
 
@@ -290,13 +305,21 @@ class JobManager:
                 self.unsubscribe(job, sub)
 
     def _on_ticket_change(self, ticket: Ticket) -> None:
-        job = self.active.get(ticket.job_id)
-        if job is not None:
-            data = {"ticket": ticket.id, "job": ticket.job_id, "state": ticket.state.value}
-            if ticket.outcome is not None:
-                data["outcome"] = ticket.outcome.value
-                data["reason"] = ticket.reason
-            self.publish(job, "ticket", data)
+        # every job on the ticket hears of it: the one it was queued for and those riding it
+        for job_id in ticket.jobs:
+            job = self.active.get(job_id)
+            if job is not None:
+                self.publish(job, "ticket", self._ticket_event(job, ticket))
+
+    @staticmethod
+    def _ticket_event(job: Job, ticket: Ticket) -> dict:
+        data = {"ticket": ticket.id, "job": job.id, "state": ticket.state.value}
+        if ticket.job_id != job.id:
+            data["held_by_job"] = ticket.job_id  # the job rides another job's ticket
+        if ticket.outcome is not None:
+            data["outcome"] = ticket.outcome.value
+            data["reason"] = ticket.reason
+        return data
 
     # -- device-owner side ---------------------------------------------------------------
 
@@ -307,9 +330,21 @@ class JobManager:
             job.started_at = ticket.granted_at
         await self._write_state(job, ticket)
 
-    async def commit_result(self, job: Job, prompt: int, body: dict, tokens: int) -> None:
-        """Record one finished prompt; raises StoreError when it could not be written."""
-        await self.db(self.store.add_result, job.id, prompt, body, tokens)
+    async def on_joined(self, job: Job, holder: Ticket, left: Ticket) -> None:
+        """The job left its queued ticket `left` to ride the granted `holder` (npud/batch.py)."""
+        job.state = JobState.RUNNING
+        job.num_tickets += 1
+        job.ticket, job.joined_from = holder, left
+        if job.started_at is None:
+            job.started_at = self.wall()
+        self.publish(job, "ticket", self._ticket_event(job, holder))
+        await self._write_state(job, left)
+
+    async def commit_result(self, job: Job, prompt: int, body: dict, tokens: int, ticket: Ticket | None = None) -> None:
+        """Record one finished prompt (and the state of the ticket it ran under, which then
+        tells what rode it even after a crash); raises StoreError when it could not be written."""
+        await self.db(self.store.add_result, job.id, prompt, body, tokens,
+                      ticket=None if ticket is None else ticket.to_wire())
         job.last_result = {"prompt": prompt, **body}
         job.done_prompts.add(prompt)
         self.publish(job, "progress", {"prompt": prompt, "finish_reason": body.get("finish_reason"),
@@ -327,13 +362,15 @@ class JobManager:
             await self.finish(job, _OUTCOME_STATE[ticket.outcome], ticket=ticket)
             return
         job.state = JobState.QUEUED
+        place = job.joined_from or ticket  # a job that rode the ticket keeps the place it had
+        job.joined_from = None
         if ticket.outcome is Outcome.FAULTED:
-            job.session = job.session_prompt = None  # output made during a fault is not trusted
-            job.ticket = self.queue.requeue(ticket, keep_place=True)
+            job.sequences.clear()  # output made during a fault is not trusted
+            job.ticket = self.queue.requeue(place, keep_place=True)
         elif yielded is YieldReason.SHUTDOWN:
             job.ticket = None  # the store says queued; the next start runs it
         else:
-            job.ticket = self.queue.requeue(ticket, keep_place=yielded is not None and yielded.keeps_place)
+            job.ticket = self.queue.requeue(place, keep_place=yielded is not None and yielded.keeps_place)
         await self._write_state(job, ticket)
 
     async def finish(self, job: Job, state: JobState, error: ApiError | None = None, *,
@@ -342,8 +379,8 @@ class JobManager:
         job.state = state
         job.error = error if error is not None else job.error
         job.finished_at = self.wall()
-        job.session = job.session_prompt = None
-        job.ticket = None
+        job.sequences.clear()
+        job.ticket = job.joined_from = None
         self.active.pop(job.id, None)
         if not await self._write_state(job, ticket):
             self.unsaved[job.id] = job
@@ -439,6 +476,8 @@ class JobManager:
             if granted is not None:  # its stored row is from the grant; memory has the live counters
                 stored = [granted.to_wire() if t["ticket"] == granted.id else t for t in stored]
         merged = sorted(live + stored, key=lambda t: -t["ticket"])
+        if owner is not None:
+            merged = [owner_view(t, owner) for t in merged]
         return merged[:limit]
 
     async def prune(self, retention_days: float) -> int:

@@ -85,6 +85,11 @@ class Metrics:
             self.wait_count[ticket.priority] += 1
         elif ticket.state is TicketState.RELEASED:
             self.released[ticket.outcome] += 1
+            if ticket.outcome is Outcome.JOINED:  # its wait ended when its job joined a running batch
+                wait = max(0.0, ticket.released_at - ticket.queued_at)
+                self.waits[ticket.priority].append(wait)
+                self.wait_sum_s[ticket.priority] += wait
+                self.wait_count[ticket.priority] += 1
             if ticket.granted_at is not None:  # a ticket cancelled while queued never held the device
                 self.busy_s += max(0.0, ticket.released_at - ticket.granted_at)
 

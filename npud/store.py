@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 DB_NAME = "npud.sqlite3"
-SCHEMA_VERSION = 3  # 2: tickets.fw_version; 3: jobs.idempotency_key (each migration checks its column)
+SCHEMA_VERSION = 4  # 2: tickets.fw_version; 3: jobs.idempotency_key; 4: tickets.sequences (each migration checks its column)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -62,7 +62,8 @@ CREATE TABLE IF NOT EXISTS tickets (
     tokens INTEGER NOT NULL DEFAULT 0,
     drafted INTEGER NOT NULL DEFAULT 0,
     accepted INTEGER NOT NULL DEFAULT 0,
-    fw_version TEXT
+    fw_version TEXT,
+    sequences TEXT NOT NULL DEFAULT '[]'
 );
 CREATE INDEX IF NOT EXISTS tickets_job ON tickets(job_id);
 CREATE TABLE IF NOT EXISTS device_state (
@@ -74,7 +75,7 @@ CREATE TABLE IF NOT EXISTS device_state (
 UNFINISHED = ("queued", "running")
 _TICKET_COLUMNS = ("id", "job_id", "priority", "state", "outcome", "reason", "queued_at", "granted_at",
                    "released_at", "thermal_c", "errors_at_grant", "errors_at_release", "fault_lines",
-                   "tokens", "drafted", "accepted", "fw_version")
+                   "tokens", "drafted", "accepted", "fw_version", "sequences")
 
 
 class StoreCode(enum.StrEnum):
@@ -132,6 +133,8 @@ class Store:
             columns = {r["name"] for r in conn.execute("PRAGMA table_info(tickets)")}
             if "fw_version" not in columns:  # a store written by schema 1
                 conn.execute("ALTER TABLE tickets ADD COLUMN fw_version TEXT")
+            if "sequences" not in columns:  # a store written before schema 4
+                conn.execute("ALTER TABLE tickets ADD COLUMN sequences TEXT NOT NULL DEFAULT '[]'")
             columns = {r["name"] for r in conn.execute("PRAGMA table_info(jobs)")}
             if "idempotency_key" not in columns:  # a store written before schema 3
                 conn.execute("ALTER TABLE jobs ADD COLUMN idempotency_key TEXT")
@@ -204,11 +207,13 @@ class Store:
         ))
         self._write("updating a job", statements)
 
-    def add_result(self, job_id: int, prompt: int, body: dict, tokens: int) -> None:
-        """Record one prompt's result (exactly once: a second one for the same prompt is an error)."""
+    def add_result(self, job_id: int, prompt: int, body: dict, tokens: int, *, ticket: dict | None = None) -> None:
+        """Record one prompt's result (exactly once: a second one for the same prompt is an error),
+        and with `ticket` (its wire form) the ticket it was made under, in the same commit."""
         self._write("recording a result", [
             ("INSERT INTO results (job_id, prompt, body) VALUES (?, ?, ?)", (job_id, prompt, json.dumps(body))),
             ("UPDATE jobs SET tokens = tokens + ? WHERE id = ?", (tokens, job_id)),
+            *([] if ticket is None else [_ticket_upsert(ticket)]),
         ])
 
     def job(self, job_id: int) -> dict | None:
@@ -265,14 +270,20 @@ class Store:
     def tickets(self, *, job_id: int | None = None, owner_uid: int | None = None, state: str | None = None,
                 outcome: str | None = None, since: float | None = None, until: float | None = None,
                 limit: int = 100) -> list[dict]:
+        """Tickets newest first; `job_id` and `owner_uid` match the ticket's own job and the
+        jobs whose sequences rode it in a batch."""
         where, args = [], []
-        for clause, value in (("t.job_id = ?", job_id), ("j.owner_uid = ?", owner_uid), ("t.state = ?", state),
+        rode = "EXISTS (SELECT 1 FROM json_each(t.sequences) s WHERE json_extract(s.value, '$.{}') = ?)"
+        for clause, value in (("(t.job_id = ? OR " + rode.format("job") + ")", job_id),
+                              ("(j.owner_uid = ? OR " + rode.format("owner_uid") + ")", owner_uid),
+                              ("t.state = ?", state),
                               ("t.outcome = ?", outcome), ("t.queued_at >= ?", since),
                               ("t.queued_at < ?", until)):
             if value is not None:
                 where.append(clause)
-                args.append(value)
-        sql = f"SELECT {', '.join('t.' + c for c in _TICKET_COLUMNS)} FROM tickets t JOIN jobs j ON j.id = t.job_id"
+                args.extend([value] * clause.count("?"))
+        sql = (f"SELECT {', '.join('t.' + c for c in _TICKET_COLUMNS)}, j.owner_uid AS owner_uid"
+               " FROM tickets t JOIN jobs j ON j.id = t.job_id")
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY t.id DESC LIMIT ?"
@@ -335,7 +346,7 @@ def _ticket_upsert(ticket: dict) -> tuple[str, tuple]:
               ticket["reason"], ticket["queued_at"], ticket["granted_at"], ticket["released_at"],
               ticket["thermal_c"], ticket["errors_at_grant"], ticket["errors_at_release"],
               json.dumps(ticket["fault_lines"]), ticket["tokens"], ticket["drafted"], ticket["accepted"],
-              ticket.get("fw_version"))
+              ticket.get("fw_version"), json.dumps(ticket.get("sequences", [])))
     updates = ", ".join(f"{c} = excluded.{c}" for c in _TICKET_COLUMNS[1:])
     return (f"INSERT INTO tickets ({', '.join(_TICKET_COLUMNS)}) VALUES ({', '.join('?' * len(_TICKET_COLUMNS))})"
             f" ON CONFLICT(id) DO UPDATE SET {updates}", values)
@@ -355,5 +366,8 @@ def _job_row(r: sqlite3.Row) -> dict:
 def _ticket_row(r: sqlite3.Row) -> dict:
     out = {("ticket" if c == "id" else "job" if c == "job_id" else c): r[c] for c in _TICKET_COLUMNS}
     out["fault_lines"] = json.loads(out["fault_lines"])
+    out["sequences"] = json.loads(out["sequences"])
+    out["owner_uid"] = r["owner_uid"]
+    out["jobs"] = [out["job"], *dict.fromkeys(s["job"] for s in out["sequences"] if s["job"] != out["job"])]
     return out
 

@@ -47,6 +47,7 @@ class Outcome(enum.Enum):
     FAILED = "failed"
     FAULTED = "faulted"
     PREEMPTED = "preempted"
+    JOINED = "joined"  # a queued ticket whose job joined the running batch of the granted one
 
 
 class YieldReason(enum.Enum):
@@ -82,6 +83,18 @@ class Ticket:
     drafted: int = 0
     accepted: int = 0
     owner_uid: int = 0  # the job's owner: grants rotate between owners within a class
+    # every sequence that ran while this ticket held the device, in the order each first ran:
+    # (job, prompt, owner uid); jobs other than job_id rode it in a batch (npud/batch.py)
+    sequences: list[tuple[int, int, int]] = field(default_factory=list)
+
+    @property
+    def jobs(self) -> list[int]:
+        """The jobs that held or rode this ticket: its own first, then the others as they joined."""
+        out = [self.job_id]
+        for job, _, _ in self.sequences:
+            if job not in out:
+                out.append(job)
+        return out
 
     def to_wire(self) -> dict:
         return {
@@ -91,6 +104,8 @@ class Ticket:
             "thermal_c": self.thermal_c, "errors_at_grant": self.errors_at_grant,
             "errors_at_release": self.errors_at_release, "fault_lines": list(self.fault_lines),
             "fw_version": self.fw_version, "tokens": self.tokens, "drafted": self.drafted, "accepted": self.accepted,
+            "owner_uid": self.owner_uid, "jobs": self.jobs,
+            "sequences": [{"job": j, "prompt": p, "owner_uid": u} for j, p, u in self.sequences],
         }
 
 
@@ -207,8 +222,8 @@ class TicketQueue:
                 raise ValueError(f"ticket {ticket.id} is not the granted ticket")
             self.granted = None
         elif ticket.state is TicketState.QUEUED:
-            if outcome is not Outcome.CANCELLED:
-                raise ValueError(f"a queued ticket can only be cancelled, not {outcome.value}")
+            if outcome not in (Outcome.CANCELLED, Outcome.JOINED):
+                raise ValueError(f"a queued ticket can only be cancelled or joined, not {outcome.value}")
             self._queued.remove(ticket)
         else:
             raise ValueError(f"ticket {ticket.id} is already released")
@@ -218,21 +233,30 @@ class TicketQueue:
         ticket.released_at = self.wall()
         self._notify(ticket)
 
+    def join(self, queued: Ticket, holder: Ticket) -> None:
+        """End a queued ticket whose job joins the running batch of the granted `holder`."""
+        if holder is not self.granted:
+            raise ValueError(f"ticket {holder.id} is not the granted ticket")
+        self.release(queued, Outcome.JOINED, f"joined ticket {holder.id}")
+
     # -- the holder's questions ----------------------------------------------------------
 
-    def should_yield(self, ticket: Ticket) -> YieldReason | None:
-        """Asked by the holder at a round boundary: must it release the device now, and why."""
+    def should_yield(self, ticket: Ticket, priority: Priority | None = None) -> YieldReason | None:
+        """Asked by the holder at a round boundary: must it release the device now, and why.
+        `priority`: the class the holder's work has now (a batch ticket that an interactive
+        request rides holds interactive work); the ticket's own by default."""
+        priority = ticket.priority if priority is None else priority
         if self.stopping:
             return YieldReason.SHUTDOWN
         if self.thermal_abort:
             return YieldReason.THERMAL
         if self.thermal_hold or not self._queued:
             return None  # nobody could be granted in its place
-        if ticket.priority is Priority.BATCH and any(t.priority is Priority.INTERACTIVE for t in self._queued):
+        if priority is Priority.BATCH and any(t.priority is Priority.INTERACTIVE for t in self._queued):
             return YieldReason.INTERACTIVE_WAITING
         used_ms = (self.clock() - (ticket.granted_mono or 0.0)) * 1000.0
         if ticket.tokens >= self.quantum_tokens or used_ms >= self.quantum_ms:
-            if any(t.priority <= ticket.priority for t in self._queued):
+            if any(t.priority <= priority for t in self._queued):
                 return YieldReason.QUANTUM
         return None
 
@@ -283,3 +307,17 @@ class TicketQueue:
         for t in self._queued:
             out[t.priority.label] += 1
         return out
+
+
+def owner_view(ticket: dict, owner: int) -> dict:
+    """A ticket's wire form as a user who is not an admin sees it: other users' jobs on it
+    (a batch they shared) are counted, not named, so job ids of other users cannot be probed for."""
+    sequences = ticket.get("sequences", [])
+    mine = [s for s in sequences if s["owner_uid"] == owner]
+    lead_mine = ticket.get("owner_uid") == owner
+    out = {**ticket, "sequences": mine, "other_sequences": len(sequences) - len(mine),
+           "jobs": [j for j in ticket.get("jobs", []) if (j == ticket["job"] and lead_mine)
+                    or any(s["job"] == j for s in mine)]}
+    if not lead_mine:
+        out["job"] = out["owner_uid"] = None
+    return out

@@ -750,7 +750,14 @@ def test_ticket_row():
          "errors_at_grant": 0, "errors_at_release": 2, "tokens": 40, "drafted": 32, "accepted": 24}
     row = ticket_row(t, None)
     assert row[0:4] == [7, 3, None, "batch"]
-    assert row[7:] == ["1.5s", "preempted:quantum", "61.5C", "0->2", 40, "75%"]
+    assert row[7:] == ["1.5s", "preempted:quantum", "61.5C", "0->2", 40, "75%", "-"]
+    assert row[13] == "-"  # no sequences recorded (a ticket stored before batching)
+    shared = {**t, "jobs": [3, 5], "sequences": [{"job": 3, "prompt": 0}, {"job": 3, "prompt": 1},
+                                                  {"job": 5, "prompt": 0}], "other_sequences": 0}
+    assert ticket_row(shared, None)[13] == "3: 3,5"
+    assert ticket_row({**shared, "jobs": [3], "sequences": shared["sequences"][:2]}, None)[13] == "2"
+    assert ticket_row({**shared, "jobs": [5], "sequences": shared["sequences"][2:], "other_sequences": 2},
+                      None)[13] == "3: 5 +2 of others"
     queued = {"ticket": 8, "job": 3, "priority": "batch", "state": "queued", "queued_at": time.time() - 3}
     assert ticket_row(queued, None)[8] == "queued" and ticket_row(queued, None)[10] == "-"
 

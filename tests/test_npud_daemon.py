@@ -33,8 +33,8 @@ async def connect(daemon) -> AsyncClient:
     return await AsyncClient.connect(daemon.cfg.server.socket_path)
 
 
-async def wait_state(client, job, states=("done",)):
-    with trio.fail_after(20):
+async def wait_state(client, job, states=("done",), timeout=20):
+    with trio.fail_after(timeout):
         while (status := await client.status(job))["state"] not in states:
             await trio.sleep(0.01)
     return status
@@ -250,7 +250,7 @@ async def test_a_stream_that_falls_behind_is_cut_off_not_the_job(nursery, workdi
         await stream.send_all(b'{"id": 1, "method": "stream", "params": {"job": %d}}\n' % job)
         await trio.sleep(0.1)  # subscribed; now let the rounds run without reading
         daemon.queue.set_thermal(hold=False, abort=False)
-        await wait_state(c, job)
+        await wait_state(c, job, timeout=120)  # 20000 rounds: slow on a busy machine
         data = b""
         with trio.fail_after(5):
             while b'"ok":false' not in data:
@@ -342,7 +342,10 @@ async def test_stream_and_cancel_of_finished_and_unknown_jobs(nursery, workdir):
 
 
 async def test_a_preempted_batch_job_continues_in_a_new_ticket(nursery, workdir):
-    daemon = await start(nursery, make_config(workdir, knobs={"tokens_per_round": 1, "round_sleep_s": 0.01}))
+    # without batching (max_batch 1): a waiting interactive request preempts the batch ticket
+    # (test_npud_batching.py has it joining the batch instead)
+    daemon = await start(nursery, make_config(workdir, knobs={"tokens_per_round": 1, "round_sleep_s": 0.01},
+                                              batching={"max_batch": 1}))
     async with await connect(daemon) as c:
         batch = (await c.submit(["b0", "b1"], max_tokens=30))["job"]
         with trio.fail_after(5):
@@ -362,7 +365,8 @@ async def test_a_preempted_batch_job_continues_in_a_new_ticket(nursery, workdir)
 
 async def test_a_result_finished_after_an_error_line_is_not_kept(nursery, workdir):
     knobs = {"tokens_per_round": 1, "round_sleep_s": 0.05}
-    daemon = await start(nursery, make_config(workdir, knobs=knobs))
+    # one prompt at a time (max_batch 1), so that one is committed before the error line
+    daemon = await start(nursery, make_config(workdir, knobs=knobs, batching={"max_batch": 1}))
     prompts = [f"p{i}" for i in range(4)]
     async with await connect(daemon) as c:
         job = (await c.submit(prompts, max_tokens=4))["job"]
@@ -386,8 +390,9 @@ async def test_a_result_finished_after_an_error_line_is_not_kept(nursery, workdi
 async def test_a_failed_npu_run_faults_the_ticket_quarantines_and_commits_nothing_of_it(nursery, workdir):
     fault = workdir / "fault"
     cfg = make_config(workdir, knobs={"tokens_per_round": 2, "fault_file": str(fault), "fault_prompt": "second",
-                                      "fault_at_token": 4}, device={"backend": "xrt"})  # NPU or nothing
-    daemon = await start(nursery, cfg)
+                                      "fault_at_token": 4}, device={"backend": "xrt"},  # NPU or nothing
+                     batching={"max_batch": 1})
+    daemon = await start(nursery, cfg)  # one prompt at a time: the first is committed before the fault
     daemon.owner.fw_version = "1.5.2.380"  # what sysfs fw_version says on an NPU machine
     fault.touch()
     async with await connect(daemon) as c:

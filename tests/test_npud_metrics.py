@@ -89,7 +89,7 @@ def test_grants_and_releases_are_counted_with_their_waits_and_busy_time():
 
     counters = m.counters()
     assert counters["tickets"] == {"granted": 3, "released": {"done": 1, "cancelled": 1, "failed": 0,
-                                                               "faulted": 1, "preempted": 1}}
+                                                               "faulted": 1, "preempted": 1, "joined": 0}}
     assert counters["wait_s"]["interactive"] == {"count": 1, "sum": 2.0, "p50": 2.0, "p90": 2.0, "p99": 2.0}
     assert counters["wait_s"]["batch"] == {"count": 2, "sum": 5.5, "p50": 0.5, "p90": 5.0, "p99": 5.0}
     assert counters["tokens"]["device_busy_s"] == 3.0 + 1.5 + 0.25
@@ -286,7 +286,8 @@ async def test_the_metrics_method_counts_what_the_daemon_did(nursery, workdir):
         assert len(completion["token_ids"]) == 3
         m = await c.metrics()
         assert m["tickets"]["granted"] == 2
-        assert m["tickets"]["released"] == {"done": 2, "cancelled": 0, "failed": 0, "faulted": 0, "preempted": 0}
+        assert m["tickets"]["released"] == {"done": 2, "cancelled": 0, "failed": 0, "faulted": 0, "preempted": 0,
+                                            "joined": 0}
         assert m["wait_s"]["interactive"]["count"] == 1 and m["wait_s"]["batch"]["count"] == 1
         assert m["tokens"]["generated"] == 4 + 4 + 3
         assert m["thermal"] == {"state": "ok", "reading_c": 41.5, "npu_power_w": None}

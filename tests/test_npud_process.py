@@ -63,6 +63,7 @@ def new_daemon(tiny_model):
     made = []
 
     def make(**sections) -> DaemonProc:
+        sections.setdefault("batching", {"max_batch": 1})  # the ticket rules without batching (see shared)
         d = DaemonProc(short_tempdir(), _models(tiny_model), **sections)
         made.append(d)
         return d
@@ -75,7 +76,10 @@ def new_daemon(tiny_model):
 
 @pytest.fixture(scope="module")
 def shared(tiny_model):
-    d = DaemonProc(short_tempdir(), _models(tiny_model), server={"socket_group": "", "max_connections": 512})
+    # max_batch 1: tickets, preemption and quanta as they work without batching, one prompt of one
+    # job at a time (test_npud_batching_process.py runs daemons that batch)
+    d = DaemonProc(short_tempdir(), _models(tiny_model), server={"socket_group": "", "max_connections": 512},
+                   batching={"max_batch": 1})
     try:
         d.start()
         with d.client() as c:  # load the model once, so the tests below do not wait for it

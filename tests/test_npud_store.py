@@ -158,7 +158,8 @@ def test_a_schema_1_store_gains_the_firmware_column(tmp_path):
     store = Store.open(tmp_path)
     assert store.tickets(job_id=1)[0]["fw_version"] is None  # the old ticket kept, no firmware known
     store.save_ticket({**_ticket(2, 1), "fw_version": "1.5.2.380"})
+    assert store.tickets(job_id=1)[-1]["sequences"] == []  # and a schema 4 sequences column, empty
     assert [t["fw_version"] for t in store.tickets(job_id=1)] == ["1.5.2.380", None]
-    assert store._conn.execute("PRAGMA user_version").fetchone()[0] == 3
+    assert store._conn.execute("PRAGMA user_version").fetchone()[0] == 4
     store.close()
     assert Store.open(tmp_path).tickets(job_id=1)[0]["fw_version"] == "1.5.2.380"  # reopening adds nothing twice

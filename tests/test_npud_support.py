@@ -47,6 +47,7 @@ def expected_text(prompt: str, max_tokens: int) -> str:
 
 ROUNDS_LOCK = threading.Lock()
 ROUNDS: list[tuple[str, int]] = []  # (prompt, tokens so far) after each round, for in-process tests
+BATCHES: list[list[str]] = []  # the prompts of each run_batch call, for in-process tests
 
 
 class FakeSession:
@@ -157,14 +158,28 @@ class FakeServedModel:
         return 0
 
     def run_batch(self, sessions, *, prefill_budget: int = DEFAULT_PREFILL_BUDGET):
-        """As the engine's sequential form: each session's round in turn, an EngineError kept as its item."""
-        out = []
-        for session in sessions:
-            try:
-                out.append(session.run_round())
-            except EngineError as exc:
-                out.append(exc)
-        return out
+        """engine.api.ServedModel.run_batch: one round of each session in turn (a round sleeps
+        round_sleep_s once for the batch, as a shared weight stream would); an EngineError ends
+        only its session's round, DeviceFault voids the round."""
+        if len({id(s) for s in sessions}) != len(sessions) or any(s.model is not self or s.done for s in sessions):
+            raise ValueError("run_batch takes distinct sessions of this model that are not done")
+        with ROUNDS_LOCK:
+            BATCHES.append([s.prompt for s in sessions])
+        sleep, self.round_sleep_s = self.round_sleep_s, 0.0
+        try:
+            if sleep:
+                time.sleep(sleep)
+            out = []
+            for session in sessions:
+                try:
+                    out.append(session.run_round())
+                except DeviceFault:
+                    raise
+                except EngineError as exc:
+                    out.append(exc)
+            return out
+        finally:
+            self.round_sleep_s = sleep
 
 
 def load_model(name: str, checkpoint_dir, *, draft_dir=None, dflash_dir=None, weight_format: str = "bf16",

