@@ -335,6 +335,22 @@ class ServedModel(Protocol):
     def count_prompt_tokens(self, request: GenerateRequest) -> int:
         """The request's prompt length in tokens; raises RequestError when it does not encode."""
 
+    def tokenize(self, text: str, *, add_special: bool = False) -> list[int]:
+        """The token ids of `text` (special tokens written in it map to their ids); with
+        `add_special`, the ids a `prompt` of that text runs as (the BOS the vocabulary asks for).
+        Thread-safe: may run beside a round (the tokenizer is read-only)."""
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of `ids`; raises RequestError for an id outside the vocabulary. Thread-safe."""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for on its own (exact for part of a character); raises
+        RequestError for an id outside the vocabulary. Thread-safe."""
+
+    def props(self) -> dict:
+        """The tokenizer's facts as JSON: vocab_size, bos_token, add_bos_token, eos_tokens,
+        chat_template (the default's Jinja source, or None), chat_templates (names), fim_tokens."""
+
     def start(self, request: GenerateRequest) -> Session:
         """A session for the request, its max_tokens clamped to the positions the context has
         left after the prompt; raises RequestError (PromptTooLong when the prompt alone leaves

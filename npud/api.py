@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import structlog
+import trio
 
 from engine.api import EngineError, ServedModel
 from npud import __version__
@@ -42,6 +43,23 @@ def _require_admin(peer: "Peer", method: str) -> None:
         raise ApiError(ErrorCode.FORBIDDEN, f"{method} needs root or the admin group")
 
 
+def piece_json(piece: bytes) -> str | list[int]:
+    """A token's bytes as llama.cpp shows a piece: the text when it is UTF-8, else the bytes."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(piece)
+
+
+def token_ids(p: Params, name: str) -> list[int]:
+    """A list of token ids (integers >= 0); raises bad_request naming the first that is not."""
+    ids = p.list(name, max_items=1 << 20)
+    for i, value in enumerate(ids):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT64_MAX:
+            raise p.bad(f"{name}[{i}]", f"expected a token id (an integer >= 0), got {value!r}"[:160])
+    return ids
+
+
 class Api:
     """The protocol's methods over the daemon's parts; `cfg` is replaced on reload."""
 
@@ -68,6 +86,7 @@ class Api:
             "tickets": self.tickets, "cache.list": self.cache_list, "cache.pin": self.cache_pin,
             "cache.drop": self.cache_drop, "device.status": self.device_status, "device.clear": self.device_clear,
             "models": self.models, "stats": self.stats, "metrics": self.metrics,
+            "tokenize": self.tokenize, "detokenize": self.detokenize,
         }
 
     async def __call__(self, peer: "Peer", req: Request, emit: Emit) -> object:
@@ -282,6 +301,57 @@ class Api:
             raise ApiError(ErrorCode.NOT_FOUND, f"no cache entry {key!r} in model {model!r}")
         log.info("cache_dropped", model=model, key=key)
         return {"model": model, "dropped": True}
+
+    # -- the tokenizer ---------------------------------------------------------------------
+
+    async def served(self, name: str | None) -> ServedModel:
+        """The loaded model `name` (a configured one), loaded first when it is not resident, as
+        `cache.pin` loads it: outside any ticket, between two engine calls."""
+        if name is None:
+            raise ApiError(ErrorCode.NOT_FOUND, "no model is configured")
+        self.registry.entry(name)
+        served = self.registry.resident(name)
+        if served is None:
+            if self.queue.quarantine is not None:
+                raise ApiError(ErrorCode.DEVICE_QUARANTINED, f"model {name!r} is not loaded and the device is "
+                                                             "quarantined; an operator clears it first")
+            served = await self.owner.engine_call(self.registry.get, name, keep=self.owner.models_in_use())
+        return served
+
+    async def tokenize_text(self, model: str | None, text: str, *, add_special: bool, with_pieces: bool) -> dict:
+        """{"model", "tokens"}: ids, or {"id", "piece"} with the piece a string when its bytes are
+        UTF-8, else the list of its bytes (llama.cpp's shape). The tokenizer runs in a worker
+        thread beside any round: a long text does not hold up the event loop."""
+        served = await self.served(model)
+
+        def run() -> list:
+            ids = served.tokenize(text, add_special=add_special)
+            if not with_pieces:
+                return ids
+            return [{"id": i, "piece": piece_json(served.token_bytes(i))} for i in ids]
+
+        return {"model": served.name, "tokens": await trio.to_thread.run_sync(run)}
+
+    async def detokenize_ids(self, model: str | None, ids: list[int]) -> dict:
+        served = await self.served(model)
+        try:
+            return {"model": served.name, "content": await trio.to_thread.run_sync(served.detokenize, ids)}
+        except EngineError as exc:  # an id outside the vocabulary
+            raise api_error(exc) from None
+
+    async def tokenize(self, peer: "Peer", p: Params, emit: Emit) -> dict:
+        model = p.str("model", self.cfg.default_model_name)
+        text = p.str("text")
+        add_special = p.bool("add_special", False)
+        with_pieces = p.bool("with_pieces", False)
+        p.finish()
+        return await self.tokenize_text(model, text, add_special=add_special, with_pieces=with_pieces)
+
+    async def detokenize(self, peer: "Peer", p: Params, emit: Emit) -> dict:
+        model = p.str("model", self.cfg.default_model_name)
+        ids = token_ids(p, "tokens")
+        p.finish()
+        return await self.detokenize_ids(model, ids)
 
     # -- device, models, stats -----------------------------------------------------------
 
