@@ -34,6 +34,7 @@ DEFAULT_MAX_TOKENS = 128
 DEFAULT_SPEC_METHOD = "auto"
 DEFAULT_SPEC_K = 4
 DEFAULT_FALLBACK_ROUNDS = 3
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs bound)
 
 
 # -- errors --------------------------------------------------------------------------------
@@ -181,7 +182,9 @@ class GenerationParams:
     """Everything a request asks for except its prompt: at most `max_tokens` new tokens, drawn
     under `sampling`, ended early by any of the `stop` strings (not part of the text),
     speculated under `spec`, the prompt's prefix looked up in the prefix cache unless
-    `use_prefix_cache` is false.
+    `use_prefix_cache` is false. `logprobs` (None: off) asks for each generated token's log
+    probability and that many most likely alternatives (0 to MAX_TOP_LOGPROBS), from the
+    logits row that chose the token (TokenLogprob).
 
     Raises ConfigError naming the field for a value out of range."""
 
@@ -190,8 +193,12 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     spec: SpecParams = field(default_factory=SpecParams)
     use_prefix_cache: bool = True
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ConfigError(f"GenerationParams.logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], "
+                              f"got {self.logprobs!r}")
         if not (is_int(self.max_tokens) and self.max_tokens >= 1):
             raise ConfigError(f"GenerationParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.sampling, SamplingParams):
@@ -269,13 +276,30 @@ class FinishReason(enum.StrEnum):
 
 
 @dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """A token's log probability under the base model's raw distribution at its position: the
+    log-softmax, in float64, of the float32 logits row that chose or judged it (before
+    temperature, top_k and top_p; ids a padded vocabulary cannot decode excluded), so it is
+    the same whether the token was drafted and verified or chosen by a plain step. `token` is
+    its bytes on its own; `top` the most likely tokens of that row, most likely first (ties by
+    id), as TokenLogprobs without a `top` of their own."""
+
+    token_id: int
+    token: bytes
+    logprob: float
+    top: tuple["TokenLogprob", ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
 class TokenEvent:
     """One step of the text stream: `token_id` None is text released at the end of the run with
     no new token; `text` is what this token released (may be empty, or hold text of earlier
-    tokens held back while they could have begun a stop string)."""
+    tokens held back while they could have begun a stop string). `logprob` is the token's when
+    the request asked for logprobs."""
 
     token_id: int | None
     text: str
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -283,7 +307,8 @@ class GenerationResult:
     """A finished generation: the text, its token ids, the prompt's length in tokens, why it
     ended, and the engine's counters (JSON-able: numbers, strings, lists, dicts, None).
     `max_tokens_clamped_to` is the number of new tokens the context had room for when that was
-    fewer than max_tokens asked (None otherwise); reaching it ends the run with `length`."""
+    fewer than max_tokens asked (None otherwise); reaching it ends the run with `length`.
+    `logprobs` holds one TokenLogprob per token id when the request asked for them."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -291,6 +316,7 @@ class GenerationResult:
     finish_reason: FinishReason
     stats: dict
     max_tokens_clamped_to: int | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 # -- what the daemon drives ----------------------------------------------------------------

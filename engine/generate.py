@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from engine.api import FinishReason, GenerationParams, TokenEvent
+from engine.api import FinishReason, GenerationParams, TokenEvent, TokenLogprob
 from engine.sampling import Sampler
 from engine.speculative import DecodeStats, plain_decode, speculative_decode
 
@@ -52,9 +52,12 @@ class Generation:
         self._decoder = tokenizer.decoder()
         self._pending = ""  # decoded text not yet released (could begin a stop string)
         self._events: list[TokenEvent] = []
+        self._logprob: TokenLogprob | None = None  # the token _on_token is handling's
         self._cancelled = False
         self._stopped_by_string = False
         self._eos = frozenset(tokenizer.eos_token_ids) | frozenset(stop_token_ids)
+        self._sampler: Sampler | None = None
+        self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
 
     def cancel(self) -> None:
         """The next round boundary ends the run with finish reason `cancelled`."""
@@ -70,7 +73,9 @@ class Generation:
             return
         yield []
         # ids of a padded vocabulary that the tokenizer cannot decode are never chosen
-        sampler = Sampler(self.params.sampling, self.tokenizer.decodable(self.forward.config.vocab_size))
+        sampler = Sampler(self.params.sampling, self.tokenizer.decodable(self.forward.config.vocab_size),
+                          logprobs=self.params.logprobs)
+        self._sampler = sampler
         common = dict(
             max_new_tokens=self.params.max_tokens,
             sampler=sampler,
@@ -97,8 +102,9 @@ class Generation:
 
     def _on_token(self, token: int) -> bool:
         self.token_ids.append(token)
+        self._logprob = self._take_logprob(token)
         if token in self._eos:
-            self._events.append(TokenEvent(token, ""))  # an EOS id is not shown as text
+            self._events.append(TokenEvent(token, "", self._logprob))  # an EOS id is not shown as text
             return True  # the loop stops after an EOS id by itself
         self._pending += self._decoder.push(token)
         cut = _find_stop(self._pending, self.params.stop)
@@ -113,9 +119,22 @@ class Generation:
         self._pending = self._pending[len(self._pending) - keep :]
         return True
 
+    def _take_logprob(self, token: int) -> TokenLogprob | None:
+        """The sampler's record of the row that chose `token` (the records come in the order the
+        tokens were chosen or judged, and every emitted token was one of them)."""
+        if self.logprobs is None:
+            return None
+        chosen, logprob, top = self._sampler.take_logprobs()
+        if chosen != token:
+            raise RuntimeError(f"logprobs out of step: token {token} emitted, {chosen} recorded")
+        piece = self.tokenizer.token_bytes
+        out = TokenLogprob(token, piece(token), logprob, tuple(TokenLogprob(i, piece(i), lp) for i, lp in top))
+        self.logprobs.append(out)
+        return out
+
     def _release(self, token: int, text: str) -> None:
         self.text += text
-        self._events.append(TokenEvent(token, text))
+        self._events.append(TokenEvent(token, text, self._logprob))
 
     def _release_tail(self, text: str) -> None:
         """Text held back until the end (a possible stop-string start, an unfinished character)."""
@@ -125,7 +144,7 @@ class Generation:
         self.text += text
         if self._events:
             last = self._events[-1]
-            self._events[-1] = TokenEvent(last.token_id, last.text + text)
+            self._events[-1] = TokenEvent(last.token_id, last.text + text, last.logprob)
         else:
             self._events.append(TokenEvent(None, text))
 

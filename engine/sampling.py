@@ -11,9 +11,18 @@ A checkpoint may pad its embedding past the tokenizer (Qwen: 151,936 rows for 15
 A sampler built with `allowed` never returns a padded id: `choose`, `judge` and `probs` all
 read the logits through `masked`, so plain decode, every verify and the resample after a
 reject see the same masked distribution and speculation stays byte-equal to plain greedy.
+
+A sampler built with `logprobs` (a number of alternatives) records, for every token it
+chooses or judges, in the order it does so, the token's log probability and the row's most
+likely tokens: the log-softmax in float64 of the float32 row (masked as above), which is the
+same row whether a plain step or a verify batch made it. The consumer takes the records in
+the same order (`take_logprobs`), one per emitted token; records of tokens judged past the
+point where the run stopped are never taken.
 """
 
 from __future__ import annotations
+
+import collections
 
 import numpy as np
 
@@ -27,11 +36,37 @@ class Sampler:
     can decode (engine.tokenizer.Tokenizer.decodable).
     """
 
-    def __init__(self, config: SamplingParams = SamplingParams(), allowed: np.ndarray | None = None) -> None:
+    def __init__(self, config: SamplingParams = SamplingParams(), allowed: np.ndarray | None = None, *,
+                 logprobs: int | None = None) -> None:
         self.config = config
         self.rng = np.random.default_rng(config.seed)
         self.allowed = None if allowed is None else np.asarray(allowed, dtype=bool)
         self._masked_ids = None if allowed is None else np.flatnonzero(~self.allowed)
+        self.logprobs = logprobs  # alternatives to record per token; None records nothing
+        # (token, logprob, ((id, logprob), ...)) per chosen or judged token, oldest first
+        self._records: collections.deque[tuple[int, float, tuple[tuple[int, float], ...]]] = collections.deque()
+
+    def log_softmax(self, logits: np.ndarray) -> np.ndarray:
+        """The raw distribution's log probabilities [V] float64: log-softmax of the masked row."""
+        z = self.masked(logits).astype(np.float64)
+        m = z.max()
+        return z - (m + np.log(np.sum(np.exp(z - m))))
+
+    def _record(self, logits: np.ndarray, token: int) -> int:
+        if self.logprobs is not None:
+            lp = self.log_softmax(logits)
+            top: tuple[tuple[int, float], ...] = ()
+            n = min(self.logprobs, int(np.isfinite(lp).sum()))
+            if n > 0:
+                ids = np.argpartition(-lp, n - 1)[:n]
+                top = tuple((int(i), float(lp[i])) for i in sorted(ids, key=lambda i: (-lp[i], i)))
+            self._records.append((token, float(lp[token]), top))
+        return token
+
+    def take_logprobs(self) -> tuple[int, float, tuple[tuple[int, float], ...]]:
+        """The oldest record not yet taken: (token, logprob, top alternatives). Raises
+        IndexError when none is left (a consumer out of step with the loop)."""
+        return self._records.popleft()
 
     def masked(self, logits: np.ndarray) -> np.ndarray:
         """logits [..., V] with every id outside `allowed` at -inf (a copy; the input itself when
@@ -74,8 +109,8 @@ class Sampler:
     def choose(self, logits: np.ndarray) -> int:
         """The next token: argmax when greedy, else one draw from `probs(logits)`."""
         if self.config.greedy:
-            return int(np.argmax(self.masked(logits)))
-        return self.draw(self.probs(logits))
+            return self._record(logits, int(np.argmax(self.masked(logits))))
+        return self._record(logits, self.draw(self.probs(logits)))
 
     def judge(self, draft: int, q: np.ndarray | None, logits: np.ndarray) -> int | None:
         """Verify one drafted token against the base's logits at its position.
@@ -85,12 +120,13 @@ class Sampler:
         draft is accepted, else the token to emit in its place (after which the round stops).
         """
         if self.config.greedy:
-            choice = int(np.argmax(self.masked(logits)))
+            choice = self._record(logits, int(np.argmax(self.masked(logits))))
             return None if choice == draft else choice
         p = self.probs(logits)
         q_draft = 1.0 if q is None else float(q[draft])
         # accept with probability min(1, p/q): the accepted mass at each token is min(p, q)
         if q_draft > 0.0 and self.rng.random() * q_draft < p[draft]:
+            self._record(logits, draft)
             return None
         # on reject draw from the normalised residual max(0, p - q): min(p, q) + residual = p
         residual = p.copy()
@@ -100,7 +136,7 @@ class Sampler:
             residual = np.maximum(residual - q, 0.0)
         if residual.sum() <= 0.0:  # p == q up to rounding: a reject had probability ~0
             residual = p
-        return self.draw(residual)
+        return self._record(logits, self.draw(residual))
 
     def draw(self, weights: np.ndarray) -> int:
         """One index drawn with probability proportional to weights [V] (>= 0, not all 0)."""

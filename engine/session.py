@@ -450,6 +450,7 @@ class ModelSession:
             finish_reason=g.finish_reason,
             stats=stats,
             max_tokens_clamped_to=self.max_tokens_clamped_to,
+            logprobs=None if g.logprobs is None else tuple(g.logprobs),
         )
 
 
