@@ -243,8 +243,9 @@ class _Methods:
                stop: list[str] | None = None, spec: dict | None = None, use_prefix_cache: bool | None = None,
                priority: str | None = None, prompt_settings: list[dict | None] | None = None,
                idempotency_key: str | None = None, retries: int = SUBMIT_RETRIES,
-               suffix: str | None = None, fim_extra: list[dict] | None = None):
-        """Queue a job; returns its status. `prompt_settings` (one entry per prompt, None for
+               suffix: str | None = None, fim_extra: list[dict] | None = None, logprobs: int | None = None):
+        """Queue a job; returns its status. `logprobs` (alternatives per token) asks for each
+        token's log probability. `prompt_settings` (one entry per prompt, None for
         the job's) gives prompts settings of their own. `suffix` (with one prompt, the prefix)
         asks for fill-in-the-middle, `fim_extra` adds [{"filename", "text"}] context files. The
         request carries an idempotency key (a new random one unless given), and a connection
@@ -253,7 +254,7 @@ class _Methods:
         than the key (it refuses the parameter) is asked once more without it, and then a lost
         reply is not retried (it could run twice)."""
         params = {"prompts": prompts, "chats": chats, "priority": priority, "prompt_settings": prompt_settings,
-                  "idempotency_key": idempotency_key or uuid.uuid4().hex,
+                  "idempotency_key": idempotency_key or uuid.uuid4().hex, "logprobs": logprobs,
                   **_generation(model, max_tokens, sampling, stop, spec, use_prefix_cache, suffix, fim_extra)}
         return self._submit(params, retries)
 
@@ -263,10 +264,10 @@ class _Methods:
     def complete(self, prompt: str | None = None, *, messages: list[dict] | None = None, model: str | None = None,
                  max_tokens: int | None = None, sampling: dict | None = None, stop: list[str] | None = None,
                  spec: dict | None = None, use_prefix_cache: bool | None = None, suffix: str | None = None,
-                 fim_extra: list[dict] | None = None):
+                 fim_extra: list[dict] | None = None, logprobs: int | None = None):
         """A stream of `ticket` and `token` events; its `.result` is the prompt result.
         `suffix` makes `prompt` the prefix of a fill-in-the-middle request (as submit)."""
-        return self._stream("complete", {"prompt": prompt, "messages": messages,
+        return self._stream("complete", {"prompt": prompt, "messages": messages, "logprobs": logprobs,
                                          **_generation(model, max_tokens, sampling, stop, spec, use_prefix_cache,
                                                        suffix, fim_extra)})
 

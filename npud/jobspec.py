@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from engine.api import (
     DEFAULT_MAX_TOKENS,
+    MAX_TOP_LOGPROBS,
     SPEC_METHODS,
     ConfigError,
     EngineCode,
@@ -229,7 +230,7 @@ def parse_spec(p: Params, *, limits: LimitsConfig, models: tuple[str, ...], defa
 def _prompt_params(p: Params, limits: LimitsConfig, job: GenerationParams,
                    num_prompts: int) -> tuple[GenerationParams | None, ...] | None:
     """`prompt_settings`: one entry per prompt, null or an object of max_tokens, sampling,
-    stop, spec and use_prefix_cache that overrides the job's (`sampling` and `spec` key by
+    stop, spec, use_prefix_cache and logprobs that overrides the job's (`sampling` and `spec` key by
     key). None when no prompt differs."""
     raw = p.list("prompt_settings", None)
     if raw is None:
@@ -272,11 +273,13 @@ def _generation_params(p: Params, limits: LimitsConfig, base: GenerationParams |
                          fallback_rounds=spec.int("fallback_rounds", None, min=0, max=1 << 20))
     spec.finish()
     use_prefix_cache = p.bool("use_prefix_cache", None)
+    logprobs = p.int("logprobs", None, min=0, max=MAX_TOP_LOGPROBS)
     base = base if base is not None else GenerationParams()
     try:
         return GenerationParams(max_tokens=max_tokens, sampling=dataclasses.replace(base.sampling, **sampling_kwargs),
                                 stop=base.stop if stop is None else tuple(stop),
                                 spec=dataclasses.replace(base.spec, **spec_kwargs),
-                                use_prefix_cache=base.use_prefix_cache if use_prefix_cache is None else use_prefix_cache)
+                                use_prefix_cache=base.use_prefix_cache if use_prefix_cache is None else use_prefix_cache,
+                                logprobs=base.logprobs if logprobs is None else logprobs)
     except ConfigError as exc:  # the checks above are the wire's; these are the engine's own
         raise ApiError(ErrorCode.BAD_REQUEST, f"{where}: {exc.message}") from None

@@ -145,3 +145,104 @@ def test_the_socket_methods_tokenize_as_http_does(daemon, raw):
         ids = [p["id"] for p in out["tokens"]]
         assert ids == raw.post("/tokenize", json={"content": PROMPT}).json()["tokens"]
         assert c.call("detokenize", {"tokens": ids}) == {"model": MODEL, "content": PROMPT}
+
+
+# -- logprobs --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine_model():
+    from engine.session import LoadedModel
+
+    return LoadedModel.load("pycode", MODELS / "pycode-base", weight_format="fp32", backend="host")
+
+
+def reference_rows(served, prompt_ids: list[int], token_ids: list[int]) -> list:
+    """The float64 log-softmax of the engine's logits row before each generated token."""
+    import numpy as np
+
+    from engine.forward import Forward
+
+    f = Forward(served.model)
+    f.prefill(prompt_ids[:-1])
+    logits, rows = f.step(prompt_ids[-1], len(prompt_ids) - 1), []
+    for i, token in enumerate(token_ids):
+        z = np.asarray(logits, dtype=np.float32).astype(np.float64)
+        rows.append(z - np.logaddexp.reduce(z))
+        logits = f.step(token, len(prompt_ids) + i)
+    return rows
+
+
+def spec(method: str) -> dict:
+    return {"npud": {"spec": {"method": method}}}
+
+
+def test_completion_logprobs_are_the_engines_log_softmax(oa, raw, daemon, engine_model):
+    out = oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, logprobs=3, extra_body=spec("none"))
+    (choice,) = out.choices
+    lp = choice.logprobs
+    ids = raw.post("/tokenize", json={"content": PROMPT}).json()["tokens"]
+    with daemon.client() as c:  # the job's stored result has the token ids
+        (stored,) = c.result(out.model_extra["npud"]["job"])["results"]
+    token_ids = stored["token_ids"]
+    assert [i["logprob"] for i in stored["logprobs"]] == lp.token_logprobs  # the socket's form, the same numbers
+    rows = reference_rows(engine_model, ids, token_ids)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(rows) == out.usage.completion_tokens
+    for token, logprob, top, row in zip(token_ids, lp.token_logprobs, lp.top_logprobs, rows):
+        assert math.isclose(logprob, row[token], abs_tol=1e-9)
+        assert len(top) <= 3 and max(top.values()) == logprob  # greedy: the chosen is the likeliest
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
+def chat_logprobs(oa, method: str, stream: bool) -> tuple[str, list[dict]]:
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=24, logprobs=True, top_logprobs=4, extra_body=spec(method))
+    if not stream:
+        out = oa.chat.completions.create(**kw)
+        return out.choices[0].message.content, [c.model_dump() for c in out.choices[0].logprobs.content]
+    text, items = "", []
+    for ch in oa.chat.completions.create(stream=True, **kw):
+        if ch.choices:
+            text += ch.choices[0].delta.content or ""
+            if ch.choices[0].logprobs is not None:
+                items += [c.model_dump() for c in ch.choices[0].logprobs.content]
+    return text, items
+
+
+def test_chat_logprobs_are_the_same_with_and_without_speculation_streamed_or_not(oa):
+    text, items = chat_logprobs(oa, "none", stream=False)
+    assert text and items and all(len(i["top_logprobs"]) == 4 for i in items)
+    assert b"".join(bytes(i["bytes"]) for i in items).decode("utf-8", "replace").startswith(text)
+    assert all(i["top_logprobs"][0]["logprob"] == i["logprob"] for i in items)  # greedy
+    for method in ("ngram", "draft"):
+        for stream in (False, True):
+            assert chat_logprobs(oa, method, stream) == (text, items), (method, stream)
+
+
+def test_logprob_fields_are_checked(raw):
+    cases = [("/v1/chat/completions", {"top_logprobs": 2}, "body.top_logprobs: needs logprobs: true"),
+             ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "body.top_logprobs"),
+             ("/v1/chat/completions", {"logprobs": 3}, "body.logprobs"),
+             ("/v1/completions", {"logprobs": True}, "body.logprobs"),
+             ("/v1/completions", {"logprobs": -1}, "body.logprobs")]
+    for path, extra, named in cases:
+        body = {"model": MODEL, "max_tokens": 2, **extra}
+        body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "x"})
+        r = raw.post(path, json=body)
+        assert r.status_code == 400 and named in r.json()["error"]["message"], (extra, r.text)
+    plain = raw.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).json()
+    assert plain["choices"][0]["logprobs"] is None
+
+
+def test_socket_logprobs_per_prompt_of_a_batch(daemon):
+    with daemon.client() as c:
+        streamed = c.complete(prompt=PROMPT, max_tokens=6, logprobs=2)
+        events = [e for e in streamed if e.name == "token"]
+        done = streamed.wait()
+        assert len(done["logprobs"]) == len(done["token_ids"]) == 6
+        assert [i for e in events for i in e.data.get("logprobs", [])] == done["logprobs"]
+        job = c.submit([PROMPT, PROMPT], max_tokens=4, prompt_settings=[{"logprobs": 1}, None])["job"]
+        c.stream(job).wait()
+        first, second = c.result(job)["results"]
+        assert [i["logprob"] for i in first["logprobs"]] == [i["logprob"] for i in done["logprobs"][:4]]
+        assert all(len(i["top_logprobs"]) == 1 for i in first["logprobs"]) and "logprobs" not in second

@@ -20,6 +20,7 @@ from npud.http import errors, sse
 from npud.http.translate import (
     HttpJob,
     chat_request,
+    choice_logprobs,
     chunk,
     completion_reply,
     completion_request,
@@ -101,12 +102,26 @@ class Stream:
         self.kind = kind
         self.model = model
         self.job: int | None = None
+        self.logprobs: list[dict] | None = None  # of tokens whose text has not been sent yet
+        self.offset = 0  # characters of the tokens' own texts sent so far (completions' text_offset)
+
+    def _take_logprobs(self) -> dict | None:
+        items, self.logprobs = self.logprobs, None
+        if items is None:
+            return None
+        out = choice_logprobs(self.kind, items, self.offset)
+        self.offset += sum(len(i["token"]) for i in items)
+        return out
 
     async def emit(self, name: str, data: dict) -> None:
         if name == "ticket" and self.job is None:
             self.job = data["job"]
-        elif name == "token" and data["text"]:
-            await self._send(chunk(self.kind, self.model, self.job, data["text"], first=not self.responder.started))
+        elif name == "token":
+            if "logprobs" in data:  # a token whose text is held back sends its logprobs with that text
+                self.logprobs = (self.logprobs or []) + data["logprobs"]
+            if data["text"]:
+                await self._send(chunk(self.kind, self.model, self.job, data["text"], first=not self.responder.started,
+                                       logprobs=self._take_logprobs()))
 
     async def _send(self, payload: dict) -> None:
         if not self.responder.started:
@@ -119,7 +134,8 @@ class Stream:
             await self._send({**infill_reply(self.model, result), "content": ""})
             await self.responder.end_stream()
             return
-        last = chunk(self.kind, self.model, self.job, None, result["finish_reason"], first=not self.responder.started)
+        last = chunk(self.kind, self.model, self.job, None, result["finish_reason"], first=not self.responder.started,
+                     logprobs=self._take_logprobs())
         last["npud"] = npud_reply(result)
         await self._send(last)
         if include_usage:  # OpenAI's shape: a chunk with no choices and the token counts
