@@ -22,7 +22,7 @@ from typing import NoReturn
 from clients.client import ConnectionLost, NotRunning, NpudError, PermissionDenied
 from clients.npuctl_common import (EXIT_DAEMON, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, Failed,
                                    Interrupted, UsageError)
-from clients.npuctl_show import (cmd_cache, cmd_cancel, cmd_device, cmd_jobs, cmd_models, cmd_result, cmd_stats,
+from clients.npuctl_show import (cmd_cache, cmd_cancel, cmd_device, cmd_jobs, cmd_load, cmd_models, cmd_unload, cmd_result, cmd_stats,
                                  cmd_status, cmd_tickets)
 from clients.npuctl_submit import cmd_complete, cmd_submit
 from clients.shell_completion import bash_script, zsh_script
@@ -268,8 +268,18 @@ def build_parser() -> Parser:
     c.add_argument("--model", help="the model (default: the daemon's default)")
 
     add("models", cmd_models, "list the configured models",
-        "List the configured models: whether each is resident, its weight format, size, context length, "
-        "checkpoint and draft model.")
+        "List the configured models: whether each is loaded, unloaded, loading or failed (its last load), "
+        "its memory, keep-alive, weight format, size, context length, checkpoint and draft model.")
+    p = add("load", cmd_load, "load a model now",
+            "Load MODEL now rather than on its first request (any user may: a request would load it too). "
+            "--keep-alive sets how long it stays loaded once no job uses it (seconds or a duration such as "
+            "5m or 1h; negative: until memory is needed), for every later request that does not say.")
+    p.add_argument("model", metavar="MODEL", help="a model name from `npuctl models`")
+    p.add_argument("--keep-alive", metavar="DURATION", help="e.g. 300, 5m, 1h30m, -1")
+    p = add("unload", cmd_unload, "unload a model (admin)",
+            "Unload MODEL, freeing its memory; refused while a queued or running job uses it. Its next "
+            "request loads it again.")
+    p.add_argument("model", metavar="MODEL", help="a model name from `npuctl models`")
     add("stats", cmd_stats, "show daemon counters",
         "Show the daemon's uptime, connections, jobs and tickets by state, tokens generated, the queue and "
         "who holds the device; then, since the daemon started, tickets by outcome, wait-time quantiles per "

@@ -78,6 +78,7 @@ class LoadedModel:
         self.max_context = model.config.max_position_embeddings
         self.fim_tokens = find_fim_tokens(tokenizer)
         self.backend_reason = "given by the caller"
+        self.threads: int | None = None  # host threads of this model's rounds (None: the default)
         # the logit ids the tokenizer decodes (None: all); the generation masks the rest
         self.allowed = tokenizer.decodable(model.config.vocab_size)
         if self.allowed is not None:
@@ -104,6 +105,8 @@ class LoadedModel:
         xrt_design: str | Path | None = None,
         assistant_dir: str | Path | None = None,
         xrt_timeout_ms: int | None = None,
+        context_length: int | None = None,
+        threads: int | None = None,
     ) -> LoadedModel:
         """Load base (and draft) and open the prefix cache (persistent under `cache_dir`, if given;
         `cache_bytes` of memory shared out between `cache_scopes` users and the shared scope).
@@ -138,6 +141,9 @@ class LoadedModel:
         assistant = Assistant.load(assistant_dir, model, weight_format) if assistant_dir is not None else None
         served = cls(name, model, tokenizer, draft, cache, draft_tokenizer, dflash, assistant)
         served.backend_reason = backend_reason
+        if context_length is not None:  # never past what the checkpoint was trained for
+            served.max_context = max(1, min(served.max_context, context_length))
+        served.threads = threads
         return served
 
     @property
@@ -165,6 +171,7 @@ class LoadedModel:
             "assistant": self.assistant is not None,
             "backend": self.model.backend.name,
             "backend_reason": self.backend_reason,
+            "threads": self.threads,  # host threads of its rounds (None: the default)
             # where each GEMM shape runs on an NPU backend: "npu", "npu-rowwise" or why the host
             "gemm_placement": getattr(self.model.backend, "describe_placement", dict)(),
             "fingerprint": self.model.fingerprint[:16],
@@ -272,6 +279,13 @@ class LoadedModel:
             raise RequestError(f"model {self.name!r} has no draft model (speculative method 'draft')")
         return DraftModelHead(Forward(self.draft), self.tokenizer, self.draft_tokenizer, sampling,
                               self.tokenizer.decodable(self.draft.config.vocab_size))
+
+    def use_threads(self) -> None:
+        """Set the host kernels' thread count to this model's before one of its rounds (the
+        engine runs one round at a time, so a process-wide count is this model's while it runs)."""
+        from kernels.host import native
+
+        native.set_threads(self.threads or 0)
 
     def run_batch(self, sessions, *, prefill_budget: int = DEFAULT_PREFILL_BUDGET):
         """engine.api.ServedModel.run_batch: one round of each session, in turn (each session's
@@ -407,6 +421,7 @@ class ModelSession:
         """One round (the first prefills); returns the events it released."""
         if self._done:
             return []
+        self.served.use_threads()
         if not self._prefilled:
             self._prefilled = True
             if self._cache is not None:

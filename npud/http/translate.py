@@ -81,6 +81,9 @@ def _common(b: Params, max_tokens_names: tuple[str, ...]) -> tuple[dict, Priorit
     stop = b.raw("stop")
     if stop is not None:
         params["stop"] = [stop] if isinstance(stop, str) else stop
+    keep_alive = b.raw("keep_alive")  # Ollama's: how long the model stays loaded once idle
+    if keep_alive is not None:
+        params["keep_alive"] = keep_alive
     stream = b.bool("stream", False)
     options = b.obj("stream_options")
     include_usage = options.bool("include_usage", False)
