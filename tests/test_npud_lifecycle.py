@@ -130,3 +130,21 @@ def test_unload_is_for_admins_and_load_for_everyone(daemon):
         run = npuctl(daemon, "unload", "pycode", socket_path=path)
         assert run.returncode == 1 and run.stderr == "error: models.unload needs root or the admin group\n"
         assert npuctl(daemon, "load", "short", socket_path=path).returncode == 0
+
+
+def test_a_model_in_use_is_neither_unloaded_nor_idle(daemon):
+    import time
+
+    assert npuctl(daemon, "load", "short").returncode == 0
+    daemon.set_temp(95.0)  # held for heat: the job stays queued, and its model is in use all along
+    try:
+        with daemon.client() as c:
+            job = c.submit([PROMPT], model="short", max_tokens=4)["job"]
+            run = npuctl(daemon, "unload", "short")
+            assert run.returncode == 1 and "in use" in run.stderr
+            time.sleep(2.5)  # past the model's one-second keep-alive: a queued job is not idleness
+            assert c.status(job)["state"] == "queued" and models(daemon)["short"]["state"] == "loaded"
+            c.cancel(job)
+    finally:
+        daemon.set_temp(40.0)
+    wait_for(lambda: models(daemon)["short"]["state"] == "unloaded", 30, what="the idle model to go")
