@@ -35,6 +35,9 @@ DEFAULT_SPEC_METHOD = "auto"
 DEFAULT_SPEC_K = 4
 DEFAULT_FALLBACK_ROUNDS = 3
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs bound)
+GRAMMAR_KINDS = ("json_schema", "regex", "lark")
+"""What a Grammar's source is: a JSON schema (as JSON text; `{"type": "object"}` is OpenAI's
+JSON mode), a regular expression, or a grammar in llguidance's Lark dialect."""
 
 
 # -- errors --------------------------------------------------------------------------------
@@ -178,13 +181,44 @@ class SpecParams:
 
 
 @dataclass(slots=True, frozen=True)
+class Grammar:
+    """A constraint on the generated text (structured output): `kind` one of GRAMMAR_KINDS and
+    its `source`. The engine compiles it with llguidance against the model's own vocabulary
+    and masks every logits row the base model scores for a generated token (a plain step's and
+    each row of a speculative verify, in order), so greedy output is byte-identical with and
+    without speculation: a draft that leaves the grammar is rejected like any other. A
+    grammar that leaves no token allowed ends the run with FinishReason.GRAMMAR_DEAD_END.
+
+    Raises ConfigError for an unknown kind or a source that is not a string; `check_grammar`
+    says whether it compiles."""
+
+    kind: str
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ConfigError(f"Grammar.kind must be one of {list(GRAMMAR_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.source, str):
+            raise ConfigError(f"Grammar.source must be a string, got {type(self.source).__name__}")
+
+
+def check_grammar(grammar: Grammar) -> None:
+    """Raise ConfigError saying what is wrong when `grammar` does not compile (an invalid JSON
+    schema, regex or Lark grammar); needs no model."""
+    from engine.grammar import check  # llguidance, only when a request has a grammar
+
+    check(grammar)
+
+
+@dataclass(slots=True, frozen=True)
 class GenerationParams:
     """Everything a request asks for except its prompt: at most `max_tokens` new tokens, drawn
     under `sampling`, ended early by any of the `stop` strings (not part of the text),
     speculated under `spec`, the prompt's prefix looked up in the prefix cache unless
     `use_prefix_cache` is false. `logprobs` (None: off) asks for each generated token's log
     probability and that many most likely alternatives (0 to MAX_TOP_LOGPROBS), from the
-    logits row that chose the token (TokenLogprob).
+    logits row that chose the token (TokenLogprob). `grammar` (None: free text) constrains
+    the text (Grammar).
 
     Raises ConfigError naming the field for a value out of range."""
 
@@ -194,8 +228,11 @@ class GenerationParams:
     spec: SpecParams = field(default_factory=SpecParams)
     use_prefix_cache: bool = True
     logprobs: int | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise ConfigError(f"GenerationParams.grammar must be a Grammar or None, got {type(self.grammar).__name__}")
         if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise ConfigError(f"GenerationParams.logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], "
                               f"got {self.logprobs!r}")
@@ -273,6 +310,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # an EOS token or a stop string
     LENGTH = "length"  # max_tokens reached
     CANCELLED = "cancelled"
+    GRAMMAR_DEAD_END = "grammar_dead_end"  # the request's grammar allowed no token (not even EOS)
 
 
 @dataclass(slots=True, frozen=True)

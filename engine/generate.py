@@ -33,6 +33,7 @@ class Generation:
         params: GenerationParams = GenerationParams(),
         head=None,
         stop_token_ids: Sequence[int] = (),
+        constraint=None,
     ):
         if not prompt_ids:
             raise ValueError("the prompt is empty: nothing to continue from")
@@ -57,6 +58,7 @@ class Generation:
         self._stopped_by_string = False
         self._eos = frozenset(tokenizer.eos_token_ids) | frozenset(stop_token_ids)
         self._sampler: Sampler | None = None
+        self.constraint = constraint  # engine.grammar.Constraint of params.grammar, or None
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
 
     def cancel(self) -> None:
@@ -74,7 +76,7 @@ class Generation:
         yield []
         # ids of a padded vocabulary that the tokenizer cannot decode are never chosen
         sampler = Sampler(self.params.sampling, self.tokenizer.decodable(self.forward.config.vocab_size),
-                          logprobs=self.params.logprobs)
+                          logprobs=self.params.logprobs, constraint=self.constraint)
         self._sampler = sampler
         common = dict(
             max_new_tokens=self.params.max_tokens,
@@ -101,8 +103,13 @@ class Generation:
         yield self._take_events()
 
     def _on_token(self, token: int) -> bool:
+        self._logprob, dead_end = self._take_record(token)
+        if dead_end:  # the grammar allowed nothing here: the run ends before this token
+            self.finish_reason = FinishReason.GRAMMAR_DEAD_END
+            return False
         self.token_ids.append(token)
-        self._logprob = self._take_logprob(token)
+        if self._logprob is not None:
+            self.logprobs.append(self._logprob)
         if token in self._eos:
             self._events.append(TokenEvent(token, "", self._logprob))  # an EOS id is not shown as text
             return True  # the loop stops after an EOS id by itself
@@ -119,18 +126,20 @@ class Generation:
         self._pending = self._pending[len(self._pending) - keep :]
         return True
 
-    def _take_logprob(self, token: int) -> TokenLogprob | None:
+    def _take_record(self, token: int) -> tuple[TokenLogprob | None, bool]:
         """The sampler's record of the row that chose `token` (the records come in the order the
-        tokens were chosen or judged, and every emitted token was one of them)."""
-        if self.logprobs is None:
-            return None
-        chosen, logprob, top = self._sampler.take_logprobs()
+        tokens were chosen or judged, and every emitted token was one of them): its logprob
+        (None unless asked) and whether the grammar dead-ended there."""
+        if self.logprobs is None and self.constraint is None:
+            return None, False
+        chosen, logprob, top, dead_end = self._sampler.take_record()
         if chosen != token:
-            raise RuntimeError(f"logprobs out of step: token {token} emitted, {chosen} recorded")
+            raise RuntimeError(f"sampler records out of step: token {token} emitted, {chosen} recorded")
+        if logprob is None:
+            return None, dead_end
         piece = self.tokenizer.token_bytes
-        out = TokenLogprob(token, piece(token), logprob, tuple(TokenLogprob(i, piece(i), lp) for i, lp in top))
-        self.logprobs.append(out)
-        return out
+        return TokenLogprob(token, piece(token), logprob, tuple(TokenLogprob(i, piece(i), lp) for i, lp in top)), \
+            dead_end
 
     def _release(self, token: int, text: str) -> None:
         self.text += text

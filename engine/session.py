@@ -79,6 +79,7 @@ class LoadedModel:
         self.fim_tokens = find_fim_tokens(tokenizer)
         self.backend_reason = "given by the caller"
         self.threads: int | None = None  # host threads of this model's rounds (None: the default)
+        self._vocabulary = None  # engine.grammar.Vocabulary, built at the first constrained request
         # the logit ids the tokenizer decodes (None: all); the generation masks the rest
         self.allowed = tokenizer.decodable(model.config.vocab_size)
         if self.allowed is not None:
@@ -280,6 +281,15 @@ class LoadedModel:
         return DraftModelHead(Forward(self.draft), self.tokenizer, self.draft_tokenizer, sampling,
                               self.tokenizer.decodable(self.draft.config.vocab_size))
 
+    def constraint(self, grammar):
+        """A fresh engine.grammar.Constraint of `grammar` over this model's vocabulary (built
+        once, at the first grammar); raises RequestError when the grammar does not compile."""
+        from engine.grammar import Constraint, Vocabulary  # llguidance, only when a request has a grammar
+
+        if self._vocabulary is None:
+            self._vocabulary = Vocabulary(self.tokenizer, self.model.config.vocab_size)
+        return Constraint(self._vocabulary, grammar)
+
     def use_threads(self) -> None:
         """Set the host kernels' thread count to this model's before one of its rounds (the
         engine runs one round at a time, so a process-wide count is this model's while it runs)."""
@@ -401,8 +411,9 @@ class ModelSession:
         self._restore_allowed = not isinstance(head, DFlashHead)
         if isinstance(head, (DFlashHead, AssistantHead)):
             head.attach(self.forward)
+        constraint = None if params.grammar is None else served.constraint(params.grammar)
         self.generation = Generation(self.forward, served.tokenizer, prompt_ids, params, head=head,
-                                     stop_token_ids=stop_token_ids)
+                                     stop_token_ids=stop_token_ids, constraint=constraint)
         self._rounds = self.generation.rounds()
         self._done = False
         self._cache = served.prefix_cache if params.use_prefix_cache else None

@@ -402,7 +402,8 @@ def test_tables_are_tab_separated_without_a_terminal(daemon, client, done_job):
     rows = [ln.split("\t") for ln in run.stdout.splitlines()]
     assert [int(r[0]) for r in rows] == [j["job"] for j in client.jobs()["jobs"]]
     run = npuctl("models", socket_path=daemon.socket)
-    assert run.stdout.split("\t")[:3] == ["tiny (default)", "yes", "fp32"]
+    cols = run.stdout.split("\t")
+    assert cols[:2] == ["tiny (default)", "loaded"] and cols[3] == "until evicted" and cols[4] == "fp32"
     run = npuctl("tickets", "--since", "2099-01-01", socket_path=daemon.socket)
     assert run.returncode == 0 and run.stdout == ""
 
