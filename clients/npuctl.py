@@ -62,8 +62,10 @@ input format (JSONL, one prompt per line; blank lines are skipped):
 
 per-line keys: prompt | messages (exactly one), id (any JSON value, echoed in the
 result), model, max_tokens, sampling {temperature, top_k, top_p, seed}, stop, spec
-{method, k, fallback_rounds}, use_prefix_cache, priority. A line's settings override the
-command line's. Lines go to one job unless their model, priority or kind (prompt or
+{method, k, fallback_rounds}, use_prefix_cache, priority, logprobs (alternatives per
+token), response_format ({"type": "json_object"} or {"type": "json_schema", "json_schema":
+{"name", "schema"}}), grammar ({"regex": ...} or {"lark": ...}). A line's settings override
+the command line's. Lines go to one job unless their model, priority or kind (prompt or
 messages) differ, or a job is full (limits.max_prompts_per_job): each prompt keeps its
 own settings inside its job.
 

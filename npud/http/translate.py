@@ -22,13 +22,13 @@ from npud.tickets import Priority
 NEUTRAL = {
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "echo": (False,),
     "best_of": (1,), "logit_bias": ({},), "parallel_tool_calls": (True, False),
-    "tools": ([],), "response_format": ({"type": "text"},), "service_tier": ("auto", "default"),
+    "tools": ([],), "service_tier": ("auto", "default"),
     "store": (False,), "cache_prompt": (True, False), "n_probs": (0,),
 }
 IGNORED = ("user", "metadata")  # labels with no effect on the generation
 
 # complete's params as the body names them (the longest prefix first)
-RENAMES = (("params.sampling.", "body."), ("params.spec.", "body.npud.spec."),
+RENAMES = (("params.sampling.", "body."), ("params.spec.", "body.npud.spec."), ("params.grammar", "body.npud.grammar"),
            ("params.use_prefix_cache", "body.npud.use_prefix_cache"), ("params.fim_extra", "body.input_extra"),
            ("params.", "body."))
 
@@ -90,10 +90,13 @@ def _common(b: Params, max_tokens_names: tuple[str, ...]) -> tuple[dict, Priorit
     options.finish()
     ext = b.obj("npud")
     priority = Priority.parse(ext.str("priority", "interactive", choices=("interactive", "batch")))
-    for name in ("spec", "use_prefix_cache"):
+    for name in ("spec", "use_prefix_cache", "grammar"):
         if (value := ext.raw(name)) is not None:
             params[name] = value
     ext.finish()
+    response_format = b.raw("response_format")  # structured output: complete's own shape is OpenAI's
+    if response_format is not None:
+        params["response_format"] = response_format
     return params, priority, stream, include_usage
 
 
