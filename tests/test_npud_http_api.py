@@ -246,3 +246,104 @@ def test_socket_logprobs_per_prompt_of_a_batch(daemon):
         first, second = c.result(job)["results"]
         assert [i["logprob"] for i in first["logprobs"]] == [i["logprob"] for i in done["logprobs"][:4]]
         assert all(len(i["top_logprobs"]) == 1 for i in first["logprobs"]) and "logprobs" not in second
+
+
+# -- structured output -------------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "ok": {"type": "boolean"}},
+          "required": ["name", "ok"], "additionalProperties": False}
+JSON_PROMPT = 'a = {"name": "os.path.join", "ok": true}\nb = {"name": "os.path.join", "ok": false}\nc = '
+SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
+
+
+def structured(oa, method: str, stream: bool, chat: bool) -> tuple[str, str]:
+    kw = dict(model=MODEL, max_tokens=60)
+    if chat:
+        make = oa.chat.completions.create
+        kw.update(messages=[{"role": "user", "content": JSON_PROMPT}], response_format=SCHEMA_FORMAT,
+                  extra_body=spec(method))
+    else:  # the SDK's completions have no response_format: llama-server's and npud's extension
+        make = oa.completions.create
+        kw.update(prompt=JSON_PROMPT, extra_body={**spec(method), "response_format": SCHEMA_FORMAT})
+    if not stream:
+        out = make(**kw).choices[0]
+        return (out.message.content if chat else out.text), out.finish_reason
+    text, reason = "", None
+    for ch in make(stream=True, **kw):
+        if ch.choices:
+            text += (ch.choices[0].delta.content or "") if chat else ch.choices[0].text
+            reason = ch.choices[0].finish_reason or reason
+    return text, reason
+
+
+def test_json_schema_replies_validate_streamed_or_not_with_and_without_prompt_lookup(oa):
+    jsonschema = pytest.importorskip("jsonschema")
+    for chat in (False, True):
+        text, reason = structured(oa, "none", False, chat)
+        assert reason == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
+        for method in ("ngram", "draft"):
+            for stream in (False, True):
+                assert structured(oa, method, stream, chat) == (text, reason), (chat, method, stream)
+
+
+def test_json_mode_and_a_grammar_in_the_npud_object(oa, raw):
+    out = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": JSON_PROMPT}], max_tokens=40,
+                                     response_format={"type": "json_object"})
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out.choices[0].message.content), dict)
+    else:  # a small model may still be inside a string when max_tokens runs out
+        assert out.choices[0].message.content.startswith("{")
+    r = raw.post("/v1/completions", json={"model": MODEL, "prompt": "def f():\n    return ", "max_tokens": 20,
+                                          "npud": {"grammar": {"regex": "[a-z]+\\(\\d\\)"}}})
+    assert r.status_code == 200
+    import re
+
+    assert re.fullmatch(r"[a-z]+\(\d\)", r.json()["choices"][0]["text"])
+
+
+def test_bad_schemas_grammars_and_fields_are_400s_naming_them(raw):
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+         "body.response_format.json_schema.schema: invalid JSON schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}},
+         "body.response_format.json_schema.schema"),
+        ({"response_format": {"type": "xml"}}, "body.response_format.type"),
+        ({"response_format": {"type": "json_object", "extra": 1}}, "body.response_format: unknown parameter"),
+        ({"npud": {"grammar": {"regex": "a(b"}}}, "body.npud.grammar.regex: invalid regex"),
+        ({"npud": {"grammar": {"lark": "start: foo"}}}, "body.npud.grammar.lark: invalid Lark grammar"),
+        ({"npud": {"grammar": {"yacc": "x"}}}, "body.npud.grammar: unknown parameter(s) ['yacc']"),
+        ({"npud": {"grammar": {"regex": "a"}}, "response_format": {"type": "json_object"}}, "body.npud.grammar"),
+        ({"keep_alive": "soon"}, "body.keep_alive"),
+    ]
+    for extra, named in cases:
+        for path, body in (("/v1/completions", {"prompt": "x"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+            r = raw.post(path, json={"model": MODEL, "max_tokens": 2, **body, **extra})
+            assert r.status_code == 400, (extra, r.text)
+            assert named in r.json()["error"]["message"], (named, r.json())
+            assert r.json()["error"]["code"] == "bad_request"
+
+
+def test_npuctl_submit_takes_a_response_format_per_line(daemon, tmp_path):
+    import subprocess
+    import sys
+
+    from npud_fixture import REPO, python_env
+
+    jsonschema = pytest.importorskip("jsonschema")
+    lines = [{"prompt": JSON_PROMPT, "max_tokens": 60, "response_format": SCHEMA_FORMAT},
+             {"prompt": JSON_PROMPT, "max_tokens": 8},
+             {"prompt": "def f():\n    return ", "max_tokens": 20, "grammar": {"regex": "[a-z]+\\(\\d\\)"}}]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run = subprocess.run([sys.executable, "-m", "clients.npuctl", "submit", str(src), "--wait"], cwd=REPO,
+                         env=python_env(daemon.socket), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    first, second, third = [json.loads(line) for line in run.stdout.splitlines()]
+    assert first["job"] == second["job"] == third["job"]  # one job, each prompt with its own format
+    jsonschema.validate(json.loads(first["text"]), SCHEMA)
+    assert not second["text"].startswith("{")
+    import re
+
+    assert re.fullmatch(r"[a-z]+\(\d\)", third["text"])
