@@ -71,7 +71,8 @@ own settings inside its job.
 
 OpenAI Batch request lines (url /v1/completions or /v1/chat/completions) are read too:
 body keys model, prompt | messages, max_tokens (max_completion_tokens), temperature,
-top_p, seed, stop, n (1), and "npud": {top_k, spec, use_prefix_cache, priority}.
+top_p, seed, stop, n (1), response_format, and "npud": {top_k, spec, use_prefix_cache,
+priority, grammar}.
 
 results (--wait): one JSON object per input line, in input order:
   {"index": 0, "line": 1, "id": ..., "job": 42, "prompt_in_job": 0, "text": "...",
