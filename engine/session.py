@@ -44,6 +44,7 @@ from engine.model import Model
 from engine.prefix_cache import PrefixCache, PrefixCacheError
 from engine.state import ModelState
 from engine.tokenizer import Tokenizer, TokenizerError
+from engine.tokenizer_methods import TokenizerMethods
 from engine.weights import checkpoint_files
 from kernels.base import numerics_identity
 from kernels.select import select_backend
@@ -52,7 +53,7 @@ from kernels.xrt import XrtUnavailable
 log = structlog.get_logger(__name__)
 
 
-class LoadedModel:
+class LoadedModel(TokenizerMethods):
     """A base model with its tokenizer, an optional draft model, and its prefix cache: the
     engine's engine.api.ServedModel."""
 
@@ -210,42 +211,6 @@ class LoadedModel:
         """The prompt's length in tokens; raises RequestError as prompt_ids."""
         return len(self.prompt_ids(request))
 
-    def tokenize(self, text: str, *, add_special: bool = False) -> list[int]:
-        """The ids of `text` (special tokens written in it map to their ids); with `add_special`,
-        the ids a `prompt` of that text runs as (the BOS its vocabulary asks for in front)."""
-        ids = self.tokenizer.encode(text)
-        bos = self.tokenizer.bos_token_id
-        if add_special and self.tokenizer.add_bos_token and bos is not None and ids[:1] != [bos]:
-            ids = [bos, *ids]
-        return ids
-
-    def detokenize(self, ids) -> str:
-        """The text of `ids`; raises RequestError for an id outside the vocabulary."""
-        try:
-            return self.tokenizer.decode(ids)
-        except TokenizerError as exc:
-            raise RequestError(str(exc)) from None
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """The bytes of one token on its own; raises RequestError for an id outside the vocabulary."""
-        try:
-            return self.tokenizer.token_bytes(token_id)
-        except TokenizerError as exc:
-            raise RequestError(str(exc)) from None
-
-    def props(self) -> dict:
-        """The tokenizer's facts for llama.cpp's /props: special tokens, chat templates, FIM tokens."""
-        tok = self.tokenizer
-        texts = tok.chat_template_texts
-        default = texts.get("default", next(iter(texts.values()))) if len(texts) == 1 or "default" in texts else None
-        piece = lambda i: None if i is None else tok.token_bytes(i).decode("utf-8", "replace")  # noqa: E731
-        fim = self.fim_tokens
-        return {"vocab_size": tok.vocab_size, "bos_token": piece(tok.bos_token_id), "add_bos_token": tok.add_bos_token,
-                "eos_tokens": [piece(i) for i in tok.eos_token_ids], "chat_template": default,
-                "chat_templates": sorted(texts),
-                "fim_tokens": None if fim is None else {"prefix": piece(fim.prefix), "suffix": piece(fim.suffix),
-                                                        "middle": piece(fim.middle), "file_sep": piece(fim.file_sep)}}
-
     def start(self, request: GenerateRequest) -> "ModelSession":
         """A session for `request`, with max_tokens clamped to what the context has room for;
         raises RequestError when the prompt cannot run on this model (PromptTooLong when the
@@ -280,15 +245,6 @@ class LoadedModel:
             raise RequestError(f"model {self.name!r} has no draft model (speculative method 'draft')")
         return DraftModelHead(Forward(self.draft), self.tokenizer, self.draft_tokenizer, sampling,
                               self.tokenizer.decodable(self.draft.config.vocab_size))
-
-    def constraint(self, grammar):
-        """A fresh engine.grammar.Constraint of `grammar` over this model's vocabulary (built
-        once, at the first grammar); raises RequestError when the grammar does not compile."""
-        from engine.grammar import Constraint, Vocabulary  # llguidance, only when a request has a grammar
-
-        if self._vocabulary is None:
-            self._vocabulary = Vocabulary(self.tokenizer, self.model.config.vocab_size)
-        return Constraint(self._vocabulary, grammar)
 
     def use_threads(self) -> None:
         """Set the host kernels' thread count to this model's before one of its rounds (the
