@@ -10,7 +10,6 @@ from engine.tokenizer import TokenizerError
 
 
 class TokenizerMethods:
-
     def tokenize(self, text: str, *, add_special: bool = False) -> list[int]:
         """The ids of `text` (special tokens written in it map to their ids); with `add_special`,
         the ids a `prompt` of that text runs as (the BOS its vocabulary asks for in front)."""
