@@ -10,6 +10,7 @@ the models whose keep-alive ran out, then hands the freed heap back to the kerne
 
 from __future__ import annotations
 
+import gc
 import re
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,6 @@ log = structlog.get_logger(__name__)
 CHECK_INTERVAL_S = 1.0
 MAX_KEEP_ALIVE_S = 10 * 365 * 86400.0
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?!s))?(?:(\d+(?:\.\d+)?)s)?")
-MODEL_IN_USE = "model_in_use"  # unload of a model a job is using (HTTP 409)
 
 
 def parse_keep_alive(p: Params, name: str = "keep_alive") -> float | None:
@@ -92,18 +92,21 @@ class Lifecycle:
         """Unload `name`; False when it was not loaded. Raises model_in_use while a job uses it."""
         self.registry.entry(name)
         if name in self.in_use():
-            raise ApiError(MODEL_IN_USE, f"model {name!r} is in use by a queued or running job; "
+            raise ApiError(ErrorCode.MODEL_IN_USE, f"model {name!r} is in use by a queued or running job; "
                                          "unload it when that job has ended")
         async with self.owner.device_lock:  # between two engine calls; a job that comes now loads it again
             if name in self.in_use():
-                raise ApiError(MODEL_IN_USE, f"model {name!r} is in use by a queued or running job")
+                raise ApiError(ErrorCode.MODEL_IN_USE, f"model {name!r} is in use by a queued or running job")
             unloaded = self.registry.unload(name, "request")
         if unloaded:
             self._give_back()
         return unloaded
 
     def _give_back(self) -> None:
-        """Return the freed heap to the kernel, so the daemon's RSS shows the unload."""
+        """Free the unloaded model now and return the heap to the kernel, so the daemon's RSS
+        shows the unload: a loaded model holds reference cycles, which only the cycle collector
+        frees (whenever it next runs, without this)."""
+        gc.collect()
         if self._trim is not None:
             self._trim(0)
 

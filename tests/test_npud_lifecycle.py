@@ -139,6 +139,7 @@ def test_a_model_in_use_is_neither_unloaded_nor_idle(daemon):
     daemon.set_temp(95.0)  # held for heat: the job stays queued, and its model is in use all along
     try:
         with daemon.client() as c:
+            wait_for(lambda: c.device_status()["thermal"]["state"] == "hold", what="thermal hold")
             job = c.submit([PROMPT], model="short", max_tokens=4)["job"]
             run = npuctl(daemon, "unload", "short")
             assert run.returncode == 1 and "in use" in run.stderr

@@ -23,7 +23,7 @@ STATUS = {
     ErrorCode.UNSUPPORTED: 400, ErrorCode.STORE_FULL: 507, ErrorCode.STORE_READONLY: 503,
     ErrorCode.STORE_ERROR: 503, ErrorCode.SHUTTING_DOWN: 503, ErrorCode.INTERNAL_ERROR: 500,
     UNAUTHORIZED: 401, METHOD_NOT_ALLOWED: 405, REQUEST_TOO_LARGE: 413, REQUEST_TIMEOUT: 408,
-    "model_in_use": 409,  # npud/lifecycle.py: an unload of a model a job is using
+    ErrorCode.MODEL_IN_USE: 409,
 }
 
 # OpenAI's error types, by status
