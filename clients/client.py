@@ -92,6 +92,7 @@ class StoreError(NpudError): code = ErrorCode.STORE_ERROR.value
 class StoreFull(StoreError): code = ErrorCode.STORE_FULL.value
 class StoreReadOnly(StoreError): code = ErrorCode.STORE_READONLY.value
 class ShuttingDown(NpudError): code = ErrorCode.SHUTTING_DOWN.value
+class ModelInUse(NpudError): code = ErrorCode.MODEL_IN_USE.value
 class InternalError(NpudError): code = ErrorCode.INTERNAL_ERROR.value
 
 
@@ -119,7 +120,7 @@ class ConnectionLost(NpudError):
 ERRORS: dict[str, type[NpudError]] = {
     cls.code: cls for cls in (BadRequest, LineTooLongError, UnknownMethod, NotFound, Forbidden, Overloaded,
                               PromptTooLong, FimUnsupported, DeviceQuarantined, ModelError, Unsupported, StoreError, StoreFull,
-                              StoreReadOnly, ShuttingDown, InternalError)
+                              StoreReadOnly, ShuttingDown, ModelInUse, InternalError)
 }
 
 
