@@ -15,7 +15,9 @@ import zlib
 from pathlib import Path
 
 from engine.api import (
+    DEFAULT_PREFILL_BUDGET,
     DeviceFault,
+    EngineError,
     FimUnsupported,
     FinishReason,
     GenerateRequest,
@@ -153,6 +155,16 @@ class FakeServedModel:
 
     def cache_flush(self) -> int:
         return 0
+
+    def run_batch(self, sessions, *, prefill_budget: int = DEFAULT_PREFILL_BUDGET):
+        """As the engine's sequential form: each session's round in turn, an EngineError kept as its item."""
+        out = []
+        for session in sessions:
+            try:
+                out.append(session.run_round())
+            except EngineError as exc:
+                out.append(exc)
+        return out
 
 
 def load_model(name: str, checkpoint_dir, *, draft_dir=None, dflash_dir=None, weight_format: str = "bf16",
