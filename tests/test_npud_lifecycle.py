@@ -149,3 +149,21 @@ def test_a_model_in_use_is_neither_unloaded_nor_idle(daemon):
     finally:
         daemon.set_temp(40.0)
     wait_for(lambda: models(daemon)["short"]["state"] == "unloaded", 30, what="the idle model to go")
+
+
+def test_a_load_in_progress_shows_as_loading():
+    """The fake engine (a load that takes a while) shows the state between unloaded and loaded."""
+    from test_npud_support import write_fake_checkpoint
+
+    workdir = short_tempdir()
+    checkpoint = write_fake_checkpoint(workdir / "fake", load_sleep_s=1.5)
+    d = start_or_clean(DaemonProc(workdir, [{"name": "fake", "checkpoint_dir": str(checkpoint)}], fake_engine=True))
+    try:
+        loading = subprocess.Popen([sys.executable, "-m", "clients.npuctl", "load", "fake"], cwd=REPO,
+                                   env=python_env(d.socket), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        seen = set()
+        wait_for(lambda: seen.add(models(d)["fake"]["state"]) or "loading" in seen, 30, what="the loading state")
+        assert loading.wait(30) == 0
+        assert models(d)["fake"]["state"] == "loaded" and seen <= {"unloaded", "loading"}
+    finally:
+        stop_daemon(d)
