@@ -600,7 +600,7 @@ BAD_FILES = [
     (['{"prompt": "a"}', "not json"], 2, "not valid JSON: Expecting value (column 1)"),
     (['{"prompt": "a"}', "", '{"prompt": 1}'], 3, '"prompt" must be a string, got an integer'),
     (['{"promt": "a"}'], 1, "unknown key 'promt' (known: prompt, messages, id, model, max_tokens, sampling, "
-                            "stop, spec, use_prefix_cache, priority)"),
+                            "stop, spec, use_prefix_cache, priority, logprobs, response_format, grammar)"),
     (['{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}'], 1,
      'give exactly one of "prompt" and "messages"'),
     (["[1, 2]"], 1, 'expected an object with "prompt" or "messages" (or a JSON string), got a list'),
