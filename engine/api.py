@@ -205,7 +205,8 @@ class Grammar:
 def check_grammar(grammar: Grammar) -> None:
     """Raise ConfigError saying what is wrong when `grammar` does not compile (an invalid JSON
     schema, regex or Lark grammar); needs no model."""
-    from engine.grammar import check  # llguidance, only when a request has a grammar
+    # the engine proper (numpy, llguidance), only when a request has a grammar, as load_model does
+    from engine.session import check_grammar as check
 
     check(grammar)
 

@@ -436,6 +436,13 @@ class ModelSession:
         )
 
 
+def check_grammar(grammar) -> None:
+    """engine.api.check_grammar: raises ConfigError when `grammar` does not compile."""
+    from engine.grammar import check  # llguidance, only when a request has a grammar
+
+    check(grammar)
+
+
 def describe_checkpoint(path) -> dict:
     """engine.api.describe_checkpoint: a .gguf file's header, or a checkpoint directory's
     config, tokenizer and weight headers, checked and described."""
