@@ -17,8 +17,9 @@ from typing import Any, Iterable
 from clients.openai_batch import Endpoint, from_openai_line, is_openai_line
 
 JOB_SETTINGS = ("model", "priority")  # one per job
-PROMPT_SETTINGS = ("max_tokens", "sampling", "stop", "spec", "use_prefix_cache")  # one per prompt
-SETTINGS = ("model", "max_tokens", "sampling", "stop", "spec", "use_prefix_cache", "priority")
+PROMPT_SETTINGS = ("max_tokens", "sampling", "stop", "spec", "use_prefix_cache", "logprobs", "response_format",
+                   "grammar")  # one per prompt
+SETTINGS = ("model", *PROMPT_SETTINGS[:5], "priority", *PROMPT_SETTINGS[5:])
 LINE_KEYS = ("prompt", "messages", "id", *SETTINGS)
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed")
 SPEC_KEYS = ("method", "k", "fallback_rounds")
@@ -112,6 +113,11 @@ def _check_line(where: str, obj: Any) -> dict:
         raise InputError(f"{where}: \"use_prefix_cache\" must be true or false")
     if "priority" in obj and obj["priority"] not in ("batch", "interactive"):
         raise InputError(f"{where}: \"priority\" must be \"batch\" or \"interactive\"")
+    for key in ("response_format", "grammar"):  # structured output: their contents are the daemon's to judge
+        if key in obj and not isinstance(obj[key], dict):
+            raise InputError(f"{where}: \"{key}\" must be an object, got {_type(obj[key])}")
+    if "logprobs" in obj and (isinstance(obj["logprobs"], bool) or not isinstance(obj["logprobs"], int)):
+        raise InputError(f"{where}: \"logprobs\" must be an integer, got {_type(obj['logprobs'])}")
     if "sampling" in obj:
         _check_object(f"{where}: \"sampling\"", obj["sampling"], SAMPLING_KEYS)
     if "spec" in obj:

@@ -92,6 +92,7 @@ class StoreError(NpudError): code = ErrorCode.STORE_ERROR.value
 class StoreFull(StoreError): code = ErrorCode.STORE_FULL.value
 class StoreReadOnly(StoreError): code = ErrorCode.STORE_READONLY.value
 class ShuttingDown(NpudError): code = ErrorCode.SHUTTING_DOWN.value
+class ModelInUse(NpudError): code = ErrorCode.MODEL_IN_USE.value
 class InternalError(NpudError): code = ErrorCode.INTERNAL_ERROR.value
 
 
@@ -119,7 +120,7 @@ class ConnectionLost(NpudError):
 ERRORS: dict[str, type[NpudError]] = {
     cls.code: cls for cls in (BadRequest, LineTooLongError, UnknownMethod, NotFound, Forbidden, Overloaded,
                               PromptTooLong, FimUnsupported, DeviceQuarantined, ModelError, Unsupported, StoreError, StoreFull,
-                              StoreReadOnly, ShuttingDown, InternalError)
+                              StoreReadOnly, ShuttingDown, ModelInUse, InternalError)
 }
 
 
@@ -243,8 +244,11 @@ class _Methods:
                stop: list[str] | None = None, spec: dict | None = None, use_prefix_cache: bool | None = None,
                priority: str | None = None, prompt_settings: list[dict | None] | None = None,
                idempotency_key: str | None = None, retries: int = SUBMIT_RETRIES,
-               suffix: str | None = None, fim_extra: list[dict] | None = None):
-        """Queue a job; returns its status. `prompt_settings` (one entry per prompt, None for
+               suffix: str | None = None, fim_extra: list[dict] | None = None, logprobs: int | None = None,
+               keep_alive: float | str | None = None):
+        """Queue a job; returns its status. `logprobs` (alternatives per token) asks for each
+        token's log probability; `keep_alive` (seconds, or "5m") how long the model stays
+        loaded once idle. `prompt_settings` (one entry per prompt, None for
         the job's) gives prompts settings of their own. `suffix` (with one prompt, the prefix)
         asks for fill-in-the-middle, `fim_extra` adds [{"filename", "text"}] context files. The
         request carries an idempotency key (a new random one unless given), and a connection
@@ -253,7 +257,8 @@ class _Methods:
         than the key (it refuses the parameter) is asked once more without it, and then a lost
         reply is not retried (it could run twice)."""
         params = {"prompts": prompts, "chats": chats, "priority": priority, "prompt_settings": prompt_settings,
-                  "idempotency_key": idempotency_key or uuid.uuid4().hex,
+                  "idempotency_key": idempotency_key or uuid.uuid4().hex, "logprobs": logprobs,
+                  "keep_alive": keep_alive,
                   **_generation(model, max_tokens, sampling, stop, spec, use_prefix_cache, suffix, fim_extra)}
         return self._submit(params, retries)
 
@@ -263,10 +268,12 @@ class _Methods:
     def complete(self, prompt: str | None = None, *, messages: list[dict] | None = None, model: str | None = None,
                  max_tokens: int | None = None, sampling: dict | None = None, stop: list[str] | None = None,
                  spec: dict | None = None, use_prefix_cache: bool | None = None, suffix: str | None = None,
-                 fim_extra: list[dict] | None = None):
+                 fim_extra: list[dict] | None = None, logprobs: int | None = None,
+                 keep_alive: float | str | None = None):
         """A stream of `ticket` and `token` events; its `.result` is the prompt result.
         `suffix` makes `prompt` the prefix of a fill-in-the-middle request (as submit)."""
-        return self._stream("complete", {"prompt": prompt, "messages": messages,
+        return self._stream("complete", {"prompt": prompt, "messages": messages, "logprobs": logprobs,
+                                         "keep_alive": keep_alive,
                                          **_generation(model, max_tokens, sampling, stop, spec, use_prefix_cache,
                                                        suffix, fim_extra)})
 
@@ -307,6 +314,14 @@ class _Methods:
 
     def device_clear(self):
         return self._call("device.clear")
+
+    def models_load(self, model: str | None = None, *, keep_alive: float | str | None = None):
+        """Load a model now; `keep_alive` (seconds, or "5m") sets how long it stays once idle."""
+        return self._call("models.load", {"model": model, "keep_alive": keep_alive})
+
+    def models_unload(self, model: str):
+        """Unload a model no job is using (admin)."""
+        return self._call("models.unload", {"model": model})
 
     def models(self):
         return self._call("models")

@@ -22,7 +22,7 @@ from typing import NoReturn
 from clients.client import ConnectionLost, NotRunning, NpudError, PermissionDenied
 from clients.npuctl_common import (EXIT_DAEMON, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, Failed,
                                    Interrupted, UsageError)
-from clients.npuctl_show import (cmd_cache, cmd_cancel, cmd_device, cmd_jobs, cmd_models, cmd_result, cmd_stats,
+from clients.npuctl_show import (cmd_cache, cmd_cancel, cmd_device, cmd_jobs, cmd_load, cmd_models, cmd_unload, cmd_result, cmd_stats,
                                  cmd_status, cmd_tickets)
 from clients.npuctl_submit import cmd_complete, cmd_submit
 from clients.shell_completion import bash_script, zsh_script
@@ -62,14 +62,17 @@ input format (JSONL, one prompt per line; blank lines are skipped):
 
 per-line keys: prompt | messages (exactly one), id (any JSON value, echoed in the
 result), model, max_tokens, sampling {temperature, top_k, top_p, seed}, stop, spec
-{method, k, fallback_rounds}, use_prefix_cache, priority. A line's settings override the
-command line's. Lines go to one job unless their model, priority or kind (prompt or
+{method, k, fallback_rounds}, use_prefix_cache, priority, logprobs (alternatives per
+token), response_format ({"type": "json_object"} or {"type": "json_schema", "json_schema":
+{"name", "schema"}}), grammar ({"regex": ...} or {"lark": ...}). A line's settings override
+the command line's. Lines go to one job unless their model, priority or kind (prompt or
 messages) differ, or a job is full (limits.max_prompts_per_job): each prompt keeps its
 own settings inside its job.
 
 OpenAI Batch request lines (url /v1/completions or /v1/chat/completions) are read too:
 body keys model, prompt | messages, max_tokens (max_completion_tokens), temperature,
-top_p, seed, stop, n (1), and "npud": {top_k, spec, use_prefix_cache, priority}.
+top_p, seed, stop, n (1), response_format, and "npud": {top_k, spec, use_prefix_cache,
+priority, grammar}.
 
 results (--wait): one JSON object per input line, in input order:
   {"index": 0, "line": 1, "id": ..., "job": 42, "prompt_in_job": 0, "text": "...",
@@ -271,8 +274,18 @@ def build_parser() -> Parser:
     c.add_argument("--model", help="the model (default: the daemon's default)")
 
     add("models", cmd_models, "list the configured models",
-        "List the configured models: whether each is resident, its weight format, size, context length, "
-        "checkpoint and draft model.")
+        "List the configured models: whether each is loaded, unloaded, loading or failed (its last load), "
+        "its memory, keep-alive, weight format, size, context length, checkpoint and draft model.")
+    p = add("load", cmd_load, "load a model now",
+            "Load MODEL now rather than on its first request (any user may: a request would load it too). "
+            "--keep-alive sets how long it stays loaded once no job uses it (seconds or a duration such as "
+            "5m or 1h; negative: until memory is needed), for every later request that does not say.")
+    p.add_argument("model", metavar="MODEL", help="a model name from `npuctl models`")
+    p.add_argument("--keep-alive", metavar="DURATION", help="e.g. 300, 5m, 1h30m, -1")
+    p = add("unload", cmd_unload, "unload a model (admin)",
+            "Unload MODEL, freeing its memory; refused while a queued or running job uses it. Its next "
+            "request loads it again.")
+    p.add_argument("model", metavar="MODEL", help="a model name from `npuctl models`")
     add("stats", cmd_stats, "show daemon counters",
         "Show the daemon's uptime, connections, jobs and tickets by state, tokens generated, the queue and "
         "who holds the device; then, since the daemon started, tickets by outcome, wait-time quantiles per "

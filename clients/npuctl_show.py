@@ -301,13 +301,47 @@ def cmd_models(args: argparse.Namespace) -> int:
         info = (m.get("describe") or {}).get("checkpoint") or {}
         mix = ", ".join(f"{t} {n}" for t, n in (info.get("quant_mix") or {}).items())
         params = info.get("parameters")
-        rows.append([m["name"] + (" (default)" if m["name"] == default else ""), m.get("resident"),
+        rows.append([m["name"] + (" (default)" if m["name"] == default else ""),
+                     m.get("state") or ("loaded" if m.get("resident") else "unloaded"),
+                     fmt_bytes(m.get("memory_bytes") or m.get("nbytes")), _keep_alive(m),
                      mix or m.get("weight_format"), info.get("architecture") or (m.get("describe") or {}).get("model_type"),
                      f"{params / 1e6:.0f}M" if params else None,
-                     fmt_bytes(info.get("file_bytes")), fmt_bytes(m.get("nbytes")), m.get("max_context"),
+                     fmt_bytes(info.get("file_bytes")), m.get("max_context"),
                      m.get("checkpoint_dir"), m.get("draft_dir")])
-    print_table(sys.stdout, ["model", "resident", "format", "arch", "params", "file", "size", "context",
-                             "checkpoint", "draft"], rows, tty=is_tty(sys.stdout))
+    print_table(sys.stdout, ["model", "state", "memory", "keep-alive", "format", "arch", "params", "file",
+                             "context", "checkpoint", "draft"], rows, tty=is_tty(sys.stdout))
+    return EXIT_OK
+
+
+def _keep_alive(m: dict) -> str:
+    """How long the model stays once idle, and when an idle one goes."""
+    keep = m.get("keep_alive_s")
+    if keep is None:
+        return "until evicted"
+    left = m.get("idle_unload_in_s")
+    return fmt_duration(keep) + ("" if left is None else f" ({fmt_duration(left)} left)")
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    with connect(args) as c:
+        reply = c.models_load(args.model, keep_alive=args.keep_alive)
+    if args.json:
+        emit_json(reply)
+    elif reply.get("load_ms") is None:
+        sys.stdout.write(f"{reply['name']} was already loaded ({fmt_bytes(reply.get('memory_bytes'))})\n")
+    else:
+        sys.stdout.write(f"{reply['name']} loaded in {fmt_duration(reply['load_ms'] / 1000)} "
+                         f"({fmt_bytes(reply.get('memory_bytes'))})\n")
+    return EXIT_OK
+
+
+def cmd_unload(args: argparse.Namespace) -> int:
+    with connect(args) as c:
+        reply = c.models_unload(args.model)
+    if args.json:
+        emit_json(reply)
+    else:
+        sys.stdout.write(f"{reply['name']} {'unloaded' if reply['unloaded'] else 'was not loaded'}\n")
     return EXIT_OK
 
 

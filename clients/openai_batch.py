@@ -16,8 +16,9 @@ import enum
 from typing import Any
 
 LINE_KEYS = ("custom_id", "method", "url", "body")
-COMMON_BODY_KEYS = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "npud")
-NPUD_KEYS = ("top_k", "spec", "use_prefix_cache", "priority")  # what OpenAI has no field for
+COMMON_BODY_KEYS = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "npud",
+                    "response_format")
+NPUD_KEYS = ("top_k", "spec", "use_prefix_cache", "priority", "grammar")  # what OpenAI has no field for
 
 # the HTTP status of a prompt the daemon refused, by npud's code; anything else is 500
 STATUS = {"bad_request": 400, "prompt_too_long": 400, "not_found": 404, "forbidden": 403, "overloaded": 429,
@@ -70,6 +71,8 @@ def from_openai_line(obj: dict) -> tuple[str, Endpoint, dict]:
         raise ValueError('body: "prompt" must be one string (one request per line)')
     if endpoint is Endpoint.CHAT and "max_tokens" in body and "max_completion_tokens" in body:
         raise ValueError('body: give "max_tokens" or "max_completion_tokens", not both')
+    if "response_format" in body:  # structured output: the daemon judges the format
+        line["response_format"] = body["response_format"]
     for key in ("model", "max_tokens", "max_completion_tokens"):
         if key in body:
             line["max_tokens" if key != "model" else key] = body[key]
@@ -82,7 +85,7 @@ def from_openai_line(obj: dict) -> tuple[str, Endpoint, dict]:
     _unknown("body: npud: ", ext, NPUD_KEYS)
     if "top_k" in ext:
         sampling["top_k"] = ext["top_k"]
-    line.update({k: ext[k] for k in ("spec", "use_prefix_cache", "priority") if k in ext})
+    line.update({k: ext[k] for k in ("spec", "use_prefix_cache", "priority", "grammar") if k in ext})
     if sampling:
         line["sampling"] = sampling
     return custom_id, endpoint, line

@@ -34,6 +34,10 @@ DEFAULT_MAX_TOKENS = 128
 DEFAULT_SPEC_METHOD = "auto"
 DEFAULT_SPEC_K = 4
 DEFAULT_FALLBACK_ROUNDS = 3
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs bound)
+GRAMMAR_KINDS = ("json_schema", "regex", "lark")
+"""What a Grammar's source is: a JSON schema (as JSON text; `{"type": "object"}` is OpenAI's
+JSON mode), a regular expression, or a grammar in llguidance's Lark dialect."""
 
 
 # -- errors --------------------------------------------------------------------------------
@@ -177,11 +181,36 @@ class SpecParams:
 
 
 @dataclass(slots=True, frozen=True)
+class Grammar:
+    """A constraint on the generated text (structured output): `kind` one of GRAMMAR_KINDS and
+    its `source`. The engine compiles it with llguidance against the model's own vocabulary
+    and masks every logits row the base model scores for a generated token (a plain step's and
+    each row of a speculative verify, in order), so greedy output is byte-identical with and
+    without speculation: a draft that leaves the grammar is rejected like any other. A
+    grammar that leaves no token allowed ends the run with FinishReason.GRAMMAR_DEAD_END.
+
+    Raises ConfigError for an unknown kind or a source that is not a string; `check_grammar`
+    says whether it compiles."""
+
+    kind: str
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ConfigError(f"Grammar.kind must be one of {list(GRAMMAR_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.source, str):
+            raise ConfigError(f"Grammar.source must be a string, got {type(self.source).__name__}")
+
+
+@dataclass(slots=True, frozen=True)
 class GenerationParams:
     """Everything a request asks for except its prompt: at most `max_tokens` new tokens, drawn
     under `sampling`, ended early by any of the `stop` strings (not part of the text),
     speculated under `spec`, the prompt's prefix looked up in the prefix cache unless
-    `use_prefix_cache` is false.
+    `use_prefix_cache` is false. `logprobs` (None: off) asks for each generated token's log
+    probability and that many most likely alternatives (0 to MAX_TOP_LOGPROBS), from the
+    logits row that chose the token (TokenLogprob). `grammar` (None: free text) constrains
+    the text (Grammar).
 
     Raises ConfigError naming the field for a value out of range."""
 
@@ -190,8 +219,15 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     spec: SpecParams = field(default_factory=SpecParams)
     use_prefix_cache: bool = True
+    logprobs: int | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise ConfigError(f"GenerationParams.grammar must be a Grammar or None, got {type(self.grammar).__name__}")
+        if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ConfigError(f"GenerationParams.logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], "
+                              f"got {self.logprobs!r}")
         if not (is_int(self.max_tokens) and self.max_tokens >= 1):
             raise ConfigError(f"GenerationParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.sampling, SamplingParams):
@@ -266,16 +302,34 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # an EOS token or a stop string
     LENGTH = "length"  # max_tokens reached
     CANCELLED = "cancelled"
+    GRAMMAR_DEAD_END = "grammar_dead_end"  # the request's grammar allowed no token (not even EOS)
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """A token's log probability under the base model's raw distribution at its position: the
+    log-softmax, in float64, of the float32 logits row that chose or judged it (before
+    temperature, top_k and top_p; ids a padded vocabulary cannot decode excluded), so it is
+    the same whether the token was drafted and verified or chosen by a plain step. `token` is
+    its bytes on its own; `top` the most likely tokens of that row, most likely first (ties by
+    id), as TokenLogprobs without a `top` of their own."""
+
+    token_id: int
+    token: bytes
+    logprob: float
+    top: tuple["TokenLogprob", ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
 class TokenEvent:
     """One step of the text stream: `token_id` None is text released at the end of the run with
     no new token; `text` is what this token released (may be empty, or hold text of earlier
-    tokens held back while they could have begun a stop string)."""
+    tokens held back while they could have begun a stop string). `logprob` is the token's when
+    the request asked for logprobs."""
 
     token_id: int | None
     text: str
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -283,7 +337,8 @@ class GenerationResult:
     """A finished generation: the text, its token ids, the prompt's length in tokens, why it
     ended, and the engine's counters (JSON-able: numbers, strings, lists, dicts, None).
     `max_tokens_clamped_to` is the number of new tokens the context had room for when that was
-    fewer than max_tokens asked (None otherwise); reaching it ends the run with `length`."""
+    fewer than max_tokens asked (None otherwise); reaching it ends the run with `length`.
+    `logprobs` holds one TokenLogprob per token id when the request asked for them."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -291,6 +346,7 @@ class GenerationResult:
     finish_reason: FinishReason
     stats: dict
     max_tokens_clamped_to: int | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 # -- what the daemon drives ----------------------------------------------------------------
@@ -334,6 +390,22 @@ class ServedModel(Protocol):
 
     def count_prompt_tokens(self, request: GenerateRequest) -> int:
         """The request's prompt length in tokens; raises RequestError when it does not encode."""
+
+    def tokenize(self, text: str, *, add_special: bool = False) -> list[int]:
+        """The token ids of `text` (special tokens written in it map to their ids); with
+        `add_special`, the ids a `prompt` of that text runs as (the BOS the vocabulary asks for).
+        Thread-safe: may run beside a round (the tokenizer is read-only)."""
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of `ids`; raises RequestError for an id outside the vocabulary. Thread-safe."""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for on its own (exact for part of a character); raises
+        RequestError for an id outside the vocabulary. Thread-safe."""
+
+    def props(self) -> dict:
+        """The tokenizer's facts as JSON: vocab_size, bos_token, add_bos_token, eos_tokens,
+        chat_template (the default's Jinja source, or None), chat_templates (names), fim_tokens."""
 
     def start(self, request: GenerateRequest) -> Session:
         """A session for the request, its max_tokens clamped to the positions the context has
@@ -383,4 +455,5 @@ class ModelLoader(Protocol):
                  dflash_dir: str | Path | None = None, weight_format: str = "bf16",
                  cache_dir: str | Path | None = None, backend: str = "auto",
                  xrt_design: str | Path | None = None, assistant_dir: str | Path | None = None,
-                 xrt_timeout_ms: int | None = None, cache_users: int = DEFAULT_CACHE_USERS) -> ServedModel: ...
+                 xrt_timeout_ms: int | None = None, cache_users: int = DEFAULT_CACHE_USERS,
+                 context_length: int | None = None, threads: int | None = None) -> ServedModel: ...

@@ -13,7 +13,7 @@ from collections.abc import Generator, Iterator, Sequence
 
 import numpy as np
 
-from engine.api import FinishReason, GenerationParams, TokenEvent
+from engine.api import FinishReason, GenerationParams, TokenEvent, TokenLogprob
 from engine.packed import Pass, Rows
 from engine.sampling import Sampler
 from engine.speculative import DecodeStats, plain_loop, speculative_loop
@@ -36,6 +36,7 @@ class Generation:
         params: GenerationParams = GenerationParams(),
         head=None,
         stop_token_ids: Sequence[int] = (),
+        constraint=None,
     ):
         if not prompt_ids:
             raise ValueError("the prompt is empty: nothing to continue from")
@@ -55,9 +56,13 @@ class Generation:
         self._decoder = tokenizer.decoder()
         self._pending = ""  # decoded text not yet released (could begin a stop string)
         self._events: list[TokenEvent] = []
+        self._logprob: TokenLogprob | None = None  # the token _on_token is handling's
         self._cancelled = False
         self._stopped_by_string = False
         self._eos = frozenset(tokenizer.eos_token_ids) | frozenset(stop_token_ids)
+        self._sampler: Sampler | None = None
+        self.constraint = constraint  # engine.grammar.Constraint of params.grammar, or None
+        self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
 
     def cancel(self) -> None:
         """The next round boundary ends the run with finish reason `cancelled`."""
@@ -89,7 +94,9 @@ class Generation:
             return
         yield []
         # ids of a padded vocabulary that the tokenizer cannot decode are never chosen
-        sampler = Sampler(self.params.sampling, self.tokenizer.decodable(self.forward.config.vocab_size))
+        sampler = Sampler(self.params.sampling, self.tokenizer.decodable(self.forward.config.vocab_size),
+                          logprobs=self.params.logprobs, constraint=self.constraint)
+        self._sampler = sampler
         common = dict(
             max_new_tokens=self.params.max_tokens,
             sampler=sampler,
@@ -124,9 +131,15 @@ class Generation:
         yield self._take_events()
 
     def _on_token(self, token: int) -> bool:
+        self._logprob, dead_end = self._take_record(token)
+        if dead_end:  # the grammar allowed nothing here: the run ends before this token
+            self.finish_reason = FinishReason.GRAMMAR_DEAD_END
+            return False
         self.token_ids.append(token)
+        if self._logprob is not None:
+            self.logprobs.append(self._logprob)
         if token in self._eos:
-            self._events.append(TokenEvent(token, ""))  # an EOS id is not shown as text
+            self._events.append(TokenEvent(token, "", self._logprob))  # an EOS id is not shown as text
             return True  # the loop stops after an EOS id by itself
         self._pending += self._decoder.push(token)
         cut = _find_stop(self._pending, self.params.stop)
@@ -141,9 +154,24 @@ class Generation:
         self._pending = self._pending[len(self._pending) - keep :]
         return True
 
+    def _take_record(self, token: int) -> tuple[TokenLogprob | None, bool]:
+        """The sampler's record of the row that chose `token` (the records come in the order the
+        tokens were chosen or judged, and every emitted token was one of them): its logprob
+        (None unless asked) and whether the grammar dead-ended there."""
+        if self.logprobs is None and self.constraint is None:
+            return None, False
+        chosen, logprob, top, dead_end = self._sampler.take_record()
+        if chosen != token:
+            raise RuntimeError(f"sampler records out of step: token {token} emitted, {chosen} recorded")
+        if logprob is None:
+            return None, dead_end
+        piece = self.tokenizer.token_bytes
+        return TokenLogprob(token, piece(token), logprob, tuple(TokenLogprob(i, piece(i), lp) for i, lp in top)), \
+            dead_end
+
     def _release(self, token: int, text: str) -> None:
         self.text += text
-        self._events.append(TokenEvent(token, text))
+        self._events.append(TokenEvent(token, text, self._logprob))
 
     def _release_tail(self, text: str) -> None:
         """Text held back until the end (a possible stop-string start, an unfinished character)."""
@@ -153,7 +181,7 @@ class Generation:
         self.text += text
         if self._events:
             last = self._events[-1]
-            self._events[-1] = TokenEvent(last.token_id, last.text + text)
+            self._events[-1] = TokenEvent(last.token_id, last.text + text, last.logprob)
         else:
             self._events.append(TokenEvent(None, text))
 

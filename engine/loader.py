@@ -11,20 +11,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.api import DEFAULT_CACHE_USERS, ServedModel
+from engine.api import DEFAULT_CACHE_USERS, Grammar, ServedModel
 
 
 def load_model(name: str, checkpoint_dir: str | Path, *, draft_dir: str | Path | None = None,
                dflash_dir: str | Path | None = None, weight_format: str = "bf16",
                cache_dir: str | Path | None = None, backend: str = "auto",
                xrt_design: str | Path | None = None, assistant_dir: str | Path | None = None,
-               xrt_timeout_ms: int | None = None, cache_users: int = DEFAULT_CACHE_USERS) -> ServedModel:
+               xrt_timeout_ms: int | None = None, cache_users: int = DEFAULT_CACHE_USERS,
+               context_length: int | None = None, threads: int | None = None) -> ServedModel:
     """Load a model from a checkpoint directory (with an optional draft model, DFlash drafter
     and Gemma 4 assistant), its prefix cache persistent under `cache_dir` when given, on `backend` ("auto",
     "host" or "xrt"; `xrt_timeout_ms` bounds each NPU run, None for the backend's default).
     The prefix cache's budgets are split into a share for the shared scope and one for each
     of `cache_users` users, so no user's entries are evicted by another's (0: one budget for
-    all, for a daemon only one user talks to).
+    all, for a daemon only one user talks to). `context_length` caps the positions a request
+    may use (prompt plus generated; clamped to the checkpoint's, None for the checkpoint's);
+    `threads` is the host threads of the model's rounds (None: NPUD_HOST_THREADS, else the
+    CPUs; the bits do not depend on it).
     Blocking. Raises ModelError (or another EngineError) for files that are
     not what they claim, OSError for files that cannot be read."""
     # Imported here, not at the top: the engine proper pulls in numpy and numba, which a
@@ -34,7 +38,8 @@ def load_model(name: str, checkpoint_dir: str | Path, *, draft_dir: str | Path |
     return LoadedModel.load(name, checkpoint_dir, draft_dir=draft_dir, dflash_dir=dflash_dir,
                             weight_format=weight_format, cache_dir=cache_dir, backend=backend,
                             xrt_design=xrt_design, assistant_dir=assistant_dir,
-                            xrt_timeout_ms=xrt_timeout_ms, cache_scopes=cache_users)
+                            xrt_timeout_ms=xrt_timeout_ms, cache_scopes=cache_users,
+                            context_length=context_length, threads=threads)
 
 
 def describe_checkpoint(path: str | Path) -> dict:
@@ -48,3 +53,11 @@ def describe_checkpoint(path: str | Path) -> dict:
     from engine.session import describe_checkpoint as describe  # the engine proper, only when asked
 
     return describe(path)
+
+
+def check_grammar(grammar: Grammar) -> None:
+    """Raise ConfigError saying what is wrong when `grammar` does not compile (an invalid JSON
+    schema, regex or Lark grammar); needs no model."""
+    from engine.grammar import check  # llguidance, only when a request has a grammar
+
+    check(grammar)

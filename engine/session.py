@@ -48,6 +48,7 @@ from engine.pass_costs import load_or_calibrate
 from engine.prefix_cache import PrefixCache, PrefixCacheError
 from engine.state import ModelState
 from engine.tokenizer import Tokenizer, TokenizerError
+from engine.tokenizer_methods import TokenizerMethods
 from engine.weights import checkpoint_files
 from kernels.base import numerics_identity
 from kernels.host import num_threads
@@ -59,7 +60,7 @@ log = structlog.get_logger(__name__)
 CALIBRATED_ROWS = 16  # the pass costs cover a verify of up to this many rows (Forward's max_batch_rows)
 
 
-class LoadedModel:
+class LoadedModel(TokenizerMethods):
     """A base model with its tokenizer, an optional draft model, and its prefix cache: the
     engine's engine.api.ServedModel."""
 
@@ -85,6 +86,8 @@ class LoadedModel:
         self.max_context = model.config.max_position_embeddings
         self.fim_tokens = find_fim_tokens(tokenizer)
         self.backend_reason = "given by the caller"
+        self.threads: int | None = None  # host threads of this model's rounds (None: the default)
+        self._vocabulary = None  # engine.grammar.Vocabulary, built at the first constrained request
         # the logit ids the tokenizer decodes (None: all); the generation masks the rest
         self.allowed = tokenizer.decodable(model.config.vocab_size)
         if self.allowed is not None:
@@ -111,6 +114,8 @@ class LoadedModel:
         xrt_design: str | Path | None = None,
         assistant_dir: str | Path | None = None,
         xrt_timeout_ms: int | None = None,
+        context_length: int | None = None,
+        threads: int | None = None,
     ) -> LoadedModel:
         """Load base (and draft) and open the prefix cache (persistent under `cache_dir`, if given;
         `cache_bytes` of memory shared out between `cache_scopes` users and the shared scope).
@@ -149,6 +154,9 @@ class LoadedModel:
         assistant = Assistant.load(assistant_dir, model, companion_format) if assistant_dir is not None else None
         served = cls(name, model, tokenizer, draft, cache, draft_tokenizer, dflash, assistant)
         served.backend_reason = backend_reason
+        if context_length is not None:  # never past what the checkpoint was trained for
+            served.max_context = max(1, min(served.max_context, context_length))
+        served.threads = threads
         return served
 
     @property
@@ -176,6 +184,7 @@ class LoadedModel:
             "assistant": self.assistant is not None,
             "backend": self.model.backend.name,
             "backend_reason": self.backend_reason,
+            "threads": self.threads,  # host threads of its rounds (None: the default)
             # where each GEMM shape runs on an NPU backend: "npu", "npu-rowwise" or why the host
             "gemm_placement": getattr(self.model.backend, "describe_placement", dict)(),
             # the start-up check's tolerance policy of each shape on the NPU (kernels/xrt_check.py)
@@ -250,6 +259,13 @@ class LoadedModel:
         return DraftModelHead(Forward(self.draft), self.tokenizer, self.draft_tokenizer, sampling,
                               self.tokenizer.decodable(self.draft.config.vocab_size))
 
+    def use_threads(self) -> None:
+        """Set the host kernels' thread count to this model's before one of its rounds (the
+        engine runs one round at a time, so a process-wide count is this model's while it runs)."""
+        from kernels.host import native
+
+        native.set_threads(self.threads or 0)
+
     def run_batch(self, sessions, *, prefill_budget: int | None = DEFAULT_PREFILL_BUDGET):
         """engine.api.ServedModel.run_batch: one round of each session, their base passes packed
         into shared weight streams (engine/batch.py). Returns each session's events, or the
@@ -258,6 +274,7 @@ class LoadedModel:
             raise ValueError("a session appears twice in one batched round")
         if any(s.served is not self or s.done for s in sessions):
             raise ValueError("run_batch takes sessions of this model that are not done")
+        self.use_threads()
         ends = run_round(self.model, [s._work for s in sessions], prefill_budget)
         return [end if isinstance(end, EngineError) else s._end_round(end) for s, end in zip(sessions, ends)]
 
@@ -357,8 +374,9 @@ class ModelSession:
         self._restore_allowed = not isinstance(head, DFlashHead)
         if isinstance(head, (DFlashHead, AssistantHead)):
             head.attach(self.forward)
+        constraint = None if params.grammar is None else served.constraint(params.grammar)
         self.generation = Generation(self.forward, served.tokenizer, prompt_ids, params, head=head,
-                                     stop_token_ids=stop_token_ids)
+                                     stop_token_ids=stop_token_ids, constraint=constraint)
         self._done = False
         self._cache = served.prefix_cache if params.use_prefix_cache else None
         self._work = Work(self.forward, self._rounds())
@@ -377,6 +395,7 @@ class ModelSession:
         The same driver as a batched round (engine/batch.py), with this session alone."""
         if self._done:
             return []
+        self.served.use_threads()
         (end,) = run_round(self.served.model, [self._work], prefill_budget=None)
         if isinstance(end, EngineError):
             raise end
@@ -421,6 +440,7 @@ class ModelSession:
             finish_reason=g.finish_reason,
             stats=stats,
             max_tokens_clamped_to=self.max_tokens_clamped_to,
+            logprobs=None if g.logprobs is None else tuple(g.logprobs),
         )
 
 

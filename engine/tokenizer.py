@@ -181,9 +181,14 @@ class Tokenizer:
             if token_id not in eos:
                 eos.append(token_id)
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
-        added = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
+        added_tokens = backend.get_added_tokens_decoder()
+        self._added_ids = frozenset(added_tokens)  # their pieces are their text, not byte-encoded
+        added = {i for i, tok in added_tokens.items() if tok.special}
         self.special_token_ids: frozenset[int] = frozenset(added | set(ids.values()) | set(extra_special_ids))
         self._decodable: dict[int, np.ndarray | None] = {}  # width -> Tokenizer.decodable(width)
+        self._token_bytes: dict[int, bytes] = {}  # id -> Tokenizer.token_bytes(id), filled as asked
+        self._byte_decoder: dict[str, int] | None = None  # GPT-2's alphabet reversed, for byte-level BPE
+        self.chat_template_texts: dict[str, str] = dict(chat_templates or {})  # name -> Jinja source
         self._templates: dict[str, jinja2.Template] = {}
         env = _environment()
         for name, text in (chat_templates or {}).items():
@@ -404,6 +409,43 @@ class Tokenizer:
             raise TokenizerError(f"chat template failed: {exc.message or exc}") from None
         except Exception as exc:  # a template is code from the checkpoint; its bugs are the caller's error
             raise TokenizerError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` stands for on its own, exact even for part of a character:
+        a byte-level BPE piece through GPT-2's byte alphabet, a byte-fallback piece (<0xNN>) as
+        its byte, a SentencePiece piece with its word marker as a space, an added token as its
+        text. Raises TokenizerError for an id outside the vocabulary."""
+        (token_id,) = self._check_ids([token_id])
+        cached = self._token_bytes.get(token_id)
+        if cached is None:
+            cached = self._token_bytes[token_id] = self._piece_bytes(token_id)
+        return cached
+
+    def _piece_bytes(self, token_id: int) -> bytes:
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self.special_token_ids:
+            return piece.encode("utf-8")
+        if self._byte_decoder is None:
+            decoder = self._backend.decoder
+            state = decoder.__getstate__() if decoder is not None else b""
+            if b'"ByteLevel"' in state:
+                from engine.gguf.tokenizer import _byte_alphabet
+
+                self._byte_decoder = {c: b for b, c in _byte_alphabet().items()}
+            else:
+                self._byte_decoder = {}
+        if self._byte_decoder and token_id in self._added_ids:
+            return piece.encode("utf-8")  # added tokens are stored as their text
+        if self._byte_decoder and all(c in self._byte_decoder for c in piece):
+            return bytes(self._byte_decoder[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode("utf-8")
 
     def decoder(self, skip_special_tokens: bool = False) -> "IncrementalDecoder":
         """Returns a fresh streaming decoder."""

@@ -9,12 +9,14 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import structlog
+import trio
 
 from engine.api import EngineError, ServedModel
 from npud import __version__
 from npud.config import DaemonConfig
 from npud.jobs import store_api_error
 from npud.jobspec import JobSpec, api_error, parse_spec
+from npud.lifecycle import Lifecycle, parse_keep_alive
 from npud.metrics import render_prometheus
 from npud.protocol import INT64_MAX, PROTOCOL_VERSION, ApiError, ErrorCode, Params, Request
 from npud.store import StoreError
@@ -42,6 +44,23 @@ def _require_admin(peer: "Peer", method: str) -> None:
         raise ApiError(ErrorCode.FORBIDDEN, f"{method} needs root or the admin group")
 
 
+def piece_json(piece: bytes) -> str | list[int]:
+    """A token's bytes as llama.cpp shows a piece: the text when it is UTF-8, else the bytes."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(piece)
+
+
+def token_ids(p: Params, name: str) -> list[int]:
+    """A list of token ids (integers >= 0); raises bad_request naming the first that is not."""
+    ids = p.list(name, max_items=1 << 20)
+    for i, value in enumerate(ids):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT64_MAX:
+            raise p.bad(f"{name}[{i}]", f"expected a token id (an integer >= 0), got {value!r}"[:160])
+    return ids
+
+
 class Api:
     """The protocol's methods over the daemon's parts; `cfg` is replaced on reload."""
 
@@ -62,12 +81,15 @@ class Api:
         self.started_mono = started_mono
         self.gemm_site = gemm_site  # where the loaded models' GEMMs run, and why: ("npu" | "host", reason)
         self.other_holders = other_holders  # other processes with the NPU open, as last checked
+        self.lifecycle = Lifecycle(registry, owner, jobs, queue)  # models.load / unload, keep-alive
         self.methods: dict[str, Callable[["Peer", Params, Emit], Awaitable[object]]] = {
             "hello": self.hello, "submit": self.submit, "complete": self.complete, "stream": self.stream,
             "result": self.result, "status": self.status, "jobs": self.jobs, "cancel": self.cancel,
             "tickets": self.tickets, "cache.list": self.cache_list, "cache.pin": self.cache_pin,
             "cache.drop": self.cache_drop, "device.status": self.device_status, "device.clear": self.device_clear,
             "models": self.models, "stats": self.stats, "metrics": self.metrics,
+            "tokenize": self.tokenize, "detokenize": self.detokenize,
+            "models.load": self.models_load, "models.unload": self.models_unload,
         }
 
     async def __call__(self, peer: "Peer", req: Request, emit: Emit) -> object:
@@ -109,7 +131,9 @@ class Api:
         spec = self._spec(p, single=False)
         priority = Priority.parse(p.str("priority", "batch", choices=("batch", "interactive")))
         key = p.str("idempotency_key", None, nonempty=True, max_len=MAX_KEY_CHARS)
+        keep_alive = parse_keep_alive(p)
         p.finish()
+        self.registry.touch(spec.model, keep_alive)
         if key is not None:  # a retry of a submit whose reply was lost gets the job it made
             status = await self.job_manager.submit_once(peer.caller, spec, priority, key)
         else:
@@ -121,12 +145,16 @@ class Api:
         are translated into these); raises ApiError naming the parameter."""
         p = Params(params)
         spec = self._spec(p, single=True)
+        keep_alive = parse_keep_alive(p)
         p.finish()
+        self.registry.touch(spec.model, keep_alive)
         return spec
 
     async def complete(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         spec = self._spec(p, single=True)
+        keep_alive = parse_keep_alive(p)
         p.finish()
+        self.registry.touch(spec.model, keep_alive)
         return await self.run_single(peer, spec, Priority.INTERACTIVE, emit)
 
     async def run_single(self, peer: "Peer", spec: JobSpec, priority: Priority, emit: Emit) -> dict:
@@ -283,6 +311,47 @@ class Api:
         log.info("cache_dropped", model=model, key=key)
         return {"model": model, "dropped": True}
 
+    # -- the tokenizer ---------------------------------------------------------------------
+
+    async def served(self, name: str | None) -> ServedModel:
+        """The loaded model `name` (a configured one), loaded first when it is not resident."""
+        return await self.lifecycle.load(name)
+
+    async def tokenize_text(self, model: str | None, text: str, *, add_special: bool, with_pieces: bool) -> dict:
+        """{"model", "tokens"}: ids, or {"id", "piece"} with the piece a string when its bytes are
+        UTF-8, else the list of its bytes (llama.cpp's shape). The tokenizer runs in a worker
+        thread beside any round: a long text does not hold up the event loop."""
+        served = await self.served(model)
+
+        def run() -> list:
+            ids = served.tokenize(text, add_special=add_special)
+            if not with_pieces:
+                return ids
+            return [{"id": i, "piece": piece_json(served.token_bytes(i))} for i in ids]
+
+        return {"model": served.name, "tokens": await trio.to_thread.run_sync(run)}
+
+    async def detokenize_ids(self, model: str | None, ids: list[int]) -> dict:
+        served = await self.served(model)
+        try:
+            return {"model": served.name, "content": await trio.to_thread.run_sync(served.detokenize, ids)}
+        except EngineError as exc:  # an id outside the vocabulary
+            raise api_error(exc) from None
+
+    async def tokenize(self, peer: "Peer", p: Params, emit: Emit) -> dict:
+        model = p.str("model", self.cfg.default_model_name)
+        text = p.str("text")
+        add_special = p.bool("add_special", False)
+        with_pieces = p.bool("with_pieces", False)
+        p.finish()
+        return await self.tokenize_text(model, text, add_special=add_special, with_pieces=with_pieces)
+
+    async def detokenize(self, peer: "Peer", p: Params, emit: Emit) -> dict:
+        model = p.str("model", self.cfg.default_model_name)
+        ids = token_ids(p, "tokens")
+        p.finish()
+        return await self.detokenize_ids(model, ids)
+
     # -- device, models, stats -----------------------------------------------------------
 
     async def device_status(self, peer: "Peer", p: Params, emit: Emit) -> dict:
@@ -308,6 +377,31 @@ class Api:
     async def models(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         p.finish()
         return {"models": self.registry.describe()}
+
+    def _described(self, name: str) -> dict:
+        return next(m for m in self.registry.describe() if m["name"] == name)
+
+    async def models_load(self, peer: "Peer", p: Params, emit: Emit) -> dict:
+        """Load a model now (any user: a request of theirs would load it too); `keep_alive` sets
+        how long it stays once idle."""
+        name = p.str("model", self.cfg.default_model_name)
+        keep_alive = parse_keep_alive(p)
+        p.finish()
+        started = time.perf_counter()
+        loaded_before = self.registry.resident(name or "") is not None
+        await self.lifecycle.load(name, keep_alive)
+        log.info("model_load_requested", model=name, uid=peer.uid, was_loaded=loaded_before)
+        return {**self._described(name), "load_ms": None if loaded_before else
+                round((time.perf_counter() - started) * 1000, 1)}
+
+    async def models_unload(self, peer: "Peer", p: Params, emit: Emit) -> dict:
+        """Unload a model no job is using (admins: it makes every user's next request load it again)."""
+        _require_admin(peer, "models.unload")
+        name = p.str("model")
+        p.finish()
+        unloaded = await self.lifecycle.unload(name)
+        log.info("model_unload_requested", model=name, uid=peer.uid, unloaded=unloaded)
+        return {**self._described(name), "unloaded": unloaded}
 
     def _visible(self, peer: "Peer", granted: dict | None) -> dict | None:
         """The device holder as `peer` may see it: another user's job and ticket are hidden

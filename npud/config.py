@@ -320,8 +320,18 @@ class ModelEntry:
     assistant_dir: str | None = None  # a Gemma 4 assistant (gemma4_assistant) made for this base
     weight_format: str = "bf16"
     preload: bool = False  # loaded when the daemon starts, not on the first request
+    context_length: int = 0  # positions the model serves: 0 = the checkpoint's (a larger value is clamped to it)
+    threads: int = 0  # host threads of its rounds: 0 = NPUD_HOST_THREADS, else the CPUs npud may use
+    # seconds the model stays loaded once no job uses it; negative: until evicted for memory
+    # (or unloaded); a request's `keep_alive` sets it for that model from then on
+    keep_alive_s: float = -1.0
 
     def __post_init__(self) -> None:
+        if self.context_length < 0:
+            raise DaemonConfigError(f"models[{self.name}].context_length", self.context_length,
+                                    "must be >= 0 (0: the checkpoint's)")
+        if not 0 <= self.threads <= 1024:
+            raise DaemonConfigError(f"models[{self.name}].threads", self.threads, "must be in [0, 1024] (0: the default)")
         if not MODEL_NAME_RE.match(self.name):
             raise DaemonConfigError("models.name", self.name, "letters, digits, '.', '_', '-' (at most 64)")
         if not self.checkpoint_dir:

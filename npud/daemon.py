@@ -98,6 +98,7 @@ class Daemon:
                 await nursery.start(self.jobs.run_retention)
                 await nursery.start(self.metrics.run, self.metrics_snapshot)
                 await nursery.start(self.owner.run)
+                await nursery.start(self.api.lifecycle.run)  # idle models unloaded after their keep-alive
                 await nursery.start(self.server.serve)
                 if self.cfg.http.enabled:
                     await nursery.start(self.http.serve)

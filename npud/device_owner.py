@@ -29,6 +29,7 @@ from npud.config import DaemonConfig
 from npud.guards import ErrorCountGuard, ThermalGuard
 from npud.jobs import Job, JobManager, JobState, Sequence, store_api_error
 from npud.jobspec import api_error
+from npud.logprobs import wire_list
 from npud.metrics import Metrics
 from npud.protocol import ApiError, ErrorCode
 from npud.registry import ModelRegistry
@@ -65,7 +66,8 @@ def result_body(result: GenerationResult) -> dict:
     """A finished prompt as its stored and sent result."""
     return {"text": result.text, "token_ids": [int(t) for t in result.token_ids],
             "prompt_tokens": int(result.prompt_tokens), "finish_reason": str(result.finish_reason),
-            "max_tokens_clamped_to": result.max_tokens_clamped_to, "stats": jsonable(dict(result.stats))}
+            "max_tokens_clamped_to": result.max_tokens_clamped_to, "stats": jsonable(dict(result.stats)),
+            **({} if result.logprobs is None else {"logprobs": wire_list(result.logprobs)})}
 
 
 def prompt_error(exc: Exception) -> ApiError:
@@ -319,8 +321,10 @@ class DeviceOwner:
                 # an event without a token id releases held-back text at the end of a run
                 token_ids = [int(e.token_id) for e in events if e.token_id is not None]
                 self.jobs.count_tokens(job, batch.ticket, len(token_ids))
-                self.jobs.publish(job, "token", {"prompt": seq.prompt, "text": "".join(e.text for e in events),
-                                                 "token_ids": token_ids})
+                data = {"prompt": seq.prompt, "text": "".join(e.text for e in events), "token_ids": token_ids}
+                if any(e.logprob is not None for e in events):  # the request asked for them
+                    data["logprobs"] = wire_list(e.logprob for e in events)
+                self.jobs.publish(job, "token", data)
             if seq.session.done:
                 batch.remove(seq)
                 body = result_body(seq.session.result())

@@ -11,19 +11,23 @@ through `api_error`, the one map from engine codes to protocol codes.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from engine.api import (
     DEFAULT_MAX_TOKENS,
+    MAX_TOP_LOGPROBS,
     SPEC_METHODS,
     ConfigError,
     EngineCode,
     EngineError,
     GenerateRequest,
+    Grammar,
     GenerationParams,
     SamplingParams,
     SpecParams,
 )
+from engine.loader import check_grammar
 from npud.config import LimitsConfig
 from npud.protocol import ApiError, ErrorCode, Params, check_text
 
@@ -33,6 +37,7 @@ MAX_MESSAGES = 1024
 MAX_SPEC_K = 16
 MAX_FIM_EXTRA = 64  # context files of a fill-in-the-middle request
 MAX_FILENAME_CHARS = 1024
+MAX_GRAMMAR_CHARS = 1 << 20  # a regex or Lark grammar (a JSON schema is bounded by the line)
 
 ENGINE_CODES = {
     EngineCode.BAD_REQUEST: ErrorCode.BAD_REQUEST,
@@ -142,6 +147,9 @@ def _from_json(cls: type, raw: dict) -> object:
         value = raw.get(f.name)
         if value is None:
             continue
+        if f.name == "grammar":  # a dataclass whose default is None
+            kwargs[f.name] = Grammar(**value)
+            continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(default):
             value = _from_json(type(default), value)
@@ -229,7 +237,7 @@ def parse_spec(p: Params, *, limits: LimitsConfig, models: tuple[str, ...], defa
 def _prompt_params(p: Params, limits: LimitsConfig, job: GenerationParams,
                    num_prompts: int) -> tuple[GenerationParams | None, ...] | None:
     """`prompt_settings`: one entry per prompt, null or an object of max_tokens, sampling,
-    stop, spec and use_prefix_cache that overrides the job's (`sampling` and `spec` key by
+    stop, spec, use_prefix_cache, logprobs, response_format and grammar that overrides the job's (`sampling` and `spec` key by
     key). None when no prompt differs."""
     raw = p.list("prompt_settings", None)
     if raw is None:
@@ -248,6 +256,42 @@ def _prompt_params(p: Params, limits: LimitsConfig, job: GenerationParams,
             q.finish()
         own.append(None if params == job else params)
     return None if all(q is None for q in own) else tuple(own)
+
+
+def _grammar(p: Params, where: str) -> Grammar | None:
+    """`response_format` (OpenAI's: {"type": "text"}, {"type": "json_object"} or {"type":
+    "json_schema", "json_schema": {"name", "schema", "strict", "description"}}) or `grammar`
+    ({"regex": pattern} or {"lark": grammar}), checked to compile; None for free text."""
+    fmt = p.obj("response_format")
+    kind = fmt.str("type", None, choices=("text", "json_object", "json_schema"))
+    out = None
+    if kind == "json_object":  # OpenAI's JSON mode: any JSON object
+        out, named = Grammar("json_schema", '{"type": "object"}'), f"{where}.response_format"
+    elif kind == "json_schema":
+        spec = fmt.obj("json_schema")
+        spec.str("name", None, max_len=256)
+        spec.str("description", None)
+        spec.bool("strict", None)
+        schema = spec.raw("schema")
+        if not isinstance(schema, dict):
+            raise spec.bad("schema", "expected a JSON schema (an object)")
+        spec.finish()
+        out, named = Grammar("json_schema", json.dumps(schema)), f"{where}.response_format.json_schema.schema"
+    fmt.finish()
+    g = p.obj("grammar")
+    regex, lark = g.str("regex", None, max_len=MAX_GRAMMAR_CHARS), g.str("lark", None, max_len=MAX_GRAMMAR_CHARS)
+    g.finish()
+    if regex is not None or lark is not None:
+        if (regex is None) == (lark is None) or out is not None:
+            raise p.bad("grammar", "give one of 'regex' and 'lark', and no response_format beside it")
+        kind = "regex" if regex is not None else "lark"
+        out, named = Grammar(kind, regex if regex is not None else lark), f"{where}.grammar.{kind}"
+    if out is not None:
+        try:
+            check_grammar(out)
+        except ConfigError as exc:
+            raise ApiError(ErrorCode.BAD_REQUEST, f"{named}: {exc.message}") from None
+    return out
 
 
 def _generation_params(p: Params, limits: LimitsConfig, base: GenerationParams | None,
@@ -272,11 +316,15 @@ def _generation_params(p: Params, limits: LimitsConfig, base: GenerationParams |
                          fallback_rounds=spec.int("fallback_rounds", None, min=0, max=1 << 20))
     spec.finish()
     use_prefix_cache = p.bool("use_prefix_cache", None)
+    logprobs = p.int("logprobs", None, min=0, max=MAX_TOP_LOGPROBS)
+    grammar = _grammar(p, where)
     base = base if base is not None else GenerationParams()
     try:
         return GenerationParams(max_tokens=max_tokens, sampling=dataclasses.replace(base.sampling, **sampling_kwargs),
                                 stop=base.stop if stop is None else tuple(stop),
                                 spec=dataclasses.replace(base.spec, **spec_kwargs),
-                                use_prefix_cache=base.use_prefix_cache if use_prefix_cache is None else use_prefix_cache)
+                                use_prefix_cache=base.use_prefix_cache if use_prefix_cache is None else use_prefix_cache,
+                                logprobs=base.logprobs if logprobs is None else logprobs,
+                                grammar=base.grammar if grammar is None else grammar)
     except ConfigError as exc:  # the checks above are the wire's; these are the engine's own
         raise ApiError(ErrorCode.BAD_REQUEST, f"{where}: {exc.message}") from None

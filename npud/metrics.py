@@ -1,5 +1,11 @@
-"""Counters and gauges of a running npud: the `metrics` method, `npuctl stats`, and the
-Prometheus text file for node_exporter's textfile collector.
+"""Counters and gauges of a running npud: the `metrics` method, `npuctl stats`, HTTP
+`/metrics`, and the Prometheus text file for node_exporter's textfile collector.
+
+The text format is written by prometheus_client (metric families built from a snapshot and
+rendered by its `generate_latest`), so the exposition's escaping and layout are the
+reference implementation's. Latencies are histograms (fixed buckets, cumulative since
+start, so rate() and histogram_quantile() work across scrapes) beside the recent-window
+quantiles that `stats` shows.
 
 Counters count from the daemon's start (Prometheus's rate() copes with restarts); the
 store's history (`stats`: jobs and tickets by state, over `store.retention_days`) is the
@@ -8,6 +14,7 @@ longer view. Gauges are read from the daemon's parts when a snapshot is taken.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 import os
@@ -18,6 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                    SummaryMetricFamily)
+from prometheus_client.samples import Sample
 
 from npud import __version__
 from npud.config import MetricsConfig
@@ -32,6 +43,32 @@ QUANTILES = (0.5, 0.9, 0.99)
 WAIT_SAMPLES = 1024  # the most recent waits of each class that the quantiles are taken over
 SAMPLE_INTERVAL_S = 1.0  # how often the token counter is sampled for tokens per second
 THERMAL_STATES = ("ok", "hold", "abort", "no_sensor", "disabled")
+# upper bounds (seconds) of the latency histograms' buckets; +Inf is implied
+WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+FIRST_TOKEN_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Histogram:
+    """Observations counted into fixed buckets (each bucket counts the values <= its bound)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def to_wire(self) -> dict:
+        """{"count", "sum", "buckets": [[upper bound or "+Inf", cumulative count], ...]}."""
+        cumulative, out = 0, []
+        for bound, n in zip((*self.bounds, "+Inf"), self.counts):
+            cumulative += n
+            out.append([bound, cumulative])
+        return {"count": self.count, "sum": round(self.sum, 6), "buckets": out}
 
 
 def quantile(sorted_values: list[float], q: float) -> float | None:
@@ -60,6 +97,8 @@ class Metrics:
         self.waits = {p: collections.deque(maxlen=WAIT_SAMPLES) for p in Priority}
         self.wait_sum_s = {p: 0.0 for p in Priority}
         self.wait_count = {p: 0 for p in Priority}
+        self.wait_hist = {p: Histogram(WAIT_BUCKETS) for p in Priority}
+        self.first_token = Histogram(FIRST_TOKEN_BUCKETS)
         self.busy_s = 0.0
         self.drafted = 0
         self.accepted = 0
@@ -83,6 +122,7 @@ class Metrics:
             self.waits[ticket.priority].append(wait)
             self.wait_sum_s[ticket.priority] += wait
             self.wait_count[ticket.priority] += 1
+            self.wait_hist[ticket.priority].observe(wait)
         elif ticket.state is TicketState.RELEASED:
             self.released[ticket.outcome] += 1
             if ticket.outcome is Outcome.JOINED:  # its wait ended when its job joined a running batch
@@ -97,6 +137,9 @@ class Metrics:
         """A prompt (of a job of `owner_uid`) finished with these engine stats."""
         self.drafted += int(stats.get("drafted") or 0)
         self.accepted += int(stats.get("accepted") or 0)
+        first = stats.get("time_to_first_token_s")
+        if first is not None:
+            self.first_token.observe(float(first))
         cached = stats.get("num_cached_tokens")
         if cached is None:  # the prompt did not use the prefix cache
             return
@@ -139,7 +182,8 @@ class Metrics:
         for p in Priority:
             ordered = sorted(self.waits[p])
             waits[p.label] = {"count": self.wait_count[p], "sum": round(self.wait_sum_s[p], 6),
-                              **{f"p{round(q * 100)}": quantile(ordered, q) for q in QUANTILES}}
+                              **{f"p{round(q * 100)}": quantile(ordered, q) for q in QUANTILES},
+                              "buckets": self.wait_hist[p].to_wire()["buckets"]}
         return {
             "uptime_s": round(self.clock() - self.started, 3),
             "tickets": {"granted": self.granted, "released": {o.value: n for o, n in self.released.items()}},
@@ -149,6 +193,7 @@ class Metrics:
             "speculative": {"drafted": self.drafted, "accepted": self.accepted,
                             "acceptance": _ratio(self.accepted, self.drafted)},
             "prefix_cache": self.cache_counters(owner_uid),
+            "first_token_s": self.first_token.to_wire(),
         }
 
     # -- the Prometheus text file ----------------------------------------------------------------
@@ -240,106 +285,125 @@ def snapshot(metrics: Metrics, queue: TicketQueue, *, device_kind: str, jobs: di
     }
 
 
-# -- Prometheus text exposition format (version 0.0.4) ------------------------------------------------
-
-def _value(v: float | int | bool | None) -> str:
-    if v is None:
-        return "NaN"
-    if isinstance(v, bool):
-        return "1" if v else "0"
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "NaN"
-        if math.isinf(v):
-            return "+Inf" if v > 0 else "-Inf"
-        return repr(v)
-    return str(v)
+# -- Prometheus text exposition format, written by prometheus_client -----------------------------------
 
 
-def _escape(label_value: str) -> str:
-    return label_value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+def _num(v: float | int | bool | None) -> float:
+    """A snapshot value as a sample value: None (no reading) is NaN, a bool 1 or 0."""
+    return math.nan if v is None else float(v)
 
 
-def _labels(labels: dict[str, Any]) -> str:
+def _gauge(name: str, help_text: str, value: object = None, *, labels: tuple[str, ...] = (),
+           samples: list[tuple[list[str], object]] = ()) -> GaugeMetricFamily:
+    fam = GaugeMetricFamily(name, help_text, labels=labels or None)
     if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items()) + "}"
+        fam.add_metric([], _num(value))
+    for values, v in samples:
+        fam.add_metric(values, _num(v))
+    return fam
 
 
-class _Text:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
+def _counter(name: str, help_text: str, value: object = None, *, labels: tuple[str, ...] = (),
+             samples: list[tuple[list[str], object]] = ()) -> CounterMetricFamily:
+    fam = CounterMetricFamily(name, help_text, labels=labels or None)  # the _total suffix is its own
+    if not labels:
+        fam.add_metric([], _num(value))
+    for values, v in samples:
+        fam.add_metric(values, _num(v))
+    return fam
 
-    def family(self, name: str, kind: str, help_text: str,
-               samples: list[tuple[dict[str, Any], Any]] | Any) -> None:
-        """One metric family; `samples` is a value or a list of (labels, value)."""
-        self.lines.append(f"# HELP {name} {help_text}")
-        self.lines.append(f"# TYPE {name} {kind}")
-        if not isinstance(samples, list):
-            samples = [({}, samples)]
-        for labels, value in samples:
-            self.lines.append(f"{name}{_labels(labels)} {_value(value)}")
+
+def _buckets(wire: list) -> list[tuple[str, float]]:
+    return [(b if isinstance(b, str) else repr(float(b)), float(n)) for b, n in wire]
+
+
+def families(s: dict) -> list:
+    """A snapshot as prometheus_client metric families, one per counter, gauge or histogram."""
+    out = [
+        _gauge("npud_info", "The npud version and the compute device it drives.", labels=("version", "device"),
+               samples=[([s["version"], s["device"]], 1)]),
+        _gauge("npud_uptime_seconds", "Seconds since npud started.", s["uptime_s"]),
+        _gauge("npud_connections", "Open client connections.", s["connections"]),
+        _gauge("npud_jobs_active", "Unfinished jobs by state.", labels=("state",),
+               samples=[([k], v) for k, v in s["jobs"].items()]),
+        _gauge("npud_queue_depth", "Queued tickets by priority class.", labels=("class",),
+               samples=[([k], v) for k, v in s["queue"].items()]),
+        _gauge("npud_device_held", "1 while a ticket holds the device.", s["holding"] is not None),
+        _counter("npud_tickets_granted_total", "Tickets granted since start.", s["tickets"]["granted"]),
+        _counter("npud_tickets_released_total", "Tickets released since start, by outcome.", labels=("outcome",),
+                 samples=[([k], v) for k, v in s["tickets"]["released"].items()]),
+    ]
+    wait = HistogramMetricFamily("npud_ticket_wait_seconds", "Time from queued to granted, since start.",
+                                 labels=("class",))
+    recent = SummaryMetricFamily("npud_ticket_wait_recent_seconds",
+                                 f"Time from queued to granted; quantiles over the last {WAIT_SAMPLES} grants "
+                                 "of the class (count and sum since start).", labels=("class",))
+    for cls, w in s["wait_s"].items():
+        if "buckets" in w:
+            wait.add_metric([cls], _buckets(w["buckets"]), float(w["sum"]))
+        recent.add_metric([cls], count_value=w["count"], sum_value=float(w["sum"]))
+        for q in QUANTILES:
+            recent.samples.append(Sample("npud_ticket_wait_recent_seconds", {"class": cls, "quantile": str(q)},
+                                         _num(w[f"p{round(q * 100)}"])))
+    out += [wait, recent]
+    if "first_token_s" in s:
+        first = s["first_token_s"]
+        ttft = HistogramMetricFamily("npud_first_token_seconds",
+                                     "From a prompt's start on the device to its first token (prefill included).")
+        ttft.add_metric([], _buckets(first["buckets"]), float(first["sum"]))
+        out.append(ttft)
+    tok, spec, cache = s["tokens"], s["speculative"], s["prefix_cache"]
+    thermal, errors = s["thermal"], s["driver_errors"]
+    states = list(THERMAL_STATES) + [thermal["state"]] * (thermal["state"] not in THERMAL_STATES)
+    out += [
+        _counter("npud_tokens_generated_total", "Tokens generated since start.", tok["generated"]),
+        _gauge("npud_tokens_per_second", f"Tokens generated per second over the last {tok['window_s']} s.",
+               tok["per_second"]),
+        _counter("npud_device_busy_seconds_total", "Seconds tickets held the device.", tok["device_busy_s"]),
+        _counter("npud_spec_drafted_tokens_total", "Draft tokens proposed by speculative decoding.", spec["drafted"]),
+        _counter("npud_spec_accepted_tokens_total", "Draft tokens accepted by the target model.", spec["accepted"]),
+        _gauge("npud_spec_acceptance_ratio", "Accepted over drafted tokens since start (NaN before any).",
+               spec["acceptance"]),
+        _counter("npud_prefix_cache_lookups_total", "Finished prompts by prefix-cache result.", labels=("result",),
+                 samples=[(["hit"], cache["hits"]), (["miss"], cache["misses"])]),
+        _counter("npud_prefix_cache_cached_tokens_total", "Prompt tokens restored from the prefix cache.",
+                 cache["cached_tokens"]),
+        _gauge("npud_prefix_cache_hit_ratio", "Hits over lookups since start (NaN before any).", cache["hit_rate"]),
+        _gauge("npud_thermal_celsius", "The hottest configured sensor (NaN without a reading).", thermal["reading_c"]),
+        _gauge("npud_thermal_state", "1 for the thermal guard's current state.", labels=("state",),
+               samples=[([st], st == thermal["state"]) for st in states]),
+        _gauge("npud_npu_power_watts", "The NPU's power (hwmon amdxdna NPU_power; NaN without the sensor).",
+               thermal["npu_power_w"]),
+        _gauge("npud_gemms_on_npu", "1 while the loaded models' GEMMs run on the NPU, 0 on the host.",
+               s["gemms"] == "npu"),
+        _counter("npud_driver_errors_total", "amdxdna error lines in the kernel log since start.", errors["count"]),
+        _counter("npud_driver_prehang_warnings_total",
+                 "amdxdna warnings that come before a hang or a firmware reset, since start.", errors["pre_hang"]),
+        _gauge("npud_driver_errors_available", "1 if the kernel log could be read.", errors["available"]),
+        _gauge("npud_device_quarantined", "1 while the device is quarantined after a driver error.",
+               s["quarantine"]["quarantined"]),
+    ]
+    return out
+
+
+class _Snapshot:
+    """A collector of one snapshot's families (describe() is empty: nothing is collected twice)."""
+
+    def __init__(self, fams: list) -> None:
+        self.fams = fams
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> list:
+        return self.fams
 
 
 def render_prometheus(s: dict) -> str:
-    """A snapshot in the Prometheus text format, one family per counter or gauge."""
-    t = _Text()
-    t.family("npud_info", "gauge", "The npud version and the compute device it drives.",
-             [({"version": s["version"], "device": s["device"]}, 1)])
-    t.family("npud_uptime_seconds", "gauge", "Seconds since npud started.", s["uptime_s"])
-    t.family("npud_connections", "gauge", "Open client connections.", s["connections"])
-    t.family("npud_jobs_active", "gauge", "Unfinished jobs by state.",
-             [({"state": k}, v) for k, v in s["jobs"].items()])
-    t.family("npud_queue_depth", "gauge", "Queued tickets by priority class.",
-             [({"class": k}, v) for k, v in s["queue"].items()])
-    t.family("npud_device_held", "gauge", "1 while a ticket holds the device.", s["holding"] is not None)
-    t.family("npud_tickets_granted_total", "counter", "Tickets granted since start.", s["tickets"]["granted"])
-    t.family("npud_tickets_released_total", "counter", "Tickets released since start, by outcome.",
-             [({"outcome": k}, v) for k, v in s["tickets"]["released"].items()])
-    wait_lines = []
-    for cls, w in s["wait_s"].items():
-        wait_lines += [({"class": cls, "quantile": str(q)}, w[f"p{round(q * 100)}"]) for q in QUANTILES]
-    t.family("npud_ticket_wait_seconds", "summary",
-             f"Time from queued to granted; quantiles over the last {WAIT_SAMPLES} grants of the class.", wait_lines)
-    for cls, w in s["wait_s"].items():
-        t.lines.append(f"npud_ticket_wait_seconds_sum{_labels({'class': cls})} {_value(float(w['sum']))}")
-        t.lines.append(f"npud_ticket_wait_seconds_count{_labels({'class': cls})} {_value(w['count'])}")
-    tok = s["tokens"]
-    t.family("npud_tokens_generated_total", "counter", "Tokens generated since start.", tok["generated"])
-    t.family("npud_tokens_per_second", "gauge", f"Tokens generated per second over the last {tok['window_s']} s.",
-             float(tok["per_second"]))
-    t.family("npud_device_busy_seconds_total", "counter", "Seconds tickets held the device.",
-             float(tok["device_busy_s"]))
-    spec = s["speculative"]
-    t.family("npud_spec_drafted_tokens_total", "counter", "Draft tokens proposed by speculative decoding.",
-             spec["drafted"])
-    t.family("npud_spec_accepted_tokens_total", "counter", "Draft tokens accepted by the target model.",
-             spec["accepted"])
-    t.family("npud_spec_acceptance_ratio", "gauge", "Accepted over drafted tokens since start (NaN before any).",
-             spec["acceptance"])
-    cache = s["prefix_cache"]
-    t.family("npud_prefix_cache_lookups_total", "counter", "Finished prompts by prefix-cache result.",
-             [({"result": "hit"}, cache["hits"]), ({"result": "miss"}, cache["misses"])])
-    t.family("npud_prefix_cache_cached_tokens_total", "counter", "Prompt tokens restored from the prefix cache.",
-             cache["cached_tokens"])
-    t.family("npud_prefix_cache_hit_ratio", "gauge", "Hits over lookups since start (NaN before any).",
-             cache["hit_rate"])
-    thermal = s["thermal"]
-    t.family("npud_thermal_celsius", "gauge", "The hottest configured sensor (NaN without a reading).",
-             thermal["reading_c"])
-    states = list(THERMAL_STATES) + [thermal["state"]] * (thermal["state"] not in THERMAL_STATES)
-    t.family("npud_thermal_state", "gauge", "1 for the thermal guard's current state.",
-             [({"state": st}, st == thermal["state"]) for st in states])
-    t.family("npud_npu_power_watts", "gauge", "The NPU's power (hwmon amdxdna NPU_power; NaN without the sensor).",
-             thermal["npu_power_w"])
-    t.family("npud_gemms_on_npu", "gauge", "1 while the loaded models' GEMMs run on the NPU, 0 on the host.",
-             s["gemms"] == "npu")
-    errors = s["driver_errors"]
-    t.family("npud_driver_errors_total", "counter", "amdxdna error lines in the kernel log since start.",
-             errors["count"])
-    t.family("npud_driver_prehang_warnings_total", "counter",
-             "amdxdna warnings that come before a hang or a firmware reset, since start.", errors["pre_hang"])
-    t.family("npud_driver_errors_available", "gauge", "1 if the kernel log could be read.", errors["available"])
-    t.family("npud_device_quarantined", "gauge", "1 while the device is quarantined after a driver error.",
-             s["quarantine"]["quarantined"])
-    return "\n".join(t.lines) + "\n"
+    """A snapshot in the Prometheus text format (0.0.4), as prometheus_client writes it."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(families(s)))
+    return generate_latest(registry).decode("utf-8")
+
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # the text format's media type, for HTTP

@@ -35,6 +35,7 @@ class ErrorCode(enum.StrEnum):
     STORE_READONLY = "store_readonly"
     STORE_ERROR = "store_error"
     SHUTTING_DOWN = "shutting_down"
+    MODEL_IN_USE = "model_in_use"
     INTERNAL_ERROR = "internal_error"
 
 

@@ -1,5 +1,7 @@
 """The configured models and which of them are loaded: a model loads on first use inside a
-ticket and stays resident while memory allows, the least recently used going first.
+ticket (or on `models.load`) and stays resident while memory allows, the least recently used
+going first, or until it has been idle for its keep-alive (npud/lifecycle.py unloads it).
+Each model is in one ModelState: unloaded, loading, loaded, or failed (its last load failed).
 
 `get` loads a model and is blocking: only the device owner calls it, in a worker thread.
 Models come from a `ModelLoader` (engine.loader.load_model; tests pass a fake engine's).
@@ -8,6 +10,7 @@ Models come from a `ModelLoader` (engine.loader.load_model; tests pass a fake en
 from __future__ import annotations
 
 import collections
+import enum
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -34,6 +37,13 @@ def estimate_bytes(entry: ModelEntry) -> int:
     return total
 
 
+class ModelState(enum.StrEnum):
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    LOADED = "loaded"
+    FAILED = "failed"  # its last load failed (the log has why); the next use tries again
+
+
 class ModelRegistry:
     def __init__(self, models: tuple[ModelEntry, ...], *, max_resident_bytes: int, cache_root: Path | None = None,
                  loader: ModelLoader = load_model, backend: str = "auto", xrt_design: str | None = None,
@@ -47,6 +57,11 @@ class ModelRegistry:
         self._loader = loader
         self.max_resident_bytes = max_resident_bytes
         self._resident: collections.OrderedDict[str, ServedModel] = collections.OrderedDict()
+        self._loading: str | None = None  # the model a worker thread is loading
+        self._failed: set[str] = set()
+        self.clock = time.monotonic
+        self._last_used: dict[str, float] = {}  # when a job or a load last used the model
+        self._keep_alive: dict[str, float] = {}  # a request's keep_alive_s, over the entry's
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -77,19 +92,27 @@ class ModelRegistry:
         keep = set(keep)
         self._evict(estimate_bytes(entry), keep)
         started = time.perf_counter()
+        # only what the entry sets is passed: a loader older than the setting still loads the rest
+        tuning = {k: v for k, v in (("context_length", entry.context_length), ("threads", entry.threads)) if v}
+        self._loading = name
         try:
             served = self._loader(
                 entry.name, entry.checkpoint_dir, draft_dir=entry.draft_dir, dflash_dir=entry.dflash_dir,
                 weight_format=entry.weight_format,
                 cache_dir=None if self.cache_root is None else self.cache_root / entry.name,
                 backend=self.backend, xrt_design=self.xrt_design, assistant_dir=entry.assistant_dir,
-                xrt_timeout_ms=self.xrt_timeout_ms, cache_users=self.cache_users)
+                xrt_timeout_ms=self.xrt_timeout_ms, cache_users=self.cache_users, **tuning)
         except (EngineError, OSError) as exc:  # ConfigError, WeightsError, TokenizerError, missing files
+            self._failed.add(name)
             log.error("model_load_failed", model=name, checkpoint_dir=entry.checkpoint_dir,
                       error=f"{type(exc).__name__}: {exc}")
             # paths and exception texts stay in the log; clients see the model's name
             raise ApiError(ErrorCode.MODEL_ERROR,
                            f"model {name!r} does not load; the daemon log says why (model_load_failed)") from None
+        finally:
+            self._loading = None
+        self._failed.discard(name)
+        self._last_used[name] = self.clock()
         self._resident[name] = served
         log.info("model_loaded", model=name, nbytes=served.nbytes,
                  load_ms=round((time.perf_counter() - started) * 1000, 1))
@@ -108,11 +131,52 @@ class ModelRegistry:
     def unload_all(self) -> None:
         """Unload every resident model (the backend they were loaded for is gone or changed)."""
         for name in list(self._resident):
-            self.unload(name)
+            self.unload(name, "backend")
 
-    def unload(self, name: str) -> None:
-        if self._resident.pop(name, None) is not None:
-            log.info("model_unloaded", model=name)
+    def unload(self, name: str, reason: str = "memory") -> bool:
+        """Forget the loaded model `name` (its memory goes with the last reference); returns
+        whether it was loaded. `reason` is logged: memory, idle, request, reload."""
+        if self._resident.pop(name, None) is None:
+            return False
+        log.info("model_unloaded", model=name, reason=reason)
+        return True
+
+    def state(self, name: str) -> ModelState:
+        if name in self._resident:
+            return ModelState.LOADED
+        if self._loading == name:
+            return ModelState.LOADING
+        return ModelState.FAILED if name in self._failed else ModelState.UNLOADED
+
+    def keep_alive_s(self, name: str) -> float:
+        """Seconds `name` stays loaded once idle (negative: until evicted or unloaded)."""
+        if name in self._keep_alive:
+            return self._keep_alive[name]
+        entry = self._entries.get(name)
+        return -1.0 if entry is None else entry.keep_alive_s
+
+    def touch(self, name: str, keep_alive_s: float | None = None) -> None:
+        """`name` was used now; a request's `keep_alive_s` replaces the model's from now on."""
+        self._last_used[name] = self.clock()
+        if keep_alive_s is not None:
+            self._keep_alive[name] = keep_alive_s
+
+    def idle_unload_at(self, name: str) -> float | None:
+        """When (on `clock`) the loaded model `name` is unloaded if nothing uses it before; None: never."""
+        keep = self.keep_alive_s(name)
+        if name not in self._resident or keep < 0:
+            return None
+        return self._last_used.get(name, self.clock()) + keep
+
+    def idle_expired(self, in_use: set[str]) -> list[str]:
+        """Loaded models past their keep-alive; those `in_use` are touched instead (a model's
+        idle time starts when its last job ends)."""
+        now = self.clock()
+        for name in in_use:
+            if name in self._resident:
+                self._last_used[name] = now
+        return [n for n in self._resident if n not in in_use and (at := self.idle_unload_at(n)) is not None
+                and now >= at]
 
     def flush_caches(self) -> int:
         """Write the resident models' in-memory prefix-cache entries to disk (blocking); returns how many."""
@@ -124,15 +188,24 @@ class ModelRegistry:
         new = {m.name: m for m in models}
         for name in list(self._resident):
             if new.get(name) != self._entries.get(name) and name not in keep:
-                self.unload(name)
+                self.unload(name, "reload")
         self._entries = new
         self.max_resident_bytes = max_resident_bytes
 
     def describe(self) -> list[dict]:
         out = []
+        now = self.clock()
         for name, entry in self._entries.items():
             served = self._resident.get(name)
+            unload_at = self.idle_unload_at(name)
+            keep = self.keep_alive_s(name)
             out.append({
+                "state": self.state(name).value,
+                # bytes resident once loaded (weights of base and drafters); the files' size before
+                "memory_bytes": served.nbytes if served is not None else None,
+                "estimated_bytes": estimate_bytes(entry) if served is None else None,
+                "keep_alive_s": None if keep < 0 else keep,
+                "idle_unload_in_s": None if unload_at is None else round(max(0.0, unload_at - now), 1),
                 "name": name, "checkpoint_dir": entry.checkpoint_dir, "draft_dir": entry.draft_dir,
                 "dflash_dir": entry.dflash_dir, "assistant_dir": entry.assistant_dir,
                 "weight_format": entry.weight_format, "resident": served is not None,

@@ -1,5 +1,5 @@
 """The real gemma-3-270m Q4_K_M GGUF end to end: weights, logits, greedy tokens, tokenizer,
-speculative decoding, prefix cache and batched rows.
+speculative decoding, prefix cache, batched rows, and structured output (a JSON schema).
 
 References: `gguf.quants.dequantize` (ggml-org's reader) for every tensor, transformers
 (fp32, `from_pretrained(..., gguf_file=...)`) for logits, greedy tokens and the tokenizer.
@@ -246,3 +246,34 @@ def test_gguf_q8_batched_rows_bit_identical_to_single_steps(q8_model, prompt_ids
     single.prefill(ids[:40])
     for i in range(16):
         assert rows_equal(rows[i], single.step(ids[40 + i], 40 + i))
+
+
+def test_json_schema_output_validates_and_is_the_same_under_prompt_lookup(model, tokenizer):
+    """Structured output (engine/grammar.py) over gemma's 262k-id SentencePiece vocabulary."""
+    import json
+
+    from engine.api import FinishReason, GenerateRequest, GenerationParams, Grammar, SpecParams
+    from engine.session import LoadedModel
+
+    jsonschema = need("jsonschema", "validates the structured output")
+    served = LoadedModel("gemma", model, tokenizer)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 10 ** 9}},
+              "required": ["city", "population"], "additionalProperties": False}
+    prompt = 'Paris as JSON: {"city": "Paris", "population": 2100000}\nBerlin as JSON: '
+    outs = {}
+    for method in ("none", "ngram"):
+        params = GenerationParams(max_tokens=40, spec=SpecParams(method=method), use_prefix_cache=False,
+                                  grammar=Grammar("json_schema", json.dumps(schema)))
+        session = served.start(GenerateRequest(prompt=prompt, params=params))
+        while not session.done:
+            session.run_round()
+        outs[method] = session.result()
+    assert outs["none"].finish_reason == FinishReason.STOP
+    jsonschema.validate(json.loads(outs["none"].text), schema)
+    assert outs["ngram"].stats["drafted"] > 0 and outs["ngram"].text == outs["none"].text
+    # the tokenizer's API on a SentencePiece vocabulary that asks for a BOS (/tokenize, /detokenize)
+    ids = served.tokenize(prompt)
+    assert served.tokenize(prompt, add_special=True) == [tokenizer.bos_token_id, *ids]
+    assert served.detokenize(ids) == prompt
+    assert b"".join(served.token_bytes(i) for i in ids) == prompt.encode()

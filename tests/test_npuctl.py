@@ -402,7 +402,8 @@ def test_tables_are_tab_separated_without_a_terminal(daemon, client, done_job):
     rows = [ln.split("\t") for ln in run.stdout.splitlines()]
     assert [int(r[0]) for r in rows] == [j["job"] for j in client.jobs()["jobs"]]
     run = npuctl("models", socket_path=daemon.socket)
-    assert run.stdout.split("\t")[:3] == ["tiny (default)", "yes", "fp32"]
+    cols = run.stdout.split("\t")
+    assert cols[:2] == ["tiny (default)", "loaded"] and cols[3] == "until evicted" and cols[4] == "fp32"
     run = npuctl("tickets", "--since", "2099-01-01", socket_path=daemon.socket)
     assert run.returncode == 0 and run.stdout == ""
 
@@ -599,7 +600,7 @@ BAD_FILES = [
     (['{"prompt": "a"}', "not json"], 2, "not valid JSON: Expecting value (column 1)"),
     (['{"prompt": "a"}', "", '{"prompt": 1}'], 3, '"prompt" must be a string, got an integer'),
     (['{"promt": "a"}'], 1, "unknown key 'promt' (known: prompt, messages, id, model, max_tokens, sampling, "
-                            "stop, spec, use_prefix_cache, priority)"),
+                            "stop, spec, use_prefix_cache, priority, logprobs, response_format, grammar)"),
     (['{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}'], 1,
      'give exactly one of "prompt" and "messages"'),
     (["[1, 2]"], 1, 'expected an object with "prompt" or "messages" (or a JSON string), got a list'),

@@ -90,8 +90,12 @@ def test_grants_and_releases_are_counted_with_their_waits_and_busy_time():
     counters = m.counters()
     assert counters["tickets"] == {"granted": 3, "released": {"done": 1, "cancelled": 1, "failed": 0,
                                                                "faulted": 1, "preempted": 1, "joined": 0}}
-    assert counters["wait_s"]["interactive"] == {"count": 1, "sum": 2.0, "p50": 2.0, "p90": 2.0, "p99": 2.0}
-    assert counters["wait_s"]["batch"] == {"count": 2, "sum": 5.5, "p50": 0.5, "p90": 5.0, "p99": 5.0}
+    waits = {cls: {k: v for k, v in w.items() if k != "buckets"} for cls, w in counters["wait_s"].items()}
+    assert waits["interactive"] == {"count": 1, "sum": 2.0, "p50": 2.0, "p90": 2.0, "p99": 2.0}
+    assert waits["batch"] == {"count": 2, "sum": 5.5, "p50": 0.5, "p90": 5.0, "p99": 5.0}
+    # cumulative buckets: 0.5 s and 5 s lie in the buckets whose bounds they equal
+    batch = dict((b, n) for b, n in counters["wait_s"]["batch"]["buckets"])
+    assert (batch[0.25], batch[0.5], batch[2.5], batch[5.0], batch["+Inf"]) == (0, 1, 1, 2, 2)
     assert counters["tokens"]["device_busy_s"] == 3.0 + 1.5 + 0.25
 
 
@@ -184,7 +188,7 @@ def _snapshot(**overrides) -> dict:
     q.grant()
     tokens[0] = 42
     q.release(ticket, Outcome.DONE)
-    m.on_prompt({"drafted": 10, "accepted": 4, "num_cached_tokens": 32})
+    m.on_prompt({"drafted": 10, "accepted": 4, "num_cached_tokens": 32, "time_to_first_token_s": 0.3})
     snap = {"version": "0.1.0", "device": "host", **m.counters(), "connections": 3,
             "jobs": {"queued": 2, "running": 1}, "queue": {"interactive": 1, "batch": 4},
             "holding": {"ticket": 9, "job": 4, "priority": "batch"},
@@ -206,10 +210,18 @@ def test_the_text_format_parses_back_to_the_snapshot():
     assert value(fams, "npud_tickets_granted_total") == 1
     assert value(fams, "npud_tickets_released_total", outcome="done") == 1
     assert value(fams, "npud_tickets_released_total", outcome="faulted") == 0
-    assert value(fams, "npud_ticket_wait_seconds", quantile="0.99", **{"class": "interactive"}) == 0.25
-    assert value(fams, "npud_ticket_wait_seconds_count", **{"class": "interactive"}) == 1
-    assert value(fams, "npud_ticket_wait_seconds_sum", **{"class": "interactive"}) == 0.25
-    assert math.isnan(value(fams, "npud_ticket_wait_seconds", quantile="0.5", **{"class": "batch"}))
+    assert value(fams, "npud_ticket_wait_recent_seconds", quantile="0.99", **{"class": "interactive"}) == 0.25
+    assert value(fams, "npud_ticket_wait_recent_seconds_count", **{"class": "interactive"}) == 1
+    assert value(fams, "npud_ticket_wait_recent_seconds_sum", **{"class": "interactive"}) == 0.25
+    assert math.isnan(value(fams, "npud_ticket_wait_recent_seconds", quantile="0.5", **{"class": "batch"}))
+    # the histograms: cumulative buckets, since start
+    assert value(fams, "npud_ticket_wait_seconds_bucket", le="0.1", **{"class": "interactive"}) == 0
+    assert value(fams, "npud_ticket_wait_seconds_bucket", le="0.25", **{"class": "interactive"}) == 1
+    assert value(fams, "npud_ticket_wait_seconds_bucket", le="+Inf", **{"class": "interactive"}) == 1
+    assert value(fams, "npud_ticket_wait_seconds_count", **{"class": "batch"}) == 0
+    assert value(fams, "npud_first_token_seconds_bucket", le="0.25") == 0
+    assert value(fams, "npud_first_token_seconds_bucket", le="0.5") == 1
+    assert value(fams, "npud_first_token_seconds_sum") == 0.3
     assert value(fams, "npud_tokens_generated_total") == 42
     assert value(fams, "npud_spec_acceptance_ratio") == 0.4
     assert value(fams, "npud_prefix_cache_lookups_total", result="hit") == 1

@@ -24,6 +24,7 @@ from engine.api import (
     GenerationResult,
     ModelError,
     PromptTooLong,
+    RequestError,
     TokenEvent,
 )
 
@@ -132,6 +133,22 @@ class FakeServedModel:
     def count_prompt_tokens(self, request: GenerateRequest) -> int:
         return len(prompt_text(request).split())
 
+    # a vocabulary of the 256 byte values: a token is a byte of the text's UTF-8
+    def tokenize(self, text: str, *, add_special: bool = False) -> list[int]:
+        return list(text.encode())
+
+    def detokenize(self, ids) -> str:
+        if any(not 0 <= i < 256 for i in ids):
+            raise RequestError("a token id is outside the vocabulary (size 256)")
+        return bytes(ids).decode("utf-8", "replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id])
+
+    def props(self) -> dict:
+        return {"vocab_size": 256, "bos_token": None, "add_bos_token": False, "eos_tokens": [], "chat_template": None,
+                "chat_templates": [], "fim_tokens": None}
+
     def start(self, request: GenerateRequest) -> FakeSession:
         """As the engine: max_tokens clamped to the context, a prompt that fills it refused."""
         if request.suffix is not None and not self.fim:
@@ -184,9 +201,9 @@ class FakeServedModel:
 
 def load_model(name: str, checkpoint_dir, *, draft_dir=None, dflash_dir=None, weight_format: str = "bf16",
                cache_dir=None, backend: str = "auto", xrt_design=None, assistant_dir=None,
-               xrt_timeout_ms=None, cache_users: int = 7) -> FakeServedModel:
+               xrt_timeout_ms=None, cache_users: int = 7, context_length=None, threads=None) -> FakeServedModel:
     """The fake engine's engine.api.ModelLoader: knobs from <checkpoint_dir>/fake.json
-    (and load_sleep_s, how long the load takes).
+    (and load_sleep_s, how long the load takes; a context_length caps max_context).
 
     Raises FileNotFoundError without the file, ModelError when it is not JSON."""
     path = Path(checkpoint_dir) / "fake.json"
@@ -195,7 +212,10 @@ def load_model(name: str, checkpoint_dir, *, draft_dir=None, dflash_dir=None, we
     except json.JSONDecodeError as exc:
         raise ModelError(f"{path}: not JSON: {exc}") from None
     time.sleep(float(knobs.get("load_sleep_s", 0.0)))  # a load that takes a while (a cold start)
-    return FakeServedModel(name, knobs)
+    served = FakeServedModel(name, knobs)
+    if context_length is not None:
+        served.max_context = min(served.max_context, context_length)
+    return served
 
 
 def write_fake_checkpoint(directory: Path, **knobs) -> Path:

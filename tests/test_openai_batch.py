@@ -68,3 +68,13 @@ def test_a_prompt_that_never_ran_has_an_error_and_no_response():
     cancelled = openai_record(custom_id="x", endpoint=Endpoint.CHAT, job=2, prompt=1, line=2, model="m", created=0,
                               result={"text": "part", "token_ids": [1], "finish_reason": "cancelled"}, missing=None)
     assert cancelled["response"] is None and cancelled["error"]["code"] == "cancelled"
+
+
+def test_structured_output_fields_reach_the_npud_line():
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    _, _, line = from_openai_line({"custom_id": "a", "url": "/v1/chat/completions",
+                                   "body": {"messages": [{"role": "user", "content": "hi"}], "response_format": fmt}})
+    assert line["response_format"] == fmt
+    _, _, line = from_openai_line({"custom_id": "b", "url": "/v1/completions",
+                                   "body": {"prompt": "x", "npud": {"grammar": {"regex": "[0-9]+"}}}})
+    assert line["grammar"] == {"regex": "[0-9]+"}

@@ -15,7 +15,7 @@ from clients.npuctl import build_parser
 from clients.shell_completion import bash_script, zsh_script
 from npud_fixture import REPO, python_env
 
-COMMANDS = ["submit", "complete", "jobs", "status", "result", "cancel", "tickets", "device", "cache", "models",
+COMMANDS = ["submit", "complete", "jobs", "status", "result", "cancel", "tickets", "device", "cache", "models", "load", "unload",
             "stats", "completion"]
 
 

@@ -211,10 +211,11 @@ def threads() -> int:
 
 
 def set_threads(n: int) -> None:
-    """Use n threads from the next call on (the bits do not depend on it)."""
+    """Use n threads from the next call on, 0 for the default (NPUD_HOST_THREADS, else the
+    CPUs this process may use); the bits do not depend on it."""
     global _threads
-    if n < 1:
-        raise ValueError(f"threads must be >= 1, got {n}")
+    if n < 0:
+        raise ValueError(f"threads must be >= 0, got {n}")
     _threads = n
 
 

@@ -11,11 +11,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
+import trio
 
+from engine.api import DEFAULT_MAX_TOKENS
+from npud import __version__
+from npud.api import token_ids
 from npud.http import errors, sse
 from npud.http.translate import (
     HttpJob,
     chat_request,
+    choice_logprobs,
     chunk,
     completion_reply,
     completion_request,
@@ -26,7 +31,9 @@ from npud.http.translate import (
     usage,
 )
 from npud.jobs import store_api_error
-from npud.protocol import ApiError, ErrorCode
+from npud.metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
+from npud.metrics import render_prometheus
+from npud.protocol import ApiError, ErrorCode, Params
 from npud.store import StoreError
 
 if TYPE_CHECKING:
@@ -56,6 +63,7 @@ class Responder:
     started: bool  # the status line is sent: later errors can only go into the stream
 
     async def send_json(self, status: int, payload: dict) -> None: ...
+    async def send_text(self, status: int, content_type: str, body: bytes) -> None: ...
     async def start_stream(self) -> None: ...
     async def send_event(self, data: bytes) -> None: ...
     async def end_stream(self) -> None: ...
@@ -94,12 +102,26 @@ class Stream:
         self.kind = kind
         self.model = model
         self.job: int | None = None
+        self.logprobs: list[dict] | None = None  # of tokens whose text has not been sent yet
+        self.offset = 0  # characters of the tokens' own texts sent so far (completions' text_offset)
+
+    def _take_logprobs(self) -> dict | None:
+        items, self.logprobs = self.logprobs, None
+        if items is None:
+            return None
+        out = choice_logprobs(self.kind, items, self.offset)
+        self.offset += sum(len(i["token"]) for i in items)
+        return out
 
     async def emit(self, name: str, data: dict) -> None:
         if name == "ticket" and self.job is None:
             self.job = data["job"]
-        elif name == "token" and data["text"]:
-            await self._send(chunk(self.kind, self.model, self.job, data["text"], first=not self.responder.started))
+        elif name == "token":
+            if "logprobs" in data:  # a token whose text is held back sends its logprobs with that text
+                self.logprobs = (self.logprobs or []) + data["logprobs"]
+            if data["text"]:
+                await self._send(chunk(self.kind, self.model, self.job, data["text"], first=not self.responder.started,
+                                       logprobs=self._take_logprobs()))
 
     async def _send(self, payload: dict) -> None:
         if not self.responder.started:
@@ -112,7 +134,8 @@ class Stream:
             await self._send({**infill_reply(self.model, result), "content": ""})
             await self.responder.end_stream()
             return
-        last = chunk(self.kind, self.model, self.job, None, result["finish_reason"], first=not self.responder.started)
+        last = chunk(self.kind, self.model, self.job, None, result["finish_reason"], first=not self.responder.started,
+                     logprobs=self._take_logprobs())
         last["npud"] = npud_reply(result)
         await self._send(last)
         if include_usage:  # OpenAI's shape: a chunk with no choices and the token counts
@@ -127,7 +150,8 @@ class App:
         self.routes: dict[str, dict[str, Callable[["Peer", HttpRequest, Responder], Awaitable[None]]]] = {
             "/health": {"GET": self.health}, "/v1/models": {"GET": self.models},
             "/v1/completions": {"POST": self.completions}, "/v1/chat/completions": {"POST": self.chat},
-            "/infill": {"POST": self.infill},
+            "/infill": {"POST": self.infill}, "/tokenize": {"POST": self.tokenize},
+            "/detokenize": {"POST": self.detokenize}, "/props": {"GET": self.props}, "/metrics": {"GET": self.metrics},
         }
 
     async def __call__(self, peer: "Peer", request: HttpRequest, responder: Responder) -> None:
@@ -163,9 +187,58 @@ class App:
     async def models(self, peer: "Peer", request: HttpRequest, responder: Responder) -> None:
         data = []
         for m in self.api.registry.describe():  # no paths: a TCP client may be on another host
-            facts = {k: m[k] for k in ("resident", "max_context", "context_length", "fim", "weight_format") if k in m}
+            facts = {k: m[k] for k in ("state", "resident", "memory_bytes", "keep_alive_s", "idle_unload_in_s",
+                                       "max_context", "context_length", "fim", "weight_format") if k in m}
             data.append({"id": m["name"], "object": "model", "created": 0, "owned_by": "npud", "npud": facts})
         await responder.send_json(200, {"object": "list", "data": data})
+
+    async def tokenize(self, peer: "Peer", request: HttpRequest, responder: Responder) -> None:
+        """llama.cpp's /tokenize: {"content", "add_special", "parse_special", "with_pieces"}
+        (and npud's "model") -> {"tokens": [...]}."""
+        b = Params(parse_body(request.body), "body")
+        model = b.str("model", self.api.cfg.default_model_name)
+        text = b.str("content")
+        add_special = b.bool("add_special", False)
+        if not b.bool("parse_special", True):
+            raise b.bad("parse_special", "npud always reads special tokens written in the text (only true)")
+        with_pieces = b.bool("with_pieces", False)
+        b.finish()
+        out = await self.api.tokenize_text(model, text, add_special=add_special, with_pieces=with_pieces)
+        await responder.send_json(200, {"tokens": out["tokens"]})
+
+    async def detokenize(self, peer: "Peer", request: HttpRequest, responder: Responder) -> None:
+        """llama.cpp's /detokenize: {"tokens": [ids]} (and npud's "model") -> {"content": text}."""
+        b = Params(parse_body(request.body), "body")
+        model = b.str("model", self.api.cfg.default_model_name)
+        ids = token_ids(b, "tokens")
+        b.finish()
+        out = await self.api.detokenize_ids(model, ids)
+        await responder.send_json(200, {"content": out["content"]})
+
+    async def props(self, peer: "Peer", request: HttpRequest, responder: Responder) -> None:
+        """llama.cpp's /props for the default model (loaded first if it is not): its context,
+        chat template, special and FIM tokens; no paths."""
+        cfg = self.api.cfg
+        served = await self.api.served(cfg.default_model_name)
+        facts = await trio.to_thread.run_sync(served.props)
+        n_predict = min(DEFAULT_MAX_TOKENS, cfg.limits.max_tokens)
+        await responder.send_json(200, {
+            "default_generation_settings": {"n_ctx": served.max_context,
+                                            "params": {"n_predict": n_predict, "temperature": 0.0}},
+            "total_slots": 1, "model_alias": served.name, "chat_template": facts["chat_template"] or "",
+            "bos_token": facts["bos_token"] or "", "eos_token": (facts["eos_tokens"] or [""])[0],
+            "modalities": {"vision": False, "audio": False}, "build_info": f"npud {__version__}",
+            "npud": {"model": served.name, "context_length": served.max_context, "fim": served.fim,
+                     "models": list(self.api.registry.names), **facts},
+        })
+
+    async def metrics(self, peer: "Peer", request: HttpRequest, responder: Responder) -> None:
+        """The Prometheus text of every counter and gauge: as `stats`' full view, an admin's
+        (root or the admin group on the Unix socket; never a TCP client)."""
+        if not peer.caller.admin:
+            raise ApiError(ErrorCode.FORBIDDEN, "/metrics needs root or the admin group (the Unix socket)")
+        text = render_prometheus(self.api.snapshot(None))
+        await responder.send_text(200, PROMETHEUS_CONTENT_TYPE, text.encode("utf-8"))
 
     async def completions(self, peer: "Peer", request: HttpRequest, responder: Responder) -> None:
         await self._run(peer, completion_request(parse_body(request.body)), responder)

@@ -23,11 +23,12 @@ STATUS = {
     ErrorCode.UNSUPPORTED: 400, ErrorCode.STORE_FULL: 507, ErrorCode.STORE_READONLY: 503,
     ErrorCode.STORE_ERROR: 503, ErrorCode.SHUTTING_DOWN: 503, ErrorCode.INTERNAL_ERROR: 500,
     UNAUTHORIZED: 401, METHOD_NOT_ALLOWED: 405, REQUEST_TOO_LARGE: 413, REQUEST_TIMEOUT: 408,
+    ErrorCode.MODEL_IN_USE: 409,
 }
 
 # OpenAI's error types, by status
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-         404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+         404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error", 409: "conflict_error",
          413: "invalid_request_error", 429: "rate_limit_error"}
 
 

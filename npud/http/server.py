@@ -66,6 +66,13 @@ class H11Responder:
         await self._send(h11.Data(data=body))
         await self._send(h11.EndOfMessage())
 
+    async def send_text(self, status: int, content_type: str, body: bytes) -> None:
+        self.status, self.started = status, True
+        await self._send(h11.Response(status_code=status, reason=HTTPStatus(status).phrase, headers=[
+            ("content-type", content_type), ("content-length", str(len(body)))]))
+        await self._send(h11.Data(data=body))
+        await self._send(h11.EndOfMessage())
+
     async def send_continue(self) -> None:
         await self._send(h11.InformationalResponse(status_code=100, headers=[]))
 

@@ -13,20 +13,22 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from engine.api import MAX_TOP_LOGPROBS
+from npud.logprobs import chat_logprobs, completion_logprobs
 from npud.protocol import ApiError, ErrorCode, Params
 from npud.tickets import Priority
 
 # The body's fields that npud takes as they are, and those with their only accepted values.
 NEUTRAL = {
-    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (False,), "echo": (False,),
-    "best_of": (1,), "logit_bias": ({},), "top_logprobs": (0,), "parallel_tool_calls": (True, False),
-    "tools": ([],), "response_format": ({"type": "text"},), "service_tier": ("auto", "default"),
+    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "echo": (False,),
+    "best_of": (1,), "logit_bias": ({},), "parallel_tool_calls": (True, False),
+    "tools": ([],), "service_tier": ("auto", "default"),
     "store": (False,), "cache_prompt": (True, False), "n_probs": (0,),
 }
 IGNORED = ("user", "metadata")  # labels with no effect on the generation
 
 # complete's params as the body names them (the longest prefix first)
-RENAMES = (("params.sampling.", "body."), ("params.spec.", "body.npud.spec."),
+RENAMES = (("params.sampling.", "body."), ("params.spec.", "body.npud.spec."), ("params.grammar", "body.npud.grammar"),
            ("params.use_prefix_cache", "body.npud.use_prefix_cache"), ("params.fim_extra", "body.input_extra"),
            ("params.", "body."))
 
@@ -79,16 +81,22 @@ def _common(b: Params, max_tokens_names: tuple[str, ...]) -> tuple[dict, Priorit
     stop = b.raw("stop")
     if stop is not None:
         params["stop"] = [stop] if isinstance(stop, str) else stop
+    keep_alive = b.raw("keep_alive")  # Ollama's: how long the model stays loaded once idle
+    if keep_alive is not None:
+        params["keep_alive"] = keep_alive
     stream = b.bool("stream", False)
     options = b.obj("stream_options")
     include_usage = options.bool("include_usage", False)
     options.finish()
     ext = b.obj("npud")
     priority = Priority.parse(ext.str("priority", "interactive", choices=("interactive", "batch")))
-    for name in ("spec", "use_prefix_cache"):
+    for name in ("spec", "use_prefix_cache", "grammar"):
         if (value := ext.raw(name)) is not None:
             params[name] = value
     ext.finish()
+    response_format = b.raw("response_format")  # structured output: complete's own shape is OpenAI's
+    if response_format is not None:
+        params["response_format"] = response_format
     return params, priority, stream, include_usage
 
 
@@ -108,6 +116,11 @@ def completion_request(body: dict) -> HttpJob:
     suffix = b.raw("suffix")  # OpenAI's fill-in-the-middle: the prompt is the text before the gap
     if suffix is not None:
         params["suffix"] = suffix
+    logprobs = b.raw("logprobs")  # an integer: the alternatives per token (null: none)
+    if logprobs is not None:
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise b.bad("logprobs", f"expected an integer in [0, {MAX_TOP_LOGPROBS}] or null, got {logprobs!r}"[:160])
+        params["logprobs"] = logprobs
     b.finish()
     return HttpJob("completion", params, priority, stream, include_usage)
 
@@ -136,6 +149,11 @@ def chat_request(body: dict) -> HttpJob:
             raise b.bad(f"messages[{i}]", 'expected {"role": string, "content": string}')
         out.append({"role": msg.get("role"), "content": _content(i, msg.get("content"))})
     params["messages"] = out
+    top = b.int("top_logprobs", None, min=0, max=MAX_TOP_LOGPROBS)
+    if b.bool("logprobs", False):
+        params["logprobs"] = top or 0
+    elif top is not None:
+        raise b.bad("top_logprobs", "needs logprobs: true")
     b.finish()
     return HttpJob("chat", params, priority, stream, include_usage)
 
@@ -187,30 +205,39 @@ def reply_id(kind: str, job: int | None) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{job}"
 
 
+def choice_logprobs(kind: str, items: list[dict] | None, text_offset: int = 0) -> dict | None:
+    """A choice's `logprobs` in the endpoint's shape (None when the request asked for none)."""
+    if items is None:
+        return None
+    return chat_logprobs(items) if kind == "chat" else completion_logprobs(items, text_offset)
+
+
 def completion_reply(kind: str, model: str, result: dict) -> dict:
     """The whole reply of a non-streaming request."""
+    logprobs = choice_logprobs(kind, result.get("logprobs"))
     if kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]},
-                  "finish_reason": result["finish_reason"], "logprobs": None}
+                  "finish_reason": result["finish_reason"], "logprobs": logprobs}
     else:
-        choice = {"index": 0, "text": result["text"], "finish_reason": result["finish_reason"], "logprobs": None}
+        choice = {"index": 0, "text": result["text"], "finish_reason": result["finish_reason"], "logprobs": logprobs}
     return {"id": reply_id(kind, result["job"]), "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice], "usage": usage(result),
             "npud": npud_reply(result)}
 
 
 def chunk(kind: str, model: str, job: int | None, text: str | None, finish_reason: str | None = None, *,
-          first: bool = False) -> dict:
-    """One streamed chunk: `text` (None in the last), or the finish reason."""
+          first: bool = False, logprobs: dict | None = None) -> dict:
+    """One streamed chunk: `text` (None in the last), or the finish reason; `logprobs` those
+    of the tokens the chunk carries, in the endpoint's shape."""
     if kind == "infill":  # llama.cpp's: the text, and `stop` true in the last
         return {"content": text or "", "stop": finish_reason is not None}
     if kind == "chat":
         delta: dict = {} if text is None else {"content": text}
         if first:
             delta["role"] = "assistant"
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}
     return {"id": reply_id(kind, job), "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice]}
 
