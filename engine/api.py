@@ -300,6 +300,10 @@ class GenerationResult:
 # chunk, so a prompt joining a running batch costs the others at most one chunk per round.
 DEFAULT_PREFILL_BUDGET = 64
 
+# The chat templates npud brings for checkpoints that ship none (engine/chat_templates/): a
+# model's chat_template setting may name one of these instead of a Jinja file.
+BUILTIN_CHAT_TEMPLATES = ("gemma", "chatml", "llama3", "mistral")
+
 class Session(Protocol):
     """One request's generation, run a bounded unit of work at a time (blocking calls; the
     daemon makes them from one thread at a time, and checks for cancellation and preemption
@@ -383,20 +387,24 @@ class ModelLoader(Protocol):
                  dflash_dir: str | Path | None = None, weight_format: str = "bf16",
                  cache_dir: str | Path | None = None, backend: str = "auto",
                  xrt_design: str | Path | None = None, assistant_dir: str | Path | None = None,
-                 xrt_timeout_ms: int | None = None, cache_users: int = DEFAULT_CACHE_USERS) -> ServedModel: ...
+                 xrt_timeout_ms: int | None = None, cache_users: int = DEFAULT_CACHE_USERS,
+                 chat_template: str | None = None) -> ServedModel: ...
 
 
 def load_model(name: str, checkpoint_dir: str | Path, *, draft_dir: str | Path | None = None,
                dflash_dir: str | Path | None = None, weight_format: str = "bf16",
                cache_dir: str | Path | None = None, backend: str = "auto",
                xrt_design: str | Path | None = None, assistant_dir: str | Path | None = None,
-               xrt_timeout_ms: int | None = None, cache_users: int = DEFAULT_CACHE_USERS) -> ServedModel:
+               xrt_timeout_ms: int | None = None, cache_users: int = DEFAULT_CACHE_USERS,
+               chat_template: str | None = None) -> ServedModel:
     """Load a model from a checkpoint directory (with an optional draft model, DFlash drafter
     and Gemma 4 assistant), its prefix cache persistent under `cache_dir` when given, on `backend` ("auto",
     "host" or "xrt"; `xrt_timeout_ms` bounds each NPU run, None for the backend's default).
     The prefix cache's budgets are split into a share for the shared scope and one for each
     of `cache_users` users, so no user's entries are evicted by another's (0: one budget for
-    all, for a daemon only one user talks to).
+    all, for a daemon only one user talks to). `chat_template` is a Jinja file or the name of one
+    of BUILTIN_CHAT_TEMPLATES, used in place of the checkpoint's (None: the checkpoint's, else
+    the built-in its vocabulary's turn markers name).
     Blocking. Raises ModelError (or another EngineError) for files that are
     not what they claim, OSError for files that cannot be read."""
     # Imported here, not at the top: the engine proper pulls in numpy and numba, which a
@@ -406,7 +414,7 @@ def load_model(name: str, checkpoint_dir: str | Path, *, draft_dir: str | Path |
     return LoadedModel.load(name, checkpoint_dir, draft_dir=draft_dir, dflash_dir=dflash_dir,
                             weight_format=weight_format, cache_dir=cache_dir, backend=backend,
                             xrt_design=xrt_design, assistant_dir=assistant_dir,
-                            xrt_timeout_ms=xrt_timeout_ms, cache_scopes=cache_users)
+                            xrt_timeout_ms=xrt_timeout_ms, cache_scopes=cache_users, chat_template=chat_template)
 
 
 def describe_checkpoint(path: str | Path) -> dict:

@@ -34,6 +34,7 @@ from engine.api import (
     TokenEvent,
 )
 from engine.assistant import Assistant, AssistantHead
+from engine.chat_templates import ChatTemplateError, choose
 from engine.dflash import DFlashDraft, DFlashHead
 from engine.drafters import DraftModelHead, PromptLookupHead, check_same_tokenizer
 from engine.fim import find_fim_tokens, fim_prompt_ids
@@ -78,6 +79,8 @@ class LoadedModel:
         self.max_context = model.config.max_position_embeddings
         self.fim_tokens = find_fim_tokens(tokenizer)
         self.backend_reason = "given by the caller"
+        # which template renders chats (engine/chat_templates: "checkpoint", "builtin:gemma", ...; None: none)
+        self.chat_template: str | None = "checkpoint" if tokenizer.chat_template_names else None
         # the logit ids the tokenizer decodes (None: all); the generation masks the rest
         self.allowed = tokenizer.decodable(model.config.vocab_size)
         if self.allowed is not None:
@@ -104,6 +107,7 @@ class LoadedModel:
         xrt_design: str | Path | None = None,
         assistant_dir: str | Path | None = None,
         xrt_timeout_ms: int | None = None,
+        chat_template: str | None = None,
     ) -> LoadedModel:
         """Load base (and draft) and open the prefix cache (persistent under `cache_dir`, if given;
         `cache_bytes` of memory shared out between `cache_scopes` users and the shared scope).
@@ -120,6 +124,7 @@ class LoadedModel:
             raise ModelError(str(exc)) from exc
         model = Model.load(checkpoint_dir, weight_format, kernels)
         tokenizer = Tokenizer.from_dir(checkpoint_dir)
+        template_label = _install_chat_template(tokenizer, chat_template)
         draft = draft_tokenizer = None
         if draft_dir is not None:
             draft = Model.load(draft_dir, weight_format, kernels)
@@ -138,6 +143,7 @@ class LoadedModel:
         assistant = Assistant.load(assistant_dir, model, weight_format) if assistant_dir is not None else None
         served = cls(name, model, tokenizer, draft, cache, draft_tokenizer, dflash, assistant)
         served.backend_reason = backend_reason
+        served.chat_template = template_label
         return served
 
     @property
@@ -165,6 +171,7 @@ class LoadedModel:
             "assistant": self.assistant is not None,
             "backend": self.model.backend.name,
             "backend_reason": self.backend_reason,
+            "chat_template": self.chat_template,
             # where each GEMM shape runs on an NPU backend: "npu", "npu-rowwise" or why the host
             "gemm_placement": getattr(self.model.backend, "describe_placement", dict)(),
             "fingerprint": self.model.fingerprint[:16],
@@ -407,6 +414,8 @@ class ModelSession:
         stats = g.stats.as_dict()
         stats["num_cached_tokens"] = self.num_cached_tokens
         stats["time_to_first_token_s"] = self._first_token_s
+        if self.request.messages is not None:  # which template wrote the prompt
+            stats["chat_template"] = self.served.chat_template
         return GenerationResult(
             text=g.text,
             token_ids=tuple(g.token_ids),
@@ -415,6 +424,18 @@ class ModelSession:
             stats=stats,
             max_tokens_clamped_to=self.max_tokens_clamped_to,
         )
+
+
+def _install_chat_template(tokenizer: Tokenizer, setting: str | None) -> str | None:
+    """Give `tokenizer` the template engine/chat_templates.choose picks; returns its label.
+    Raises ModelError for a chat_template file that cannot be read or does not parse."""
+    try:
+        text, label = choose(setting, bool(tokenizer.chat_template_names), tokenizer.token_id)
+        if text is not None:
+            tokenizer.use_chat_template(text, label)
+    except (ChatTemplateError, TokenizerError) as exc:
+        raise ModelError(str(exc)) from None
+    return label
 
 
 def describe_checkpoint(path) -> dict:

@@ -82,7 +82,7 @@ class ModelRegistry:
                 weight_format=entry.weight_format,
                 cache_dir=None if self.cache_root is None else self.cache_root / entry.name,
                 backend=self.backend, xrt_design=self.xrt_design, assistant_dir=entry.assistant_dir,
-                xrt_timeout_ms=self.xrt_timeout_ms, cache_users=self.cache_users)
+                xrt_timeout_ms=self.xrt_timeout_ms, cache_users=self.cache_users, chat_template=entry.chat_template)
         except (EngineError, OSError) as exc:  # ConfigError, WeightsError, TokenizerError, missing files
             log.error("model_load_failed", model=name, checkpoint_dir=entry.checkpoint_dir,
                       error=f"{type(exc).__name__}: {exc}")
