@@ -77,5 +77,8 @@ def packaged_path(name: str, *, assemble: bool = True) -> Path | None:
     except ValueError as exc:  # the package's sha256 check
         raise PackagedModelError(f"{name}: the assembled file does not match its checksum ({exc})") from None
     finally:
-        partial.unlink(missing_ok=True)
+        try:
+            partial.unlink(missing_ok=True)
+        except OSError:  # its directory could not be made
+            pass
     return target
