@@ -488,8 +488,11 @@ def load_config(path: Path) -> DaemonConfig:
         raise DaemonConfigError("--config", str(path), f"cannot read: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise DaemonConfigError("--config", str(path), "not UTF-8") from None
-    except tomllib.TOMLDecodeError as exc:
+    except tomllib.TOMLDecodeError as exc:  # its message ends "(at line L, column C)"
         raise DaemonConfigError("--config", str(path), f"not valid TOML: {exc}") from None
+    if not raw:
+        raise DaemonConfigError("--config", str(path), "the file sets nothing; systemd/npud.toml is the commented "
+                                "example, and a [[models]] table with name and checkpoint_dir serves a model")
     return parse_config(raw, Path(path).resolve().parent)
 
 
@@ -505,7 +508,9 @@ def check_models(cfg: DaemonConfig) -> list[str]:
             if d is None:
                 continue
             p = Path(d)
-            if label in ("checkpoint_dir", "draft_dir") and (p.is_dir() or p.suffix == ".gguf"):
+            if not p.exists():
+                problems.append(f"models[{m.name}].{label} = {d!r}: does not exist")
+            elif label in ("checkpoint_dir", "draft_dir") and (p.is_dir() or p.suffix == ".gguf"):
                 problems.extend(_describe(f"models[{m.name}].{label}", d))
             elif not p.is_dir():
                 problems.append(f"models[{m.name}].{label} = {d!r}: not a directory")

@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None, *, loader: ModelLoader = load_model) -> 
         cfg, config_path = _load(args)
         cfg = overrides(cfg)
     except DaemonConfigError as exc:
-        hint = "; pass --config or create it (systemd/ has an example)" if exc.field == "--config" else ""
+        missing = exc.field == "--config" and not os.path.exists(str(exc.value))
+        hint = "; pass --config or create it (systemd/ has an example)" if missing else ""
         print(f"npud: error: {exc}{hint}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     except NoConfig as exc:

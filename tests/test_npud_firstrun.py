@@ -120,7 +120,7 @@ def test_npud_config_names_the_file_and_config_beats_it(monkeypatch, tmp_path, c
     assert npud_main.main(["--check-config", "--model", str(PYCODE)]) == 0
     assert capsys.readouterr().out.startswith(f"{conf}: OK (2 model(s), socket /run/npud/npud.sock")
     other = tmp_path / "flag.toml"
-    other.write_text("")
+    other.write_text("[thermal]\nenabled = false\n")
     assert npud_main.main(["--check-config", "--config", str(other)]) == 0
     assert capsys.readouterr().out.startswith(f"{other}: OK (0 model(s)")
     monkeypatch.setenv("NPUD_CONFIG", str(tmp_path / "missing.toml"))
