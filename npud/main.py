@@ -114,6 +114,13 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     return [exc]
 
 
+def _message(exc: BaseException) -> str:
+    """A start-up failure as one line: an OS error as its path and its reason."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    return str(exc)
+
+
 def main(argv: list[str] | None = None, *, loader: ModelLoader = load_model) -> int:
     """Run npud; returns the exit code. `loader` is where models come from (tests pass a fake engine's)."""
     args = _parser().parse_args(argv)
@@ -158,7 +165,7 @@ def main(argv: list[str] | None = None, *, loader: ModelLoader = load_model) -> 
         leaves = _leaves(exc)
         if all(isinstance(e, (StoreError, RuntimeError, OSError)) for e in leaves):
             for e in leaves:
-                print(f"npud: error: {e}", file=sys.stderr)
+                print(f"npud: error: {_message(e)}", file=sys.stderr)
             return EXIT_START_FAILED
         raise
     return 0

@@ -126,15 +126,26 @@ class ModelRegistry:
         out = []
         for name, entry in self._entries.items():
             served = self._resident.get(name)
+            described = None if served is None else served.describe()
             out.append({
                 "name": name, "checkpoint_dir": entry.checkpoint_dir, "draft_dir": entry.draft_dir,
                 "dflash_dir": entry.dflash_dir, "assistant_dir": entry.assistant_dir,
-                "weight_format": entry.weight_format, "resident": served is not None,
+                "weight_format": weight_format(entry, described), "resident": served is not None,
                 "nbytes": None if served is None else served.nbytes,
                 "max_context": None if served is None else served.max_context,
                 # null until the model is loaded (a job or `npuctl models load` loads it)
                 "context_length": None if served is None else served.max_context,
                 "fim": None if served is None else served.fim,
-                "describe": None if served is None else served.describe(),
+                "describe": described,
             })
         return out
+
+
+def weight_format(entry: ModelEntry, described: dict | None) -> str:
+    """How a model's weights are stored: a GGUF file's own block types ("gguf: Q4_K 27, Q6_K 9, ..."
+    once loaded, "gguf" before), else the configured weight_format (a GGUF's blocks are kept as
+    they are, whatever that setting says)."""
+    if not entry.checkpoint_dir.lower().endswith(".gguf"):
+        return entry.weight_format
+    mix = ((described or {}).get("checkpoint") or {}).get("quant_mix")
+    return "gguf: " + ", ".join(f"{kind} {count}" for kind, count in mix.items()) if mix else "gguf"

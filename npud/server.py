@@ -113,6 +113,9 @@ async def bind_unix(server: ServerConfig, path: str) -> trio.SocketListener:
     old_umask = os.umask(0o777 & ~server.socket_mode)
     try:
         await sock.bind(path)
+    except OSError as exc:  # bind's own error names no path
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on a socket there ({exc.strerror})", path) from None
     finally:
         os.umask(old_umask)
     os.chmod(path, server.socket_mode)

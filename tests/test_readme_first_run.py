@@ -146,3 +146,15 @@ def test_the_readme_openai_snippet_chats(newcomer, model, template):
     assert done.returncode == 0, done.stderr
     assert done.stdout.rstrip("\n").endswith(f" {template}"), done.stdout
     assert done.stdout.strip() != template  # the model said something
+
+
+def test_npuctl_models_shows_the_gguf_block_types(newcomer):
+    shell, *_ = newcomer
+    blocks, _ = first_run()
+    argv, kw = shell(f"{blocks[1].splitlines()[0]} && npuctl models --json", capture_output=True, text=True,
+                     timeout=120)
+    done = subprocess.run(argv, **kw)
+    assert done.returncode == 0, done.stderr
+    formats = {m["name"]: m["weight_format"] for m in json.loads(done.stdout)["models"]}
+    assert formats["gemma-3-270m"].startswith("gguf: ") and "Q4_K" in formats["gemma-3-270m"]  # not "bf16"
+    assert formats["pycode-base"] == "bf16"
