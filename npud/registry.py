@@ -38,6 +38,8 @@ class ModelRegistry:
                  loader: ModelLoader = load_model, backend: str = "auto", xrt_design: str | None = None,
                  xrt_timeout_ms: int | None = None, cache_users: int = DEFAULT_CACHE_USERS) -> None:
         self._entries = {m.name: m for m in models}
+        # name -> why its last load failed, without paths (clients see it: `models`, /v1/models)
+        self.load_errors: dict[str, str] = {}
         self.cache_users = cache_users  # the prefix cache's per-user budget shares (engine.api.load_model)
         self.cache_root = cache_root  # prefix caches persist under cache_root/<model>; None: memory only
         self.backend = backend
@@ -86,9 +88,9 @@ class ModelRegistry:
         except (EngineError, OSError) as exc:  # ConfigError, WeightsError, TokenizerError, missing files
             log.error("model_load_failed", model=name, checkpoint_dir=entry.checkpoint_dir,
                       error=f"{type(exc).__name__}: {exc}")
-            # paths and exception texts stay in the log; clients see the model's name
-            raise ApiError(ErrorCode.MODEL_ERROR,
-                           f"model {name!r} does not load; the daemon log says why (model_load_failed)") from None
+            self.load_errors[name] = without_paths(f"{type(exc).__name__}: {exc}", entry)
+            raise ApiError(ErrorCode.MODEL_ERROR, f"model {name!r} does not load: {self.load_errors[name]}") from None
+        self.load_errors.pop(name, None)
         self._resident[name] = served
         log.info("model_loaded", model=name, nbytes=served.nbytes,
                  load_ms=round((time.perf_counter() - started) * 1000, 1))
@@ -119,6 +121,7 @@ class ModelRegistry:
         for name in list(self._resident):
             if new.get(name) != self._entries.get(name) and name not in keep:
                 self.unload(name)
+        self.load_errors = {n: e for n, e in self.load_errors.items() if new.get(n) == self._entries.get(n)}
         self._entries = new
         self.max_resident_bytes = max_resident_bytes
 
@@ -137,8 +140,19 @@ class ModelRegistry:
                 "context_length": None if served is None else served.max_context,
                 "fim": None if served is None else served.fim,
                 "describe": described,
+                "load_error": self.load_errors.get(name),
             })
         return out
+
+
+def without_paths(message: str, entry: ModelEntry) -> str:
+    """A load error as clients may see it: the model's directories (and the files in them)
+    named by their role, so no path of the daemon's host leaves it."""
+    for label in ("checkpoint_dir", "draft_dir", "dflash_dir", "assistant_dir"):
+        path = getattr(entry, label)
+        if path:
+            message = message.replace(str(Path(path)), f"<{label}>")
+    return message
 
 
 def weight_format(entry: ModelEntry, described: dict | None) -> str:

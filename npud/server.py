@@ -50,8 +50,9 @@ def peer_credentials(sock: trio.socket.SocketType) -> tuple[int, int, int]:
 
 
 def is_admin(uid: int, gid: int, admin_group: str) -> bool:
-    """Root, or a member of the admin group (primary or supplementary)."""
-    if uid == 0:
+    """Root, the user the daemon runs as (a per-user npud's user administers it), or a member
+    of the admin group (primary or supplementary)."""
+    if uid == 0 or uid == os.getuid():
         return True
     try:
         group = grp.getgrnam(admin_group)

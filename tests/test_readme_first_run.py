@@ -132,6 +132,10 @@ def test_the_readme_daemon_serves_both_models_as_its_user(newcomer):
     [result] = [json.loads(line) for line in done.stdout.splitlines()]
     assert 0 < len(result["token_ids"]) <= 16 and result["finish_reason"] in ("length", "stop")
     assert (home / ".local" / "state" / "npud" / "npud.sqlite3").is_file()
+    argv, kw = shell(f"{blocks[1].splitlines()[0]} && npuctl jobs --all-users", capture_output=True, text=True,
+                     timeout=120)
+    done = subprocess.run(argv, **kw)  # the user who started npud administers it
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize("model, template", [("gemma-3-270m", "builtin:gemma"), ("pycode-base", "checkpoint")])

@@ -163,7 +163,7 @@ class App:
     async def models(self, peer: "Peer", request: HttpRequest, responder: Responder) -> None:
         data = []
         for m in self.api.registry.describe():  # no paths: a TCP client may be on another host
-            facts = {k: m[k] for k in ("resident", "max_context", "context_length", "fim", "weight_format") if k in m}
+            facts = {k: m[k] for k in ("resident", "max_context", "context_length", "fim", "weight_format", "load_error") if k in m}
             data.append({"id": m["name"], "object": "model", "created": 0, "owned_by": "npud", "npud": facts})
         await responder.send_json(200, {"object": "list", "data": data})
 
