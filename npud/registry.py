@@ -78,6 +78,8 @@ class ModelRegistry:
         keep = set(keep)
         self._evict(estimate_bytes(entry), keep)
         started = time.perf_counter()
+        # a large file can take a while: the log says the load began (model_loaded says when it ends)
+        log.info("model_load_started", model=name, checkpoint_dir=entry.checkpoint_dir)
         try:
             served = self._loader(
                 entry.name, entry.checkpoint_dir, draft_dir=entry.draft_dir, dflash_dir=entry.dflash_dir,

@@ -5,7 +5,7 @@ template (its chat_template setting, the checkpoint's own, the built-in its voca
 Mutants these tests kill (run by hand, see the branch's report): gemma without the blank line
 after the system text; gemma's text untrimmed; chatml without Qwen's default system message;
 llama3 with BOS on every message; mistral's system text on the first user turn instead of the
-last; the setting losing to the checkpoint's own template; detection trying chatml first.
+last; the setting losing to the checkpoint's own template.
 """
 
 from __future__ import annotations
