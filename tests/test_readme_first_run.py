@@ -6,7 +6,8 @@ pycode-base, and chatting with both through the openai package.
 A plain user cannot run this checkout's .venv when its interpreter lives under /root, so for
 them the test stands in for `pip install -e '.[gemma]'`: a checkout of symbolic links with a
 .venv made by /usr/bin/python3 (the same minor version) whose site-packages point at this
-checkout and at the runner's packages, and the two console scripts pip would write.
+checkout and at the runner's packages, the two console scripts pip would write, and the
+kernels that tools/demo.sh builds into ~/.cache/npud, copied from the runner's cache.
 """
 
 from __future__ import annotations
@@ -88,7 +89,14 @@ def newcomer():
         prefix = ["setpriv", f"--reuid={THROWAWAY_UID}", f"--regid={NOGROUP}", "--clear-groups", "--"]
         for d in (home, run_dir):
             d.mkdir(mode=0o700)
-            os.chown(d, THROWAWAY_UID, NOGROUP)
+        # the kernels tools/demo.sh builds into ~/.cache/npud (`python -m kernels.host`), as the
+        # runner's cache has them (the packaged model is not copied: npud assembles it here)
+        from kernels.host.cache import cache_dir
+        if cache_dir().is_dir():
+            shutil.copytree(cache_dir(), home / ".cache" / "npud", ignore=shutil.ignore_patterns("models", "*.partial"))
+        for d in (home, run_dir):
+            for path in (d, *d.rglob("*")):
+                os.lchown(path, THROWAWAY_UID, NOGROUP)
     else:
         if not (REPO / ".venv" / "bin" / "npud").exists():
             shutil.rmtree(workdir)
