@@ -135,7 +135,7 @@ class Daemon:
                 except ApiError as exc:
                     failed += 1
                     if self.announce is not None:
-                        why = self.registry.load_errors.get(entry.name, str(exc))
+                        why = self.registry.load_details.get(entry.name, str(exc))
                         self.announce(f"model {entry.name!r} ({entry.checkpoint_dir}) does not load: {why}")
         if failed and failed == len(self.cfg.models):
             self.start_failed = True

@@ -38,8 +38,10 @@ class ModelRegistry:
                  loader: ModelLoader = load_model, backend: str = "auto", xrt_design: str | None = None,
                  xrt_timeout_ms: int | None = None, cache_users: int = DEFAULT_CACHE_USERS) -> None:
         self._entries = {m.name: m for m in models}
-        # name -> why its last load failed, without paths (clients see it: `models`, /v1/models)
+        # name -> why its last load failed: in words clients may see (`models`, /v1/models; no
+        # path, no exception text), and in full (the log, npud's own stderr)
         self.load_errors: dict[str, str] = {}
+        self.load_details: dict[str, str] = {}
         self.cache_users = cache_users  # the prefix cache's per-user budget shares (engine.api.load_model)
         self.cache_root = cache_root  # prefix caches persist under cache_root/<model>; None: memory only
         self.backend = backend
@@ -90,9 +92,12 @@ class ModelRegistry:
         except (EngineError, OSError) as exc:  # ConfigError, WeightsError, TokenizerError, missing files
             log.error("model_load_failed", model=name, checkpoint_dir=entry.checkpoint_dir,
                       error=f"{type(exc).__name__}: {exc}")
-            self.load_errors[name] = without_paths(f"{type(exc).__name__}: {exc}", entry)
-            raise ApiError(ErrorCode.MODEL_ERROR, f"model {name!r} does not load: {self.load_errors[name]}") from None
+            self.load_errors[name] = load_error(exc)
+            self.load_details[name] = f"{type(exc).__name__}: {exc}"  # for npud's own output, never a reply
+            raise ApiError(ErrorCode.MODEL_ERROR, f"model {name!r} does not load: {self.load_errors[name]}; "
+                                                  "the daemon log says why (model_load_failed)") from None
         self.load_errors.pop(name, None)
+        self.load_details.pop(name, None)
         self._resident[name] = served
         log.info("model_loaded", model=name, nbytes=served.nbytes,
                  load_ms=round((time.perf_counter() - started) * 1000, 1))
@@ -124,6 +129,7 @@ class ModelRegistry:
             if new.get(name) != self._entries.get(name) and name not in keep:
                 self.unload(name)
         self.load_errors = {n: e for n, e in self.load_errors.items() if new.get(n) == self._entries.get(n)}
+        self.load_details = {n: e for n, e in self.load_details.items() if n in self.load_errors}
         self._entries = new
         self.max_resident_bytes = max_resident_bytes
 
@@ -147,14 +153,24 @@ class ModelRegistry:
         return out
 
 
-def without_paths(message: str, entry: ModelEntry) -> str:
-    """A load error as clients may see it: the model's directories (and the files in them)
-    named by their role, so no path of the daemon's host leaves it."""
-    for label in ("checkpoint_dir", "draft_dir", "dflash_dir", "assistant_dir"):
-        path = getattr(entry, label)
-        if path:
-            message = message.replace(str(Path(path)), f"<{label}>")
-    return message
+# what a failed load's exception says about the model, in words with no path and no exception text
+_LOAD_ERRORS = {
+    "ConfigError": "its config.json is not one npud can run",
+    "TokenizerError": "its tokenizer does not load",
+    "WeightsError": "its weights do not load",
+    "DraftMismatchError": "its draft model does not fit it",
+    "AssistantMismatchError": "its assistant does not fit it",
+    "FileNotFoundError": "a file of it is missing",
+    "PermissionError": "a file of it cannot be read (permission denied)",
+}
+
+
+def load_error(exc: BaseException) -> str:
+    """Why a load failed, as clients may read it (the operator's log has the exception)."""
+    for cls in type(exc).__mro__:
+        if cls.__name__ in _LOAD_ERRORS:
+            return _LOAD_ERRORS[cls.__name__]
+    return "its files do not load" if isinstance(exc, (EngineError, OSError)) else "it does not load"
 
 
 def weight_format(entry: ModelEntry, described: dict | None) -> str:

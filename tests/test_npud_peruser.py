@@ -1,12 +1,11 @@
 """A per-user daemon (issue 27): `npud --config FILE` as a user keeps a socket and store left at
 the system defaults in the XDG directories; the user who runs npud administers it; a model that
-does not load at start is said in npud's own output, listed with its error, and when nothing is
+does not load at start is said in npud's own output, listed with its error (in words: no path, no exception text), and when nothing is
 left to serve npud exits non-zero.
 
 Mutants these tests kill (run by hand, see the branch's report): per_user applied to root or
 under systemd's StateDirectory; an explicit socket_path replaced; is_admin without the daemon's
-own uid; the exit when only some models fail; the load error kept after the entry changed;
-a path left in the error clients see.
+own uid; the exit when only some models fail; the load error kept after the entry changed.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ def test_the_user_running_npud_is_its_admin(monkeypatch):
     assert server_module.is_admin(0, 0, "npud-test-no-such-group")
 
 
-def test_a_load_error_is_listed_without_paths_and_forgotten_when_the_entry_changes(tmp_path):
+def test_a_load_error_is_listed_in_words_and_forgotten_when_the_entry_changes(tmp_path):
     broken = tmp_path / "secret-dir" / "broken"
     broken.mkdir(parents=True)
     (broken / "fake.json").write_text("{ not json")
@@ -68,8 +67,9 @@ def test_a_load_error_is_listed_without_paths_and_forgotten_when_the_entry_chang
     with pytest.raises(Exception) as info:
         registry.get("b")
     [described] = registry.describe()
-    assert described["load_error"].startswith("ModelError: <checkpoint_dir>/fake.json: not JSON")
-    assert "secret-dir" not in described["load_error"] and "secret-dir" not in str(info.value)
+    assert described["load_error"] == "its files do not load"  # a ModelError: no path, no exception text
+    assert "secret-dir" not in str(info.value) and "not JSON" not in str(info.value)
+    assert "fake.json: not JSON" in registry.load_details["b"]  # npud's own output has it all
     (broken / "fake.json").write_text("{}")
     registry.get("b")
     assert registry.describe()[0]["load_error"] is None  # loaded now
@@ -79,6 +79,17 @@ def test_a_load_error_is_listed_without_paths_and_forgotten_when_the_entry_chang
         registry.get("b")
     registry.reconfigure((ModelEntry(name="b", checkpoint_dir=str(tmp_path)),), 10**6, keep=())
     assert registry.describe()[0]["load_error"] is None  # another entry: the old error no longer says anything
+    assert "b" not in registry.load_details
+
+
+def test_load_errors_in_words_by_kind():
+    from engine.api import ConfigError, ModelError
+    from npud.registry import load_error
+    from engine.tokenizer import TokenizerError  # the engine's subclasses, matched by name (npud imports only engine.api)
+    assert load_error(ConfigError("/x/config.json: model_type 'x'")) == "its config.json is not one npud can run"
+    assert load_error(TokenizerError("/x/tokenizer.json: bad")) == "its tokenizer does not load"
+    assert load_error(FileNotFoundError(2, "No such file", "/x/model.safetensors")) == "a file of it is missing"
+    assert load_error(ModelError("/x: no")) == "its files do not load"
 
 
 def test_npud_model_that_does_not_load_says_so_and_exits_non_zero(tmp_path):
@@ -94,8 +105,7 @@ def test_npud_model_that_does_not_load_says_so_and_exits_non_zero(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO,
                           env=python_env(None))
     assert done.returncode == npud_main.EXIT_START_FAILED, done.stderr
-    assert (f"npud: error: model 'broken' ({broken}) does not load: ModelError: <checkpoint_dir>/fake.json"
-            in done.stderr)
+    assert f"npud: error: model 'broken' ({broken}) does not load: ModelError: {broken}/fake.json: not JSON" in done.stderr
     assert done.stderr.rstrip().endswith("nothing to serve; stopped")
 
 
@@ -114,7 +124,7 @@ async def test_with_several_models_the_rest_are_served_and_the_broken_one_listed
     assert not daemon.start_failed
     async with await npc.AsyncClient.connect(cfg.server.socket_path) as c:
         models = {m["name"]: m for m in (await c.models())["models"]}
-        assert models["broken"]["load_error"].startswith("ModelError: <checkpoint_dir>/fake.json: not JSON")
+        assert models["broken"]["load_error"] == "its files do not load"
         assert models["fake"]["load_error"] is None and models["fake"]["resident"]
     http_sock = cfg.http.unix_path(cfg.server)
 
@@ -123,6 +133,6 @@ async def test_with_several_models_the_rest_are_served_and_the_broken_one_listed
             return h.get("/v1/models").json()
 
     data = {m["id"]: m["npud"] for m in (await trio.to_thread.run_sync(v1_models))["data"]}
-    assert data["broken"]["load_error"].startswith("ModelError:") and str(workdir) not in json.dumps(data)
+    assert data["broken"]["load_error"] == "its files do not load" and str(workdir) not in json.dumps(data)
     daemon.request_stop()
     shutil.rmtree(workdir, ignore_errors=True)
