@@ -310,6 +310,9 @@ def cmd_models(args: argparse.Namespace) -> int:
                      m.get("checkpoint_dir"), m.get("draft_dir")])
     print_table(sys.stdout, ["model", "state", "memory", "keep-alive", "format", "arch", "params", "file",
                              "context", "checkpoint", "draft"], rows, tty=is_tty(sys.stdout))
+    for m in reply["models"]:  # a model whose last load failed, and why
+        if m.get("load_error"):
+            print(f"{m['name']} does not load: {m['load_error']}")
     return EXIT_OK
 
 

@@ -356,6 +356,10 @@ class GenerationResult:
 # chunk, so a prompt joining a running batch costs the others at most one chunk per round.
 DEFAULT_PREFILL_BUDGET = 64
 
+# The chat templates npud brings for checkpoints that ship none (engine/chat_templates/): a
+# model's chat_template setting may name one of these instead of a Jinja file.
+BUILTIN_CHAT_TEMPLATES = ("gemma", "chatml", "llama3", "mistral")
+
 class Session(Protocol):
     """One request's generation, run a bounded unit of work at a time (blocking calls; the
     daemon makes them from one thread at a time, and checks for cancellation and preemption
@@ -456,4 +460,5 @@ class ModelLoader(Protocol):
                  cache_dir: str | Path | None = None, backend: str = "auto",
                  xrt_design: str | Path | None = None, assistant_dir: str | Path | None = None,
                  xrt_timeout_ms: int | None = None, cache_users: int = DEFAULT_CACHE_USERS,
-                 context_length: int | None = None, threads: int | None = None) -> ServedModel: ...
+                 context_length: int | None = None, threads: int | None = None,
+                 chat_template: str | None = None) -> ServedModel: ...

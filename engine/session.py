@@ -35,6 +35,7 @@ from engine.api import (
 )
 from engine.assistant import Assistant, AssistantHead
 from engine.batch import Work, run_round
+from engine.chat_templates import ChatTemplateError, choose
 from engine.dflash import DFlashDraft, DFlashHead
 from engine.drafters import DraftModelHead, PromptLookupHead, check_same_tokenizer
 from engine.fim import find_fim_tokens, fim_prompt_ids
@@ -88,6 +89,8 @@ class LoadedModel(TokenizerMethods):
         self.backend_reason = "given by the caller"
         self.threads: int | None = None  # host threads of this model's rounds (None: the default)
         self._vocabulary = None  # engine.grammar.Vocabulary, built at the first constrained request
+        # which template renders chats (engine/chat_templates: "checkpoint", "builtin:gemma", ...; None: none)
+        self.chat_template: str | None = "checkpoint" if tokenizer.chat_template_names else None
         # the logit ids the tokenizer decodes (None: all); the generation masks the rest
         self.allowed = tokenizer.decodable(model.config.vocab_size)
         if self.allowed is not None:
@@ -116,6 +119,7 @@ class LoadedModel(TokenizerMethods):
         xrt_timeout_ms: int | None = None,
         context_length: int | None = None,
         threads: int | None = None,
+        chat_template: str | None = None,
     ) -> LoadedModel:
         """Load base (and draft) and open the prefix cache (persistent under `cache_dir`, if given;
         `cache_bytes` of memory shared out between `cache_scopes` users and the shared scope).
@@ -136,6 +140,7 @@ class LoadedModel(TokenizerMethods):
         tokenizer = Tokenizer.from_dir(checkpoint_dir)
         # "gguf-q8" names a GGUF file's path: safetensors companions (a draft, a drafter head) take bf16
         companion_format = "bf16" if weight_format == GGUF_Q8 else weight_format
+        template_label = _install_chat_template(tokenizer, chat_template)
         draft = draft_tokenizer = None
         if draft_dir is not None:
             draft = Model.load(draft_dir, weight_format if is_gguf(draft_dir) else companion_format, kernels)
@@ -157,6 +162,7 @@ class LoadedModel(TokenizerMethods):
         if context_length is not None:  # never past what the checkpoint was trained for
             served.max_context = max(1, min(served.max_context, context_length))
         served.threads = threads
+        served.chat_template = template_label
         return served
 
     @property
@@ -185,6 +191,7 @@ class LoadedModel(TokenizerMethods):
             "backend": self.model.backend.name,
             "backend_reason": self.backend_reason,
             "threads": self.threads,  # host threads of its rounds (None: the default)
+            "chat_template": self.chat_template,
             # where each GEMM shape runs on an NPU backend: "npu", "npu-rowwise" or why the host
             "gemm_placement": getattr(self.model.backend, "describe_placement", dict)(),
             # the start-up check's tolerance policy of each shape on the NPU (kernels/xrt_check.py)
@@ -433,6 +440,8 @@ class ModelSession:
         stats = g.stats.as_dict()
         stats["num_cached_tokens"] = self.num_cached_tokens
         stats["time_to_first_token_s"] = self._first_token_s
+        if self.request.messages is not None:  # which template wrote the prompt
+            stats["chat_template"] = self.served.chat_template
         return GenerationResult(
             text=g.text,
             token_ids=tuple(g.token_ids),
@@ -442,6 +451,18 @@ class ModelSession:
             max_tokens_clamped_to=self.max_tokens_clamped_to,
             logprobs=None if g.logprobs is None else tuple(g.logprobs),
         )
+
+
+def _install_chat_template(tokenizer: Tokenizer, setting: str | None) -> str | None:
+    """Give `tokenizer` the template engine/chat_templates.choose picks; returns its label.
+    Raises ModelError for a chat_template file that cannot be read or does not parse."""
+    try:
+        text, label = choose(setting, bool(tokenizer.chat_template_names), tokenizer.token_id)
+        if text is not None:
+            tokenizer.use_chat_template(text, label)
+    except (ChatTemplateError, TokenizerError) as exc:
+        raise ModelError(str(exc)) from None
+    return label
 
 
 def describe_checkpoint(path) -> dict:

@@ -315,6 +315,16 @@ class Tokenizer:
     def chat_template_names(self) -> tuple[str, ...]:
         return tuple(self._templates)
 
+    def use_chat_template(self, text: str, label: str) -> None:
+        """Render chats with `text` from now on, in place of the checkpoint's templates (a model's
+        chat_template setting, or a built-in for a checkpoint that has none; `label` is what
+        replies say was used). Raises TokenizerError for a syntax error."""
+        try:
+            template = _environment().from_string(text)
+        except jinja2.TemplateSyntaxError as exc:
+            raise TokenizerError(f"chat template {label} has a syntax error at line {exc.lineno}: {exc.message}") from None
+        self._templates = {"default": template}
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Returns the token ids of `text`; special tokens written in the text map to their ids."""
         if not isinstance(text, str):
@@ -379,7 +389,9 @@ class Tokenizer:
         malformed, or the template raises.
         """
         if not self._templates:
-            raise TokenizerError(f"{self._source}: this tokenizer has no chat template")
+            # no path here: the message reaches the client
+            raise TokenizerError("this model has no chat template; set chat_template for it in npud.toml "
+                                 "(a Jinja file, or one of gemma, chatml, llama3, mistral)")
         if chat_template is not None:
             if chat_template not in self._templates:
                 raise TokenizerError(

@@ -165,6 +165,7 @@ class Api:
             raise ApiError(ErrorCode.DEVICE_QUARANTINED,
                            f"the device is quarantined ({self.queue.quarantine.reason}); "
                            "an operator clears it with `npuctl device clear`")
+        await self._refuse_early(peer, spec)
         jobs = self.job_manager
         job, sub = await jobs.submit(peer.caller, spec, priority, interactive=True, subscribe=True)
         try:
@@ -185,6 +186,25 @@ class Api:
         if "error" in result:
             raise ApiError(result["error"]["code"], result["error"]["message"])
         return {"job": job.id, **result}
+
+    async def _refuse_early(self, peer: "Peer", spec: JobSpec) -> None:
+        """Refuse a one-prompt request whose prompt cannot run before it becomes a job (nothing
+        stored, no ticket, no device time): a chat its model's template refuses, a prompt that
+        encodes to nothing, a suffix for a model without FIM tokens, a prompt longer than
+        limits.max_prompt_tokens. Only with the model loaded (tokenizing needs it, and a load
+        is a job's work); for a model not loaded yet the job reports these as before.
+        Raises ApiError with the engine's code."""
+        served = self.registry.resident(spec.model)
+        if served is None:
+            return
+        try:
+            num_tokens = await self.owner.engine_call(served.count_prompt_tokens, spec.engine_request(0, peer.caller.uid))
+        except EngineError as exc:
+            raise api_error(exc) from None
+        limit = self.cfg.limits.max_prompt_tokens
+        if num_tokens > limit:
+            raise ApiError(ErrorCode.PROMPT_TOO_LONG,
+                           f"the prompt has {num_tokens} tokens, more than limits.max_prompt_tokens = {limit}")
 
     async def stream(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         job_id = p.int("job", min=1)

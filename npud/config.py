@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.api import DEFAULT_CACHE_USERS
+from engine.api import BUILTIN_CHAT_TEMPLATES, DEFAULT_CACHE_USERS
 from npud.hfcache import NotCached, looks_like_repo_id, resolve_repo
 from npud.kmsg import PRE_HANG_PATTERNS
+from npud.packaged import PACKAGED, PackagedModelError, packaged_path
 
 DEFAULT_CONFIG_PATH = Path("/etc/npud/npud.toml")
 # kernels.base.WeightFormat's values, and "gguf-q8" (a GGUF file's blocks against q8 activations)
@@ -325,6 +326,9 @@ class ModelEntry:
     # seconds the model stays loaded once no job uses it; negative: until evicted for memory
     # (or unloaded); a request's `keep_alive` sets it for that model from then on
     keep_alive_s: float = -1.0
+    # how chats are rendered: a Jinja file or a built-in (gemma, chatml, llama3, mistral);
+    # None: the checkpoint's own template, else the built-in its vocabulary names
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.context_length < 0:
@@ -439,8 +443,15 @@ def expand_path(where: str, value: str) -> str:
 def model_path(where: str, value: str, base_dir: Path | None) -> str:
     """A model's checkpoint (or drafter) as a path: relative to base_dir; a value that names no
     file there but reads like a Hugging Face repo id (org/name) is that repo's snapshot in the
-    local cache (npud/hfcache.py). Raises DaemonConfigError when such a repo is not cached."""
+    local cache (npud/hfcache.py), and the short name of a packaged model (npud/packaged.py:
+    gemma-3-270m) is that model's file. Raises DaemonConfigError when such a repo is not
+    cached or such a package is not installed."""
     path = Path(value) if base_dir is None else base_dir / value
+    if not path.exists() and value in PACKAGED:
+        try:
+            return str(packaged_path(value))
+        except PackagedModelError as exc:
+            raise DaemonConfigError(where, value, str(exc)) from None
     if path.exists() or not looks_like_repo_id(value):
         return str(path)
     try:
@@ -496,6 +507,13 @@ def parse_config(raw: dict, base_dir: Path | None = None) -> DaemonConfig:
         dirs = {label: model_path(f"models[{model.name}].{label}", getattr(model, label), base_dir)
                 for label in ("checkpoint_dir", "draft_dir", "dflash_dir", "assistant_dir")
                 if getattr(model, label) is not None}
+        if model.chat_template is not None and model.chat_template not in BUILTIN_CHAT_TEMPLATES:
+            template = expand_path(f"models[{model.name}].chat_template", model.chat_template)
+            template = str(Path(template) if base_dir is None else base_dir / template)
+            if not Path(template).is_file():
+                raise DaemonConfigError(f"models[{model.name}].chat_template", model.chat_template,
+                                        f"no such file, and not one of the built-in templates {list(BUILTIN_CHAT_TEMPLATES)}")
+            dirs["chat_template"] = template
         models.append(dataclasses.replace(model, **dirs))
     default_model = raw.get("default_model")
     if default_model is not None and not isinstance(default_model, str):
@@ -511,8 +529,11 @@ def load_config(path: Path) -> DaemonConfig:
         raise DaemonConfigError("--config", str(path), f"cannot read: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise DaemonConfigError("--config", str(path), "not UTF-8") from None
-    except tomllib.TOMLDecodeError as exc:
+    except tomllib.TOMLDecodeError as exc:  # its message ends "(at line L, column C)"
         raise DaemonConfigError("--config", str(path), f"not valid TOML: {exc}") from None
+    if not raw:
+        raise DaemonConfigError("--config", str(path), "the file sets nothing; systemd/npud.toml is the commented "
+                                "example, and a [[models]] table with name and checkpoint_dir serves a model")
     return parse_config(raw, Path(path).resolve().parent)
 
 
@@ -528,7 +549,9 @@ def check_models(cfg: DaemonConfig) -> list[str]:
             if d is None:
                 continue
             p = Path(d)
-            if label in ("checkpoint_dir", "draft_dir") and (p.is_dir() or p.suffix == ".gguf"):
+            if not p.exists():
+                problems.append(f"models[{m.name}].{label} = {d!r}: does not exist")
+            elif label in ("checkpoint_dir", "draft_dir") and (p.is_dir() or p.suffix == ".gguf"):
                 problems.extend(_describe(f"models[{m.name}].{label}", d))
             elif not p.is_dir():
                 problems.append(f"models[{m.name}].{label} = {d!r}: not a directory")

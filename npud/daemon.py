@@ -73,6 +73,8 @@ class Daemon:
         self.server = Server(cfg, self.api)
         self.http = HttpServer(cfg, self.api, self.server)
         self._stop = trio.Event()
+        self.announce: Callable[[str], None] | None = None  # npud's own output (main prints it to stderr)
+        self.start_failed = False  # no model left to serve after the preload: main exits non-zero
         self._hurried = False
         self._drain_scope: trio.CancelScope | None = None
 
@@ -124,13 +126,22 @@ class Daemon:
     async def _preload(self) -> None:
         """Load the models marked `preload = true` once the socket is up, so that their first
         request does not wait for the load (one that comes during it waits, told `model_loading`).
-        A model that does not load is logged (model_load_failed) and fails its requests as before."""
+        A model that does not load is logged (model_load_failed), told to `announce` (npud's own
+        output), listed with its error by `models`, and fails its requests; when no model is left
+        to serve, the daemon stops and `start_failed` says so."""
+        failed = 0
         for entry in self.cfg.models:
             if entry.preload and self.registry.resident(entry.name) is None:
                 try:
                     await self.owner.engine_call(self.registry.get, entry.name, keep=self.owner.models_in_use())
-                except ApiError:
-                    pass
+                except ApiError as exc:
+                    failed += 1
+                    if self.announce is not None:
+                        why = self.registry.load_details.get(entry.name, str(exc))
+                        self.announce(f"model {entry.name!r} ({entry.checkpoint_dir}) does not load: {why}")
+        if failed and failed == len(self.cfg.models):
+            self.start_failed = True
+            self.request_stop()
 
     def request_stop(self) -> None:
         self._stop.set()

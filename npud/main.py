@@ -58,11 +58,26 @@ def _overrides(args: argparse.Namespace, models: tuple[ModelEntry, ...] = ()):
             cfg = cfg.replace(server=dataclasses.replace(cfg.server, socket_path=args.socket))
         if args.state_dir:
             cfg = cfg.replace(store=dataclasses.replace(cfg.store, state_dir=args.state_dir))
+        cfg = per_user(cfg)
         if args.log_level or args.log_format:
             cfg = cfg.replace(logging=dataclasses.replace(
                 cfg.logging, level=args.log_level or cfg.logging.level, format=args.log_format or cfg.logging.format))
         return cfg
     return apply
+
+
+def per_user(cfg: DaemonConfig) -> DaemonConfig:
+    """A daemon that runs as a user other than root, and not as a systemd system service (which
+    gives it /run/npud and /var/lib/npud), keeps a socket and a store left at the system's
+    defaults in that user's XDG directories instead (npud/userdirs.py): `npud --config
+    ~/.config/npud/npud.toml` works as a user. Paths the file (or --socket, --state-dir) set stay."""
+    if os.geteuid() == 0 or os.environ.get("RUNTIME_DIRECTORY") or os.environ.get("STATE_DIRECTORY"):
+        return cfg
+    if cfg.server.socket_path == ServerConfig().socket_path:
+        cfg = cfg.replace(server=dataclasses.replace(cfg.server, socket_path=str(userdirs.socket_path())))
+    if cfg.store.state_dir == StoreConfig().state_dir:
+        cfg = cfg.replace(store=dataclasses.replace(cfg.store, state_dir=str(userdirs.state_dir())))
+    return cfg
 
 
 NO_CONFIG_HELP = """npud: error: no configuration file ({path} does not exist). Either
@@ -115,6 +130,13 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     return [exc]
 
 
+def _message(exc: BaseException) -> str:
+    """A start-up failure as one line: an OS error as its path and its reason."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    return str(exc)
+
+
 def main(argv: list[str] | None = None, *, loader: ModelLoader = load_model) -> int:
     """Run npud; returns the exit code. `loader` is where models come from (tests pass a fake engine's)."""
     args = _parser().parse_args(argv)
@@ -123,7 +145,8 @@ def main(argv: list[str] | None = None, *, loader: ModelLoader = load_model) -> 
         cfg, config_path = _load(args)
         cfg = overrides(cfg)
     except DaemonConfigError as exc:
-        hint = "; pass --config or create it (systemd/ has an example)" if exc.field == "--config" else ""
+        missing = exc.field == "--config" and not os.path.exists(str(exc.value))
+        hint = "; pass --config or create it (systemd/ has an example)" if missing else ""
         print(f"npud: error: {exc}{hint}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     except NoConfig as exc:
@@ -144,8 +167,12 @@ def main(argv: list[str] | None = None, *, loader: ModelLoader = load_model) -> 
     setup_logging(cfg.logging)
     from npud.daemon import Daemon  # after logging is set up: loggers are bound at import
 
+    started: list = []
+
     async def serve() -> None:
         daemon = Daemon(cfg, config_path=config_path, overrides=overrides, loader=loader)
+        daemon.announce = lambda line: print(f"npud: error: {line}", file=sys.stderr, flush=True)
+        started.append(daemon)
         async with trio.open_nursery() as nursery:
             await nursery.start(functools.partial(daemon.run, handle_signals=True))
             # the log has it too (daemon_ready); this line is for whoever started npud by hand
@@ -158,7 +185,10 @@ def main(argv: list[str] | None = None, *, loader: ModelLoader = load_model) -> 
         leaves = _leaves(exc)
         if all(isinstance(e, (StoreError, RuntimeError, OSError)) for e in leaves):
             for e in leaves:
-                print(f"npud: error: {e}", file=sys.stderr)
+                print(f"npud: error: {_message(e)}", file=sys.stderr)
             return EXIT_START_FAILED
         raise
+    if started and started[0].start_failed:
+        print("npud: error: no model loads, so there is nothing to serve; stopped", file=sys.stderr)
+        return EXIT_START_FAILED
     return 0

@@ -49,6 +49,10 @@ class ModelRegistry:
                  loader: ModelLoader = load_model, backend: str = "auto", xrt_design: str | None = None,
                  xrt_timeout_ms: int | None = None, cache_users: int = DEFAULT_CACHE_USERS) -> None:
         self._entries = {m.name: m for m in models}
+        # name -> why its last load failed: in words clients may see (`models`, /v1/models; no
+        # path, no exception text), and in full (the log, npud's own stderr)
+        self.load_errors: dict[str, str] = {}
+        self.load_details: dict[str, str] = {}
         self.cache_users = cache_users  # the prefix cache's per-user budget shares (engine.loader.load_model)
         self.cache_root = cache_root  # prefix caches persist under cache_root/<model>; None: memory only
         self.backend = backend
@@ -95,24 +99,30 @@ class ModelRegistry:
         # only what the entry sets is passed: a loader older than the setting still loads the rest
         tuning = {k: v for k, v in (("context_length", entry.context_length), ("threads", entry.threads)) if v}
         self._loading = name
+        # a large file can take a while: the log says the load began (model_loaded says when it ends)
+        log.info("model_load_started", model=name, checkpoint_dir=entry.checkpoint_dir)
         try:
             served = self._loader(
                 entry.name, entry.checkpoint_dir, draft_dir=entry.draft_dir, dflash_dir=entry.dflash_dir,
                 weight_format=entry.weight_format,
                 cache_dir=None if self.cache_root is None else self.cache_root / entry.name,
                 backend=self.backend, xrt_design=self.xrt_design, assistant_dir=entry.assistant_dir,
-                xrt_timeout_ms=self.xrt_timeout_ms, cache_users=self.cache_users, **tuning)
+                xrt_timeout_ms=self.xrt_timeout_ms, cache_users=self.cache_users, chat_template=entry.chat_template,
+                **tuning)
         except (EngineError, OSError) as exc:  # ConfigError, WeightsError, TokenizerError, missing files
             self._failed.add(name)
             log.error("model_load_failed", model=name, checkpoint_dir=entry.checkpoint_dir,
                       error=f"{type(exc).__name__}: {exc}")
-            # paths and exception texts stay in the log; clients see the model's name
-            raise ApiError(ErrorCode.MODEL_ERROR,
-                           f"model {name!r} does not load; the daemon log says why (model_load_failed)") from None
+            self.load_errors[name] = load_error(exc)
+            self.load_details[name] = f"{type(exc).__name__}: {exc}"  # for npud's own output, never a reply
+            raise ApiError(ErrorCode.MODEL_ERROR, f"model {name!r} does not load: {self.load_errors[name]}; "
+                                                  "the daemon log says why (model_load_failed)") from None
         finally:
             self._loading = None
         self._failed.discard(name)
         self._last_used[name] = self.clock()
+        self.load_errors.pop(name, None)
+        self.load_details.pop(name, None)
         self._resident[name] = served
         log.info("model_loaded", model=name, nbytes=served.nbytes,
                  load_ms=round((time.perf_counter() - started) * 1000, 1))
@@ -189,6 +199,8 @@ class ModelRegistry:
         for name in list(self._resident):
             if new.get(name) != self._entries.get(name) and name not in keep:
                 self.unload(name, "reload")
+        self.load_errors = {n: e for n, e in self.load_errors.items() if new.get(n) == self._entries.get(n)}
+        self.load_details = {n: e for n, e in self.load_details.items() if n in self.load_errors}
         self._entries = new
         self.max_resident_bytes = max_resident_bytes
 
@@ -199,6 +211,7 @@ class ModelRegistry:
             served = self._resident.get(name)
             unload_at = self.idle_unload_at(name)
             keep = self.keep_alive_s(name)
+            described = None if served is None else served.describe()
             out.append({
                 "state": self.state(name).value,
                 # bytes resident once loaded (weights of base and drafters); the files' size before
@@ -208,12 +221,44 @@ class ModelRegistry:
                 "idle_unload_in_s": None if unload_at is None else round(max(0.0, unload_at - now), 1),
                 "name": name, "checkpoint_dir": entry.checkpoint_dir, "draft_dir": entry.draft_dir,
                 "dflash_dir": entry.dflash_dir, "assistant_dir": entry.assistant_dir,
-                "weight_format": entry.weight_format, "resident": served is not None,
+                "weight_format": weight_format(entry, described), "resident": served is not None,
                 "nbytes": None if served is None else served.nbytes,
                 "max_context": None if served is None else served.max_context,
                 # null until the model is loaded (a job or `npuctl models load` loads it)
                 "context_length": None if served is None else served.max_context,
                 "fim": None if served is None else served.fim,
-                "describe": None if served is None else served.describe(),
+                "describe": described,
+                "load_error": self.load_errors.get(name),
             })
         return out
+
+
+# what a failed load's exception says about the model, in words with no path and no exception text
+_LOAD_ERRORS = {
+    "ConfigError": "its config.json is not one npud can run",
+    "TokenizerError": "its tokenizer does not load",
+    "WeightsError": "its weights do not load",
+    "DraftMismatchError": "its draft model does not fit it",
+    "AssistantMismatchError": "its assistant does not fit it",
+    "FileNotFoundError": "a file of it is missing",
+    "PermissionError": "a file of it cannot be read (permission denied)",
+}
+
+
+def load_error(exc: BaseException) -> str:
+    """Why a load failed, as clients may read it (the operator's log has the exception)."""
+    for cls in type(exc).__mro__:
+        if cls.__name__ in _LOAD_ERRORS:
+            return _LOAD_ERRORS[cls.__name__]
+    return "its files do not load" if isinstance(exc, (EngineError, OSError)) else "it does not load"
+
+
+def weight_format(entry: ModelEntry, described: dict | None) -> str:
+    """How a model's weights are stored: a GGUF file's own block types ("gguf: Q4_K 27, Q6_K 9, ..."
+    once loaded, "gguf" before; "gguf-q8" when that format multiplies them), else the configured
+    weight_format (a GGUF's blocks are kept as they are under any other setting)."""
+    if not entry.checkpoint_dir.lower().endswith(".gguf"):
+        return entry.weight_format
+    label = "gguf-q8" if entry.weight_format == "gguf-q8" else "gguf"  # gguf-q8: against q8 activation rows
+    mix = ((described or {}).get("checkpoint") or {}).get("quant_mix")
+    return f"{label}: " + ", ".join(f"{kind} {count}" for kind, count in mix.items()) if mix else label

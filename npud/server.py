@@ -50,8 +50,9 @@ def peer_credentials(sock: trio.socket.SocketType) -> tuple[int, int, int]:
 
 
 def is_admin(uid: int, gid: int, admin_group: str) -> bool:
-    """Root, or a member of the admin group (primary or supplementary)."""
-    if uid == 0:
+    """Root, the user the daemon runs as (a per-user npud's user administers it), or a member
+    of the admin group (primary or supplementary)."""
+    if uid == 0 or uid == os.getuid():
         return True
     try:
         group = grp.getgrnam(admin_group)
@@ -113,6 +114,9 @@ async def bind_unix(server: ServerConfig, path: str) -> trio.SocketListener:
     old_umask = os.umask(0o777 & ~server.socket_mode)
     try:
         await sock.bind(path)
+    except OSError as exc:  # bind's own error names no path
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on a socket there ({exc.strerror})", path) from None
     finally:
         os.umask(old_umask)
     os.chmod(path, server.socket_mode)

@@ -73,7 +73,7 @@ def test_npud_config_reads_assistant_dir(tmp_path):
         '[[models]]\nname = "g"\ncheckpoint_dir = "base"\nassistant_dir = "assistant"\n')
     cfg = load_config(tmp_path / "npud.toml")
     assert cfg.models[0].assistant_dir == str(tmp_path / "assistant")
-    assert any("assistant_dir" in p and "not a directory" in p for p in check_models(cfg))
+    assert any("assistant_dir" in p and "does not exist" in p for p in check_models(cfg))
 
 
 def test_job_spec_and_npuctl_accept_the_method():

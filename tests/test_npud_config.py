@@ -106,7 +106,23 @@ def test_check_config_command(tmp_path):
     missing = tmp_path / "missing.toml"
     missing.write_text('[[models]]\nname = "m"\ncheckpoint_dir = "nowhere"\n')
     done = _npud("--check-config", "--config", str(missing))
-    assert done.returncode == 2 and "models[m].checkpoint_dir" in done.stderr and "not a directory" in done.stderr
+    assert done.returncode == 2 and "models[m].checkpoint_dir" in done.stderr and "does not exist" in done.stderr
+    assert "not a directory" not in done.stderr
+
+
+def test_check_config_says_what_is_wrong_with_the_file(tmp_path):
+    for text in ("", "# only a comment\n\n"):  # a file that sets nothing is an error, with a hint
+        empty = tmp_path / "empty.toml"
+        empty.write_text(text)
+        done = _npud("--check-config", "--config", str(empty))
+        assert done.returncode == 2 and "the file sets nothing" in done.stderr and "systemd/npud.toml" in done.stderr
+    broken = tmp_path / "broken.toml"
+    broken.write_text('[server]\nsocket_path = "/tmp/x.sock"\n[[models]\n')
+    done = _npud("--check-config", "--config", str(broken))
+    assert done.returncode == 2 and "not valid TOML" in done.stderr and "line 3, column" in done.stderr
+    assert "create it" not in done.stderr  # the file is there: no "create the file" hint
+    done = _npud("--check-config", "--config", str(tmp_path / "absent.toml"))
+    assert done.returncode == 2 and "create it" in done.stderr
 
 
 def test_a_second_daemon_on_the_same_socket_refuses_to_start(tmp_path):

@@ -526,3 +526,16 @@ def test_no_request_above_made_an_internal_error(daemon):
     bad = [e for e in daemon.logs() if e.get("event") in ("internal_error", "connection_error")
            or e.get("level") == "error"]
     assert not bad, bad[:3]
+
+
+def test_a_refused_prompt_is_not_a_job(oa, raw, client):
+    """A 400 on the prompt itself (too long, no FIM tokens) comes before the job: nothing stored,
+    no ticket, no device time (issue 27)."""
+    oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)  # loaded: its tokenizer can check
+    jobs, tickets = client.jobs(limit=1000)["jobs"], client.tickets(limit=1000)["tickets"]
+    with pytest.raises(openai.BadRequestError) as info:
+        oa.completions.create(model=MODEL, prompt="word " * 3000, max_tokens=4)
+    assert info.value.code == "prompt_too_long"
+    assert error_of(raw.post("/infill", json={"model": MODEL, "input_prefix": PREFIX, "input_suffix": SUFFIX}))[:2] \
+        == (400, "fim_unsupported")
+    assert client.jobs(limit=1000)["jobs"] == jobs and client.tickets(limit=1000)["tickets"] == tickets

@@ -201,7 +201,8 @@ class FakeServedModel:
 
 def load_model(name: str, checkpoint_dir, *, draft_dir=None, dflash_dir=None, weight_format: str = "bf16",
                cache_dir=None, backend: str = "auto", xrt_design=None, assistant_dir=None,
-               xrt_timeout_ms=None, cache_users: int = 7, context_length=None, threads=None) -> FakeServedModel:
+               xrt_timeout_ms=None, cache_users: int = 7, context_length=None, threads=None,
+               chat_template=None) -> FakeServedModel:
     """The fake engine's engine.api.ModelLoader: knobs from <checkpoint_dir>/fake.json
     (and load_sleep_s, how long the load takes; a context_length caps max_context).
 

@@ -125,6 +125,25 @@ def test_the_installed_units_pass_systemd_analyze_verify(installed, tmp_path):
     assert any("ProtectHomes" in p for p in verify_problems(broken, units / "npud.socket"))
 
 
+def test_the_tcp_drop_in_verifies_and_opens_loopback_only(installed, tmp_path):
+    """systemd/npud.service.d/tcp.conf (docs/operations.md): the unit with it passes `verify`,
+    which reads it (a misspelt key in it is reported), and it leaves npud loopback only."""
+    drop_in = SYSTEMD / "npud.service.d" / "tcp.conf"
+    units = tmp_path / "units"
+    (units / "npud.service.d").mkdir(parents=True)
+    for name in ("npud.service", "npud.socket"):
+        shutil.copy(installed / "etc" / "systemd" / "system" / name, units / name)
+    shutil.copy(drop_in, units / "npud.service.d" / "tcp.conf")
+    assert verify_problems(units / "npud.service", units / "npud.socket") == []
+    (units / "npud.service.d" / "tcp.conf").write_text(drop_in.read_text().replace("IPAddressAllow=", "IPAddressAlow="))
+    assert any("IPAddressAlow" in p for p in verify_problems(units / "npud.service", units / "npud.socket"))
+    unit, extra = unit_settings(units / "npud.service")["Service"], unit_settings(drop_in)["Service"]
+    assert unit["PrivateNetwork"] == ["yes"] and unit["RestrictAddressFamilies"] == ["AF_UNIX"]
+    assert extra["PrivateNetwork"] == ["no"]
+    assert extra["RestrictAddressFamilies"] == ["", "AF_UNIX AF_INET AF_INET6"]  # reset, then the new list
+    assert unit["IPAddressDeny"] == ["any"] and "IPAddressDeny" not in extra and extra["IPAddressAllow"] == ["localhost"]
+
+
 def test_the_user_unit_passes_systemd_analyze_verify_and_uses_the_user_paths(tmp_path):
     """systemd/user/npud.service, checked by `systemd-analyze --user verify` (which needs a
     runtime directory for the user manager it models) with ExecStart= naming a real npud."""

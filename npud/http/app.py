@@ -188,7 +188,7 @@ class App:
         data = []
         for m in self.api.registry.describe():  # no paths: a TCP client may be on another host
             facts = {k: m[k] for k in ("state", "resident", "memory_bytes", "keep_alive_s", "idle_unload_in_s",
-                                       "max_context", "context_length", "fim", "weight_format") if k in m}
+                                       "max_context", "context_length", "fim", "weight_format", "load_error") if k in m}
             data.append({"id": m["name"], "object": "model", "created": 0, "owned_by": "npud", "npud": facts})
         await responder.send_json(200, {"object": "list", "data": data})
 

@@ -195,10 +195,11 @@ def usage(result: dict) -> dict:
 
 def npud_reply(result: dict) -> dict:
     """The `npud` object of a reply: the job, the number of new tokens the context had room for
-    when that was below max_tokens (else null), and the engine's counters (speculative rounds,
-    drafted and accepted tokens, prefix-cache hits)."""
+    when that was below max_tokens (else null), the chat template that wrote a chat's prompt
+    ("builtin:gemma", "checkpoint", "file:NAME"; null for a plain prompt), and the engine's
+    counters (speculative rounds, drafted and accepted tokens, prefix-cache hits)."""
     return {"job": result["job"], "max_tokens_clamped_to": result.get("max_tokens_clamped_to"),
-            "stats": result["stats"]}
+            "chat_template": (result.get("stats") or {}).get("chat_template"), "stats": result["stats"]}
 
 
 def reply_id(kind: str, job: int | None) -> str:
