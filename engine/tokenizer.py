@@ -161,6 +161,7 @@ class Tokenizer:
         extra_eos_ids: Iterable[int] = (),
         source: str = "tokenizer",
         add_bos_token: bool = False,
+        missing_ids: Iterable[int] | None = None,
     ) -> None:
         self._backend = backend
         # a raw prompt starts with BOS (GGUF vocabularies that say so; a chat template writes its own)
@@ -184,6 +185,9 @@ class Tokenizer:
         added = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
         self.special_token_ids: frozenset[int] = frozenset(added | set(ids.values()) | set(extra_special_ids))
         self._decodable: dict[int, np.ndarray | None] = {}  # width -> Tokenizer.decodable(width)
+        # ids below vocab_size that no token has, when the caller knows them (a cached GGUF
+        # tokenizer): decodable() then need not list the whole vocabulary
+        self._missing_ids = None if missing_ids is None else np.array(sorted(missing_ids), dtype=np.int64)
         self._templates: dict[str, jinja2.Template] = {}
         env = _environment()
         for name, text in (chat_templates or {}).items():
@@ -206,14 +210,9 @@ class Tokenizer:
         from engine.gguf import is_gguf
 
         if is_gguf(directory):
-            from engine.gguf import open_gguf
-            from engine.gguf.tokenizer import gguf_tokenizer
-            from engine.weights import WeightsError
+            from engine.gguf.tokenizer_cache import load_gguf_tokenizer
 
-            try:
-                return gguf_tokenizer(open_gguf(directory))
-            except WeightsError as exc:
-                raise TokenizerError(str(exc)) from None
+            return load_gguf_tokenizer(directory)[0]
         tokenizer_path = directory / "tokenizer.json"
         try:
             raw = tokenizer_path.read_bytes()
@@ -325,10 +324,16 @@ class Tokenizer:
         when it can decode them all. A checkpoint that pads its embedding past the tokenizer
         (Qwen: 151,936 rows for 151,669 ids) has ids that must never be sampled."""
         if width not in self._decodable:
-            ids = np.fromiter(self._backend.get_vocab(with_added_tokens=True).values(), dtype=np.int64)
-            known = np.zeros(width, dtype=bool)
-            # decode() refuses ids at or past vocab_size (a count), so those stay masked too
-            known[ids[ids < min(width, self.vocab_size)]] = True
+            limit = min(width, self.vocab_size)
+            if self._missing_ids is not None:
+                known = np.zeros(width, dtype=bool)
+                known[:limit] = True
+                known[self._missing_ids[self._missing_ids < limit]] = False
+            else:
+                ids = np.fromiter(self._backend.get_vocab(with_added_tokens=True).values(), dtype=np.int64)
+                known = np.zeros(width, dtype=bool)
+                # decode() refuses ids at or past vocab_size (a count), so those stay masked too
+                known[ids[ids < limit]] = True
             known.flags.writeable = False
             self._decodable[width] = None if known.all() else known
         return self._decodable[width]

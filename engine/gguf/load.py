@@ -13,7 +13,7 @@ from engine.weights import ModelWeights
 def load_gguf_model(path) -> tuple[ModelConfig, ModelWeights, dict]:
     """Returns (config, weights, describe_gguf's dict) of a .gguf file, read once; raises
     ConfigError or WeightsError."""
-    g = open_gguf(path)
+    g = open_gguf(path, vocabulary=False)  # the tokenizer is read on its own
     cfg = gguf_config(g)
     weights = load_gguf_weights(g, cfg)
     return cfg, weights, describe_file(g, cfg)

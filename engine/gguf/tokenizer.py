@@ -148,9 +148,15 @@ def build_gguf_backend(g: GgufFile):
     return backend, bool(add_bos)
 
 
-def gguf_tokenizer(g: GgufFile) -> Tokenizer:
-    """The engine Tokenizer of a GGUF file: special tokens from the ggml ids, the chat
-    template from tokenizer.chat_template. Raises TokenizerError."""
+# Bump when build_gguf_backend or gguf_tokenizer_parts changes what they build: cached
+# tokenizers (engine/gguf/tokenizer_cache.py) made by another version are then rebuilt.
+BUILDER_VERSION = 1
+
+
+def gguf_tokenizer_parts(g: GgufFile):
+    """The tokenizer of a GGUF file as (tokenizers.Tokenizer, its JSON, the settings the engine
+    Tokenizer takes beside it): the last two are what engine/gguf/tokenizer_cache.py stores.
+    Raises TokenizerError."""
     from tokenizers import processors
 
     backend, add_bos = build_gguf_backend(g)
@@ -169,8 +175,28 @@ def gguf_tokenizer(g: GgufFile) -> Tokenizer:
             single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, backend.token_to_id(bos))])
     template = _meta(g, "tokenizer.chat_template", str)
     eot = _meta(g, "tokenizer.ggml.eot_token_id", int)
-    digest = hashlib.sha256(backend.to_str().encode("utf-8"))
+    text = backend.to_str()
+    digest = hashlib.sha256(text.encode("utf-8"))
     digest.update(json.dumps({"add_bos": add_bos, "special": special, "template": template}, sort_keys=True).encode())
-    return Tokenizer(backend, fingerprint=digest.hexdigest(), chat_templates={"default": template} if template else None,
-                     special_tokens=special, extra_eos_ids=[eot] if eot is not None else [], source=str(g.path),
-                     add_bos_token=add_bos)
+    # ids below the vocabulary size that no token decodes to (two tokens of one spelling)
+    size = backend.get_vocab_size(with_added_tokens=True)
+    missing = sorted(set(range(size)) - set(backend.get_vocab(with_added_tokens=True).values()))
+    return backend, text, {"fingerprint": digest.hexdigest(), "add_bos": add_bos, "special": special, "template": template,
+                  "eot": eot, "missing_ids": missing}
+
+
+def tokenizer_from_parts(backend, settings: dict, source: str) -> Tokenizer:
+    """The engine Tokenizer of a backend and the settings gguf_tokenizer_parts gave with it."""
+    template, eot = settings["template"], settings["eot"]
+    return Tokenizer(backend, fingerprint=settings["fingerprint"],
+                     chat_templates={"default": template} if template else None,
+                     special_tokens=settings["special"], extra_eos_ids=[eot] if eot is not None else [],
+                     source=source, add_bos_token=settings["add_bos"], missing_ids=settings["missing_ids"])
+
+
+def gguf_tokenizer(g: GgufFile) -> Tokenizer:
+    """The engine Tokenizer of a GGUF file, built now (engine/gguf/tokenizer_cache.py keeps it
+    between starts): special tokens from the ggml ids, the chat template from
+    tokenizer.chat_template. Raises TokenizerError."""
+    backend, _, settings = gguf_tokenizer_parts(g)
+    return tokenizer_from_parts(backend, settings, str(g.path))
