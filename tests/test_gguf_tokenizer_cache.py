@@ -67,6 +67,7 @@ def test_miss_then_hit_gives_the_fresh_tokenizer(tiny, tmp_path):
     assert status == "hit"
     same_tokenizer(first, fresh)
     same_tokenizer(second, fresh)
+    assert second._backend.to_str() == fresh._backend.to_str()  # the whole backend, as the library writes it
     assert entries(tmp_path) == [entry]
 
 
@@ -99,7 +100,8 @@ def test_the_file_is_hashed_once_per_process_and_not_at_the_next_start(tiny, tmp
     assert later.files_read == 0
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip_payload", "flip_header", "garbage", "empty", "settings"])
+@pytest.mark.parametrize("damage", ["truncate", "flip_payload", "altered_merge", "flip_header", "garbage", "empty",
+                                    "settings"])
 def test_a_corrupt_entry_is_ignored_and_rebuilt(tiny, tmp_path, damage):
     fresh, _ = tc.load_gguf_tokenizer(tiny, tmp_path)
     (entry,) = entries(tmp_path)
@@ -110,6 +112,9 @@ def test_a_corrupt_entry_is_ignored_and_rebuilt(tiny, tmp_path, damage):
     elif damage == "flip_payload":
         i = len(header) + 1 + len(payload) // 2
         bad = good[:i] + bytes([good[i] ^ 0x01]) + good[i + 1:]
+    elif damage == "altered_merge":  # the last two merges swapped: a recipe the library takes, another tokenizer
+        bad = good[:-16] + good[-8:] + good[-16:-8]
+        assert bad != good
     elif damage == "flip_header":
         bad = good.replace(b'"format"', b'"formet"', 1)
     elif damage == "garbage":
@@ -168,8 +173,9 @@ def test_entries_are_bounded_least_recently_used_first(tmp_path, monkeypatch):
     tc.load_gguf_tokenizer(paths[0], root)
     tc.load_gguf_tokenizer(paths[1], root)
     first = root / f"{fingerprint.DigestMemo().digest(paths[0])}.json"
-    os.utime(root / f"{fingerprint.DigestMemo().digest(paths[1])}.json", ns=(1, 1))  # 1 is older than 0's
-    os.utime(first, ns=(2, 2))
+    os.utime(first, ns=(1, 1))  # 0's entry the older
+    os.utime(root / f"{fingerprint.DigestMemo().digest(paths[1])}.json", ns=(2, 2))
+    assert tc.load_gguf_tokenizer(paths[0], root)[1] == "hit"  # and now the more recently used
     tc.load_gguf_tokenizer(paths[2], root)
     assert len(entries(root)) == 2 and first.exists()
     assert tc.load_gguf_tokenizer(paths[1], root)[1] == "miss"
