@@ -12,6 +12,7 @@ Nothing is converted here; engine/gguf/weights.py decides what each tensor becom
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,26 @@ class GgufFile:
     metadata: dict[str, Any]
     tensors: dict[str, GgufTensor]
     file_bytes: int
+    mapping: np.memmap | None = None  # the whole file, mapped read-only
+
+    def release(self, data: np.ndarray) -> None:
+        """Let this process's resident pages of `data` (a view of the mapping) go: the weights
+        copied out of it are not read from the file again, and a mapped page counts in the
+        process's peak RSS as much as a copied one. The kernel's page cache keeps them; a
+        later read faults them back in. Pages only partly inside `data` are let go too
+        (harmless for the same reason)."""
+        m = self.mapping
+        mm = getattr(m, "_mmap", None)
+        if mm is None or data.size == 0 or not hasattr(mm, "madvise"):
+            return
+        start = data.ctypes.data - m.ctypes.data
+        if not 0 <= start <= start + data.nbytes <= m.nbytes:
+            return
+        lo = start - start % mmap.PAGESIZE
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, lo, start + data.nbytes - lo)
+        except (OSError, ValueError):
+            pass
 
     @property
     def architecture(self) -> str:
@@ -219,4 +240,4 @@ def open_gguf(path, *, vocabulary: bool = True) -> GgufFile:
                 raise WeightsError(f"{p}: tensor {name!r} ({type_name} {list(shape)}) does not fit in the file")
             data = buf[start:end]
         tensors[name] = GgufTensor(name=name, type_name=type_name, ggml_type=ggml_type, shape=shape, data=data)
-    return GgufFile(path=p, metadata=metadata, tensors=tensors, file_bytes=len(buf))
+    return GgufFile(path=p, metadata=metadata, tensors=tensors, file_bytes=len(buf), mapping=buf)

@@ -26,11 +26,14 @@ TILE = native.TILE
 _PACK_ROWS = TILE * 256  # rows unpacked per step while packing, to bound temporaries
 
 
-def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarray | None = None) -> LinearWeight:
+def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarray | None = None,
+                      done=None) -> LinearWeight:
     """A [N, K] block matrix (raw GGUF rows, [N, row bytes] uint8) laid out in tiles.
 
     rows: an optional row order (row i of the result is raw row rows[i]), for checkpoints
-    whose rows are stored permuted. Returns a LinearWeight with layout "qtiles". Raises
+    whose rows are stored permuted. done: called with each run of raw rows [r0, r1) once it
+    is packed (and never read again), so a mapped file's pages can be let go as the copy
+    grows. Returns a LinearWeight with layout "qtiles". Raises
     ValueError for a row width that does not hold K weights of `fmt`.
     """
     from kernels.ggml.blocks import unpack_matrix
@@ -52,6 +55,8 @@ def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarra
             t = i0 // TILE
             q_tiles[t, :, : i1 - i0] = q[i0 - r0 : i1 - r0].T
             f_tiles[t, :, :, : i1 - i0] = factors[i0 - r0 : i1 - r0].transpose(1, 2, 0)
+        if done is not None and rows is None:
+            done(raw[r0:r1])
     return LinearWeight(fmt=fmt, data=q_tiles, scale=f_tiles, layout="qtiles", out_features=n, in_features=k)
 
 
