@@ -117,6 +117,59 @@ def llama_binary(arg: str | None) -> Path | None:
     return Path(value) if value else None
 
 
+def measure(model: Path, rounds: int, tokens: int, threads: int, binary: Path | None) -> list[tuple]:
+    """One cold npud start, then `rounds` rounds of a warm npud start and (with `binary`) a
+    llama-completion run. Rows: (round, engine, cache, load average, result, cache files, cache KiB)."""
+    work = Path(tempfile.mkdtemp(prefix="npud-startup-"))
+    cache = work / "cache"
+    rows = []
+    try:
+        for i in range(rounds + 1):
+            load = loadavg()
+            r = npud_run(model, work, cache, tokens, threads)
+            files = [p for p in cache.rglob("*") if p.is_file()]
+            rows.append((i, "npud", "cold" if i == 0 else "warm", load, r, len(files),
+                         sum(p.stat().st_size for p in files) // 1024))
+            if binary is not None and i > 0:
+                load = loadavg()
+                rows.append((i, "llama.cpp", "-", load, llama_run(binary, model, tokens, threads), "-", "-"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def report(rows: list[tuple]) -> None:
+    """The table of measure()'s rows and each engine's warm medians and ranges."""
+    print("| round | engine | cache | load 1/5/15 | to socket s | to first token s | peak RSS MiB "
+          "| anon MiB | file MiB | cache files | cache KiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for i, engine, kind, load, r, files, size in rows:
+        sock = f"{r['socket']:.2f}" if "socket" in r else "-"
+        anon = f"{r['RssAnon'] / 1024:.0f}" if "RssAnon" in r else "-"
+        file_ = f"{r['RssFile'] / 1024:.0f}" if "RssFile" in r else "-"
+        print(f"| {i} | {engine} | {kind} | {load} | {sock} | {r['first']:.2f} | {r['VmHWM'] / 1024:.0f} "
+              f"| {anon} | {file_} | {files} | {size} |")
+    print("\n(peak RSS: VmHWM of the npud daemon, ru_maxrss of llama-completion: the whole process for both; "
+          "anon / file: the daemon's resident anonymous and file-backed pages after decoding)")
+    medians = {}
+    for engine in ("npud", "llama.cpp"):
+        warm = [r for _, e, kind, _, r, _, _ in rows if e == engine and kind != "cold"]
+        if warm:
+            firsts = [r["first"] for r in warm]
+            peaks = [r["VmHWM"] / 1024 for r in warm]
+            medians[engine] = (statistics.median(firsts), statistics.median(peaks))
+            print(f"{engine} warm: first token median {medians[engine][0]:.2f} s "
+                  f"(range {min(firsts):.2f}-{max(firsts):.2f}), peak RSS median {medians[engine][1]:.0f} MiB "
+                  f"(range {min(peaks):.0f}-{max(peaks):.0f})")
+    if len(medians) == 2:
+        print(f"npud / llama.cpp: first token {medians['npud'][0] / medians['llama.cpp'][0]:.2f}x, "
+              f"peak RSS {medians['npud'][1] / medians['llama.cpp'][1]:.2f}x")
+    npud_rows = [row for row in rows if row[1] == "npud"]
+    print(f"npud cache files after each warm start equal to after the first: "
+          f"{all(row[5:] == npud_rows[0][5:] for row in npud_rows)}; greedy tokens the same in every npud run: "
+          f"{all(row[4]['tokens'] == npud_rows[0][4]['tokens'] for row in npud_rows)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None, help="a .gguf file or checkpoint directory")
@@ -127,47 +180,12 @@ def main() -> None:
     args = ap.parse_args()
     model = args.model or default_model()
     binary = llama_binary(args.llama_completion)
-    work = Path(tempfile.mkdtemp(prefix="npud-startup-"))
-    cache = work / "cache"
     load_start = loadavg()
-    rows = []  # (round, engine, cache, load, result, cache files, cache KiB)
-    try:
-        for i in range(args.rounds + 1):
-            load = loadavg()
-            r = npud_run(model, work, cache, args.tokens, args.threads)
-            files = [p for p in cache.rglob("*") if p.is_file()]
-            rows.append((i, "npud", "cold" if i == 0 else "warm", load, r, len(files),
-                         sum(p.stat().st_size for p in files) // 1024))
-            if binary is not None and i > 0:
-                load = loadavg()
-                rows.append((i, "llama.cpp", "-", load, llama_run(binary, model, args.tokens, args.threads), "-", "-"))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    rows = measure(model, args.rounds, args.tokens, args.threads, binary)
     print(f"\n# bench/startup.py: process start to first token and peak RSS decoding {args.tokens} tokens; "
           f"{model.name}; CPU: {cpu_model()}; threads {args.threads}; load average at start {load_start}, "
           f"at end {loadavg()}; llama.cpp: {binary or 'not given ($NPUD_LLAMA_COMPLETION)'}\n")
-    print("| round | engine | cache | load 1/5/15 | to socket s | to first token s | peak RSS MiB "
-          "| anon MiB | file MiB | cache files | cache KiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for i, engine, kind, load, r, files, size in rows:
-        sock = f"{r['socket']:.2f}" if "socket" in r else "-"
-        anon = f"{r['RssAnon'] / 1024:.0f}" if "RssAnon" in r else "-"
-        file_ = f"{r['RssFile'] / 1024:.0f}" if "RssFile" in r else "-"
-        print(f"| {i} | {engine} | {kind} | {load} | {sock} | {r['first']:.2f} | {r['VmHWM'] / 1024:.0f} "
-              f"| {anon} | {file_} | {files} | {size} |")
-    print("\n(anon / file: the daemon's resident anonymous and file-backed pages after decoding)")
-    for engine in ("npud", "llama.cpp"):
-        warm = [r for _, e, kind, _, r, _, _ in rows if e == engine and kind != "cold"]
-        if warm:
-            firsts = [r["first"] for r in warm]
-            peaks = [r["VmHWM"] / 1024 for r in warm]
-            print(f"{engine} warm: first token median {statistics.median(firsts):.2f} s "
-                  f"(range {min(firsts):.2f}-{max(firsts):.2f}), peak RSS median {statistics.median(peaks):.0f} MiB "
-                  f"(range {min(peaks):.0f}-{max(peaks):.0f})")
-    npud_rows = [r for _, e, _, _, r, _, _ in rows if e == "npud"]
-    print(f"npud cache files after each warm start equal to after the first: "
-          f"{all(row[5:] == rows[0][5:] for row in rows if row[1] == 'npud')}; "
-          f"greedy tokens the same in every npud run: {all(r['tokens'] == npud_rows[0]['tokens'] for r in npud_rows)}")
+    report(rows)
 
 
 if __name__ == "__main__":
