@@ -60,6 +60,12 @@ def proc_memory(pid: int) -> dict[str, int]:
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds the process has used (all its threads), from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def npud_run(model: Path, work: Path, cache: Path, tokens: int, threads: int) -> dict:
     """One daemon life: seconds from process start to a connectable socket and to the first
     token, the daemon's memory after `tokens` greedy tokens, and the tokens."""
@@ -87,10 +93,11 @@ def npud_run(model: Path, work: Path, cache: Path, tokens: int, threads: int) ->
             stream = client.complete(PROMPT, max_tokens=tokens, spec={"method": "none"}, use_prefix_cache=False)
             for e in stream:
                 if e.name == "token" and e.data["token_ids"]:
-                    first = first or time.perf_counter()
+                    if first is None:
+                        first, cpu = time.perf_counter(), cpu_seconds(proc.pid)
                     ids += e.data["token_ids"]
         memory = proc_memory(proc.pid)
-        return dict(socket=at_socket, first=first - started, tokens=ids, **memory)
+        return dict(socket=at_socket, first=first - started, cpu=cpu, tokens=ids, **memory)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -104,12 +111,13 @@ def llama_run(binary: Path, model: Path, tokens: int, threads: int) -> dict:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     first_byte = proc.stdout.read(1)
     first = time.perf_counter() - started
+    cpu = cpu_seconds(proc.pid)
     proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0 or not first_byte:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}")
-    return dict(first=first, VmHWM=usage.ru_maxrss)
+    return dict(first=first, cpu=cpu, VmHWM=usage.ru_maxrss)
 
 
 def llama_binary(arg: str | None) -> Path | None:
@@ -140,30 +148,35 @@ def measure(model: Path, rounds: int, tokens: int, threads: int, binary: Path | 
 
 def report(rows: list[tuple]) -> None:
     """The table of measure()'s rows and each engine's warm medians and ranges."""
-    print("| round | engine | cache | load 1/5/15 | to socket s | to first token s | peak RSS MiB "
+    print("| round | engine | cache | load 1/5/15 | to socket s | to first token s | CPU s to it | peak RSS MiB "
           "| anon MiB | file MiB | cache files | cache KiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for i, engine, kind, load, r, files, size in rows:
         sock = f"{r['socket']:.2f}" if "socket" in r else "-"
         anon = f"{r['RssAnon'] / 1024:.0f}" if "RssAnon" in r else "-"
         file_ = f"{r['RssFile'] / 1024:.0f}" if "RssFile" in r else "-"
-        print(f"| {i} | {engine} | {kind} | {load} | {sock} | {r['first']:.2f} | {r['VmHWM'] / 1024:.0f} "
+        print(f"| {i} | {engine} | {kind} | {load} | {sock} | {r['first']:.2f} | {r['cpu']:.2f} | {r['VmHWM'] / 1024:.0f} "
               f"| {anon} | {file_} | {files} | {size} |")
-    print("\n(peak RSS: VmHWM of the npud daemon, ru_maxrss of llama-completion: the whole process for both; "
-          "anon / file: the daemon's resident anonymous and file-backed pages after decoding)")
+    print("\n(CPU s: user + system seconds the process had used, all threads, when its first token arrived: "
+          "less bent by a busy machine than the wall time; peak RSS: VmHWM of the npud daemon, ru_maxrss of "
+          "llama-completion: the whole process for both; anon / file: the daemon's resident anonymous and "
+          "file-backed pages after decoding)")
     medians = {}
     for engine in ("npud", "llama.cpp"):
         warm = [r for _, e, kind, _, r, _, _ in rows if e == engine and kind != "cold"]
         if warm:
             firsts = [r["first"] for r in warm]
+            cpus = [r["cpu"] for r in warm]
             peaks = [r["VmHWM"] / 1024 for r in warm]
-            medians[engine] = (statistics.median(firsts), statistics.median(peaks))
+            medians[engine] = (statistics.median(firsts), statistics.median(cpus), statistics.median(peaks))
             print(f"{engine} warm: first token median {medians[engine][0]:.2f} s "
-                  f"(range {min(firsts):.2f}-{max(firsts):.2f}), peak RSS median {medians[engine][1]:.0f} MiB "
+                  f"(range {min(firsts):.2f}-{max(firsts):.2f}), CPU to it median {medians[engine][1]:.2f} s "
+                  f"(range {min(cpus):.2f}-{max(cpus):.2f}), peak RSS median {medians[engine][2]:.0f} MiB "
                   f"(range {min(peaks):.0f}-{max(peaks):.0f})")
     if len(medians) == 2:
-        print(f"npud / llama.cpp: first token {medians['npud'][0] / medians['llama.cpp'][0]:.2f}x, "
-              f"peak RSS {medians['npud'][1] / medians['llama.cpp'][1]:.2f}x")
+        a, b = medians["npud"], medians["llama.cpp"]
+        print(f"npud / llama.cpp: first token {a[0] / b[0]:.2f}x, CPU to it {a[1] / b[1]:.2f}x, "
+              f"peak RSS {a[2] / b[2]:.2f}x")
     npud_rows = [row for row in rows if row[1] == "npud"]
     print(f"npud cache files after each warm start equal to after the first: "
           f"{all(row[5:] == npud_rows[0][5:] for row in npud_rows)}; greedy tokens the same in every npud run: "
