@@ -255,10 +255,14 @@ def main() -> None:
                  "passes/token", "byte-equal"], spec))
     print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
     if "start" not in skip:
-        from startup import llama_binary, measure, report
+        from isolated import run_isolated
+        from startup import llama_binary, report
 
         print(f"\nstart to first token and whole-process peak RSS (load average {loadavg()}):")
-        report(measure(Path(path), args.start_rounds, args.decode, args.threads, llama_binary(None)))
+        binary = llama_binary(None)
+        # from a fresh interpreter: llama-completion's ru_maxrss would include this process's RSS at the fork
+        report(run_isolated("startup", "measure", path, args.start_rounds, args.decode, args.threads,
+                            None if binary is None else str(binary)))
 
 
 if __name__ == "__main__":

@@ -125,9 +125,14 @@ def llama_binary(arg: str | None) -> Path | None:
     return Path(value) if value else None
 
 
-def measure(model: Path, rounds: int, tokens: int, threads: int, binary: Path | None) -> list[tuple]:
+def measure(model, rounds: int, tokens: int, threads: int, binary=None) -> list[tuple]:
     """One cold npud start, then `rounds` rounds of a warm npud start and (with `binary`) a
-    llama-completion run. Rows: (round, engine, cache, load average, result, cache files, cache KiB)."""
+    llama-completion run. Rows: (round, engine, cache, load average, result, cache files, cache KiB).
+
+    Run it from a small process: a child's ru_maxrss is the larger of its own peak and the RSS
+    of the process it was forked from (Linux keeps the pre-exec peak), so bench/real_model.py
+    calls it in a fresh interpreter (bench/isolated.py)."""
+    model, binary = Path(model), None if binary is None else Path(binary)
     work = Path(tempfile.mkdtemp(prefix="npud-startup-"))
     cache = work / "cache"
     rows = []
