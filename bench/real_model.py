@@ -1,14 +1,18 @@
 """A real model end to end: gemma-3-270m Q4_K_M (GGUF) in npud vs llama.cpp vs transformers.
 
 One run, one table per question, every number measured in this run, side by side:
-1. engines: load time, resident memory (the process's RSS growth over the load; llama.cpp:
-   its process's peak RSS), decode tok/s after a 32-token prompt (median step of
+1. engines: load time, memory (npud: this process's RSS growth over the load, which leaves
+   out the interpreter and the tokenizer; llama-cpp-python: its process's peak RSS), decode tok/s after a 32-token prompt (median step of
    32 greedy steps), prefill tok/s of a 512-token prompt (best of 2), greedy tokens equal to
    npud's or the first divergence (npud and llama.cpp on the same file with the same thread
    count; transformers fp32 on the file's dequantized weights);
 2. prompt-lookup speculative vs plain greedy in npud on 4 code-edit prompts (the model is asked
    to repeat a function with one change) and 1 prose prompt: tok/s, acceptance, base passes
    per token, byte-equality of the outputs.
+3. start and memory as a user meets them: `npud --model FILE` to the first token with a warm
+   cache, and the whole daemon's peak RSS while decoding, beside llama.cpp's llama-completion
+   on the same file (its whole process), in alternating rounds (bench/startup.py's runs;
+   $NPUD_LLAMA_COMPLETION names the binary, without it only npud's rows are printed).
 The CPU model and the load average (before and after) are printed beside the tables; the
 machine is shared, so ratios measured in the same run are what to read.
 
@@ -201,7 +205,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96, help="new tokens per speculative/plain run")
     ap.add_argument("--decode", type=int, default=32, help="greedy steps timed after the 32-token prompt")
     ap.add_argument("--reps", type=int, default=2, help="runs per speculative cell (best of)")
-    ap.add_argument("--skip", default="", help="comma-separated: llamacpp, transformers")
+    ap.add_argument("--skip", default="", help="comma-separated: llamacpp, transformers, start")
+    ap.add_argument("--start-rounds", type=int, default=3, help="warm rounds of the start and memory table")
     args = ap.parse_args()
     os.environ.setdefault("NUMBA_NUM_THREADS", str(args.threads))
     skip = set(filter(None, args.skip.split(",")))
@@ -218,7 +223,7 @@ def main() -> None:
     prompt512 = tokenizer.encode(text, add_special_tokens=True)[:512]
 
     ours = npud_engine(path, prompt512, args.decode)
-    rows = [["npud (host, block GEMM)", ours["load"], ours["resident"] / 2**20, ours["resident"] / size,
+    rows = [["npud (host, block GEMM; load growth)", ours["load"], ours["resident"] / 2**20, ours["resident"] / size,
              ours["decode"], ours["prefill"], "-"]]
     if "llamacpp" not in skip:
         import llamacpp
@@ -249,6 +254,15 @@ def main() -> None:
     print(table(["prompt", "prompt tokens", "plain tok/s", "lookup tok/s", "speedup", "acceptance",
                  "passes/token", "byte-equal"], spec))
     print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+    if "start" not in skip:
+        from isolated import run_isolated
+        from startup import llama_binary, report
+
+        print(f"\nstart to first token and whole-process peak RSS (load average {loadavg()}):")
+        binary = llama_binary(None)
+        # from a fresh interpreter: llama-completion's ru_maxrss would include this process's RSS at the fork
+        report(run_isolated("startup", "measure", path, args.start_rounds, args.decode, args.threads,
+                            None if binary is None else str(binary)))
 
 
 if __name__ == "__main__":

@@ -89,6 +89,9 @@ class DigestMemo:
             known = _process_memo.get(ident)
         if known is None and isinstance(record, dict) and record.get("stat") == list(ident[1:]):
             known = record.get("digest")
+            if isinstance(known, str):  # every other memo of this process knows it too
+                with _process_lock:
+                    _process_memo[ident] = known
         if not isinstance(known, str):
             known, settled = self._hash(path, ident)
             if not settled:

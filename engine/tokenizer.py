@@ -161,6 +161,7 @@ class Tokenizer:
         extra_eos_ids: Iterable[int] = (),
         source: str = "tokenizer",
         add_bos_token: bool = False,
+        missing_ids: Iterable[int] | None = None,
     ) -> None:
         self._backend = backend
         # a raw prompt starts with BOS (GGUF vocabularies that say so; a chat template writes its own)
@@ -189,6 +190,9 @@ class Tokenizer:
         self._token_bytes: dict[int, bytes] = {}  # id -> Tokenizer.token_bytes(id), filled as asked
         self._byte_decoder: dict[str, int] | None = None  # GPT-2's alphabet reversed, for byte-level BPE
         self.chat_template_texts: dict[str, str] = dict(chat_templates or {})  # name -> Jinja source
+        # ids below vocab_size that no token has, when the caller knows them (a cached GGUF
+        # tokenizer): decodable() then need not list the whole vocabulary
+        self._missing_ids = None if missing_ids is None else np.array(sorted(missing_ids), dtype=np.int64)
         self._templates: dict[str, jinja2.Template] = {}
         env = _environment()
         for name, text in (chat_templates or {}).items():
@@ -211,14 +215,9 @@ class Tokenizer:
         from engine.gguf import is_gguf
 
         if is_gguf(directory):
-            from engine.gguf import open_gguf
-            from engine.gguf.tokenizer import gguf_tokenizer
-            from engine.weights import WeightsError
+            from engine.gguf.tokenizer_cache import load_gguf_tokenizer
 
-            try:
-                return gguf_tokenizer(open_gguf(directory))
-            except WeightsError as exc:
-                raise TokenizerError(str(exc)) from None
+            return load_gguf_tokenizer(directory)[0]
         tokenizer_path = directory / "tokenizer.json"
         try:
             raw = tokenizer_path.read_bytes()
@@ -340,10 +339,16 @@ class Tokenizer:
         when it can decode them all. A checkpoint that pads its embedding past the tokenizer
         (Qwen: 151,936 rows for 151,669 ids) has ids that must never be sampled."""
         if width not in self._decodable:
-            ids = np.fromiter(self._backend.get_vocab(with_added_tokens=True).values(), dtype=np.int64)
-            known = np.zeros(width, dtype=bool)
-            # decode() refuses ids at or past vocab_size (a count), so those stay masked too
-            known[ids[ids < min(width, self.vocab_size)]] = True
+            limit = min(width, self.vocab_size)
+            if self._missing_ids is not None:
+                known = np.zeros(width, dtype=bool)
+                known[:limit] = True
+                known[self._missing_ids[self._missing_ids < limit]] = False
+            else:
+                ids = np.fromiter(self._backend.get_vocab(with_added_tokens=True).values(), dtype=np.int64)
+                known = np.zeros(width, dtype=bool)
+                # decode() refuses ids at or past vocab_size (a count), so those stay masked too
+                known[ids[ids < limit]] = True
             known.flags.writeable = False
             self._decodable[width] = None if known.all() else known
         return self._decodable[width]

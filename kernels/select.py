@@ -43,7 +43,8 @@ class RowwiseBackend:
 
 
 def default_backend() -> Backend:
-    """The host backend, after its batch-invariance self-check on this machine (run once).
+    """The host backend, after its batch-invariance self-check on this machine (run once per
+    process, and reused from the kernel cache for the same build, ISA path, threads and CPU).
 
     If any row of an M-row GEMM (M = 1..64: decode, verify, prefill chunks) differs in its
     bits from the one-row call, the result is logged and the row-at-a-time wrapper is
@@ -52,17 +53,28 @@ def default_backend() -> Backend:
     global _default
     with _lock:
         if _default is None:
+            from kernels import base
             from kernels.ggml.backend import BlockHostBackend, check_block_invariance
-            from kernels.host import CHECK_ROWS, check_batch_invariance, num_threads
+            from kernels.host import CHECK_ROWS, check_batch_invariance, checkcache, native, num_threads
 
             # HostBackend plus GGUF's block formats; the self-check covers both kinds of weight
             host = BlockHostBackend()
+            # a pass on this very build, ISA path, thread count and CPU is reused (checkcache.py says why)
+            key = checkcache.check_key(native.library_path(), native.isa(), num_threads(), base.NUMERICS_VERSION)
+            stored = checkcache.read_pass(key)
+            if stored is not None:
+                native.bf16_dot_hardware(stored["bf16_dot_hardware"])
+                log.info("kernel_self_check_reused", backend=host.name, rows=f"1..{CHECK_ROWS}", threads=num_threads(),
+                         key=key[:16])
+                _default = host
+                return _default
             failures = check_batch_invariance(host) + check_block_invariance(host)
             if failures:
                 log.warning("kernel_self_check_failed", backend=host.name, failures=failures, fallback="rowwise")
                 _default = RowwiseBackend(host)
             else:
                 log.info("kernel_self_check_passed", backend=host.name, rows=f"1..{CHECK_ROWS}", threads=num_threads())
+                checkcache.write_pass(key, native.bf16_dot_hardware())
                 _default = host
         return _default
 

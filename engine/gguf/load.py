@@ -17,7 +17,7 @@ def load_gguf_model(path, q8: bool = False) -> tuple[ModelConfig, ModelWeights, 
     """Returns (config, weights, describe_gguf's dict) of a .gguf file, read once; q8: block
     matrices against q8 activation rows (kernels/host/blockq8.c), else the exact float path.
     Raises ConfigError or WeightsError."""
-    g = open_gguf(path)
+    g = open_gguf(path, vocabulary=False)  # the tokenizer is read on its own
     cfg = gguf_config(g)
     weights = load_gguf_weights(g, cfg, q8)
     return cfg, weights, describe_file(g, cfg)

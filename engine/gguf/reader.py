@@ -12,6 +12,7 @@ Nothing is converted here; engine/gguf/weights.py decides what each tensor becom
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,26 @@ class GgufFile:
     metadata: dict[str, Any]
     tensors: dict[str, GgufTensor]
     file_bytes: int
+    mapping: np.memmap | None = None  # the whole file, mapped read-only
+
+    def release(self, data: np.ndarray) -> None:
+        """Let this process's resident pages of `data` (a view of the mapping) go: the weights
+        copied out of it are not read from the file again, and a mapped page counts in the
+        process's peak RSS as much as a copied one. The kernel's page cache keeps them; a
+        later read faults them back in. Pages only partly inside `data` are let go too
+        (harmless for the same reason)."""
+        m = self.mapping
+        mm = getattr(m, "_mmap", None)
+        if mm is None or data.size == 0 or not hasattr(mm, "madvise"):
+            return
+        start = data.ctypes.data - m.ctypes.data
+        if not 0 <= start <= start + data.nbytes <= m.nbytes:
+            return
+        lo = start - start % mmap.PAGESIZE
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, lo, start + data.nbytes - lo)
+        except (OSError, ValueError):
+            pass
 
     @property
     def architecture(self) -> str:
@@ -119,6 +140,17 @@ class _Cursor:
         except UnicodeDecodeError:
             raise WeightsError(f"{self.path}: a GGUF string at byte {self.pos - n} is not UTF-8") from None
 
+    def skip_strings(self, count: int) -> None:
+        """Step over `count` strings without decoding them."""
+        pos, end, buf = self.pos, len(self.mv), self.mv
+        for _ in range(count):
+            if pos + 8 > end:
+                break
+            pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
+        if pos > end or (count and pos == self.pos):
+            raise WeightsError(f"{self.path}: truncated GGUF header (needs byte {pos}, file has {end})")
+        self.pos = pos
+
     def value(self, vtype: int, key: str) -> Any:
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype])
@@ -139,10 +171,13 @@ class _Cursor:
         raise WeightsError(f"{self.path}: metadata {key!r}: unknown value type {vtype}")
 
 
-def open_gguf(path) -> GgufFile:
+def open_gguf(path, *, vocabulary: bool = True) -> GgufFile:
     """Returns the metadata and tensor table of a GGUF file (tensor data stays mapped).
 
-    Raises WeightsError for a missing, unreadable, truncated or malformed file, or tensors
+    vocabulary=False leaves the tokenizer's arrays (tokens, scores, types, merges: 262,144
+    and more entries each in a gemma file) out of the metadata, stepped over unread: loading the weights
+    does not need them, and the tokenizer comes from its own cache
+    (engine/gguf/tokenizer_cache.py). Raises WeightsError for a missing, unreadable, truncated or malformed file, or tensors
     that overlap or run past its end.
     """
     p = Path(path)
@@ -162,7 +197,18 @@ def open_gguf(path) -> GgufFile:
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = c.string()
-        metadata[key] = c.value(c.scalar("<I"), key)
+        vtype = c.scalar("<I")
+        if not vocabulary and key in _TOKENIZER_ARRAYS and vtype == 9:
+            at = c.pos
+            etype, count = c.scalar("<I"), c.scalar("<Q")
+            if etype == 8:
+                c.skip_strings(count)
+                continue
+            if etype in _NUMPY:
+                c.take(count * np.dtype(_NUMPY[etype]).itemsize)
+                continue
+            c.pos = at
+        metadata[key] = c.value(vtype, key)
     infos = []
     for _ in range(n_tensors):
         name = c.string()
@@ -194,4 +240,4 @@ def open_gguf(path) -> GgufFile:
                 raise WeightsError(f"{p}: tensor {name!r} ({type_name} {list(shape)}) does not fit in the file")
             data = buf[start:end]
         tensors[name] = GgufTensor(name=name, type_name=type_name, ggml_type=ggml_type, shape=shape, data=data)
-    return GgufFile(path=p, metadata=metadata, tensors=tensors, file_bytes=len(buf))
+    return GgufFile(path=p, metadata=metadata, tensors=tensors, file_bytes=len(buf), mapping=buf)

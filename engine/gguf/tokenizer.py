@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 from typing import Any
 
 from engine.gguf.reader import GgufFile
@@ -72,10 +73,15 @@ def _meta(g: GgufFile, key: str, kind: type, default: Any = None) -> Any:
     return value
 
 
-def build_gguf_backend(g: GgufFile):
-    """Returns (tokenizers.Tokenizer, add_bos) for the file's vocabulary; raises TokenizerError."""
-    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import Tokenizer as Backend
+def gguf_recipe(g: GgufFile) -> dict:
+    """What the tokenizer of the file is built from, in plain values: "kind" ("llama" or
+    "gpt2"), "tokens" (the model vocabulary in id order, as the backend spells it), "merges"
+    (int32 [n, 2]: the ids of each merge's left and right token, in rank order), "gemma",
+    "split" (a gpt2 pre-tokenizer regex or None), "unk" (the unknown token or None), "control"
+    and "user" (the tokens added whole, special or not) and "add_bos". The slow part of a
+    build (the implied merges) happens here, and engine/gguf/tokenizer_cache.py keeps the
+    result. Raises TokenizerError."""
+    import numpy as np
 
     kind = _meta(g, "tokenizer.ggml.model", str)
     tokens = _meta(g, "tokenizer.ggml.tokens", list)
@@ -84,6 +90,7 @@ def build_gguf_backend(g: GgufFile):
     types = _meta(g, "tokenizer.ggml.token_type", list, []) or []
     arch = g.architecture
     unk_id = _meta(g, "tokenizer.ggml.unknown_token_id", int)
+    gemma, split, unk = False, None, None
     if kind == "llama":
         gemma = arch in _GEMMA_ARCHS
         if gemma:
@@ -96,10 +103,59 @@ def build_gguf_backend(g: GgufFile):
             if scores is None or len(scores) != len(tokens):
                 raise TokenizerError(f"{g.path}: tokenizer.ggml.scores must give one score per token")
             rank = dict(zip(tokens, scores))
-        unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
-        model = models.BPE(vocab=vocab, merges=implied_merges(vocab, rank), fuse_unk=True, byte_fallback=True,
-                           unk_token=unk if gemma else None)
-        backend = Backend(model)
+        if gemma and unk_id is not None and 0 <= unk_id < len(tokens):
+            unk = tokens[unk_id]
+        pairs = implied_merges(vocab, rank)
+        model_tokens, byte_level = tokens, None
+    elif kind == "gpt2":
+        merges = _meta(g, "tokenizer.ggml.merges", list)
+        if merges is None:
+            raise TokenizerError(f"{g.path}: a gpt2 tokenizer needs tokenizer.ggml.merges")
+        spelling = _byte_alphabet()
+        byte_level = set(spelling.values())
+        model_tokens = [t if set(t) <= byte_level else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
+        vocab = {t: i for i, t in enumerate(model_tokens)}
+        pairs = []
+        for m in merges:
+            parts = m.split(" ")
+            if len(parts) != 2:
+                raise TokenizerError(f"{g.path}: merge {m!r} is not two tokens separated by a space")
+            pairs.append((parts[0], parts[1]))
+        split = _SPLITS.get(_meta(g, "tokenizer.ggml.pre", str))
+    else:
+        raise TokenizerError(f"{g.path}: tokenizer.ggml.model = {kind!r} is not supported; expected 'llama' or 'gpt2'")
+    try:
+        merge_ids = np.array([(vocab[a], vocab[b]) for a, b in pairs], dtype=np.int32).reshape(-1, 2)
+    except KeyError as exc:
+        raise TokenizerError(f"{g.path}: a merge names {exc.args[0]!r}, which is not in the vocabulary") from None
+    control = [t for t, ty in zip(tokens, types) if ty == _CONTROL and (byte_level is None or set(t) <= byte_level)]
+    known = vocab.keys() | set(control)  # what the backend knows once the control tokens are added
+    user = [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in known]
+    add_bos = _meta(g, "tokenizer.ggml.add_bos_token", bool, kind == "llama")
+    return {"kind": kind, "tokens": model_tokens, "merges": merge_ids, "gemma": gemma, "split": split, "unk": unk,
+            "control": control, "user": user, "add_bos": bool(add_bos)}
+
+
+def assemble_backend(recipe: dict):
+    """The tokenizers.Tokenizer of a gguf_recipe (built the way transformers' GGUF conversion
+    builds it: the module docstring)."""
+    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    tokens = recipe["tokens"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ids = recipe["merges"]
+    if len(ids):  # the pairs' strings are the vocabulary's own objects, looked up in C
+        merges = list(zip(operator.itemgetter(*ids[:, 0].tolist())(tokens), operator.itemgetter(*ids[:, 1].tolist())(tokens)))
+        if len(ids) == 1:  # itemgetter of one index gives the item, not a tuple
+            merges = [(tokens[ids[0, 0]], tokens[ids[0, 1]])]
+    else:
+        merges = []
+    if recipe["kind"] == "llama":
+        gemma = recipe["gemma"]
+        backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                                     unk_token=recipe["unk"]))
+        del vocab, merges  # the backend holds its own copies
         decode = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
         if gemma:
             backend.normalizer = normalizers.Replace(" ", "\u2581")
@@ -108,52 +164,83 @@ def build_gguf_backend(g: GgufFile):
             backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
             decode.append(decoders.Strip(content=" ", left=1))
         backend.decoder = decoders.Sequence(decode)
-        byte_level = None
-    elif kind == "gpt2":
-        merges = _meta(g, "tokenizer.ggml.merges", list)
-        if merges is None:
-            raise TokenizerError(f"{g.path}: a gpt2 tokenizer needs tokenizer.ggml.merges")
-        spelling = _byte_alphabet()
-        byte_level = set(spelling.values())
-        vocab = {t if set(t) <= byte_level else "".join(spelling[b] for b in t.encode("utf-8")): i
-                 for i, t in enumerate(tokens)}
-        pairs = []
-        for m in merges:
-            parts = m.split(" ")
-            if len(parts) != 2:
-                raise TokenizerError(f"{g.path}: merge {m!r} is not two tokens separated by a space")
-            pairs.append((parts[0], parts[1]))
-        backend = Backend(models.BPE(vocab=vocab, merges=pairs))
-        split = _SPLITS.get(_meta(g, "tokenizer.ggml.pre", str))
-        if split is not None:
+    else:
+        backend = Backend(models.BPE(vocab=vocab, merges=merges))
+        del vocab, merges
+        if recipe["split"] is not None:
             backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.Split(Regex(recipe["split"]), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ])
         else:
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
-    else:
-        raise TokenizerError(f"{g.path}: tokenizer.ggml.model = {kind!r} is not supported; expected 'llama' or 'gpt2'")
-    control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
-               if ty == _CONTROL and (byte_level is None or set(t) <= byte_level)]
-    if control:
-        backend.add_special_tokens(control)
-    known = backend.get_vocab()
-    user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
-            if ty == _USER_DEFINED and t in known]
-    if user:
-        backend.add_tokens(user)
-    add_bos = _meta(g, "tokenizer.ggml.add_bos_token", bool, kind == "llama")
-    return backend, bool(add_bos)
+    if recipe["control"]:
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in recipe["control"]])
+    if recipe["user"]:
+        backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in recipe["user"]])
+    return backend
 
 
-def gguf_tokenizer(g: GgufFile) -> Tokenizer:
-    """The engine Tokenizer of a GGUF file: special tokens from the ggml ids, the chat
-    template from tokenizer.chat_template. Raises TokenizerError."""
+def build_gguf_backend(g: GgufFile):
+    """Returns (tokenizers.Tokenizer, add_bos) for the file's vocabulary; raises TokenizerError."""
+    recipe = gguf_recipe(g)
+    return assemble_backend(recipe), recipe["add_bos"]
+
+
+# Bump when gguf_recipe, assemble_backend or encode_recipe change what they make: cached
+# tokenizers (engine/gguf/tokenizer_cache.py) made by another version are then rebuilt.
+BUILDER_VERSION = 1
+_SMALL = ("kind", "gemma", "split", "unk", "control", "user", "add_bos")
+
+
+def encode_recipe(recipe: dict) -> bytes:
+    """A recipe as bytes: a JSON line of the small fields, a JSON line of the tokens, then the
+    merges as little-endian int32 pairs."""
+    import numpy as np
+
+    small = json.dumps({k: recipe[k] for k in _SMALL}, sort_keys=True, ensure_ascii=False)
+    tokens = json.dumps(recipe["tokens"], ensure_ascii=False)  # one line: JSON escapes newlines
+    return b"".join([small.encode(), b"\n", tokens.encode(), b"\n",
+                     np.ascontiguousarray(recipe["merges"], dtype="<i4").tobytes()])
+
+
+def decode_recipe(payload: bytes) -> dict:
+    """encode_recipe's inverse. Raises ValueError (or a JSON/Unicode error, both ValueErrors)
+    for bytes it did not write."""
+    import numpy as np
+
+    small, _, rest = payload.partition(b"\n")
+    tokens, newline, merges = rest.partition(b"\n")
+    recipe = json.loads(small)
+    if not newline or not isinstance(recipe, dict) or set(recipe) != set(_SMALL) or len(merges) % 8:
+        raise ValueError("not an encoded recipe")
+    recipe["tokens"] = json.loads(tokens)
+    recipe["merges"] = np.frombuffer(merges, dtype="<i4").reshape(-1, 2)
+    n = len(recipe["tokens"])
+    if not isinstance(recipe["tokens"], list) or (recipe["merges"].size and not (
+            0 <= recipe["merges"].min() and recipe["merges"].max() < n)):
+        raise ValueError("merge ids outside the vocabulary")
+    return recipe
+
+
+def finish_backend(backend, settings: dict) -> None:
+    """Put BOS in front of every encoding when the file says so (settings from gguf_tokenizer_parts)."""
     from tokenizers import processors
 
-    backend, add_bos = build_gguf_backend(g)
+    if settings["add_bos"] and "bos_token" in settings["special"]:
+        bos = settings["special"]["bos_token"]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, backend.token_to_id(bos))])
+
+
+def gguf_tokenizer_parts(g: GgufFile):
+    """The tokenizer of a GGUF file as (tokenizers.Tokenizer, the recipe encoded, the settings
+    the engine Tokenizer takes beside it): the last two are what engine/gguf/tokenizer_cache.py
+    stores. Raises TokenizerError."""
+    recipe = gguf_recipe(g)
+    backend = assemble_backend(recipe)
+    add_bos = recipe["add_bos"]
     tokens = g.metadata["tokenizer.ggml.tokens"]
     special: dict[str, str] = {}
     for field, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
@@ -163,14 +250,32 @@ def gguf_tokenizer(g: GgufFile) -> Tokenizer:
             if not 0 <= token_id < len(tokens):
                 raise TokenizerError(f"{g.path}: tokenizer.ggml.{key} = {token_id} is outside the vocabulary")
             special[field] = backend.id_to_token(token_id)
-    if add_bos and "bos_token" in special:
-        bos = special["bos_token"]
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, backend.token_to_id(bos))])
     template = _meta(g, "tokenizer.chat_template", str)
     eot = _meta(g, "tokenizer.ggml.eot_token_id", int)
-    digest = hashlib.sha256(backend.to_str().encode("utf-8"))
+    payload = encode_recipe(recipe)
+    digest = hashlib.sha256(payload)
     digest.update(json.dumps({"add_bos": add_bos, "special": special, "template": template}, sort_keys=True).encode())
-    return Tokenizer(backend, fingerprint=digest.hexdigest(), chat_templates={"default": template} if template else None,
-                     special_tokens=special, extra_eos_ids=[eot] if eot is not None else [], source=str(g.path),
-                     add_bos_token=add_bos)
+    # ids below the vocabulary size that no token decodes to (two tokens of one spelling)
+    size = backend.get_vocab_size(with_added_tokens=True)
+    missing = sorted(set(range(size)) - set(backend.get_vocab(with_added_tokens=True).values()))
+    settings = {"fingerprint": digest.hexdigest(), "add_bos": add_bos, "special": special, "template": template,
+                "eot": eot, "missing_ids": missing}
+    finish_backend(backend, settings)
+    return backend, payload, settings
+
+
+def tokenizer_from_parts(backend, settings: dict, source: str) -> Tokenizer:
+    """The engine Tokenizer of a finished backend and the settings gguf_tokenizer_parts gave with it."""
+    template, eot = settings["template"], settings["eot"]
+    return Tokenizer(backend, fingerprint=settings["fingerprint"],
+                     chat_templates={"default": template} if template else None,
+                     special_tokens=settings["special"], extra_eos_ids=[eot] if eot is not None else [],
+                     source=source, add_bos_token=settings["add_bos"], missing_ids=settings["missing_ids"])
+
+
+def gguf_tokenizer(g: GgufFile) -> Tokenizer:
+    """The engine Tokenizer of a GGUF file, built now (engine/gguf/tokenizer_cache.py keeps it
+    between starts): special tokens from the ggml ids, the chat template from
+    tokenizer.chat_template. Raises TokenizerError."""
+    backend, _, settings = gguf_tokenizer_parts(g)
+    return tokenizer_from_parts(backend, settings, str(g.path))

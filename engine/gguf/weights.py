@@ -89,11 +89,15 @@ def dense_array(t: GgufTensor) -> np.ndarray:
     return np.array(t.array(), dtype=np.float32)
 
 
-def _matrix(t: GgufTensor, rows: np.ndarray | None = None, layout: str = LAYOUT_FLOAT) -> LinearWeight:
+def _matrix(t: GgufTensor, rows: np.ndarray | None = None, layout: str = LAYOUT_FLOAT, release=None) -> LinearWeight:
     """A [N, K] tensor as a LinearWeight: block types in block form (`layout`: kernels/ggml/gemm.py),
-    dense types as they are."""
+    dense types as they are. release: GgufFile.release, for the file's pages of block rows once
+    they are packed."""
     if t.type_name in BLOCK_TYPES:
-        return pack_block_matrix(t.raw_rows(), BLOCK_TYPES[t.type_name], t.shape[1], rows, layout)
+        w = pack_block_matrix(t.raw_rows(), BLOCK_TYPES[t.type_name], t.shape[1], rows, layout, done=release)
+        if release is not None and rows is not None:
+            release(t.data)
+        return w
     if t.type_name == "BF16":
         data = t.array()
         return LinearWeight(WeightFormat.BF16, np.ascontiguousarray(data if rows is None else data[rows]))
@@ -131,7 +135,7 @@ def load_gguf_weights(g: GgufFile, cfg: ModelConfig, q8: bool = False) -> ModelW
         return one + (w - one) if gemma else w
 
     def linear(name: str, has_bias: bool, rows: np.ndarray | None = None) -> LinearWeight:
-        w = _matrix(t[f"{name}.weight"], rows, layout)
+        w = _matrix(t[f"{name}.weight"], rows, layout, g.release)
         if has_bias:
             bias = vector(f"{name}.bias")
             w = dataclasses.replace(w, bias=bias if rows is None else bias[rows])
@@ -159,8 +163,8 @@ def load_gguf_weights(g: GgufFile, cfg: ModelConfig, q8: bool = False) -> ModelW
         else:
             layers.append(LayerWeights(input_norm=norm(f"{p}attn_norm.weight"), attn=attn,
                                        post_attention_norm=norm(f"{p}ffn_norm.weight"), mlp=mlp))
-    embed = _matrix(t["token_embd.weight"], None, layout)
-    lm_head = embed if cfg.tie_word_embeddings else _matrix(t["output.weight"], None, layout)
+    embed = _matrix(t["token_embd.weight"], None, layout, g.release)
+    lm_head = embed if cfg.tie_word_embeddings else _matrix(t["output.weight"], None, layout, g.release)
     return ModelWeights(embed=embed, layers=layers, final_norm=norm("output_norm.weight"), lm_head=lm_head,
                         fingerprint=checkpoint_fingerprint(g.path))
 

@@ -27,18 +27,17 @@ TILE = native.TILE
 _PACK_ROWS = TILE * 256  # rows unpacked per step while packing, to bound temporaries
 
 
-LAYOUT_FLOAT, LAYOUT_Q8 = "qtiles", "q8blocks"  # widened into the float chain; integer sums against q8 rows
-
-
 def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarray | None = None,
-                      layout: str = LAYOUT_FLOAT) -> LinearWeight:
+                      layout: str = LAYOUT_FLOAT, done=None) -> LinearWeight:
     """A [N, K] block matrix (raw GGUF rows, [N, row bytes] uint8) laid out in tiles.
 
     rows: an optional row order (row i of the result is raw row rows[i]), for checkpoints
     whose rows are stored permuted. layout: "qtiles" (q tiles [T, K, TILE] int8, the exact
     float path: blockgemm.c) or "q8blocks" (q + 128 as uint8 [T, K / 4, TILE, 4], against q8
-    activation rows: blockq8.c); both with factor tiles [T, K / g, P, TILE]. Raises ValueError
-    for a row width that does not hold K weights of `fmt`, or an unknown layout.
+    activation rows: blockq8.c); both with factor tiles [T, K / g, P, TILE]. done: called with
+    each run of raw rows [r0, r1) once it is packed (and never read again), so a mapped file's
+    pages can be let go as the copy grows. Raises ValueError for a row width that does not hold
+    K weights of `fmt`, or an unknown layout.
     """
     if layout not in (LAYOUT_FLOAT, LAYOUT_Q8):
         raise ValueError(f"unknown block layout {layout!r}")
@@ -66,6 +65,8 @@ def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarra
             else:
                 q_tiles[t, :, : i1 - i0] = q[i0 - r0 : i1 - r0].T
             f_tiles[t, :, :, : i1 - i0] = factors[i0 - r0 : i1 - r0].transpose(1, 2, 0)
+        if done is not None and rows is None:
+            done(raw[r0:r1])
     if q8:  # huge pages: a one-row call streams them faster (kernels/host/resident.py)
         q_tiles, f_tiles = resident_copy(q_tiles), resident_copy(f_tiles)
     return LinearWeight(fmt=fmt, data=q_tiles, scale=f_tiles, layout=layout, out_features=n, in_features=k)

@@ -17,7 +17,6 @@ q/k/v or gate/up weight is one of them with its parts side by side: backend.py's
 check.py the self-check that proves the property on this machine at start-up.
 """
 
-from kernels.host import cache as _cache  # noqa: F401  (first: it points numba at the cache directory)
 from kernels.host import native
 from kernels.host.backend import PARALLEL_MIN_WORK, HostBackend
 from kernels.host.check import CHECK_ROWS, check_batch_invariance

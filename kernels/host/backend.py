@@ -8,9 +8,17 @@ from collections.abc import Sequence
 import numpy as np
 
 from kernels.base import FusedLinear, LinearWeight, WeightFormat
-from kernels.host import native, pointwise, recurrent
+from kernels.host import native, pointwise
 from kernels.host.formats import KERNELS, PARALLEL_MIN_BYTES, kernel_for
 from kernels.host.native import TILE
+
+
+def _recurrent():
+    """kernels/host/recurrent.py, imported when a model first needs it: it loads numba, which
+    a model without those layers (gemma 3, llama, qwen) never does."""
+    from kernels.host import recurrent
+
+    return recurrent
 
 PARALLEL_MIN_WORK = 1 << 21  # attention elements below which waking a second thread costs more than it saves
 
@@ -163,20 +171,20 @@ class HostBackend:
     def sigmoid_mul(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty_like(x)
-        recurrent.sigmoid_mul(x, np.ascontiguousarray(gate, dtype=np.float32), out)
+        _recurrent().sigmoid_mul(x, np.ascontiguousarray(gate, dtype=np.float32), out)
         return out
 
     def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty_like(x)
-        recurrent.softcap(x, np.float32(cap), out)
+        _recurrent().softcap(x, np.float32(cap), out)
         return out
 
     def l2_norm(self, x: np.ndarray, eps: float) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         flat = x.reshape(-1, x.shape[-1])
         out = np.empty_like(flat)
-        recurrent.l2_norm(flat, np.float32(eps), out)
+        _recurrent().l2_norm(flat, np.float32(eps), out)
         return out.reshape(x.shape)
 
     def causal_conv1d_silu(self, x: np.ndarray, state: np.ndarray, weight: np.ndarray):
@@ -185,14 +193,14 @@ class HostBackend:
         taps = weight.shape[1]
         out = np.empty_like(x)
         states = np.empty((m, c, taps - 1), np.float32)
-        recurrent.causal_conv1d_silu(x, np.ascontiguousarray(state, dtype=np.float32), weight, out, states)
+        _recurrent().causal_conv1d_silu(x, np.ascontiguousarray(state, dtype=np.float32), weight, out, states)
         return out, states
 
     def gdn_gates(self, a: np.ndarray, b: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray):
         a = np.ascontiguousarray(a, dtype=np.float32)
         log_decay = np.empty_like(a)
         beta = np.empty_like(a)
-        recurrent.gdn_gates(a, np.ascontiguousarray(b, dtype=np.float32), a_log, dt_bias, log_decay, beta)
+        _recurrent().gdn_gates(a, np.ascontiguousarray(b, dtype=np.float32), a_log, dt_bias, log_decay, beta)
         return log_decay, beta
 
     def gated_delta_rule(self, q, k, v, log_decay, beta, state):
@@ -202,7 +210,7 @@ class HostBackend:
         m, hv, dv = v.shape
         out = np.empty((m, hv, dv), np.float32)
         states = np.empty((m,) + state.shape, np.float32)
-        recurrent.gated_delta(self.parallel and m * state.size >= PARALLEL_MIN_WORK // 8)(
+        _recurrent().gated_delta(self.parallel and m * state.size >= PARALLEL_MIN_WORK // 8)(
             q, k, v, np.ascontiguousarray(log_decay), np.ascontiguousarray(beta),
             np.ascontiguousarray(state, dtype=np.float32), out, states,
         )
@@ -211,7 +219,7 @@ class HostBackend:
     def gated_rms_norm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty_like(x)
-        recurrent.gated_rms_norm(x, np.ascontiguousarray(z, dtype=np.float32), weight, np.float32(eps), out)
+        _recurrent().gated_rms_norm(x, np.ascontiguousarray(z, dtype=np.float32), weight, np.float32(eps), out)
         return out
 
 

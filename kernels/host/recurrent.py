@@ -14,7 +14,12 @@ import math
 import os
 
 import numpy as np
-from numba import njit, prange
+
+from kernels.host.cache import use_for_numba
+
+use_for_numba()  # before numba compiles or loads anything below
+
+from numba import njit, prange  # noqa: E402
 
 
 @njit(inline="always")
