@@ -27,6 +27,9 @@ TILE = native.TILE
 _PACK_ROWS = TILE * 256  # rows unpacked per step while packing, to bound temporaries
 
 
+LAYOUT_FLOAT, LAYOUT_Q8 = "qtiles", "q8blocks"  # widened into the float chain; integer sums against q8 rows
+
+
 def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarray | None = None,
                       layout: str = LAYOUT_FLOAT, done=None) -> LinearWeight:
     """A [N, K] block matrix (raw GGUF rows, [N, row bytes] uint8) laid out in tiles.
