@@ -241,10 +241,12 @@ class Daemon:
             return
         try:
             new = self.overrides(load_config(self.config_path))
+            # the fixed fields are kept from the running config, and the mix is checked again:
+            # removing [http]'s TCP keys keeps the old tcp_address without its tcp_owner_uid
+            cfg, ignored = diff_for_reload(self.cfg, new)
         except DaemonConfigError as exc:
-            log.error("config_reload_failed", error=str(exc))
+            log.error("config_reload_failed", error=str(exc), kept="the running configuration")
             return
-        cfg, ignored = diff_for_reload(self.cfg, new)
         await self.apply(cfg)
         log.info("config_reloaded", path=str(self.config_path), ignored=ignored)
 
