@@ -1,0 +1,167 @@
+"""npud under attack, round two (issue 26): idle connections, reloads and descriptors.
+
+A daemon process on the fake engine, clients running as other uids (root needed for those),
+real sockets. The lock-out test is the attack the issue describes, scaled to stay lean: the
+daemon gets a hard limit of NOFILE descriptors and the attacker opens IDLE_CONNECTIONS > NOFILE
+idle TCP connections (the issue's 1,100 against systemd's 1,024, at a quarter of the size).
+Before the fix the idle connections counted as the TCP owner's and against
+server.max_connections until they sent a request, so they filled both and then the
+descriptor table: root, an admin and the owner were all refused or never accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+import test_npud_support as fakes
+from test_npud_support import DaemonProc, wait_for, write_fake_checkpoint
+
+TOKEN = "a-test-bearer-token-0123456789"
+ATTACKER_UID, ADMIN_UID, OWNER_UID = 64011, 64012, 64013
+NOGROUP, ADMIN_GID = 65534, 1  # the admin group is `daemon` (gid 1 on Debian)
+NOFILE = 256  # the daemon's hard descriptor limit
+IDLE_CONNECTIONS = 300  # more than NOFILE: before the fix, they exhausted the daemon's descriptors
+MAX_CONNECTIONS = 128  # and more than this: before the fix, they filled server.max_connections
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/usr/bin/python3") or not shutil.which("prlimit"),
+    reason="needs root (clients as other uids), /usr/bin/python3 and prlimit")
+
+ATTACKER = r"""
+import json, resource, socket, sys
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_NOFILE, (n + 64, n + 64))
+held, refused = [], 0
+for _ in range(n):
+    s = socket.create_connection((host, port))
+    held.append(s)
+for s in held:  # a refusal is written at accept; an accepted connection hears nothing
+    s.settimeout(0.5)
+    try:
+        data = s.recv(4096)
+    except socket.timeout:
+        continue
+    refused += data.startswith(b"HTTP/1.1 503 ")
+print(json.dumps({"refused": refused}), flush=True)
+sys.stdin.read()  # every socket stays open until the test closes stdin
+"""
+
+# each as its own uid: one exchange, its reply on stdout
+MAIN_HELLO = r"""
+import socket, sys
+s = socket.socket(socket.AF_UNIX); s.settimeout(20); s.connect(sys.argv[1])
+s.sendall(b'{"id": 1, "method": "hello"}\n')
+data = b""
+while not data.endswith(b"\n"):
+    chunk = s.recv(65536)
+    if not chunk:
+        break
+    data += chunk
+print(data.decode(), flush=True)
+"""
+
+HTTP_GET = r"""
+import socket, sys
+where, path, token = sys.argv[1], sys.argv[2], sys.argv[3]
+if where.startswith("/"):
+    s = socket.socket(socket.AF_UNIX); s.settimeout(20); s.connect(where)
+else:
+    host, port = where.rsplit(":", 1); s = socket.create_connection((host, int(port)), timeout=20)
+auth = f"Authorization: Bearer {token}\r\n" if token else ""
+s.sendall(f"GET {path} HTTP/1.1\r\nHost: npud\r\n{auth}Connection: close\r\n\r\n".encode())
+data = b""
+while chunk := s.recv(65536):
+    data += chunk
+print(data.split(b"\r\n")[0].decode(), flush=True)
+"""
+
+
+def run_as(uid: int, gid: int, script: str, *args: str) -> str:
+    proc = subprocess.run(["/usr/bin/python3", "-c", script, *args], user=uid, group=gid, extra_groups=[NOGROUP],
+                          capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"}, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+class LimitedDaemon(DaemonProc):
+    """A DaemonProc whose descriptor limit is NOFILE, hard and soft."""
+
+    def argv(self) -> list[str]:
+        return ["prlimit", f"--nofile={NOFILE}:{NOFILE}", "--", *super().argv()]
+
+
+@pytest.fixture
+def daemon():
+    workdir = fakes.short_tempdir()
+    checkpoint = write_fake_checkpoint(workdir / "fake", tokens_per_round=2)
+    d = LimitedDaemon(workdir, [{"name": "fake", "checkpoint_dir": str(checkpoint)}], fake_engine=True,
+                      server={"socket_group": "nogroup", "admin_group": "daemon", "max_connections": MAX_CONNECTIONS},
+                      http={"tcp_address": "127.0.0.1:0", "tcp_owner_uid": OWNER_UID, "bearer_token": TOKEN})
+    try:
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@needs_root
+def test_idle_tcp_connections_lock_out_nobody(daemon):
+    daemon.start()
+    (listening,) = daemon.events("http_listening")
+    host, port = listening["tcp"].rsplit(":", 1)
+    attacker = subprocess.Popen(["/usr/bin/python3", "-c", ATTACKER, host, port, str(IDLE_CONNECTIONS)],
+                                user=ATTACKER_UID, group=NOGROUP, extra_groups=[], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, env={"PATH": "/usr/bin:/bin"}, cwd="/")
+    try:
+        line = attacker.stdout.readline()
+        assert line, f"the attacker failed (exit {attacker.poll()})"
+        # while the attacker's sockets are open: root, an admin and the TCP owner are served
+        hello = json.loads(run_as(0, 0, MAIN_HELLO, daemon.socket))
+        assert hello["result"]["admin"] is True
+        admin = json.loads(run_as(ADMIN_UID, ADMIN_GID, MAIN_HELLO, daemon.socket))
+        assert admin["result"]["uid"] == ADMIN_UID and admin["result"]["admin"] is True
+        http_sock = str(daemon.dir / "http.sock")
+        assert run_as(ADMIN_UID, ADMIN_GID, HTTP_GET, http_sock, "/v1/models", "") == "HTTP/1.1 200 OK"
+        assert run_as(OWNER_UID, NOGROUP, HTTP_GET, f"{host}:{port}", "/v1/models", TOKEN) == "HTTP/1.1 200 OK"
+        # all but server.max_pending_per_peer (8) were answered 503 at accept and closed
+        assert json.loads(line)["refused"] == IDLE_CONNECTIONS - 8
+        # the refusals name the attacker, not the TCP owner
+        refusals = daemon.events("connection_refused")
+        assert refusals and {e["peer"] for e in refusals} == {f"uid {ATTACKER_UID}"}
+        # the thermal guard still reads its sensor: descriptors never ran out
+        with daemon.client() as c:
+            assert c.device_status()["thermal"]["state"] == "ok"
+    finally:
+        attacker.stdin.close()
+        attacker.wait(30)
+        attacker.stdout.close()
+
+
+@needs_root
+def test_pending_tcp_connections_close_after_the_first_request_deadline(daemon):
+    daemon.write_config(server={"first_request_timeout_s": 0.5})
+    daemon.start()
+    (listening,) = daemon.events("http_listening")
+    host, port = listening["tcp"].rsplit(":", 1)
+    import socket
+    with socket.create_connection((host, int(port)), timeout=20) as s:
+        assert s.recv(4096) == b""  # closed without a word, well before server.idle_timeout_s (120 s here)
+
+
+@needs_root
+def test_a_reload_that_would_mix_old_and_new_http_keys_keeps_the_running_config(daemon):
+    daemon.start()
+    del daemon.config["http"]  # the TCP keys removed: tcp_address is fixed, tcp_owner_uid would be gone
+    daemon.config["limits"]["max_tokens"] = 8
+    daemon.write_config()
+    daemon.hup()
+    failed = wait_for(lambda: daemon.events("config_reload_failed"), 20, what="the failed reload")
+    assert "http.tcp_owner_uid" in failed[-1]["error"]
+    with daemon.client() as c:
+        assert c.hello()["limits"]["max_tokens"] == 4096  # the running configuration, unchanged
+    assert daemon.proc.poll() is None
