@@ -59,6 +59,7 @@ class ServerConfig:
     idle_timeout_s: float = 600.0  # a connection with no request in flight and no input
     line_timeout_s: float = 30.0  # a started line must end within this
     drain_timeout_s: float = 10.0  # SIGTERM: how long the running round may take to finish
+    shutdown_grace_s: float = 5.0  # SIGTERM: how long in-flight `complete`/HTTP requests may take to end
     # HTTP: a connection that has not yet sent a whole (and, on TCP, authorized) first request
     first_request_timeout_s: float = 10.0  # ... is closed after this
     max_pending_per_peer: int = 8  # ... counts against this per peer uid (or address), not the uid's slots
@@ -73,7 +74,7 @@ class ServerConfig:
         if self.socket_mode & 0o007:
             raise DaemonConfigError("server.socket_mode", oct(self.socket_mode), "must not grant access to other users")
         for name in ("max_connections", "max_connections_per_uid", "max_inflight_per_connection", "idle_timeout_s",
-                     "line_timeout_s", "drain_timeout_s", "first_request_timeout_s", "max_pending_per_peer"):
+                     "line_timeout_s", "drain_timeout_s", "shutdown_grace_s", "first_request_timeout_s", "max_pending_per_peer"):
             _positive(f"server.{name}", getattr(self, name))
         if not 0 <= self.admin_reserved_connections < self.max_connections:
             raise DaemonConfigError("server.admin_reserved_connections", self.admin_reserved_connections,

@@ -25,7 +25,7 @@ from npud.http.server import HttpServer
 from npud.jobs import JobManager
 from npud.logsetup import setup_logging
 from npud.metrics import Metrics, snapshot
-from npud.protocol import ApiError
+from npud.protocol import ApiError, ErrorCode
 from npud.registry import ModelRegistry
 from npud import signals
 from npud.server import Server
@@ -188,9 +188,22 @@ class Daemon:
         self.jobs.accepting = False
         self.server.stop_accepting()
         self.http.stop_accepting()
+        grace = self.cfg.server.shutdown_grace_s
+        with self._drain_step(grace):  # in-flight requests may finish; the queue still grants
+            while self.jobs.interactive_jobs():
+                await trio.sleep(0.05)
+        ended = await self.jobs.end_interactive(ApiError(
+            ErrorCode.SHUTTING_DOWN, f"npud is shutting down; the request did not finish within "
+                                     f"server.shutdown_grace_s = {grace} s"))
+        if ended:
+            log.info("shutdown_requests_ended", jobs=ended, shutdown_grace_s=grace)
         self.queue.stop()
         with self._drain_step(deadline) as scope:
             await self.owner.wait_idle()
+        self.jobs.close_subscribers()
+        with self._drain_step(min(2.0, deadline)):  # the final replies go out before the connections close
+            while self.server.requests_inflight:
+                await trio.sleep(0.02)
         if scope.cancelled_caught:
             # the round is abandoned in its thread; the ticket is released as preempted (shutdown)
             log.warning("shutdown_deadline_passed" if not self._hurried else "shutdown_hurried",

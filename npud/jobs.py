@@ -265,6 +265,28 @@ class JobManager:
                 await self.finish(job, JobState.CANCELLED)
         log.info("job_cancel_requested", job=job.id, state=job.state.value)
 
+    # -- shutdown ------------------------------------------------------------------------
+
+    def interactive_jobs(self) -> list[Job]:
+        """The unfinished jobs of clients that wait for them (`complete`, HTTP)."""
+        return [job for job in self.active.values() if job.interactive]
+
+    async def end_interactive(self, error: ApiError) -> int:
+        """SIGTERM after the grace period: end every interactive job with `error` (its client's
+        final word; the job is stored cancelled and not run again). Returns how many."""
+        ended = self.interactive_jobs()
+        for job in ended:
+            job.error = error
+            await self.cancel_job(job)  # a running one stops at the round boundary
+        return len(ended)
+
+    def close_subscribers(self) -> None:
+        """SIGTERM: end every follower of an unfinished job (`stream` answers with the job's status)."""
+        for job in self.active.values():
+            for sub in list(job.subscribers):
+                if not job.interactive:
+                    self.unsubscribe(job, sub)
+
     # -- events to clients ---------------------------------------------------------------
 
     def subscribe(self, job: Job) -> Subscriber:

@@ -156,6 +156,7 @@ class Server:
         self.connections = 0
         self.by_uid: collections.Counter[int] = collections.Counter()  # open connections per peer uid
         self.pending = 0  # HTTP TCP connections not yet counted (no authorized request yet)
+        self.requests_inflight = 0  # requests of both front ends not yet answered (the drain waits for them)
         self.fd_budget = fd_budget()  # past this many connections, new ones are refused at accept
         self._ids = itertools.count(1)
         self._accept_scope: trio.CancelScope | None = None
@@ -306,6 +307,7 @@ class Server:
         async def emit(name: str, data: dict) -> None:
             await conn.send(event(req.id, name, data))
 
+        self.requests_inflight += 1
         try:
             try:
                 result = await self.handler(conn.peer, req, emit)
@@ -320,6 +322,7 @@ class Server:
                                                        "the request failed in the daemon; its log has the details"))
             await self._send_quietly(conn, message)
         finally:
+            self.requests_inflight -= 1
             state.finished(trio.current_time())
             if conn.read_scope is not None:  # the last reply re-arms the idle deadline of the pending read
                 conn.read_scope.deadline = state.deadline()

@@ -165,3 +165,74 @@ def test_a_reload_that_would_mix_old_and_new_http_keys_keeps_the_running_config(
     with daemon.client() as c:
         assert c.hello()["limits"]["max_tokens"] == 4096  # the running configuration, unchanged
     assert daemon.proc.poll() is None
+
+
+# -- SIGTERM: in-flight requests get a final word ------------------------------------------------
+
+def _socket_complete(path: str, out: list) -> None:
+    import socket
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(60)
+    s.connect(path)
+    s.sendall(b'{"id": 1, "method": "complete", "params": {"model": "fake", "prompt": "x", "max_tokens": 4000}}\n')
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    s.close()
+    out.extend(json.loads(line) for line in data.splitlines())
+
+
+def _http_post(path: str, body: dict, out: list) -> None:
+    import socket
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(60)
+    s.connect(path)
+    raw = json.dumps(body).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: npud\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\n\r\n%s" % (len(raw), raw))
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    s.close()
+    out.append(data)
+
+
+@pytest.fixture
+def slow_daemon():
+    workdir = fakes.short_tempdir()
+    checkpoint = write_fake_checkpoint(workdir / "fake", tokens_per_round=1, round_sleep_s=0.02)
+    d = DaemonProc(workdir, [{"name": "fake", "checkpoint_dir": str(checkpoint)}], fake_engine=True,
+                   server={"shutdown_grace_s": 0.3})
+    try:
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_sigterm_ends_each_inflight_request_with_a_final_word(slow_daemon):
+    # before: the streams stopped without a finish chunk, an error event or [DONE], a
+    # non-streaming HTTP request got 0 bytes, and a `complete` got its tokens and then EOF
+    import threading
+    d = slow_daemon.start()
+    http_sock = str(d.dir / "http.sock")
+    sock_out, stream_out, plain_out = [], [], []
+    request = {"model": "fake", "prompt": "x", "max_tokens": 4000}
+    threads = [threading.Thread(target=_socket_complete, args=(d.socket, sock_out)),
+               threading.Thread(target=_http_post, args=(http_sock, {**request, "stream": True}, stream_out)),
+               threading.Thread(target=_http_post, args=(http_sock, request, plain_out))]
+    for t in threads:
+        t.start()
+    with d.client() as c:  # all three accepted (one runs, two wait: one device)
+        wait_for(lambda: len(c.jobs(["queued", "running"])["jobs"]) == 3, 30, what="three jobs")
+    assert d.terminate() == 0
+    for t in threads:
+        t.join(30)
+    assert sock_out[-1]["error"]["code"] == "shutting_down"  # the reply, after whatever tokens came
+    events = stream_out[0].split(b"\r\n\r\n", 1)[1]
+    assert b'"code":"shutting_down"' in events and events.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")  # chunked
+    assert plain_out[0].startswith(b"HTTP/1.1 503 ") and b'"code":"shutting_down"' in plain_out[0]
+    # the jobs are over, not run again by the next start
+    d.start()
+    with d.client() as c:
+        assert {j["state"] for j in c.jobs()["jobs"]} == {"cancelled"}

@@ -338,12 +338,21 @@ class HttpServer:
 
     async def _run(self, stream: trio.SocketStream, conn: h11.Connection, peer: Peer, request: HttpRequest,
                    responder: H11Responder, tcp: bool) -> bool:
-        """Answer the request while watching the connection; returns True when the client went
-        away first (the request, and its job, were cancelled)."""
-        gone = False
+        """Answer the request while watching the connection; returns True when the connection
+        must close: the client went away first (the request, and its job, were cancelled), or it
+        pipelined more than limits.max_line_bytes behind the request (discarded)."""
+        self.server.requests_inflight += 1
+        try:
+            return await self._answer(stream, conn, peer, request, responder, tcp)
+        finally:
+            self.server.requests_inflight -= 1
+
+    async def _answer(self, stream: trio.SocketStream, conn: h11.Connection, peer: Peer, request: HttpRequest,
+                      responder: H11Responder, tcp: bool) -> bool:
+        gone = overflow = False
 
         async def watch(cancel: trio.CancelScope) -> None:
-            nonlocal gone
+            nonlocal gone, overflow
             buffered = 0
             while True:
                 try:
@@ -354,10 +363,11 @@ class HttpServer:
                     gone = True
                     cancel.cancel()
                     return
-                conn.receive_data(data)  # a pipelined request: h11 keeps it for the next cycle
                 buffered += len(data)
                 if buffered > self.cfg.limits.max_line_bytes:
-                    await trio.sleep_forever()  # not read further until this request is answered
+                    overflow = True  # read on (a disconnect must still be seen) but dropped: the
+                    continue  # connection closes after this answer
+                conn.receive_data(data)  # a pipelined request: h11 keeps it for the next cycle
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch, nursery.cancel_scope)
@@ -370,7 +380,7 @@ class HttpServer:
             except ClientGone:  # a send failed: the client stopped reading, or reset the connection
                 gone = True
             nursery.cancel_scope.cancel()
-        return gone
+        return gone or overflow
 
     def _authorized(self, request: HttpRequest) -> bool:
         return request.path == "/health" or self._has_token(request)
