@@ -202,7 +202,8 @@ def slow_daemon():
     workdir = fakes.short_tempdir()
     checkpoint = write_fake_checkpoint(workdir / "fake", tokens_per_round=1, round_sleep_s=0.02)
     d = DaemonProc(workdir, [{"name": "fake", "checkpoint_dir": str(checkpoint)}], fake_engine=True,
-                   server={"shutdown_grace_s": 0.3})
+                   server={"shutdown_grace_s": 0.3},
+                   http={"tcp_address": "127.0.0.1:0", "tcp_owner_uid": OWNER_UID, "bearer_token": TOKEN})
     try:
         yield d
     finally:
@@ -236,3 +237,78 @@ def test_sigterm_ends_each_inflight_request_with_a_final_word(slow_daemon):
     d.start()
     with d.client() as c:
         assert {j["state"] for j in c.jobs()["jobs"]} == {"cancelled"}
+
+
+# -- HTTP framing ----------------------------------------------------------------------------------
+
+def _exchange(where, data: bytes, *, shut: bool = False) -> bytes:
+    """Send `data`, read until the daemon closes (or 5 s of silence)."""
+    import socket
+    if isinstance(where, str):
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(where)
+    else:
+        s = socket.create_connection(where)
+    s.settimeout(5)
+    s.sendall(data)
+    if shut:
+        s.shutdown(socket.SHUT_WR)
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except socket.timeout:
+        pass
+    s.close()
+    return out
+
+
+def _errors_logged(d: DaemonProc) -> list[dict]:
+    return [e for e in d.logs() if e.get("level") in ("error", "critical") or e.get("event") == "connection_error"]
+
+
+def test_head_is_answered_with_headers_only(slow_daemon):
+    # before: the headers announced a body that never came and a ~3 KB traceback was logged at
+    # error level, on the Unix socket and for the TCP listener's 401 alike
+    d = slow_daemon.start()
+    http_sock = str(d.dir / "http.sock")
+    out = _exchange(http_sock, b"HEAD /v1/models HTTP/1.1\r\nHost: npud\r\n\r\n"
+                               b"GET /health HTTP/1.1\r\nHost: npud\r\nConnection: close\r\n\r\n")
+    head, rest = out.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 405 ") and b"content-length: " in head
+    assert rest.startswith(b"HTTP/1.1 200 ")  # no body in between: the next reply follows the headers
+    (listening,) = d.events("http_listening")
+    host, port = listening["tcp"].rsplit(":", 1)
+    out = _exchange((host, int(port)), b"HEAD /v1/models HTTP/1.1\r\nHost: npud\r\n\r\n")
+    head, rest = out.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 401 ") and rest == b""
+    assert not _errors_logged(d)
+
+
+def test_content_length_with_transfer_encoding_is_refused_and_closed(slow_daemon):
+    # before: the body was read by Transfer-Encoding and the connection kept, so the bytes after
+    # the chunked body ran as a second request
+    d = slow_daemon.start()
+    smuggled = b"GET /v1/models HTTP/1.1\r\nHost: npud\r\n\r\n"
+    out = _exchange(str(d.dir / "http.sock"),
+                    b"POST /v1/completions HTTP/1.1\r\nHost: npud\r\ncontent-length: 4\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n" + smuggled)
+    assert out.startswith(b"HTTP/1.1 400 ") and out.count(b"HTTP/1.1 ") == 1
+    assert b"Transfer-Encoding" in out
+
+
+def test_a_client_that_pipelines_too_much_and_leaves_cancels_its_request(slow_daemon):
+    # before: past limits.max_line_bytes of pipelined data the connection was no longer read, so
+    # its disconnect went unnoticed and the job ran on for nobody
+    import socket
+    d = slow_daemon.start()
+    body = json.dumps({"model": "fake", "prompt": "x", "max_tokens": 4000}).encode()
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(str(d.dir / "http.sock"))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: npud\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    with d.client() as c:
+        wait_for(lambda: c.jobs(["running"])["jobs"], 30, what="the job to run")
+        s.sendall(b"G" * (2 * 65536 + 1))  # more than limits.max_line_bytes of a next "request"
+        s.close()
+        (job,) = wait_for(lambda: c.jobs(["cancelled"])["jobs"], 30, what="the job to be cancelled")
+        assert job["tokens"] < 4000
