@@ -115,6 +115,7 @@ class Daemon:
                 nursery.cancel_scope.cancel()
         finally:
             self.errors.close()
+            self.thermal.close()
             self.store.close()
             self.metrics.remove_textfile()  # a stopped npud exports nothing rather than stale numbers
             log.info("daemon_stopped")
