@@ -202,6 +202,8 @@ class Daemon:
         with self._drain_step(deadline) as scope:
             await self.owner.wait_idle()
         self.jobs.close_subscribers()
+        if self.jobs.unsaved:  # a final state the store refused (a full disk) gets a last chance
+            await self.jobs.save_unsaved()
         with self._drain_step(min(2.0, deadline)):  # the final replies go out before the connections close
             while self.server.requests_inflight:
                 await trio.sleep(0.02)

@@ -145,7 +145,8 @@ class JobManager:
     # -- start-up ------------------------------------------------------------------------
 
     async def recover(self) -> int:
-        """Requeue every job that was unfinished when the daemon last stopped; returns how many."""
+        """Requeue every job that was unfinished when the daemon last stopped (an interactive
+        one, whose client went with the connection, is cancelled instead); returns how many."""
         closed = await self.db(self.store.recover, self.wall())
         rows = await self.db(self.store.unfinished_jobs)
         for row in rows:
@@ -153,6 +154,10 @@ class JobManager:
             job = Job(row["job"], row["owner_uid"], Priority.parse(row["priority"]), row["interactive"],
                       JobSpec.from_json(row["request"]), row["created_at"], done_prompts=done,
                       started_at=row["started_at"], tokens=row["tokens"], num_tickets=row["tickets"])
+            if job.interactive:  # its client's connection ended with the last run: nobody waits for it
+                await self.finish(job, JobState.CANCELLED)
+                log.info("job_orphan_cancelled", job=job.id)
+                continue
             self.active[job.id] = job
             job.ticket = self.queue.enqueue(job.id, job.priority, job.owner_uid)
             log.info("job_requeued", job=job.id, done_prompts=len(done), num_prompts=job.spec.num_prompts)

@@ -1,4 +1,5 @@
-"""npud under attack, round two (issue 26): idle connections, reloads and descriptors.
+"""npud under attack, round two (issue 26): idle connections, reloads, descriptors, SIGTERM's
+final words, HTTP framing, and what a restart does with the jobs of clients that are gone.
 
 A daemon process on the fake engine, clients running as other uids (root needed for those),
 real sockets. The lock-out test is the attack the issue describes, scaled to stay lean: the
@@ -312,3 +313,67 @@ def test_a_client_that_pipelines_too_much_and_leaves_cancels_its_request(slow_da
         s.close()
         (job,) = wait_for(lambda: c.jobs(["cancelled"])["jobs"], 30, what="the job to be cancelled")
         assert job["tokens"] < 4000
+
+
+# -- restarts ---------------------------------------------------------------------------------------
+
+def test_interactive_jobs_orphaned_by_kill9_are_cancelled_not_rerun(slow_daemon):
+    # before: an HTTP or `complete` job was requeued by the restart and run to its end for nobody
+    import threading
+    d = slow_daemon.start()
+    http_sock = str(d.dir / "http.sock")
+    out: list = []
+    threads = [threading.Thread(target=_socket_complete, args=(d.socket, out)),
+               threading.Thread(target=_http_post, args=(http_sock, {"model": "fake", "prompt": "x",
+                                                                     "max_tokens": 4000}, out))]
+    for t in threads:
+        t.start()
+    with d.client() as c:
+        batch = c.submit(["y"], max_tokens=5)["job"]  # a batch job: it is run after the restart
+        wait_for(lambda: len(c.jobs(["queued", "running"])["jobs"]) == 3, 30, what="three jobs")
+    d.kill9()
+    for t in threads:
+        t.join(30)
+    d.start()
+    with d.client() as c:
+        states = {j["job"]: j for j in c.jobs()["jobs"]}
+        wait_for(lambda: c.status(batch)["state"] == "done", 30, what="the batch job")
+        interactive = [j for j in c.jobs()["jobs"] if j["job"] != batch]
+    assert len(interactive) == 2 and {j["state"] for j in interactive} == {"cancelled"}
+    assert {e["job"] for e in d.events("job_orphan_cancelled")} == {j["job"] for j in interactive}
+    assert len(states) == 3
+
+
+async def test_a_failed_job_stays_failed_across_a_restart(workdir_async, monkeypatch):
+    # before: a job that failed on a full disk stayed `running` in the store; the next start
+    # ran it again to `done`, so a client that resubmitted on `failed` got the work twice
+    import trio
+    from clients.client import AsyncClient
+    from npud import jobs as jobs_module
+    from test_attack_store import DiskFull
+    from test_npud_support import make_config, start
+    monkeypatch.setattr(jobs_module, "STORE_RETRY_S", 3600.0, raising=False)  # only the drain retries
+    disk = DiskFull(monkeypatch, results_left=1)
+    cfg = make_config(workdir_async, knobs={"tokens_per_round": 1, "round_sleep_s": 0.005})
+    async with trio.open_nursery() as nursery:
+        daemon = await start(nursery, cfg)
+        async with await AsyncClient.connect(cfg.server.socket_path) as c:
+            job = (await c.submit(["a", "b", "c"], max_tokens=20))["job"]
+            with trio.fail_after(20):
+                status = await c.stream(job, tokens=False).wait()
+        assert status["state"] == "failed" and daemon.store.job(job)["state"] == "running"
+        disk.full = False  # space again, before the stop
+        daemon.request_stop()
+    async with trio.open_nursery() as nursery:
+        daemon = await start(nursery, cfg)
+        async with await AsyncClient.connect(cfg.server.socket_path) as c:
+            status = await c.status(job)
+        daemon.request_stop()
+    assert status["state"] == "failed" and status["error"]["code"] == "store_full"
+
+
+@pytest.fixture
+def workdir_async():
+    d = fakes.short_tempdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
