@@ -152,13 +152,23 @@ def test_idle_tcp_connections_lock_out_nobody(daemon):
 
 @needs_root
 def test_pending_tcp_connections_close_after_the_first_request_deadline(daemon):
-    daemon.write_config(server={"first_request_timeout_s": 0.5})
+    daemon.write_config(server={"first_request_timeout_s": 0.5, "max_pending_per_peer": 1})
     daemon.start()
     (listening,) = daemon.events("http_listening")
     host, port = listening["tcp"].rsplit(":", 1)
     import socket
-    with socket.create_connection((host, int(port)), timeout=20) as s:
+    with socket.create_connection((host, int(port)), timeout=60) as s:
         assert s.recv(4096) == b""  # closed without a word, well before server.idle_timeout_s (120 s here)
+    # its pending slot is free again: the next connection is held (then closed), not refused
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        assert s.recv(4096) == b""
+    # and one that sends the token becomes the owner's, leaving the pending slot to the next
+    with socket.create_connection((host, int(port)), timeout=60) as authorized:
+        authorized.sendall(f"GET /v1/models HTTP/1.1\r\nHost: npud\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+        assert authorized.recv(4096).startswith(b"HTTP/1.1 200 ")
+        with socket.create_connection((host, int(port)), timeout=60) as s:
+            assert s.recv(4096) == b""
+    assert not daemon.events("connection_refused")
 
 
 @needs_root
