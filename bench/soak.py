@@ -141,6 +141,7 @@ class Tally:
         self.down = 0  # requests that met a daemon being killed or restarted
         self.acked: dict[int, int] = {}  # batch job -> prompts
         self.cancelled: set[int] = set()
+        self.cancel_sent: set[int] = set()  # a cancel was sent (its reply may have timed out)
         self.keys: set[str] = set()
 
     def code(self, code: str) -> None:
@@ -226,6 +227,8 @@ def client_worker(socket_path: str, tally: Tally, stop: threading.Event, seed: i
                         jobs = list(tally.acked)
                     if jobs:
                         job = rng.choice(jobs)
+                        with tally.lock:
+                            tally.cancel_sent.add(job)
                         reply = reply_code(lambda: c.cancel(job), tally, hang_s)
                         if reply is not None and reply["cancelled"]:
                             with tally.lock:
@@ -472,17 +475,24 @@ def main() -> int:
 
     # every acknowledged batch job ends with each prompt's result exactly once
     lost = duplicated = unfinished = 0
+    failed: collections.Counter[str] = collections.Counter()
+    cancelled_unasked = 0  # cancelled with no cancel sent: a real loss
     with Client(daemon.socket, timeout=120) as c:
         for job, n in sorted(tally.acked.items()):
             deadline = time.monotonic() + 300
             while (state := c.status(job)["state"]) in ("queued", "running") and time.monotonic() < deadline:
                 time.sleep(0.2)
+            status = c.status(job)
             prompts = [r["prompt"] for r in c.result(job)["results"]]
             duplicated += len(prompts) - len(set(prompts))
             if state in ("queued", "running"):
                 unfinished += 1
-            elif job not in tally.cancelled:
+            elif state == "done":  # a done job has every prompt's result
                 lost += n - len(set(prompts))
+            elif state == "failed":
+                failed[(status.get("error") or {}).get("code", "?")] += 1
+            elif job not in tally.cancel_sent:
+                cancelled_unasked += 1
         ours, before = 0, None
         while page := c.jobs(limit=1000, before=before)["jobs"]:  # newest first
             ours += sum(1 for j in page if j["priority"] == "interactive" and not j["interactive"])
@@ -512,7 +522,9 @@ def main() -> int:
         ("hangs (no reply within --hang-s)", tally.hangs),
         ("requests that met a killed/restarting daemon", tally.down),
         ("acknowledged batch jobs (cancelled)", f"{len(tally.acked)} ({len(tally.cancelled)})"),
-        ("lost prompts", lost),
+        ("lost prompts (of done jobs)", lost),
+        ("failed jobs by code", dict(failed)),
+        ("jobs cancelled that no client cancelled", cancelled_unasked),
         ("duplicated prompt results", duplicated),
         ("duplicated jobs (retried submits)", duplicated_jobs),
         ("unfinished at the end", unfinished),
