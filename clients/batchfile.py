@@ -158,6 +158,13 @@ def read_lines(raw_lines: Iterable[bytes | str], name: str, defaults: dict) -> l
             raise InputError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})") from None
         except RecursionError:
             raise InputError(f"{where}: nested too deeply") from None
+        except ValueError:  # Python's bound on integer digits (4,300)
+            raise InputError(f"{where}: a number has too many digits") from None
+        try:  # an escape like \ud800 without its pair is no character: it cannot be sent or written
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError(f"{where}: a string holds a lone UTF-16 surrogate (an escape like \\ud800 "
+                             "without its pair), which is not text") from None
         endpoint = user_id = None
         if is_openai_line(obj):
             try:
@@ -180,19 +187,37 @@ def read_lines(raw_lines: Iterable[bytes | str], name: str, defaults: dict) -> l
     return lines
 
 
-def plan_jobs(lines: list[Line], max_prompts_per_job: int) -> list[JobPlan]:
+ENVELOPE_BYTES = 4096  # a request's id, method, job settings and JSON punctuation, generously
+
+
+def line_bytes(line: Line) -> int:
+    """About how many bytes the line adds to a submit request (its prompt or chat, its settings)."""
+    return len(json.dumps([line.prompt if line.prompt is not None else line.messages, line.own]).encode()) + 8
+
+
+def plan_jobs(lines: list[Line], max_prompts_per_job: int, max_line_bytes: int | None = None) -> list[JobPlan]:
     """Group lines into jobs by job settings (model, priority) and kind, in order of first
-    appearance, at most `max_prompts_per_job` prompts each; their other settings go with
-    each prompt."""
+    appearance, at most `max_prompts_per_job` prompts each (and, given the daemon's
+    `max_line_bytes`, requests that fit in it); their other settings go with each prompt.
+    Raises InputError naming a line too large for any request."""
+    budget = None if max_line_bytes is None else max_line_bytes - ENVELOPE_BYTES
     groups: dict[str, list[JobPlan]] = {}
+    sizes: dict[int, int] = {}
     order: list[JobPlan] = []
     for line in lines:
+        size = line_bytes(line)
+        if budget is not None and size > budget:
+            raise InputError(f"line {line.number}: about {size} bytes of JSON, more than a request may carry "
+                             f"(the daemon's limits.max_line_bytes = {max_line_bytes})")
         key = json.dumps([line.prompt is not None, line.job_settings], sort_keys=True)
         plans = groups.setdefault(key, [])
-        if not plans or len(plans[-1].lines) >= max_prompts_per_job:
+        if not plans or len(plans[-1].lines) >= max_prompts_per_job or (
+                budget is not None and sizes[id(plans[-1])] + size > budget):
             plans.append(JobPlan(line.job_settings))
+            sizes[id(plans[-1])] = 0
             order.append(plans[-1])
         plans[-1].lines.append(line)
+        sizes[id(plans[-1])] += size
     return order
 
 

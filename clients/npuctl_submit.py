@@ -196,7 +196,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     try:
         with connect(args) as c:
             hello = c.hello("npuctl")
-            plans = plan_jobs(lines, int(hello["limits"]["max_prompts_per_job"]))
+            try:
+                plans = plan_jobs(lines, int(hello["limits"]["max_prompts_per_job"]),
+                                  hello["limits"].get("max_line_bytes"))
+            except InputError as exc:
+                raise UsageError(f"{name}:{str(exc).removeprefix('line ')}") from None
             statuses = _submit_all(c, plans, name)
             if not args.wait:
                 _print_submitted(args, statuses, plans)

@@ -72,15 +72,15 @@ def fim_prompt_ids(tokenizer, fim: FimTokens | None, prefix: str, suffix: str,
     ids: list[int] = []
     if fim.file_sep is not None:
         for filename, text in extra:
-            ids += [fim.file_sep, *tokenizer.encode(f"{filename}\n{text}")]
+            ids += [fim.file_sep, *tokenizer.encode_text(f"{filename}\n{text}")]
         if extra:
             ids.append(fim.file_sep)  # the file being edited starts here
         head = ""
     else:
         head = "".join(CHUNK_HEADER.format(filename=f) + text + "\n" for f, text in extra)
     ids.append(fim.prefix)
-    ids += tokenizer.encode(head + prefix)
+    ids += tokenizer.encode_text(head + prefix)  # user text: a marker's spelling in it stays text
     ids.append(fim.suffix)
-    ids += tokenizer.encode(suffix)
+    ids += tokenizer.encode_text(suffix)
     ids.append(fim.middle)
     return ids

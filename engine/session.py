@@ -214,10 +214,9 @@ class LoadedModel(TokenizerMethods):
             if req.suffix is not None:
                 ids = fim_prompt_ids(self.tokenizer, self.fim_tokens, req.prompt, req.suffix, req.fim_extra)
             elif req.messages is not None:
-                ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(list(req.messages),
-                                                                              add_generation_prompt=True))
+                ids = self.tokenizer.encode_chat(list(req.messages), add_generation_prompt=True)
             else:
-                ids = self.tokenizer.encode(req.prompt)
+                ids = self.tokenizer.encode_text(req.prompt)  # a control token's spelling stays text
         except TokenizerError as exc:  # a template that fails on these messages: the request's fault
             raise RequestError(str(exc)) from exc
         bos = self.tokenizer.bos_token_id

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import operator
+import re
+import secrets
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
@@ -28,6 +30,11 @@ from engine.api import ModelError
 class TokenizerError(ModelError):
     """A tokenizer file is missing or malformed, or a chat cannot be rendered."""
 
+
+# a control token's spelling: <|im_start|>, <|fim_middle|>, <|file_sep|>, ... (besides those marked special)
+_CONTROL_SHAPE = re.compile(r"<\|[^|<>\s]{1,64}\|>")
+# past this many characters encode() runs where the GIL is released (tokenizers' encode_batch)
+_LONG_TEXT = 16384
 
 # the named special tokens transformers passes to chat templates (SPECIAL_TOKENS_ATTRIBUTES)
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -186,6 +193,13 @@ class Tokenizer:
         self._added_ids = frozenset(added_tokens)  # their pieces are their text, not byte-encoded
         added = {i for i, tok in added_tokens.items() if tok.special}
         self.special_token_ids: frozenset[int] = frozenset(added | set(ids.values()) | set(extra_special_ids))
+        # spellings that user text may contain but must not turn into (encode_text, encode_chat):
+        # the special added tokens and those shaped <|...|> (Qwen's FIM markers are not "special")
+        self.control_tokens: tuple[str, ...] = tuple(sorted(
+            {tok.content for i, tok in added_tokens.items()
+             if i in self.special_token_ids or _CONTROL_SHAPE.fullmatch(tok.content)}, key=lambda t: (-len(t), t)))
+        self._control_re = re.compile("|".join(map(re.escape, self.control_tokens))) if self.control_tokens else None
+        self._plain: _Backend | None = None  # the backend without added tokens: their spellings as text
         self._decodable: dict[int, np.ndarray | None] = {}  # width -> Tokenizer.decodable(width)
         self._token_bytes: dict[int, bytes] = {}  # id -> Tokenizer.token_bytes(id), filled as asked
         self._byte_decoder: dict[str, int] | None = None  # GPT-2's alphabet reversed, for byte-level BPE
@@ -325,10 +339,58 @@ class Tokenizer:
         self._templates = {"default": template}
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Returns the token ids of `text`; special tokens written in the text map to their ids."""
+        """Returns the token ids of `text`; special tokens written in the text map to their ids
+        (markup: a rendered template's own; for what a user wrote, encode_text)."""
         if not isinstance(text, str):
             raise TokenizerError(f"text must be a str, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return _ids(self._backend, text, add_special_tokens)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Returns the token ids of user text: a control token's spelling in it (<|im_end|>,
+        <|fim_middle|>, ...) is encoded as the characters it is made of, never as the token."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"text must be a str, got {type(text).__name__}")
+        nonce = secrets.token_hex(8)
+        return self._encode_marked(self._mark(text, nonce), nonce)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """Returns the token ids of the messages rendered by the chat template (as
+        apply_chat_template): the template's markup becomes control tokens, what the messages
+        say is encoded as text (encode_text), so a message cannot close its own turn."""
+        nonce = secrets.token_hex(8)
+        marked = self._mark(messages, nonce)
+        return self._encode_marked(self.apply_chat_template(marked, add_generation_prompt, **kwargs), nonce)
+
+    def _mark(self, value: Any, nonce: str) -> Any:
+        """`value` with each control token's spelling in its strings replaced by a marker no
+        client can write (private-use delimiters around a fresh nonce and the token's index)."""
+        if isinstance(value, str):
+            if self._control_re is None or self._control_re.search(value) is None:
+                return value
+            index = {t: i for i, t in enumerate(self.control_tokens)}
+            return self._control_re.sub(lambda m: f"\ue000{nonce}{index[m.group(0)]}\ue001", value)
+        if isinstance(value, dict):
+            return {k: self._mark(v, nonce) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self._mark(v, nonce) for v in value]
+        return value
+
+    def _encode_marked(self, text: str, nonce: str) -> list[int]:
+        """Encode `text`, its markers (see _mark) as their token's spelling in plain text."""
+        parts = re.split(f"\ue000{nonce}(\\d+)\ue001", text)
+        if len(parts) == 1:
+            return _ids(self._backend, text)
+        if self._plain is None:
+            spec = json.loads(self._backend.to_str())
+            spec["added_tokens"] = []
+            self._plain = _Backend.from_str(json.dumps(spec))
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                ids += _ids(self._plain, self.control_tokens[int(part)])
+            elif part:
+                ids += _ids(self._backend, part)
+        return ids
 
     def token_id(self, content: str) -> int | None:
         """The id of the token whose text is exactly `content` (a special token's, say), or None."""
@@ -467,6 +529,14 @@ class Tokenizer:
     def decoder(self, skip_special_tokens: bool = False) -> "IncrementalDecoder":
         """Returns a fresh streaming decoder."""
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
+
+
+def _ids(backend: _Backend, text: str, add_special_tokens: bool = False) -> list[int]:
+    """The backend's ids for `text`; a long text through encode_batch, which lets other Python
+    threads run meanwhile (a daemon's event loop while a 1 MB prompt is tokenized)."""
+    if len(text) > _LONG_TEXT:
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
 
 class IncrementalDecoder:

@@ -61,6 +61,10 @@ class ServerConfig:
     idle_timeout_s: float = 600.0  # a connection with no request in flight and no input
     line_timeout_s: float = 30.0  # a started line must end within this
     drain_timeout_s: float = 10.0  # SIGTERM: how long the running round may take to finish
+    shutdown_grace_s: float = 5.0  # SIGTERM: how long in-flight `complete`/HTTP requests may take to end
+    # HTTP: a connection that has not yet sent a whole (and, on TCP, authorized) first request
+    first_request_timeout_s: float = 10.0  # ... is closed after this
+    max_pending_per_peer: int = 8  # ... counts against this per peer uid (or address), not the uid's slots
 
     def __post_init__(self) -> None:
         if not self.socket_path:
@@ -72,7 +76,7 @@ class ServerConfig:
         if self.socket_mode & 0o007:
             raise DaemonConfigError("server.socket_mode", oct(self.socket_mode), "must not grant access to other users")
         for name in ("max_connections", "max_connections_per_uid", "max_inflight_per_connection", "idle_timeout_s",
-                     "line_timeout_s", "drain_timeout_s"):
+                     "line_timeout_s", "drain_timeout_s", "shutdown_grace_s", "first_request_timeout_s", "max_pending_per_peer"):
             _positive(f"server.{name}", getattr(self, name))
         if not 0 <= self.admin_reserved_connections < self.max_connections:
             raise DaemonConfigError("server.admin_reserved_connections", self.admin_reserved_connections,
@@ -119,6 +123,8 @@ class HttpConfig:
                                                                      "characters")
         if self.tcp_owner_uid is not None and not 0 <= self.tcp_owner_uid < 2**32 - 1:
             raise DaemonConfigError("http.tcp_owner_uid", self.tcp_owner_uid, "must be a uid (>= 0)")
+        if self.allow_remote and not self.bearer_token:  # on any address: the docs promise the token
+            raise DaemonConfigError("http.allow_remote", True, "needs http.bearer_token")
         if not self.tcp_address:
             return
         try:
@@ -128,13 +134,10 @@ class HttpConfig:
         if self.tcp_owner_uid is None:
             raise DaemonConfigError("http.tcp_owner_uid", None, "is required with http.tcp_address (a TCP peer has "
                                                                 "no credentials: its jobs belong to this uid)")
-        if not ipaddress.ip_address(host).is_loopback:
-            if not self.allow_remote:
-                raise DaemonConfigError("http.tcp_address", self.tcp_address,
-                                        "not a loopback address; set http.allow_remote (with http.bearer_token) "
-                                        "to serve other hosts")
-            if not self.bearer_token:
-                raise DaemonConfigError("http.allow_remote", True, "needs http.bearer_token")
+        if not ipaddress.ip_address(host).is_loopback and not self.allow_remote:
+            raise DaemonConfigError("http.tcp_address", self.tcp_address,
+                                    "not a loopback address; set http.allow_remote (with http.bearer_token) "
+                                    "to serve other hosts")
 
     def unix_path(self, server: "ServerConfig") -> str:
         """The HTTP socket's path: socket_path, or http.sock beside the main socket."""

@@ -26,7 +26,7 @@ from npud.http.server import HttpServer
 from npud.jobs import JobManager
 from npud.logsetup import setup_logging
 from npud.metrics import Metrics, snapshot
-from npud.protocol import ApiError
+from npud.protocol import ApiError, ErrorCode
 from npud.registry import ModelRegistry
 from npud import signals
 from npud.server import Server
@@ -119,6 +119,7 @@ class Daemon:
                 nursery.cancel_scope.cancel()
         finally:
             self.errors.close()
+            self.thermal.close()
             self.store.close()
             self.metrics.remove_textfile()  # a stopped npud exports nothing rather than stale numbers
             log.info("daemon_stopped")
@@ -201,9 +202,24 @@ class Daemon:
         self.jobs.accepting = False
         self.server.stop_accepting()
         self.http.stop_accepting()
+        grace = self.cfg.server.shutdown_grace_s
+        with self._drain_step(grace):  # in-flight requests may finish; the queue still grants
+            while self.jobs.interactive_jobs():
+                await trio.sleep(0.05)
+        ended = await self.jobs.end_interactive(ApiError(
+            ErrorCode.SHUTTING_DOWN, f"npud is shutting down; the request did not finish within "
+                                     f"server.shutdown_grace_s = {grace} s"))
+        if ended:
+            log.info("shutdown_requests_ended", jobs=ended, shutdown_grace_s=grace)
         self.queue.stop()
         with self._drain_step(deadline) as scope:
             await self.owner.wait_idle()
+        self.jobs.close_subscribers()
+        if self.jobs.unsaved:  # a final state the store refused (a full disk) gets a last chance
+            await self.jobs.save_unsaved()
+        with self._drain_step(min(2.0, deadline)):  # the final replies go out before the connections close
+            while self.server.requests_inflight:
+                await trio.sleep(0.02)
         if scope.cancelled_caught:
             # the round is abandoned in its thread; the ticket is released as preempted (shutdown)
             log.warning("shutdown_deadline_passed" if not self._hurried else "shutdown_hurried",
@@ -254,10 +270,12 @@ class Daemon:
             return
         try:
             new = self.overrides(load_config(self.config_path))
+            # the fixed fields are kept from the running config, and the mix is checked again:
+            # removing [http]'s TCP keys keeps the old tcp_address without its tcp_owner_uid
+            cfg, ignored = diff_for_reload(self.cfg, new)
         except DaemonConfigError as exc:
-            log.error("config_reload_failed", error=str(exc))
+            log.error("config_reload_failed", error=str(exc), kept="the running configuration")
             return
-        cfg, ignored = diff_for_reload(self.cfg, new)
         await self.apply(cfg)
         log.info("config_reloaded", path=str(self.config_path), ignored=ignored)
 

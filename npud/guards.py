@@ -28,7 +28,7 @@ import structlog
 import trio
 
 from npud.config import ErrorsConfig, ThermalConfig
-from npud.hwmon import HwmonSensors, read_hwmon
+from npud.hwmon import HwmonReader, HwmonSensors, SensorFiles
 from npud.kmsg import Kind, Matcher, parse
 from npud.tickets import TicketQueue
 
@@ -55,6 +55,9 @@ class ThermalGuard:
         self.npu_power_w: float | None = None  # hwmon amdxdna NPU_power, where the driver has it
         self._said_no_sensor = False
         self._had_reading = False  # a sensor has been read since start-up: losing it fails closed
+        self._files = SensorFiles()  # held open: a full descriptor table must not blind the guard
+        self._hwmon: HwmonReader | None = None
+        self._matches: dict[str, list[str]] = {}  # the last non-empty expansion of each `paths` glob
 
     def read(self) -> tuple[float | None, list[str]]:
         """The temperature to act on in degrees C (None if no sensor could be read) and its sources.
@@ -63,7 +66,9 @@ class ThermalGuard:
         else the package's (hwmon "k10temp", Tctl), else the configured psutil chips; the
         configured `paths` are read in every case and the hottest reading counts."""
         readings: list[tuple[float, str]] = []
-        sensors = read_hwmon(self.cfg.hwmon_dir) if self.cfg.hwmon_dir else HwmonSensors()
+        if self.cfg.hwmon_dir and (self._hwmon is None or self._hwmon.root != self.cfg.hwmon_dir):
+            self._hwmon = HwmonReader(self.cfg.hwmon_dir, self._files)
+        sensors = self._hwmon.read() if self.cfg.hwmon_dir else HwmonSensors()
         self.npu_power_w = sensors.npu_power_w
         if sensors.npu_temp_c is not None:
             readings.append((sensors.npu_temp_c, "hwmon:amdxdna/NPU_temperature"))
@@ -79,11 +84,12 @@ class ThermalGuard:
                     if entry.current is not None:
                         readings.append((float(entry.current), f"psutil:{chip}/{entry.label or 'temp'}"))
         for pattern in self.cfg.paths:
-            for path in sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]:
-                try:
-                    with open(path, encoding="ascii") as f:
-                        milli = int(f.read().strip())
-                except (OSError, ValueError):
+            paths = [pattern]
+            if glob.has_magic(pattern):  # globbing opens directories: keep the last good expansion
+                paths = self._matches[pattern] = sorted(glob.glob(pattern)) or self._matches.get(pattern, [])
+            for path in paths:
+                milli = self._files.read_int(path)
+                if milli is None:
                     continue  # a sensor that vanished or reads garbage is not a reading
                 readings.append((milli / 1000.0, path))
         if not readings:
@@ -143,6 +149,10 @@ class ThermalGuard:
         while True:
             await trio.sleep(self.cfg.poll_interval_s)
             self.poll()
+
+    def close(self) -> None:
+        """Close the held sensor files."""
+        self._files.close()
 
     def to_wire(self) -> dict:
         return {"state": self.state, "reading_c": self.reading_c, "sources": self.sources,

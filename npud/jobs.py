@@ -160,7 +160,8 @@ class JobManager:
     # -- start-up ------------------------------------------------------------------------
 
     async def recover(self) -> int:
-        """Requeue every job that was unfinished when the daemon last stopped; returns how many."""
+        """Requeue every job that was unfinished when the daemon last stopped (an interactive
+        one, whose client went with the connection, is cancelled instead); returns how many."""
         closed = await self.db(self.store.recover, self.wall())
         rows = await self.db(self.store.unfinished_jobs)
         for row in rows:
@@ -168,6 +169,10 @@ class JobManager:
             job = Job(row["job"], row["owner_uid"], Priority.parse(row["priority"]), row["interactive"],
                       JobSpec.from_json(row["request"]), row["created_at"], done_prompts=done,
                       started_at=row["started_at"], tokens=row["tokens"], num_tickets=row["tickets"])
+            if job.interactive:  # its client's connection ended with the last run: nobody waits for it
+                await self.finish(job, JobState.CANCELLED)
+                log.info("job_orphan_cancelled", job=job.id)
+                continue
             self.active[job.id] = job
             job.ticket = self.queue.enqueue(job.id, job.priority, job.owner_uid)
             log.info("job_requeued", job=job.id, done_prompts=len(done), num_prompts=job.spec.num_prompts)
@@ -279,6 +284,28 @@ class JobManager:
             elif ticket is None and job.state is JobState.QUEUED:  # yielded for shutdown
                 await self.finish(job, JobState.CANCELLED)
         log.info("job_cancel_requested", job=job.id, state=job.state.value)
+
+    # -- shutdown ------------------------------------------------------------------------
+
+    def interactive_jobs(self) -> list[Job]:
+        """The unfinished jobs of clients that wait for them (`complete`, HTTP)."""
+        return [job for job in self.active.values() if job.interactive]
+
+    async def end_interactive(self, error: ApiError) -> int:
+        """SIGTERM after the grace period: end every interactive job with `error` (its client's
+        final word; the job is stored cancelled and not run again). Returns how many."""
+        ended = self.interactive_jobs()
+        for job in ended:
+            job.error = error
+            await self.cancel_job(job)  # a running one stops at the round boundary
+        return len(ended)
+
+    def close_subscribers(self) -> None:
+        """SIGTERM: end every follower of an unfinished job (`stream` answers with the job's status)."""
+        for job in self.active.values():
+            for sub in list(job.subscribers):
+                if not job.interactive:
+                    self.unsubscribe(job, sub)
 
     # -- events to clients ---------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from npud import __version__, userdirs
 from npud.config import (DEFAULT_CONFIG_PATH, DaemonConfigError, DaemonConfig, ModelEntry, ServerConfig,
                          StoreConfig, check_models, load_config, model_path)
 from npud.logsetup import setup_logging
+from npud.peers import raise_nofile_limit
 from npud.store import StoreError
 
 EXIT_START_FAILED = 1
@@ -165,6 +166,7 @@ def main(argv: list[str] | None = None, *, loader: ModelLoader = load_model) -> 
               f"state {cfg.store.state_dir})")
         return 0
     setup_logging(cfg.logging)
+    raise_nofile_limit()  # one descriptor per connection: take what the hard limit (LimitNOFILE=) allows
     from npud.daemon import Daemon  # after logging is set up: loggers are bound at import
 
     started: list = []

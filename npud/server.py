@@ -26,6 +26,7 @@ import trio
 from npud.config import DaemonConfig, ServerConfig
 from npud.connection import ConnectionState, Limits
 from npud.jobs import Caller
+from npud.peers import fd_budget
 from npud.protocol import ApiError, ErrorCode, Request, encode, error_reply, event, reply
 from npud.systemd import inherited_listener
 
@@ -158,6 +159,9 @@ class Server:
         self.handler = handler
         self.connections = 0
         self.by_uid: collections.Counter[int] = collections.Counter()  # open connections per peer uid
+        self.pending = 0  # HTTP TCP connections not yet counted (no authorized request yet)
+        self.requests_inflight = 0  # requests of both front ends not yet answered (the drain waits for them)
+        self.fd_budget = fd_budget()  # past this many connections, new ones are refused at accept
         self._ids = itertools.count(1)
         self._accept_scope: trio.CancelScope | None = None
         self._listener: trio.SocketListener | None = None
@@ -213,11 +217,32 @@ class Server:
             self.connections -= 1
             await trio.aclose_forcefully(stream)
 
+    def count(self, uid: int) -> Callable[[], None]:
+        """Count a connection of `uid` (in `connections` and `by_uid`); returns the uncount."""
+        self.connections += 1
+        self.by_uid[uid] += 1
+
+        def release() -> None:
+            self.connections -= 1
+            self.by_uid[uid] -= 1
+            if not self.by_uid[uid]:
+                del self.by_uid[uid]
+        return release
+
+    def short_of_descriptors(self) -> bool:
+        """Connections (counted and pending) have taken the descriptors npud may give them: new
+        ones are refused, so the store, the models and the guards keep theirs (npud/peers.py)."""
+        return self.connections + self.pending > self.fd_budget
+
     def refusal(self, uid: int, admin: bool) -> ApiError | None:
         """Why a new connection of `uid` is refused, or None. Counts include it. One uid holds at
         most max_connections_per_uid, and the last admin_reserved_connections slots are kept for
-        root and the admin group, so an operator can act while someone holds every other slot."""
+        root and the admin group, so an operator can act while someone holds every other slot.
+        Nobody gets a connection past the descriptor budget."""
         server = self.cfg.server
+        if self.short_of_descriptors():
+            log.warning("descriptors_low", connections=self.connections, pending=self.pending, budget=self.fd_budget)
+            return ApiError(ErrorCode.OVERLOADED, "npud is short of file descriptors; try again later")
         if self.connections > server.max_connections:
             return ApiError(ErrorCode.OVERLOADED,
                             f"npud has {server.max_connections} connections, its limit (server.max_connections)")
@@ -286,6 +311,7 @@ class Server:
         async def emit(name: str, data: dict) -> None:
             await conn.send(event(req.id, name, data))
 
+        self.requests_inflight += 1
         try:
             try:
                 result = await self.handler(conn.peer, req, emit)
@@ -300,6 +326,7 @@ class Server:
                                                        "the request failed in the daemon; its log has the details"))
             await self._send_quietly(conn, message)
         finally:
+            self.requests_inflight -= 1
             state.finished(trio.current_time())
             if conn.read_scope is not None:  # the last reply re-arms the idle deadline of the pending read
                 conn.read_scope.deadline = state.deadline()

@@ -15,6 +15,8 @@ import test_npud_support as fakes
 from npud.protocol import ErrorCode, LineReader
 from test_npud_support import make_config, start
 
+pytestmark = pytest.mark.hog  # run again under a CPU hog by .ci/run
+
 STABLE_CODES = {c.value for c in ErrorCode} - {ErrorCode.INTERNAL_ERROR.value}
 
 

@@ -609,6 +609,11 @@ BAD_FILES = [
     (['{"prompt": "a", "sampling": {"temp": 1}}'], 1,
      "\"sampling\": unknown key 'temp' (known: temperature, top_k, top_p, seed)"),
     (['{"prompt": "a", "max_tokens": "8"}'], 1, '"max_tokens" must be an integer, got a string'),
+    # issue 26: these were tracebacks
+    (['{"prompt": "a"}', '{"prompt": "a", "max_tokens": ' + "9" * 5001 + "}"], 2, "a number has too many digits"),
+    (['{"prompt": "a"}', '{"custom_id": "\\ud800", "method": "POST", "url": "/v1/completions", '
+                         '"body": {"model": "m", "prompt": "b"}}'], 2,
+     "a string holds a lone UTF-16 surrogate (an escape like \\ud800 without its pair), which is not text"),
 ]
 
 
@@ -724,6 +729,19 @@ def test_plan_jobs_groups_by_model_priority_and_kind_and_splits_at_the_job_limit
     plans = plan_jobs(lines, 1024)
     assert [[ln.number for ln in p.lines] for p in plans] == [[1, 2, 3, 4, 7], [5], [6], [8]]
     assert plans[0].params()["prompt_settings"] == [None, None, {"max_tokens": 2}, None, {"sampling": {"seed": 5}}]
+
+
+def test_plan_jobs_keeps_requests_within_the_line_limit_and_names_a_line_too_large():
+    # before: a job too large for the daemon's line limit was refused as a whole and reported
+    # at its first line, whichever line was too large
+    big = "x" * 3000
+    lines = read_lines(['"a"', '"b"', f'"{big}"', f'"{big}"', '"c"'], "in", {})
+    plans = plan_jobs(lines, 1024, 4096 + 3100)
+    assert [[ln.number for ln in p.lines] for p in plans] == [[1, 2, 3], [4, 5]]
+    lines = read_lines(['"a"', '"b"', '"' + "x" * 70000 + '"'], "in", {})
+    with pytest.raises(InputError, match=r"^line 3: about 70016 bytes of JSON, more than a request may carry "
+                                         r"\(the daemon's limits.max_line_bytes = 65536\)"):
+        plan_jobs(lines, 1024, 65536)
 
 
 def test_line_settings_merge_over_the_command_line():

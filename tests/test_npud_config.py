@@ -187,6 +187,9 @@ def test_http_listens_beside_the_main_socket_by_default():
     ({"tcp_address": "0.0.0.0:8080", "tcp_owner_uid": 1000}, "http.tcp_address", "not a loopback address"),
     ({"tcp_address": "192.168.1.5:8080", "tcp_owner_uid": 1000, "allow_remote": True}, "http.allow_remote",
      "needs http.bearer_token"),
+    # a loopback address too: the docs promise the token with allow_remote (issue 26)
+    ({"tcp_address": "127.0.0.1:8080", "tcp_owner_uid": 1000, "allow_remote": True}, "http.allow_remote",
+     "needs http.bearer_token"),
     ({"tcp_address": "127.0.0.1:8080"}, "http.tcp_owner_uid", "is required"),
     ({"tcp_address": "localhost:8080", "tcp_owner_uid": 1000}, "http.tcp_address", "HOST:PORT"),
     ({"tcp_address": "127.0.0.1", "tcp_owner_uid": 1000}, "http.tcp_address", "HOST:PORT"),

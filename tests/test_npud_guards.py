@@ -344,3 +344,39 @@ def test_a_replaced_kernel_log_is_reopened(tmp_path):
     with open(log_file, "a") as f:
         f.write(ERROR + "\n")
     assert guard.poll() == 3
+
+
+# -- a full descriptor table (issue 26) ----------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["paths", "hwmon"])
+def test_the_thermal_guard_reads_on_when_every_descriptor_is_taken(tmp_path, where):
+    # before: each poll opened its sensor files; with the table full (idle connections) the
+    # open failed, the sensor counted as lost and the guard held all device work
+    import resource
+    if where == "paths":
+        guard, q, temp = _thermal(tmp_path)
+    else:
+        _hwmon(tmp_path / "hwmon", 0, "k10temp", {"temp1_label": "Tctl", "temp1_input": 0})
+        guard, q, temp = _thermal_guard(tmp_path), None, tmp_path / "hwmon" / "hwmon0" / "temp1_input"
+        q = guard.queue
+    _set(temp, 95)
+    guard.poll()
+    assert guard.state == "hold"
+    writer = os.open(temp, os.O_WRONLY)  # the new reading is written through a descriptor opened now
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    taken = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
+        with pytest.raises(OSError):
+            while True:
+                taken.append(os.open(os.devnull, os.O_RDONLY))
+        os.ftruncate(writer, 0)
+        os.pwrite(writer, b"40000\n", 0)
+        guard.poll()
+        state, hold = guard.state, q.thermal_hold
+    finally:
+        for fd in taken:
+            os.close(fd)
+        os.close(writer)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert (state, hold) == ("ok", False)

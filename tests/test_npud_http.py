@@ -500,8 +500,16 @@ def test_tcp_connections_count_against_the_owners_limit(tcp, client):
             reply += chunk
         return reply
 
+    def keep_alive(s: socket.socket) -> socket.socket:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: npud\r\n\r\n")  # a request (no token here) makes it the owner's
+        reply = b""
+        while not reply.endswith(b'{"status":"ok"}\n'):
+            reply += s.recv(65536)
+        return s
+
     baseline = client.stats()["connections"]  # the socket client, and the pooled HTTP clients of other tests
-    held = [socket.create_connection((host, int(port)), timeout=30) for _ in range(4)]  # max_connections_per_uid
+    held = [keep_alive(socket.create_connection((host, int(port)), timeout=30))
+            for _ in range(4)]  # max_connections_per_uid
     try:
         wait_for(lambda: client.stats()["connections"] >= baseline + 4, 30, what="the connections to be counted")
         with socket.create_connection((host, int(port)), timeout=30) as fifth:

@@ -71,8 +71,9 @@ class Responder:
 
 async def send_error(responder: Responder, exc: ApiError) -> None:
     """The error as OpenAI's JSON with its status, or as a last event once a stream has begun."""
-    if responder.started:
+    if responder.started:  # the error event, then the stream's usual end
         await responder.send_event(sse.event(errors.error_body(exc)))
+        await responder.send_event(sse.DONE)
         await responder.end_stream()
     else:
         await responder.send_json(errors.status_of(exc.code), errors.error_body(exc))

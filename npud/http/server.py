@@ -9,10 +9,13 @@ timeouts. While a request runs, the connection is read on the side: a client tha
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import hmac
 import itertools
 import os
+import socket
 import time
 from http import HTTPStatus
 from typing import TYPE_CHECKING
@@ -25,6 +28,7 @@ from npud.config import DaemonConfig, split_host_port
 from npud.http import errors
 from npud.http.app import App, ClientGone, HttpRequest, send_error
 from npud.jobs import Caller
+from npud.peers import peer_name, tcp_peer_uid
 from npud.protocol import ApiError, ErrorCode, encode
 from npud.server import Peer, bind_unix, is_admin, peer_credentials
 
@@ -41,8 +45,10 @@ MAX_HEAD_BYTES = 16384  # the request line and headers
 class H11Responder:
     """app.Responder over one h11 connection."""
 
-    def __init__(self, stream: trio.SocketStream, conn: h11.Connection, send_timeout_s: float) -> None:
+    def __init__(self, stream: trio.SocketStream, conn: h11.Connection, send_timeout_s: float, *,
+                 head_only: bool = False) -> None:
         self.stream = stream
+        self.head_only = head_only  # a HEAD request: the headers say what a GET's body would be, no body follows
         self.conn = conn
         self.send_timeout_s = send_timeout_s
         self.started = False
@@ -63,14 +69,16 @@ class H11Responder:
         self.status, self.started = status, True
         await self._send(h11.Response(status_code=status, reason=HTTPStatus(status).phrase, headers=[
             ("content-type", "application/json"), ("content-length", str(len(body)))]))
-        await self._send(h11.Data(data=body))
+        if not self.head_only:
+            await self._send(h11.Data(data=body))
         await self._send(h11.EndOfMessage())
 
     async def send_text(self, status: int, content_type: str, body: bytes) -> None:
         self.status, self.started = status, True
         await self._send(h11.Response(status_code=status, reason=HTTPStatus(status).phrase, headers=[
             ("content-type", content_type), ("content-length", str(len(body)))]))
-        await self._send(h11.Data(data=body))
+        if not self.head_only:
+            await self._send(h11.Data(data=body))
         await self._send(h11.EndOfMessage())
 
     async def send_continue(self) -> None:
@@ -82,7 +90,8 @@ class H11Responder:
             ("content-type", "text/event-stream"), ("cache-control", "no-cache")]))
 
     async def send_event(self, data: bytes) -> None:
-        await self._send(h11.Data(data=data))
+        if not self.head_only:
+            await self._send(h11.Data(data=data))
 
     async def end_stream(self) -> None:
         await self._send(h11.EndOfMessage())
@@ -96,6 +105,7 @@ class HttpServer:
         self.app = App(api)
         self.server = server  # the main socket's server: one count of connections per uid for both
         self._ids = itertools.count(1)
+        self.pending: collections.Counter[str] = collections.Counter()  # TCP connections before an authorized request
         self._accept_scope: trio.CancelScope | None = None
         self.unix_path: str | None = None
         self.tcp_address: tuple[str, int] | None = None  # as bound (port 0 becomes the kernel's)
@@ -150,49 +160,110 @@ class HttpServer:
         pid, uid, gid = peer_credentials(stream.socket)
         return Peer(conn_id, pid, uid, gid, Caller(uid, is_admin(uid, gid, self.cfg.server.admin_group)))
 
+    @staticmethod
+    async def _tcp_peer(stream: trio.SocketStream) -> str:
+        """A TCP peer as its limits count it and the log names it: "uid N" when its socket is
+        this host's (loopback), else its address."""
+        local, remote = stream.socket.getsockname(), stream.socket.getpeername()
+        uid = await trio.to_thread.run_sync(tcp_peer_uid, local, remote)
+        return peer_name(remote) if uid is None else f"uid {uid}"
+
+    def _tcp_refusal(self, who: str) -> ApiError | None:
+        """Why a new TCP connection of `who` is refused before it has sent a request, or None.
+        Until its first request is authorized it holds none of tcp_owner_uid's slots, only one
+        of its peer's server.max_pending_per_peer, so a peer without the token cannot lock
+        anyone out; descriptors running low refuse it too (npud/peers.py)."""
+        server, limit = self.server, self.cfg.server.max_pending_per_peer
+        if self.pending[who] >= limit:
+            return ApiError(ErrorCode.OVERLOADED, f"{who} has {limit} connections that have not sent an authorized "
+                                                  "request, its limit (server.max_pending_per_peer)")
+        if server.pending >= self.cfg.server.max_connections or server.short_of_descriptors():
+            return ApiError(ErrorCode.OVERLOADED, "npud has too many connections waiting for a first request")
+        return None
+
     async def handle(self, stream: trio.SocketStream, *, tcp: bool) -> None:
         conn_id = next(self._ids)
         server = self.server
-        server.connections += 1
-        uid = None
-        try:
-            with structlog.contextvars.bound_contextvars(http_conn=conn_id):
+        with contextlib.ExitStack() as counts, structlog.contextvars.bound_contextvars(http_conn=conn_id):
+            try:
                 try:
                     peer = self._peer(stream, conn_id, tcp)
-                except OSError as exc:
-                    log.warning("peer_credentials_failed", error=exc.strerror)
+                    who = await self._tcp_peer(stream) if tcp else f"uid {peer.uid}"
+                except OSError as exc:  # the peer left before its credentials or address were read
+                    log.info("peer_credentials_failed", error=exc.strerror)
                     return
-                uid = peer.uid
-                server.by_uid[uid] += 1
-                await self._serve_connection(stream, peer, tcp)
-        except ClientGone:
-            pass
-        except Exception:
-            log.exception("connection_error", http_conn=conn_id)
-        finally:
-            server.connections -= 1
-            if uid is not None:
-                server.by_uid[uid] -= 1
-                if not server.by_uid[uid]:
-                    del server.by_uid[uid]
-            await trio.aclose_forcefully(stream)
+                if tcp:
+                    refusal = self._tcp_refusal(who)
+                    if refusal is None:
+                        counts.callback(self._count_pending(who))
+                else:
+                    counts.callback(server.count(peer.uid))
+                    refusal = server.refusal(peer.uid, peer.caller.admin)
+                if refusal is not None:  # answered at once, never by reading: HTTP has no greeting
+                    log.warning("connection_refused", peer=who, reason=refusal.message)
+                    await self._refuse(stream, refusal)
+                    return
+                await self._serve_connection(stream, peer, tcp, who, counts)
+            except ClientGone:
+                pass
+            except Exception:
+                log.exception("connection_error", http_conn=conn_id)
+            finally:
+                await trio.aclose_forcefully(stream)
 
-    async def _serve_connection(self, stream: trio.SocketStream, peer: Peer, tcp: bool) -> None:
+    def _count_pending(self, who: str):
+        """Count a connection of `who` as waiting for its first authorized request; returns the uncount."""
+        self.pending[who] += 1
+        self.server.pending += 1
+
+        def release() -> None:
+            self.pending[who] -= 1
+            self.server.pending -= 1
+            if not self.pending[who]:
+                del self.pending[who]
+        return release
+
+    async def _refuse(self, stream: trio.SocketStream, exc: ApiError) -> None:
+        """503 and the error, written before any request is read (h11 would wait for one), then close."""
+        body = encode(errors.error_body(exc))
+        head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
+        with trio.move_on_after(1.0):
+            try:
+                await stream.send_all(head + body)
+                stream.socket.shutdown(socket.SHUT_WR)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+
+    async def _serve_connection(self, stream: trio.SocketStream, peer: Peer, tcp: bool, who: str,
+                                counts: contextlib.ExitStack) -> None:
         cfg = self.cfg
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
-        refusal = self.server.refusal(peer.uid, peer.caller.admin)
+        first, pending = True, tcp  # a TCP connection is pending until a request carries the token
         while True:
+            request = None
             try:
-                request = await self._read_request(stream, conn)
-                if refusal is not None:  # answered once its request is read: HTTP has no greeting
-                    log.warning("connection_refused", uid=peer.uid, reason=refusal.message)
-                    raise refusal
+                request = await self._read_request(stream, conn, first=first or pending)
+                if request is not None and pending:
+                    if self._has_token(request):
+                        pending = False
+                        counts.close()  # one of the owner's connections from here on
+                        counts.callback(self.server.count(peer.uid))
+                        refusal = self.server.refusal(peer.uid, False)
+                        if refusal is not None:
+                            log.warning("connection_refused", peer=who, uid=peer.uid, reason=refusal.message)
+                            raise refusal
+                    elif request.path != "/health":  # no slot of the owner's for a peer without the token
+                        log.warning("http_unauthorized", peer=who, method=request.method[:16], path=request.path[:128])
+                        raise ApiError(errors.UNAUTHORIZED, "this TCP listener needs "
+                                                            "Authorization: Bearer <http.bearer_token>")
             except ApiError as exc:  # unreadable, too large, too slow or over a limit: answered, then closed
-                await self._answer_early(stream, conn, exc)
+                await self._answer_early(stream, conn, exc, head_only=request is not None and request.method == "HEAD")
                 return
             if request is None:
                 return
-            responder = H11Responder(stream, conn, cfg.server.idle_timeout_s)
+            first = False
+            responder = H11Responder(stream, conn, cfg.server.idle_timeout_s, head_only=request.method == "HEAD")
             started = time.monotonic()
             gone = await self._run(stream, conn, peer, request, responder, tcp)
             log.info("http_request", method=request.method, path=request.path, uid=peer.uid, status=responder.status,
@@ -201,22 +272,27 @@ class HttpServer:
                 return
             conn.start_next_cycle()
 
-    async def _answer_early(self, stream: trio.SocketStream, conn: h11.Connection, exc: ApiError) -> None:
+    async def _answer_early(self, stream: trio.SocketStream, conn: h11.Connection, exc: ApiError, *,
+                            head_only: bool = False) -> None:
         """An error reply before (or instead of) reading a request, if h11 still lets one go out."""
-        responder = H11Responder(stream, conn, self.cfg.server.idle_timeout_s)
+        responder = H11Responder(stream, conn, self.cfg.server.idle_timeout_s, head_only=head_only)
         try:
             await send_error(responder, exc)
         except (h11.LocalProtocolError, ClientGone):
             pass
 
-    async def _read_request(self, stream: trio.SocketStream, conn: h11.Connection) -> HttpRequest | None:
+    async def _read_request(self, stream: trio.SocketStream, conn: h11.Connection, *,
+                            first: bool = False) -> HttpRequest | None:
         """The next request with its whole body, or None when the client closed or stayed idle.
 
         An idle connection waits server.idle_timeout_s for a request; once its first bytes
-        arrive, the whole request must within server.line_timeout_s. A body longer than
-        limits.max_line_bytes (the main socket's bound on a request) is refused."""
+        arrive, the whole request must within server.line_timeout_s. A new connection's
+        `first` request must arrive whole within server.first_request_timeout_s. A body longer
+        than limits.max_line_bytes (the main socket's bound on a request) is refused, and so is
+        a request with both Content-Length and Transfer-Encoding (RFC 9112 6.3: a smuggling
+        attempt; the connection closes)."""
         server, limit = self.cfg.server, self.cfg.limits.max_line_bytes
-        deadline = trio.current_time() + server.idle_timeout_s
+        deadline = trio.current_time() + (server.first_request_timeout_s if first else server.idle_timeout_s)
         first_byte = conn.their_state is not h11.IDLE or bool(conn.trailing_data[0])
         if first_byte:
             deadline = min(deadline, trio.current_time() + server.line_timeout_s)
@@ -249,6 +325,10 @@ class HttpServer:
                     deadline = min(deadline, trio.current_time() + server.line_timeout_s)
             elif isinstance(event, h11.Request):
                 head = event
+                names = {name for name, _ in event.headers}
+                if b"content-length" in names and b"transfer-encoding" in names:
+                    raise ApiError(ErrorCode.BAD_REQUEST, "a request may not have both Content-Length and "
+                                                          "Transfer-Encoding (RFC 9112)")
                 length = dict(event.headers).get(b"content-length")
                 if length is not None and int(length) > limit:
                     raise ApiError(errors.REQUEST_TOO_LARGE, f"the body has {int(length)} bytes, more than "
@@ -266,12 +346,21 @@ class HttpServer:
 
     async def _run(self, stream: trio.SocketStream, conn: h11.Connection, peer: Peer, request: HttpRequest,
                    responder: H11Responder, tcp: bool) -> bool:
-        """Answer the request while watching the connection; returns True when the client went
-        away first (the request, and its job, were cancelled)."""
-        gone = False
+        """Answer the request while watching the connection; returns True when the connection
+        must close: the client went away first (the request, and its job, were cancelled), or it
+        pipelined more than limits.max_line_bytes behind the request (discarded)."""
+        self.server.requests_inflight += 1
+        try:
+            return await self._answer(stream, conn, peer, request, responder, tcp)
+        finally:
+            self.server.requests_inflight -= 1
+
+    async def _answer(self, stream: trio.SocketStream, conn: h11.Connection, peer: Peer, request: HttpRequest,
+                      responder: H11Responder, tcp: bool) -> bool:
+        gone = overflow = False
 
         async def watch(cancel: trio.CancelScope) -> None:
-            nonlocal gone
+            nonlocal gone, overflow
             buffered = 0
             while True:
                 try:
@@ -282,10 +371,11 @@ class HttpServer:
                     gone = True
                     cancel.cancel()
                     return
-                conn.receive_data(data)  # a pipelined request: h11 keeps it for the next cycle
                 buffered += len(data)
                 if buffered > self.cfg.limits.max_line_bytes:
-                    await trio.sleep_forever()  # not read further until this request is answered
+                    overflow = True  # read on (a disconnect must still be seen) but dropped: the
+                    continue  # connection closes after this answer
+                conn.receive_data(data)  # a pipelined request: h11 keeps it for the next cycle
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch, nursery.cancel_scope)
@@ -298,11 +388,15 @@ class HttpServer:
             except ClientGone:  # a send failed: the client stopped reading, or reset the connection
                 gone = True
             nursery.cancel_scope.cancel()
-        return gone
+        return gone or overflow
 
     def _authorized(self, request: HttpRequest) -> bool:
+        return request.path == "/health" or self._has_token(request)
+
+    def _has_token(self, request: HttpRequest) -> bool:
+        """The request carries http.bearer_token (or none is configured)."""
         token = self.cfg.http.bearer_token
-        if not token or request.path == "/health":
+        if not token:
             return True
         return request.bearer is not None and hmac.compare_digest(request.bearer.encode(), token.encode())
 
