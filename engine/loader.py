@@ -61,6 +61,6 @@ def describe_checkpoint(path: str | Path) -> dict:
 def check_grammar(grammar: Grammar) -> None:
     """Raise ConfigError saying what is wrong when `grammar` does not compile (an invalid JSON
     schema, regex or Lark grammar); needs no model."""
-    from engine.grammar import check  # llguidance, only when a request has a grammar
+    from engine.session import check_grammar as check  # the engine proper (llguidance), only when asked
 
     check(grammar)

@@ -479,6 +479,13 @@ def _install_chat_template(tokenizer: Tokenizer, setting: str | None) -> str | N
     return label
 
 
+def check_grammar(grammar) -> None:
+    """engine.loader.check_grammar: raises ConfigError when `grammar` does not compile."""
+    from engine.grammar import check  # llguidance, only when a request has a grammar
+
+    check(grammar)
+
+
 def describe_checkpoint(path) -> dict:
     """engine.loader.describe_checkpoint: a .gguf file's header, or a checkpoint directory's
     config, tokenizer and weight headers, checked and described."""

@@ -388,6 +388,9 @@ class JobManager:
         if ticket.outcome in _OUTCOME_STATE:
             await self.finish(job, _OUTCOME_STATE[ticket.outcome], ticket=ticket)
             return
+        if job.cancel_requested:  # cancelled while the ticket it rode ended (a shutdown, a fault): not run again
+            await self.finish(job, JobState.CANCELLED, ticket=ticket)
+            return
         job.state = JobState.QUEUED
         place = job.joined_from or ticket  # a job that rode the ticket keeps the place it had
         job.joined_from = None

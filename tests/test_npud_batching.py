@@ -174,7 +174,8 @@ async def test_a_cancelled_job_leaves_the_batch_and_the_others_finish_as_alone(n
 
 async def test_a_fault_mid_batch_requeues_every_job_on_the_ticket_and_commits_nothing_of_it(nursery, workdir):
     fault = workdir / "fault"
-    cfg = make_config(workdir, knobs={**SLOW, "fault_file": str(fault), "fault_prompt": "b1", "fault_at_token": 4})
+    cfg = make_config(workdir, knobs={**SLOW, "fault_file": str(fault), "fault_prompt": "b1", "fault_at_token": 4},
+                      device={"backend": "xrt"})  # NPU or nothing: the jobs wait for the clear (no host fallback)
     daemon = await start(nursery, cfg)
     fault.touch()
     daemon.queue.set_thermal(hold=True, abort=False)

@@ -479,7 +479,10 @@ def test_speculation_and_prefix_cache_counts_come_from_the_engine(tmp_path_facto
     from engine.testing.checkpoints import build_tiny_checkpoint
 
     model = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
-    d = DaemonProc(short_tempdir(), [{"name": "tiny", "checkpoint_dir": str(model), "weight_format": "fp32"}])
+    # one prompt at a time: two copies of a prompt that start in one batched round both look the
+    # cache up before either has offered its blocks (engine/batch.py), so neither would restore
+    d = DaemonProc(short_tempdir(), [{"name": "tiny", "checkpoint_dir": str(model), "weight_format": "fp32"}],
+                   batching={"max_batch": 1})
     # long enough for several 32-token cache blocks, repetitive enough for n-gram drafts
     prompt = "def add(a, b):\n    return a + b\n\n" * 6
     try:

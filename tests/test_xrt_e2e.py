@@ -120,6 +120,8 @@ def _daemon_config(workdir, ckpt, backend):
         "server": {"socket_path": str(workdir / "s.sock")}, "store": {"state_dir": str(workdir / "state")},
         "thermal": {"enabled": False}, "errors": {"source": str(workdir / "kmsg"), "poll_interval_s": 0.05},
         "device": {"backend": backend, "xrt_design": str(table), "xrt_timeout_ms": 1000},
+        # one prompt at a time: the faults below are placed by counting one prompt's device passes
+        "batching": {"max_batch": 1},
         "models": [{"name": "tiny", "checkpoint_dir": str(ckpt), "weight_format": "bf16"}]})
 
 
