@@ -122,7 +122,7 @@ def anchor(binary: str, path: str, threads: int, gen: int, sizes: list[int]) -> 
     if r.returncode != 0:
         raise RuntimeError(f"{binary} failed: {r.stderr[-1000:]}")
     out = {}
-    for line in r.stdout.splitlines():
+    for line in (r.stdout + r.stderr).splitlines():  # ik_llama.cpp prints its table on stderr
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 10 and cells[0].isdigit() and cells[2].isdigit():
             # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
