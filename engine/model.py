@@ -19,11 +19,12 @@ from kernels.base import Backend, LinearWeight, WeightFormat
 class Model:
     """Config + backend-ready weights. Build with `Model.load(dir)` or from dataclasses."""
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, backend: Backend | None = None):
+    def __init__(self, config: ModelConfig, weights: ModelWeights, backend: Backend | None = None, *,
+                 prepared: bool = False):
         self.config = config
         self.backend = backend if backend is not None else default_backend()
-        # fused first, from the loaded rows: each part is then a view of its fused weight, not a copy
-        self.weights = prepare_linears(fuse_projections(weights, self.backend), self.backend)
+        # prepared: `weights` are already laid out for this backend (Model.prepare_weights')
+        self.weights = weights if prepared else self.prepare_weights(weights, self.backend)
         self.fingerprint = weights.fingerprint
         # what the checkpoint file says about itself (GGUF: architecture, quant mix, sizes); {} otherwise
         self.checkpoint_info: dict = {}
@@ -32,6 +33,11 @@ class Model:
         # one RoPE table per distinct spec (sliding and full layers may differ)
         cache: dict = {}
         self.inv_freq = [cache.setdefault(spec.rope, spec.rope.inv_freq()) for spec in config.layers]
+
+    @staticmethod
+    def prepare_weights(weights: ModelWeights, backend: Backend) -> ModelWeights:
+        # fused first, from the loaded rows: each part is then a view of its fused weight, not a copy
+        return prepare_linears(fuse_projections(weights, backend), backend)
 
     @classmethod
     def load(
@@ -54,10 +60,12 @@ class Model:
         if gguf:
             # a GGUF file's weights keep their own types; "gguf-q8" runs them against q8 activation
             # rows, any other `fmt` (it applies to safetensors conversion) on the exact float path
-            from engine.gguf.load import load_gguf_model
+            from engine.gguf.load import load_gguf_prepared
 
-            config, weights, info = load_gguf_model(checkpoint_dir, q8=fmt == GGUF_Q8)
-            model = cls(config, weights, backend)
+            backend = backend if backend is not None else default_backend()
+            config, weights, info = load_gguf_prepared(checkpoint_dir, fmt == GGUF_Q8, backend,
+                                                       lambda w: cls.prepare_weights(w, backend))
+            model = cls(config, weights, backend, prepared=True)
             model.checkpoint_info = info
             return model
         config = load_config(checkpoint_dir)

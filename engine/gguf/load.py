@@ -1,6 +1,11 @@
-"""Loading a GGUF checkpoint: config and weights in one read of the file's header."""
+"""Loading a GGUF checkpoint: config and weights in one read of the file's header.
+
+The weights laid out for a backend are kept between starts (engine/gguf/packed_cache.py): a
+start that finds them reads them back whole and leaves the file's tensors unread."""
 
 from __future__ import annotations
+
+import structlog
 
 from engine.config import ModelConfig
 from engine.gguf.config import gguf_config
@@ -9,6 +14,7 @@ from engine.gguf.reader import open_gguf
 from engine.gguf.weights import load_gguf_weights
 from engine.weights import ModelWeights
 
+log = structlog.get_logger(__name__)
 
 GGUF_Q8 = "gguf-q8"  # the weight format that runs a GGUF file's block matrices against q8 activation rows
 
@@ -22,3 +28,29 @@ def load_gguf_model(path, q8: bool = False) -> tuple[ModelConfig, ModelWeights, 
     weights = load_gguf_weights(g, cfg, q8)
     return cfg, weights, describe_file(g, cfg)
 
+
+def load_gguf_prepared(path, q8: bool, backend, prepare) -> tuple[ModelConfig, ModelWeights, dict]:
+    """load_gguf_model's triple with the weights already laid out for `backend`: read from the
+    packed-weights cache, or loaded, passed through `prepare` (weights -> prepared weights) and
+    stored there. A cache that cannot be read or written costs only the build (logged).
+    Raises ConfigError or WeightsError."""
+    from engine.gguf import packed_cache
+    from kernels.ggml.gemm import LAYOUT_FLOAT, LAYOUT_Q8
+
+    g = open_gguf(path, vocabulary=False)
+    cfg = gguf_config(g)
+    info = describe_file(g, cfg)
+    root = packed_cache.default_root()
+    try:
+        key = packed_cache.entry_key(path, LAYOUT_Q8 if q8 else LAYOUT_FLOAT, backend, root)
+    except (OSError, packed_cache.FingerprintError) as exc:
+        log.warning("packed_weights_unkeyed", error=str(exc))
+        key = None
+    weights = packed_cache.load(key, root) if key is not None else None
+    if weights is not None:
+        return cfg, weights, info
+    weights = prepare(load_gguf_weights(g, cfg, q8))
+    del g  # the file's pages go with the mapping
+    if key is not None:
+        packed_cache.store(weights, key, root)
+    return cfg, weights, info

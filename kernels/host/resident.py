@@ -26,6 +26,7 @@ ALIGN = 64  # each array starts on a cache line
 _lock = threading.Lock()
 _current: weakref.ref | None = None  # the mapping being filled
 _used = 0  # bytes of it handed out
+_arena: weakref.WeakSet = weakref.WeakSet()  # every mapping made here, for is_arena
 
 
 def _mapping(nbytes: int) -> tuple[mmap.mmap, int]:
@@ -38,13 +39,25 @@ def _mapping(nbytes: int) -> tuple[mmap.mmap, int]:
         except OSError:  # a kernel without THP: 4 KiB pages, the same bits
             pass
     address = np.frombuffer(mapped, np.uint8).ctypes.data
+    _arena.add(mapped)
     return mapped, -address % HUGE_PAGE
+
+
+def is_arena(obj) -> bool:
+    """Whether `obj` is one of the huge-page mappings made here (engine/gguf/packed_cache.py asks)."""
+    return isinstance(obj, mmap.mmap) and obj in _arena
 
 
 def resident_copy(a: np.ndarray) -> np.ndarray:
     """A C-contiguous copy of `a` in huge-page-backed memory (the same values, dtype and shape)."""
+    out = resident_empty(a.nbytes).view(a.dtype).reshape(a.shape)
+    np.copyto(out, a)
+    return out
+
+
+def resident_empty(nbytes: int) -> np.ndarray:
+    """`nbytes` of huge-page-backed memory as a uint8 array (its values unset), placed as resident_copy places a copy."""
     global _current, _used
-    nbytes = a.nbytes
     with _lock:
         if nbytes > BLOCK_BYTES // 2:
             mapped, start = _mapping(-(-nbytes // HUGE_PAGE) * HUGE_PAGE)
@@ -55,6 +68,4 @@ def resident_copy(a: np.ndarray) -> np.ndarray:
                 _current = weakref.ref(mapped)
             start = _used
             _used = -(-(start + nbytes) // ALIGN) * ALIGN
-    out = np.frombuffer(mapped, np.uint8, count=nbytes, offset=start).view(a.dtype).reshape(a.shape)
-    np.copyto(out, a)
-    return out
+    return np.frombuffer(mapped, np.uint8, count=nbytes, offset=start)

@@ -1,0 +1,279 @@
+"""A GGUF model's prepared weights, kept between starts in the kernel cache and read back whole.
+
+Packing a GGUF file's block matrices into the host kernels' tiles (kernels/ggml/gemm.py) and
+fusing each layer's projections takes gemma-3-270m about a second of CPU and a transient of
+some 60 MiB above the packed weights. A start with an entry reads the packed arrays straight
+into their final buffers instead (one read per buffer, no temporaries) and never touches the
+GGUF file's tensor pages (only its header, for the config).
+
+An entry is one file, `<cache_dir()>/packed/<key>.npw`: a header line (JSON: the format, the
+key, and per buffer its kind, size and a 64-bit word sum), a pickled tree of the weights
+dataclasses in which every array is a reference (buffer, byte offset, dtype, shape,
+strides), then the buffers, each on a 4 KiB boundary. Arrays that were views of one buffer
+(each part of a fused projection, a tied head) are views of one buffer again: no array is
+held twice. A buffer of the huge-page arena (kernels/host/resident.py, "gguf-q8") is read
+back into that arena, every other one into a numpy array, so the kernels stream the same
+kind of memory as after a build.
+
+The key is a sha256 over the GGUF file's whole content (engine/fingerprint.py's DigestMemo,
+persisted beside the tokenizers' entries: an unchanged file is not read again), the layout,
+the backend's class and numerics identity, numpy's version, PACK_VERSION and the source of
+the modules that decide the packing, so a change to any of them makes a new entry. An entry
+that is truncated, whose word sums do not match (a torn or zeroed page), or that does not
+unpickle into the engine's own types is ignored and rebuilt. The sums catch damage, not
+tampering: the cache directory is trusted as the compiled kernels beside it are. At most
+MAX_ENTRIES entries are kept, the least recently used go first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import mmap
+import os
+import pickle
+import threading
+from pathlib import Path
+
+import numpy as np
+import structlog
+
+from engine.fingerprint import MEMO_FILE, DigestMemo, FingerprintError
+from engine.prefix_store import unlink, write_atomic
+
+log = structlog.get_logger(__name__)
+
+FORMAT = "npud-packed-weights"
+PACK_VERSION = 1  # bump when what an entry holds changes in a way the sources below do not show
+SUBDIR = "packed"
+SUFFIX = ".npw"
+MAX_ENTRIES = 4  # each is about the size of the model's packed weights
+ALIGN = 4096
+_ROOT = Path(__file__).resolve().parents[2]
+# the modules whose code decides the arrays an entry holds
+SOURCES = ("engine/gguf/weights.py", "engine/weights/layout.py", "engine/weights/__init__.py", "kernels/base.py",
+           "kernels/ggml/gemm.py", "kernels/ggml/blocks.py", "kernels/ggml/backend.py", "kernels/host/backend.py",
+           "kernels/host/formats.py", "kernels/host/resident.py")
+_ALLOWED = ("engine.", "kernels.")  # the only modules an entry's classes may come from
+
+_memos: dict[Path, DigestMemo] = {}
+_memos_lock = threading.Lock()
+
+
+def default_root() -> Path:
+    from kernels.host.cache import cache_dir
+
+    return cache_dir() / SUBDIR
+
+
+def _memo(root: Path) -> DigestMemo:
+    with _memos_lock:
+        if root not in _memos:
+            _memos[root] = DigestMemo(root / MEMO_FILE)
+        return _memos[root]
+
+
+def entry_key(path, layout: str, backend, root: Path) -> str:
+    """The key of `path`'s packed weights in `layout` for `backend`. Raises FingerprintError."""
+    from kernels.base import numerics_identity
+
+    memo = _memo(root)
+    digest = memo.digest(path)
+    memo.save()
+    h = hashlib.sha256(json.dumps({"format": FORMAT, "version": PACK_VERSION, "file_sha256": digest,
+                                   "layout": layout, "backend": f"{type(backend).__module__}.{type(backend).__qualname__}",
+                                   "numerics": numerics_identity(backend), "numpy": np.__version__},
+                                  sort_keys=True).encode())
+    for name in SOURCES:
+        h.update(name.encode() + b"\0" + (_ROOT / name).read_bytes())
+    return h.hexdigest()
+
+
+# -- writing ------------------------------------------------------------------------------
+
+
+def _region(a: np.ndarray) -> tuple[str, int, int, object]:
+    """(kind, address, bytes, owner) of the memory `a` is part of: the ndarray that owns it, or
+    the huge-page arena's mapping (address: its 2 MiB-aligned start); an array over any other
+    memory (a mapped file's) is a buffer of its own."""
+    from kernels.host.resident import HUGE_PAGE, is_arena
+
+    owner = a
+    while isinstance(owner, np.ndarray) and owner.base is not None:
+        owner = owner.base
+    if isinstance(owner, np.ndarray):
+        return "array", owner.ctypes.data, owner.nbytes, owner
+    if is_arena(owner):
+        base = np.frombuffer(owner, np.uint8).ctypes.data
+        start = -base % HUGE_PAGE
+        return "arena", base + start, len(owner) - start, owner
+    return "array", a.ctypes.data, a.nbytes, a
+
+
+class _Writer(pickle.Pickler):
+    def __init__(self, file):
+        super().__init__(file, protocol=5)
+        self.buffers: list[tuple[str, int, int, object]] = []  # kind, address, bytes, owner
+        self._index: dict[int, int] = {}  # id(owner) -> buffer index
+
+    def persistent_id(self, obj):
+        if not isinstance(obj, np.ndarray):
+            return None
+        region = _region(obj)
+        if id(region[3]) not in self._index:
+            self._index[id(region[3])] = len(self.buffers)
+            self.buffers.append(region)
+        i = self._index[id(region[3])]
+        _, address, size, _ = self.buffers[i]
+        offset = obj.ctypes.data - address
+        if not 0 <= offset <= size:
+            raise ValueError("an array outside its buffer")
+        return ("a", i, offset, obj.dtype.str, obj.shape, obj.strides)
+
+
+def _word_sum(raw: np.ndarray) -> int:
+    """The wrapping sum of the buffer as little-endian uint64 words (zero-padded to a word)."""
+    whole = raw[: raw.size - raw.size % 8].view("<u8")
+    tail = int.from_bytes(bytes(raw[raw.size - raw.size % 8:]).ljust(8, b"\0"), "little")
+    return (int(whole.sum(dtype=np.uint64)) + tail) % (1 << 64)
+
+
+def _bytes(kind: str, address: int, size: int, owner) -> np.ndarray:
+    if kind == "array":
+        if not owner.flags.c_contiguous:
+            raise TypeError("an array that owns memory it does not hold contiguously")
+        return owner.reshape(-1).view(np.uint8)
+    base = np.frombuffer(owner, np.uint8)
+    start = address - base.ctypes.data
+    return base[start : start + size]
+
+
+def store(weights, key: str, root: Path | None = None) -> None:
+    """Write `weights` (a prepared weights tree) as the entry `key`; a refusal of the disk is logged."""
+    root = Path(root) if root is not None else default_root()
+    tree = io.BytesIO()
+    writer = _Writer(tree)
+    try:
+        writer.dump(weights)
+        views = [_bytes(*b) for b in writer.buffers]
+    except (TypeError, ValueError, pickle.PicklingError) as exc:  # a tree this module cannot keep: built each start
+        log.warning("packed_weights_not_stored", reason=str(exc))
+        return
+    header = {"format": FORMAT, "key": key, "tree_bytes": tree.tell(),
+              "buffers": [{"kind": b[0], "bytes": int(v.size), "sum": _word_sum(v)} for b, v in zip(writer.buffers, views)]}
+    head = json.dumps(header, sort_keys=True).encode() + b"\n" + tree.getvalue()
+    parts, at = [head], len(head)
+    for v in views:
+        pad = -at % ALIGN
+        parts += [b"\0" * pad, memoryview(v)]
+        at += pad + v.size
+    entry = root / f"{key}{SUFFIX}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        write_atomic(entry, parts)
+    except OSError as exc:
+        log.warning("packed_weights_write_failed", entry=str(entry), error=exc.strerror or str(exc))
+        return
+    _evict(root, keep=entry)
+
+
+# -- reading ------------------------------------------------------------------------------
+
+
+class _Reader(pickle.Unpickler):
+    def __init__(self, file, buffers: list[np.ndarray]):
+        super().__init__(file)
+        self._buffers = buffers
+
+    def persistent_load(self, pid):
+        tag, i, offset, dtype, shape, strides = pid
+        if tag != "a":
+            raise pickle.UnpicklingError("unknown reference")
+        return np.ndarray(shape, np.dtype(dtype), buffer=self._buffers[i], offset=offset, strides=strides)
+
+    def find_class(self, module, name):
+        if module.startswith(_ALLOWED) or (module == "builtins" and name in ("tuple", "list", "dict", "frozenset", "set", "slice")):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not an engine type")
+
+
+def _allocate(kind: str, size: int) -> np.ndarray:
+    if kind == "arena":
+        from kernels.host.resident import resident_empty
+
+        return resident_empty(size)
+    return np.empty(size, np.uint8)
+
+
+def load(key: str, root: Path | None = None):
+    """The weights tree of entry `key`, or None when there is none or it is unusable (logged)."""
+    root = Path(root) if root is not None else default_root()
+    entry = root / f"{key}{SUFFIX}"
+    try:
+        f = open(entry, "rb", buffering=0)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("packed_weights_entry_ignored", entry=str(entry), reason=exc.strerror or str(exc))
+        return None
+    try:
+        with f:
+            weights, why = _read(f, key)
+    except OSError as exc:
+        weights, why = None, f"cannot read: {exc.strerror or exc}"
+    if weights is None:
+        log.warning("packed_weights_entry_ignored", entry=str(entry), reason=why)
+        unlink(entry)
+        return None
+    try:
+        os.utime(entry)  # the eviction order: least recently used first
+    except OSError:
+        pass
+    return weights
+
+
+def _read(f, key: str):
+    """(weights, "") or (None, why the entry cannot be used)."""
+    first = f.readline(1 << 20)
+    try:
+        header = json.loads(first)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None, "not a packed weights entry"
+    if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("key") != key:
+        return None, "not this model's packed weights entry"
+    tree = f.read(header["tree_bytes"])
+    at = len(first) + len(tree)
+    buffers = []
+    for b in header["buffers"]:
+        at += -at % ALIGN
+        f.seek(at)
+        buf = _allocate(b["kind"], b["bytes"])
+        view = memoryview(buf)
+        done = 0
+        while done < b["bytes"]:
+            n = f.readinto(view[done:])
+            if not n:
+                return None, "truncated"
+            done += n
+        if _word_sum(buf) != b["sum"]:
+            return None, "a buffer does not match its sum"
+        buffers.append(buf)
+        at += b["bytes"]
+    try:
+        return _Reader(io.BytesIO(tree), buffers).load(), ""
+    except Exception as exc:  # a tree that passed its sums but names types this engine no longer has
+        return None, f"unusable: {type(exc).__name__}"
+
+
+def _evict(root: Path, keep: Path) -> None:
+    try:
+        entries = [(p.stat().st_mtime_ns, p) for p in root.glob(f"*{SUFFIX}") if p != keep]
+    except OSError:
+        return
+    entries.sort()
+    for _, p in entries[: max(0, len(entries) + 1 - MAX_ENTRIES)]:
+        unlink(p)
+
+
+__all__ = ["FingerprintError", "default_root", "entry_key", "load", "store"]
