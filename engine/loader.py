@@ -58,6 +58,14 @@ def describe_checkpoint(path: str | Path) -> dict:
     return describe(path)
 
 
+def cache_dir() -> Path:
+    """npud's cache directory (compiled kernels, tokenizers and packed weights built from GGUF
+    files, packaged models): kernels/host/cache.py's rule, the one place it is written."""
+    from kernels.host.cache import cache_dir as kernels_cache_dir  # os and pathlib only
+
+    return kernels_cache_dir()
+
+
 def check_grammar(grammar: Grammar) -> None:
     """Raise ConfigError saying what is wrong when `grammar` does not compile (an invalid JSON
     schema, regex or Lark grammar); needs no model."""

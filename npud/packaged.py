@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.loader import cache_dir as engine_cache_dir
+
 
 @dataclass(slots=True, frozen=True)
 class Packaged:
@@ -33,13 +35,8 @@ class PackagedModelError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """npud's cache directory (kernels/host/cache.py's rule; npud does not import the kernels)."""
-    for var in ("NPUD_CACHE_DIR", "CACHE_DIRECTORY"):
-        value = os.environ.get(var, "")
-        if value:
-            return Path(value.split(":")[0])
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "npud"
+    """npud's cache directory: the kernel cache's (kernels/host/cache.py's rule, read through engine.loader)."""
+    return engine_cache_dir()
 
 
 def _assembler(name: str, spec: Packaged):

@@ -10,6 +10,7 @@ a path of that name beside the config.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 import types
 
 import pytest
@@ -86,3 +87,24 @@ def test_without_the_package_npud_names_the_extra(monkeypatch, tmp_path, capsys)
     with pytest.raises(DaemonConfigError, match=r"npud\[gemma\]") as info:
         parse_config({"models": [{"name": "g", "checkpoint_dir": NAME}]}, base_dir=tmp_path)
     assert info.value.field == "models[g].checkpoint_dir"
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"NPUD_CACHE_DIR": "/srv/npud-cache", "CACHE_DIRECTORY": "/var/cache/npud"}, "/srv/npud-cache"),
+    ({"CACHE_DIRECTORY": "/var/cache/npud:/var/cache/other"}, "/var/cache/npud"),
+    ({"XDG_CACHE_HOME": "/tmp/xdg-cache"}, "/tmp/xdg-cache/npud"),
+    ({"XDG_CACHE_HOME": "relative/cache"}, "~/.cache/npud"),  # the XDG spec: a relative path is ignored
+    ({}, "~/.cache/npud"),
+])
+def test_one_cache_directory_rule_for_the_daemon_and_the_kernels(monkeypatch, env, want):
+    """npud/packaged.py's models and the kernel cache (compiled kernels, GGUF tokenizers, packed
+    weights) resolve the same directory under every setting: one rule, read through engine.loader."""
+    from kernels.host.cache import cache_dir as kernels_cache_dir
+
+    for var in ("NPUD_CACHE_DIR", "CACHE_DIRECTORY", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    expected = Path(want).expanduser()
+    assert packaged.cache_dir() == expected
+    assert kernels_cache_dir() == expected

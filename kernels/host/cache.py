@@ -1,7 +1,9 @@
 """Where compiled host kernels live between starts: one cache directory per user or service.
 
 The first of NPUD_CACHE_DIR, systemd's CACHE_DIRECTORY (set by `CacheDirectory=npud`),
-$XDG_CACHE_HOME/npud and ~/.cache/npud. numba's cache goes into its `numba` subdirectory
+$XDG_CACHE_HOME/npud and ~/.cache/npud (a relative XDG_CACHE_HOME is ignored, as the XDG
+base directory spec says). The daemon's other caches (npud/packaged.py) take this rule
+through engine.loader.cache_dir, so there is one. numba's cache goes into its `numba` subdirectory
 unless NUMBA_CACHE_DIR says otherwise: `use_for_numba()` must run before any numba kernel is
 decorated (kernels/host/recurrent.py, the only numba module, calls it first), because numba
 picks the directory then. numba itself is imported only there: a model without recurrent
@@ -23,7 +25,7 @@ def cache_dir() -> Path:
             # systemd may list several directories separated by ':'; the first is ours
             return Path(value.split(":")[0])
     xdg = os.environ.get("XDG_CACHE_HOME", "")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "npud"
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "npud"
 
 
 def numba_cache_dir() -> Path:
