@@ -22,7 +22,8 @@ the modules that decide the packing, so a change to any of them makes a new entr
 that is truncated, whose word sums do not match (a torn or zeroed page), or that does not
 unpickle into the engine's own types is ignored and rebuilt. The sums catch damage, not
 tampering: the cache directory is trusted as the compiled kernels beside it are. At most
-MAX_ENTRIES entries are kept, the least recently used go first.
+MAX_ENTRIES entries and MAX_BYTES are kept, the least recently used go first (the newest
+stays whatever its size).
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ from pathlib import Path
 import numpy as np
 import structlog
 
+try:
+    from numpy.lib.array_utils import byte_bounds
+except ImportError:  # numpy < 2
+    from numpy import byte_bounds
+
 from engine.fingerprint import MEMO_FILE, DigestMemo, FingerprintError
 from engine.prefix_store import unlink, write_atomic
 
@@ -48,11 +54,13 @@ FORMAT = "npud-packed-weights"
 PACK_VERSION = 1  # bump when what an entry holds changes in a way the sources below do not show
 SUBDIR = "packed"
 SUFFIX = ".npw"
-MAX_ENTRIES = 4  # each is about the size of the model's packed weights
+MAX_ENTRIES = 32
+MAX_BYTES = 2 << 30  # entries are about the size of their model's packed weights (gemma-3-270m: 292-352 MiB)
 ALIGN = 4096
 _ROOT = Path(__file__).resolve().parents[2]
 # the modules whose code decides the arrays an entry holds
-SOURCES = ("engine/gguf/weights.py", "engine/weights/layout.py", "engine/weights/__init__.py", "kernels/base.py",
+SOURCES = ("engine/gguf/packed_cache.py", "engine/gguf/load.py", "engine/model.py", "engine/gguf/weights.py",
+           "engine/weights/layout.py", "engine/weights/__init__.py", "kernels/base.py",
            "kernels/ggml/gemm.py", "kernels/ggml/blocks.py", "kernels/ggml/backend.py", "kernels/host/backend.py",
            "kernels/host/formats.py", "kernels/host/resident.py")
 _ALLOWED = ("engine.", "kernels.")  # the only modules an entry's classes may come from
@@ -93,43 +101,78 @@ def entry_key(path, layout: str, backend, root: Path) -> str:
 # -- writing ------------------------------------------------------------------------------
 
 
-def _region(a: np.ndarray) -> tuple[str, int, int, object]:
-    """(kind, address, bytes, owner) of the memory `a` is part of: the ndarray that owns it, or
-    the huge-page arena's mapping (address: its 2 MiB-aligned start); an array over any other
-    memory (a mapped file's) is a buffer of its own."""
-    from kernels.host.resident import HUGE_PAGE, is_arena
+def _owner(a: np.ndarray) -> tuple[str, object]:
+    """(kind, owner) of the memory `a` is part of: ("array", the ndarray that owns it), ("arena",
+    the huge-page mapping it lies in), or ("array", a itself) over any other memory (a mapped file's)."""
+    from kernels.host.resident import is_arena
 
     owner = a
     while isinstance(owner, np.ndarray) and owner.base is not None:
         owner = owner.base
+    if isinstance(owner, memoryview):  # np.frombuffer's base: the exporter is behind it
+        owner = owner.obj
     if isinstance(owner, np.ndarray):
-        return "array", owner.ctypes.data, owner.nbytes, owner
+        return "array", owner
     if is_arena(owner):
-        base = np.frombuffer(owner, np.uint8).ctypes.data
-        start = -base % HUGE_PAGE
-        return "arena", base + start, len(owner) - start, owner
-    return "array", a.ctypes.data, a.nbytes, a
+        return "arena", owner
+    if not a.flags.c_contiguous:
+        raise TypeError("a non-contiguous array over memory npud did not allocate")
+    return "array", a
 
 
 class _Writer(pickle.Pickler):
+    """Pickles a tree with each array as ("a", its index in `arrays`)."""
+
     def __init__(self, file):
         super().__init__(file, protocol=5)
-        self.buffers: list[tuple[str, int, int, object]] = []  # kind, address, bytes, owner
-        self._index: dict[int, int] = {}  # id(owner) -> buffer index
+        self.arrays: list[np.ndarray] = []
+        self._index: dict[int, int] = {}  # id(array) -> index
 
     def persistent_id(self, obj):
         if not isinstance(obj, np.ndarray):
             return None
-        region = _region(obj)
-        if id(region[3]) not in self._index:
-            self._index[id(region[3])] = len(self.buffers)
-            self.buffers.append(region)
-        i = self._index[id(region[3])]
-        _, address, size, _ = self.buffers[i]
-        offset = obj.ctypes.data - address
-        if not 0 <= offset <= size:
-            raise ValueError("an array outside its buffer")
-        return ("a", i, offset, obj.dtype.str, obj.shape, obj.strides)
+        if id(obj) not in self._index:
+            self._index[id(obj)] = len(self.arrays)
+            self.arrays.append(obj)
+        return ("a", self._index[id(obj)])
+
+
+def _layout(arrays: list[np.ndarray]) -> tuple[list[tuple[str, np.ndarray]], list[list]]:
+    """The buffers to write, (kind, bytes), and each array as [buffer, offset, dtype, shape,
+    strides]. An owner's whole memory is one buffer; an arena mapping gives one buffer per run
+    of live bytes (the arrays in it merged where they overlap or touch), so memory that no
+    array uses any more (a projection's own tiles before fusion) is neither written nor read."""
+    groups: dict[int, tuple[str, object, list[int]]] = {}
+    for i, a in enumerate(arrays):
+        kind, owner = _owner(a)
+        groups.setdefault(id(owner), (kind, owner, []))[2].append(i)
+    buffers, table = [], [None] * len(arrays)
+    for kind, owner, members in groups.values():
+        if kind == "array":
+            whole = owner.reshape(-1).view(np.uint8) if owner.flags.c_contiguous else None
+            if whole is None:
+                raise TypeError("an array that owns memory it does not hold contiguously")
+            runs = [(owner.ctypes.data, owner.ctypes.data + owner.nbytes, members)]
+        else:
+            runs = []
+            for i in sorted(members, key=lambda i: byte_bounds(arrays[i])[0]):
+                low, high = byte_bounds(arrays[i])
+                if runs and low <= runs[-1][1]:
+                    runs[-1] = (runs[-1][0], max(runs[-1][1], high), runs[-1][2] + [i])
+                else:
+                    runs.append((low, high, [i]))
+            mapped = np.frombuffer(owner, np.uint8)
+        for low, high, idx in runs:
+            if kind == "array":
+                data = whole
+            else:
+                start = low - mapped.ctypes.data
+                data = mapped[start : start + (high - low)]
+            for i in idx:
+                a = arrays[i]
+                table[i] = [len(buffers), a.ctypes.data - low, a.dtype.str, list(a.shape), list(a.strides)]
+            buffers.append((kind, data))
+    return buffers, table
 
 
 def _word_sum(raw: np.ndarray) -> int:
@@ -139,16 +182,6 @@ def _word_sum(raw: np.ndarray) -> int:
     return (int(whole.sum(dtype=np.uint64)) + tail) % (1 << 64)
 
 
-def _bytes(kind: str, address: int, size: int, owner) -> np.ndarray:
-    if kind == "array":
-        if not owner.flags.c_contiguous:
-            raise TypeError("an array that owns memory it does not hold contiguously")
-        return owner.reshape(-1).view(np.uint8)
-    base = np.frombuffer(owner, np.uint8)
-    start = address - base.ctypes.data
-    return base[start : start + size]
-
-
 def store(weights, key: str, root: Path | None = None) -> None:
     """Write `weights` (a prepared weights tree) as the entry `key`; a refusal of the disk is logged."""
     root = Path(root) if root is not None else default_root()
@@ -156,12 +189,13 @@ def store(weights, key: str, root: Path | None = None) -> None:
     writer = _Writer(tree)
     try:
         writer.dump(weights)
-        views = [_bytes(*b) for b in writer.buffers]
+        buffers, table = _layout(writer.arrays)
     except (TypeError, ValueError, pickle.PicklingError) as exc:  # a tree this module cannot keep: built each start
         log.warning("packed_weights_not_stored", reason=str(exc))
         return
-    header = {"format": FORMAT, "key": key, "tree_bytes": tree.tell(),
-              "buffers": [{"kind": b[0], "bytes": int(v.size), "sum": _word_sum(v)} for b, v in zip(writer.buffers, views)]}
+    views = [data for _, data in buffers]
+    header = {"format": FORMAT, "key": key, "tree_bytes": tree.tell(), "arrays": table,
+              "buffers": [{"kind": kind, "bytes": int(v.size), "sum": _word_sum(v)} for (kind, _), v in zip(buffers, views)]}
     head = json.dumps(header, sort_keys=True).encode() + b"\n" + tree.getvalue()
     parts, at = [head], len(head)
     for v in views:
@@ -182,15 +216,16 @@ def store(weights, key: str, root: Path | None = None) -> None:
 
 
 class _Reader(pickle.Unpickler):
-    def __init__(self, file, buffers: list[np.ndarray]):
+    def __init__(self, file, buffers: list[np.ndarray], table: list[list]):
         super().__init__(file)
-        self._buffers = buffers
+        self._buffers, self._table = buffers, table
 
     def persistent_load(self, pid):
-        tag, i, offset, dtype, shape, strides = pid
+        tag, n = pid
         if tag != "a":
             raise pickle.UnpicklingError("unknown reference")
-        return np.ndarray(shape, np.dtype(dtype), buffer=self._buffers[i], offset=offset, strides=strides)
+        i, offset, dtype, shape, strides = self._table[n]
+        return np.ndarray(tuple(shape), np.dtype(dtype), buffer=self._buffers[i], offset=offset, strides=tuple(strides))
 
     def find_class(self, module, name):
         if module.startswith(_ALLOWED) or (module == "builtins" and name in ("tuple", "list", "dict", "frozenset", "set", "slice")):
@@ -261,19 +296,24 @@ def _read(f, key: str):
         buffers.append(buf)
         at += b["bytes"]
     try:
-        return _Reader(io.BytesIO(tree), buffers).load(), ""
+        return _Reader(io.BytesIO(tree), buffers, header["arrays"]).load(), ""
     except Exception as exc:  # a tree that passed its sums but names types this engine no longer has
         return None, f"unusable: {type(exc).__name__}"
 
 
 def _evict(root: Path, keep: Path) -> None:
     try:
-        entries = [(p.stat().st_mtime_ns, p) for p in root.glob(f"*{SUFFIX}") if p != keep]
+        entries = sorted(((st.st_mtime_ns, st.st_size, p) for p in root.glob(f"*{SUFFIX}") if p != keep
+                          for st in (p.stat(),)), reverse=True)  # newest first
+        total = keep.stat().st_size
     except OSError:
         return
-    entries.sort()
-    for _, p in entries[: max(0, len(entries) + 1 - MAX_ENTRIES)]:
-        unlink(p)
+    kept = 1
+    for _, size, p in entries:
+        if kept + 1 > MAX_ENTRIES or total + size > MAX_BYTES:
+            unlink(p)
+        else:
+            kept, total = kept + 1, total + size
 
 
 __all__ = ["FingerprintError", "default_root", "entry_key", "load", "store"]

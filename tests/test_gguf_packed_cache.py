@@ -1,0 +1,195 @@
+"""The packed-weights cache (engine/gguf/packed_cache.py): a start that finds a GGUF model's
+prepared weights reads them back instead of packing, and they are the build's bits (every
+array, and the logits of a forward) on both block layouts; a fused projection's parts and a
+tied head are views of one buffer again (no array held twice); entries are keyed by the file's
+content; a damaged, truncated or foreign entry is ignored, removed and rebuilt; a tree naming
+a type outside the engine is refused; the oldest entries go past the limits."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+from engine import fingerprint
+from engine.forward import Forward
+from engine.gguf import load as gguf_load
+from engine.gguf import packed_cache as pc
+from engine.model import Model
+from gguf_checkpoints import write_tiny_gguf
+from kernels.base import LinearWeight
+
+pytest.importorskip("gguf") if os.environ.get("CI") != "true" else __import__("gguf")
+
+IDS = [1, 5, 9, 3, 7, 2, 11, 4]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("NPUD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(pc, "_memos", {})  # a memo per test, as a new process has
+    monkeypatch.setattr(fingerprint, "SETTLE_NS", 0)  # files written just now may be remembered
+    return tmp_path / "cache" / pc.SUBDIR
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("packed") / "gemma3.gguf", "gemma3")
+
+
+@pytest.fixture(scope="module")
+def uniform(tmp_path_factory):
+    """Every matrix Q8_0, so each layer's projections fuse."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("packed") / "gemma3.gguf", "gemma3", matrix_types=("Q8_0",))
+
+
+def entries(root):
+    return sorted(root.glob(f"*{pc.SUFFIX}"))
+
+
+def arrays(tree, prefix="w"):
+    """Every array of a weights tree by its path."""
+    out = {}
+    if isinstance(tree, np.ndarray):
+        out[prefix] = tree
+    elif isinstance(tree, (list, tuple)):
+        for i, item in enumerate(tree):
+            out |= arrays(item, f"{prefix}[{i}]")
+    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        for f in dataclasses.fields(tree):
+            out |= arrays(getattr(tree, f.name), f"{prefix}.{f.name}")
+    return out
+
+
+def logits(model):
+    f = Forward(model)
+    return [f.step(t, i) for i, t in enumerate(IDS[:3])] + [f.step_batch_all(IDS[3:], 3)]
+
+
+def no_packing(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("packed the file again")
+
+    monkeypatch.setattr(gguf_load, "load_gguf_weights", refuse)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "gguf-q8"])
+def test_a_hit_is_the_build_bit_for_bit(tiny, private_cache, monkeypatch, fmt):
+    built = Model.load(tiny, fmt)
+    assert len(entries(private_cache)) == 1
+    no_packing(monkeypatch)
+    read = Model.load(tiny, fmt)
+    a, b = arrays(built.weights), arrays(read.weights)
+    assert a.keys() == b.keys() and len(a) > 10
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert np.array_equal(a[name].view(np.uint8), b[name].view(np.uint8)), name
+    assert built.weights.fingerprint == read.weights.fingerprint and built.checkpoint_info == read.checkpoint_info
+    for x, y in zip(logits(built), logits(read)):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "gguf-q8"])
+def test_views_stay_views_and_the_tied_head_is_the_embedding(uniform, monkeypatch, fmt):
+    Model.load(uniform, fmt)
+    no_packing(monkeypatch)
+    w = Model.load(uniform, fmt).weights
+    assert w.lm_head is w.embed  # gemma's head is tied: one table serves the gather and the GEMM
+    layer = w.layers[0]
+    assert layer.attn.qkv is not None and layer.mlp.gate_up is not None
+    for fused, parts in ((layer.attn.qkv, (layer.attn.q, layer.attn.k, layer.attn.v)),
+                         (layer.mlp.gate_up, (layer.mlp.gate, layer.mlp.up))):
+        for part in parts:
+            assert np.shares_memory(part.data, fused.weight.data) and np.shares_memory(part.scale, fused.weight.scale)
+        for part in fused.parts:  # the backend's own views, the ones the fused call's columns come from
+            assert np.shares_memory(part.data, fused.weight.data)
+    if fmt == "gguf-q8":  # read back into the huge-page arena, as resident_copy placed them
+        from kernels.host.resident import is_arena
+
+        owner = layer.mlp.gate_up.weight.data
+        while isinstance(owner, np.ndarray):
+            owner = owner.base
+        assert is_arena(owner.obj)  # np.frombuffer's memoryview of the mapping
+
+
+def test_entries_are_keyed_by_content_and_layout(tmp_path, private_cache):
+    a = write_tiny_gguf(tmp_path / "a.gguf", "gemma3", seed=1)
+    b = write_tiny_gguf(tmp_path / "b.gguf", "gemma3", seed=2)
+    Model.load(a, "bf16")
+    Model.load(b, "bf16")
+    Model.load(a, "gguf-q8")
+    assert len(entries(private_cache)) == 3
+    b.write_bytes(a.read_bytes())  # the same content under another name: the same entry
+    Model.load(b, "bf16")
+    assert len(entries(private_cache)) == 3
+
+
+def damage_buffer(entry):
+    raw = bytearray(entry.read_bytes())
+    raw[-100] ^= 0x10  # a bit in the last buffer
+    entry.write_bytes(bytes(raw))
+
+
+def truncate(entry):
+    raw = entry.read_bytes()
+    entry.write_bytes(raw[: len(raw) - 4096])
+
+
+def foreign_key(entry):
+    first, _, rest = entry.read_bytes().partition(b"\n")
+    header = json.loads(first)
+    header["key"] = "0" * 64
+    entry.write_bytes(json.dumps(header).encode() + b"\n" + rest)
+
+
+def garbage(entry):
+    entry.write_bytes(b"not an entry\n")
+
+
+@pytest.mark.parametrize("spoil", [damage_buffer, truncate, foreign_key, garbage])
+def test_an_unusable_entry_is_ignored_and_rebuilt(tiny, private_cache, spoil):
+    want = logits(Model.load(tiny, "bf16"))
+    (entry,) = entries(private_cache)
+    spoil(entry)
+    assert pc.load(entry.stem, private_cache) is None
+    assert not entry.exists()  # removed, so the next load rebuilds it
+    again = Model.load(tiny, "bf16")
+    assert entries(private_cache) == [entry]
+    for x, y in zip(want, logits(again)):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+    assert pc.load(entry.stem, private_cache) is not None
+
+
+def test_a_tree_naming_a_type_outside_the_engine_is_refused(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    weights = {"head": LinearWeight.__name__, "evil": Evil()}
+    root = tmp_path / "root"
+    pc.store(weights, "k" * 64, root)
+    (entry,) = entries(root)
+    first, _, rest = entry.read_bytes().partition(b"\n")
+    assert b"system" in rest
+    with pytest.raises(pickle.UnpicklingError):
+        pc._Reader(io.BytesIO(rest[: json.loads(first)["tree_bytes"]]), [], []).load()
+    assert pc.load("k" * 64, root) is None and not entry.exists()
+
+
+def test_the_least_recently_used_entries_go_past_the_limits(tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    monkeypatch.setattr(pc, "MAX_ENTRIES", 3)
+    for i in range(4):
+        pc.store({"w": np.full(1000, i, np.uint8)}, f"{i:064d}", root)
+        os.utime(root / f"{i:064d}{pc.SUFFIX}", ns=(i * 10**9, i * 10**9))
+    assert [p.stem[-1] for p in entries(root)] == ["1", "2", "3"]
+    assert pc.load(f"{1:064d}", root)["w"][0] == 1  # a read makes an entry the newest
+    size = (root / f"{1:064d}{pc.SUFFIX}").stat().st_size
+    monkeypatch.setattr(pc, "MAX_BYTES", 2 * size)
+    pc.store({"w": np.full(1000, 9, np.uint8)}, f"{9:064d}", root)
+    assert [p.stem[-1] for p in entries(root)] == ["1", "9"]
