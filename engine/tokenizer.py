@@ -199,7 +199,6 @@ class Tokenizer:
             {tok.content for i, tok in added_tokens.items()
              if i in self.special_token_ids or _CONTROL_SHAPE.fullmatch(tok.content)}, key=lambda t: (-len(t), t)))
         self._control_re = re.compile("|".join(map(re.escape, self.control_tokens))) if self.control_tokens else None
-        self._plain: _Backend | None = None  # the backend without added tokens: their spellings as text
         self._decodable: dict[int, np.ndarray | None] = {}  # width -> Tokenizer.decodable(width)
         self._token_bytes: dict[int, bytes] = {}  # id -> Tokenizer.token_bytes(id), filled as asked
         self._byte_decoder: dict[str, int] | None = None  # GPT-2's alphabet reversed, for byte-level BPE
@@ -380,17 +379,23 @@ class Tokenizer:
         parts = re.split(f"\ue000{nonce}(\\d+)\ue001", text)
         if len(parts) == 1:
             return _ids(self._backend, text)
-        if self._plain is None:
-            spec = json.loads(self._backend.to_str())
-            spec["added_tokens"] = []
-            self._plain = _Backend.from_str(json.dumps(spec))
         ids: list[int] = []
         for i, part in enumerate(parts):
             if i % 2:
-                ids += _ids(self._plain, self.control_tokens[int(part)])
+                ids += self._plain_ids(self.control_tokens[int(part)])
             elif part:
                 ids += _ids(self._backend, part)
         return ids
+
+    def _plain_ids(self, text: str) -> list[int]:
+        """The ids of `text` as the backend gives them with no added tokens (a control token's
+        spelling as the characters it is made of): its normalizer, pre-tokenizer and model run
+        directly, so the vocabulary is not held a second time by a backend without them."""
+        backend = self._backend
+        if backend.normalizer is not None:
+            text = backend.normalizer.normalize_str(text)
+        pieces = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer is not None else [(text, None)]
+        return [token.id for piece, _ in pieces for token in backend.model.tokenize(piece)]
 
     def token_id(self, content: str) -> int | None:
         """The id of the token whose text is exactly `content` (a special token's, say), or None."""

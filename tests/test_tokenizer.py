@@ -389,3 +389,47 @@ def test_the_bundled_models_markers_in_user_text_stay_text():
     ids = bundled.encode_text(text)
     assert bundled.decode(ids) == text
     assert not {bundled.token_id(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")} & set(ids)
+
+
+def _tokenizers_for_plain_ids(tmp_path):
+    import os
+    from pathlib import Path
+
+    from gguf_checkpoints import write_tiny_gguf
+
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "ckpt").mkdir()
+    out = {"checkpoint": Tokenizer.from_dir(write_checkpoint(tmp_path / "ckpt")),
+           "bundled": Tokenizer.from_dir(root / "npud" / "models" / "pycode-base")}
+    try:
+        __import__("gguf")
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            raise
+        return out
+    from engine.gguf import open_gguf
+    from engine.gguf.tokenizer import gguf_tokenizer
+
+    for arch, kind in (("gemma3", "llama"), ("llama", "llama"), ("qwen2", "gpt2")):
+        path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, tokenizer=kind)
+        out[arch] = gguf_tokenizer(open_gguf(path))
+    return out
+
+
+def test_a_control_spelling_as_text_is_what_a_backend_without_added_tokens_gives(tmp_path, monkeypatch):
+    """encode_text's control spellings come from the backend's own normalizer, pre-tokenizer
+    and model (no second backend, so the vocabulary is held once): the ids a copy of the
+    backend without its added tokens gives, on every kind of tokenizer npud builds."""
+    for name, tok in _tokenizers_for_plain_ids(tmp_path).items():
+        spec = json.loads(tok._backend.to_str())
+        spec["added_tokens"] = []
+        plain = Backend.from_str(json.dumps(spec))
+        spellings = [t for t in tok.control_tokens] + ["<|im_end|>", "<start_of_turn>", " <|x|> ", "a\n<eos>"]
+        assert len(spellings) > 4
+        for text in spellings:
+            assert tok._plain_ids(text) == plain.encode(text, add_special_tokens=False).ids, (name, text)
+        monkeypatch.setattr(Backend, "from_str", None)  # encode_text builds no backend
+        for text in tok.control_tokens:
+            ids = tok.encode_text(f"x{text}y")
+            assert not set(ids) & {tok.token_id(t) for t in tok.control_tokens}, (name, text)
+        monkeypatch.undo()
