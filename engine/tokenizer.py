@@ -1,4 +1,8 @@
-"""Tokenizer: tokenizer.json through `tokenizers`, chat templates rendered as transformers does.
+"""Tokenizer: encode and decode through `tokenizers`, chat templates rendered as transformers does.
+
+Built from a checkpoint directory's files by engine/tokenizer_dir.py, from a GGUF file by
+engine/gguf/tokenizer.py (kept between starts by engine/gguf/tokenizer_cache.py); streaming
+detokenization is engine/incremental_decoder.py's.
 
 transformers is not imported at runtime; what it does when it renders a chat template
 (the Jinja environment, the variables a template sees, how messages are normalised) is
@@ -7,13 +11,11 @@ reproduced here, and tests compare the output with transformers' own.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import operator
 import re
 import secrets
 from datetime import datetime
-from pathlib import Path
 from typing import Any, Iterable
 
 import jinja2
@@ -25,6 +27,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 
 from engine.api import ModelError
+from engine.incremental_decoder import IncrementalDecoder  # re-exported: Tokenizer.decoder() makes one
 
 
 class TokenizerError(ModelError):
@@ -40,27 +43,7 @@ _LONG_TEXT = 16384
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # names a message's reasoning arrives under; templates read the first (Qwen3) or "thinking" (gpt-oss)
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-_REPLACEMENT_CHAR = "\ufffd"
 
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise TokenizerError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TokenizerError(f"{path}: not valid JSON: {exc}") from None
-
-
-def _token_content(value: Any, field: str, source: Path) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or an AddedToken object."""
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        value = value.get("content")
-    if not isinstance(value, str):
-        raise TokenizerError(f"{source}: {field} must be a string or an object with 'content', got {value!r}")
-    return value
 
 
 def _raise_exception(message: str):
@@ -218,110 +201,11 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, checkpoint_dir) -> "Tokenizer":
-        """Returns the tokenizer of a checkpoint directory (or of a .gguf file, engine/gguf/tokenizer.py).
+        """Returns the tokenizer of a checkpoint directory (engine/tokenizer_dir.py) or of a .gguf
+        file (engine/gguf/tokenizer_cache.py). Raises TokenizerError naming the file."""
+        from engine.tokenizer_dir import tokenizer_from_dir
 
-        Reads tokenizer.json, tokenizer_config.json (special tokens, chat template),
-        chat_template.jinja (where transformers 5 saves the template; it wins) and the
-        eos ids of generation_config.json. Raises TokenizerError naming the file.
-        """
-        directory = Path(checkpoint_dir)
-        from engine.gguf import is_gguf
-
-        if is_gguf(directory):
-            from engine.gguf.tokenizer_cache import load_gguf_tokenizer
-
-            return load_gguf_tokenizer(directory)[0]
-        tokenizer_path = directory / "tokenizer.json"
-        try:
-            raw = tokenizer_path.read_bytes()
-        except OSError as exc:
-            raise TokenizerError(f"{tokenizer_path}: cannot read: {exc.strerror or exc}") from None
-        try:
-            backend = _Backend.from_str(raw.decode("utf-8"))
-        except Exception as exc:  # the Rust side raises its own Exception type
-            raise TokenizerError(f"{tokenizer_path}: not a valid tokenizer: {exc}") from None
-
-        config_path = directory / "tokenizer_config.json"
-        config = _read_json(config_path) if config_path.is_file() else {}
-        if not isinstance(config, dict):
-            raise TokenizerError(f"{config_path}: must be a JSON object")
-        special_tokens = {}
-        for field in _NAMED_TOKENS:
-            content = _token_content(config.get(field), field, config_path)
-            if content is not None:
-                special_tokens[field] = content
-
-        extra_special: set[int] = set()
-        decoder_entries = config.get("added_tokens_decoder") or {}
-        if not isinstance(decoder_entries, dict):
-            raise TokenizerError(f"{config_path}: added_tokens_decoder must be an object")
-        for key, entry in decoder_entries.items():
-            if isinstance(entry, dict) and entry.get("special"):
-                if not key.isdigit():
-                    raise TokenizerError(f"{config_path}: added_tokens_decoder key {key!r} is not a token id")
-                extra_special.add(int(key))
-        for field in ("additional_special_tokens", "extra_special_tokens"):
-            listed = config.get(field) or []
-            if isinstance(listed, dict):  # transformers 5 may map names to tokens
-                listed = list(listed.values())
-            if not isinstance(listed, list):
-                raise TokenizerError(f"{config_path}: {field} must be a list, got {listed!r}")
-            for item in listed:
-                content = _token_content(item, field, config_path)
-                token_id = backend.token_to_id(content)
-                if token_id is None:
-                    raise TokenizerError(f"{config_path}: {field} token {content!r} is not in the vocabulary")
-                extra_special.add(token_id)
-
-        templates = cls._read_templates(directory, config, config_path)
-
-        eos_ids: list[int] = []
-        generation_path = directory / "generation_config.json"
-        if generation_path.is_file():
-            generation = _read_json(generation_path)
-            value = generation.get("eos_token_id") if isinstance(generation, dict) else None
-            items = value if isinstance(value, list) else ([] if value is None else [value])
-            for item in items:
-                if not isinstance(item, int) or isinstance(item, bool) or item < 0:
-                    raise TokenizerError(f"{generation_path}: eos_token_id = {value!r}: must be token ids")
-                eos_ids.append(item)
-
-        return cls(
-            backend,
-            fingerprint=hashlib.sha256(raw).hexdigest(),
-            chat_templates=templates,
-            special_tokens=special_tokens,
-            extra_special_ids=extra_special,
-            extra_eos_ids=eos_ids,
-            source=str(directory),
-        )
-
-    @staticmethod
-    def _read_templates(directory: Path, config: dict, config_path: Path) -> dict[str, str]:
-        """Named chat templates; a single template is named "default"."""
-        templates: dict[str, str] = {}
-        value = config.get("chat_template")
-        if isinstance(value, str):
-            templates["default"] = value
-        elif isinstance(value, list):  # [{"name": ..., "template": ...}, ...]
-            for entry in value:
-                if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
-                        and isinstance(entry.get("template"), str)):
-                    raise TokenizerError(f"{config_path}: chat_template entry {entry!r} needs a name and a template")
-                templates[entry["name"]] = entry["template"]
-        elif value is not None:
-            raise TokenizerError(f"{config_path}: chat_template must be a string or a list, got {value!r}")
-        jinja_path = directory / "chat_template.jinja"
-        if jinja_path.is_file():
-            try:
-                templates["default"] = jinja_path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
-                raise TokenizerError(f"{jinja_path}: cannot read: {exc}") from None
-        extra_dir = directory / "additional_chat_templates"
-        if extra_dir.is_dir():
-            for path in sorted(extra_dir.glob("*.jinja")):
-                templates[path.stem] = path.read_text(encoding="utf-8")
-        return templates
+        return tokenizer_from_dir(checkpoint_dir)
 
     @property
     def chat_template_names(self) -> tuple[str, ...]:
@@ -542,53 +426,3 @@ def _ids(backend: _Backend, text: str, add_special_tokens: bool = False) -> list
     if len(text) > _LONG_TEXT:
         return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
     return backend.encode(text, add_special_tokens=add_special_tokens).ids
-
-
-class IncrementalDecoder:
-    """Turns tokens pushed one at a time into text, never splitting a character.
-
-    Each push decodes a short window of recent tokens twice, with and without the new
-    ones, and emits the difference. Decoding from a window start that lies on a
-    character boundary gives the same text as decoding from the beginning, and text is
-    held back while it ends in U+FFFD (bytes of an incomplete character).
-    """
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix = 0  # window start: the token after which text was last complete
-        self._read = 0  # tokens before this have been emitted
-        self._emitted: list[str] = []
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer._backend.decode(ids, skip_special_tokens=False)
-
-    def push(self, token_id: int) -> str:
-        """Returns the text the token completes ("" while a character is still partial)."""
-        (token_id,) = self._tokenizer._check_ids([token_id])
-        if self._skip and token_id in self._tokenizer.special_token_ids:
-            return ""
-        self._ids.append(token_id)
-        before = self._decode(self._ids[self._prefix:self._read])
-        after = self._decode(self._ids[self._prefix:])
-        if len(after) <= len(before) or after.endswith(_REPLACEMENT_CHAR) or not after.startswith(before):
-            return ""
-        text = after[len(before):]
-        self._prefix, self._read = self._read, len(self._ids)
-        self._emitted.append(text)
-        return text
-
-    def flush(self) -> str:
-        """Returns the text still held back (e.g. an incomplete character, as U+FFFD)."""
-        emitted = "".join(self._emitted)
-        full = self._decode(self._ids)
-        if full.startswith(emitted):
-            text = full[len(emitted):]
-        else:
-            # a decoder whose windows do not concatenate: emit what the window adds
-            before = self._decode(self._ids[self._prefix:self._read])
-            text = self._decode(self._ids[self._prefix:])[len(before):]
-        self._prefix = self._read = len(self._ids)
-        self._emitted = [emitted + text]
-        return text
