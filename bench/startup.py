@@ -20,6 +20,7 @@ are left out and the header says so.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -74,8 +75,9 @@ def npud_run(model: Path, work: Path, cache: Path, tokens: int, threads: int) ->
     env |= {"PYTHONPATH": str(ROOT), "NPUD_CACHE_DIR": str(cache), "NPUD_HOST_THREADS": str(threads),
             "NUMBA_NUM_THREADS": str(threads)}
     cmd = [sys.executable, "-m", "npud", "--model", str(model), "--socket", str(sock), "--state-dir",
-           str(work / "state"), "--log-level", "warning", "--log-format", "json"]
+           str(work / "state"), "--log-level", "info", "--log-format", "json"]
     started = time.perf_counter()
+    (work / "npud.log").unlink(missing_ok=True)
     with open(work / "npud.log", "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
@@ -97,10 +99,40 @@ def npud_run(model: Path, work: Path, cache: Path, tokens: int, threads: int) ->
                         first, cpu = time.perf_counter(), cpu_seconds(proc.pid)
                     ids += e.data["token_ids"]
         memory = proc_memory(proc.pid)
-        return dict(socket=at_socket, first=first - started, cpu=cpu, tokens=ids, **memory)
+        return dict(socket=at_socket, first=first - started, cpu=cpu, tokens=ids, phases=load_phases(work / "npud.log"),
+                    **memory)
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def load_phases(log: Path) -> dict[str, float]:
+    """Seconds of the model load's parts, from the daemon's JSON log: the GGUF tokenizer (with
+    its cache's status), the weights (read from the packed-weights cache or packed now), the
+    pass-cost calibration when it ran, and the whole load."""
+    from datetime import datetime
+
+    out: dict[str, float] = {}
+    at: dict[str, float] = {}  # event -> its log timestamp (seconds)
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            e = json.loads(line)
+            stamp = datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+        event = e.get("event")
+        at.setdefault(event, stamp)
+        if event == "model_load_started" and "daemon_starting" in at:
+            out["daemon start to the load"] = stamp - at["daemon_starting"]
+        if event == "gguf_tokenizer_loaded":
+            out[f"tokenizer ({e.get('status')})"] = e.get("seconds", 0.0)
+        elif event == "gguf_weights_loaded":
+            out[f"weights ({e.get('source')})"] = e.get("seconds", 0.0)
+        elif event == "pass_costs_calibrated" and "gguf_weights_loaded" in at:
+            out["pass-cost calibration"] = stamp - at["gguf_weights_loaded"]
+        elif event == "model_loaded":
+            out["whole load"] = e.get("load_ms", 0.0) / 1000
+    return out
 
 
 def llama_run(binary: Path, model: Path, tokens: int, threads: int) -> dict:
@@ -183,6 +215,13 @@ def report(rows: list[tuple]) -> None:
         print(f"npud / llama.cpp: first token {a[0] / b[0]:.2f}x, CPU to it {a[1] / b[1]:.2f}x, "
               f"peak RSS {a[2] / b[2]:.2f}x")
     npud_rows = [row for row in rows if row[1] == "npud"]
+    print("\nnpud's load, from its log (seconds; cold = the first start, warm = median of the rest):")
+    names = list(dict.fromkeys(k for row in npud_rows for k in row[4].get("phases", {})))
+    for name in names:
+        cold = npud_rows[0][4].get("phases", {}).get(name)
+        warm = [row[4]["phases"][name] for row in npud_rows[1:] if name in row[4].get("phases", {})]
+        print(f"- {name}: cold {'-' if cold is None else f'{cold:.2f}'}, warm "
+              f"{f'{statistics.median(warm):.2f} (range {min(warm):.2f}-{max(warm):.2f})' if warm else '-'}")
     print(f"npud cache files after each warm start equal to after the first: "
           f"{all(row[5:] == npud_rows[0][5:] for row in npud_rows)}; greedy tokens the same in every npud run: "
           f"{all(row[4]['tokens'] == npud_rows[0][4]['tokens'] for row in npud_rows)}")

@@ -5,6 +5,8 @@ start that finds them reads them back whole and leaves the file's tensors unread
 
 from __future__ import annotations
 
+import time
+
 import structlog
 
 from engine.config import ModelConfig
@@ -37,6 +39,7 @@ def load_gguf_prepared(path, q8: bool, backend, prepare) -> tuple[ModelConfig, M
     from engine.gguf import packed_cache
     from kernels.ggml.gemm import LAYOUT_FLOAT, LAYOUT_Q8
 
+    started = time.perf_counter()
     g = open_gguf(path, vocabulary=False)
     cfg = gguf_config(g)
     info = describe_file(g, cfg)
@@ -48,9 +51,13 @@ def load_gguf_prepared(path, q8: bool, backend, prepare) -> tuple[ModelConfig, M
         key = None
     weights = packed_cache.load(key, root) if key is not None else None
     if weights is not None:
+        log.info("gguf_weights_loaded", source="packed_cache", seconds=round(time.perf_counter() - started, 3))
         return cfg, weights, info
     weights = prepare(load_gguf_weights(g, cfg, q8))
     del g  # the file's pages go with the mapping
+    packed = time.perf_counter()
     if key is not None:
         packed_cache.store(weights, key, root)
+    log.info("gguf_weights_loaded", source="packed_now", seconds=round(packed - started, 3),
+             store_seconds=round(time.perf_counter() - packed, 3))
     return cfg, weights, info

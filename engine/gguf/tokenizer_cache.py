@@ -28,6 +28,7 @@ import importlib.metadata
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import structlog
@@ -72,6 +73,13 @@ def load_gguf_tokenizer(path, root: str | Path | None = None) -> tuple[Tokenizer
     replaced). `root`: the cache directory (default_root() when None). A cache that cannot be
     read or written costs only the build (logged). Raises TokenizerError for a file that is
     not a GGUF or has no usable tokenizer."""
+    started = time.perf_counter()
+    tokenizer, status = _load(path, root)
+    log.info("gguf_tokenizer_loaded", status=status, seconds=round(time.perf_counter() - started, 3))
+    return tokenizer, status
+
+
+def _load(path, root) -> tuple[Tokenizer, str]:
     from engine.gguf import open_gguf
     from engine.weights import WeightsError
 
