@@ -81,7 +81,10 @@ def no_packing(monkeypatch):
 @pytest.mark.parametrize("fmt", ["bf16", "gguf-q8"])
 def test_a_hit_is_the_build_bit_for_bit(tiny, private_cache, monkeypatch, fmt):
     built = Model.load(tiny, fmt)
-    assert len(entries(private_cache)) == 1
+    (entry,) = entries(private_cache)
+    # the entry holds the live bytes once: no array twice, no arena bytes a build left dead
+    header = json.loads(entry.read_bytes().partition(b"\n")[0])
+    assert sum(b["bytes"] for b in header["buffers"]) == built.nbytes
     no_packing(monkeypatch)
     read = Model.load(tiny, fmt)
     a, b = arrays(built.weights), arrays(read.weights)
@@ -95,8 +98,12 @@ def test_a_hit_is_the_build_bit_for_bit(tiny, private_cache, monkeypatch, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "gguf-q8"])
-def test_views_stay_views_and_the_tied_head_is_the_embedding(uniform, monkeypatch, fmt):
-    Model.load(uniform, fmt)
+def test_views_stay_views_and_the_tied_head_is_the_embedding(uniform, private_cache, monkeypatch, fmt):
+    built = Model.load(uniform, fmt)
+    (entry,) = entries(private_cache)
+    # every projection fused: a q8 build left each part's own tiles dead in the arena, the entry has none of them
+    header = json.loads(entry.read_bytes().partition(b"\n")[0])
+    assert sum(b["bytes"] for b in header["buffers"]) == built.nbytes
     no_packing(monkeypatch)
     w = Model.load(uniform, fmt).weights
     assert w.lm_head is w.embed  # gemma's head is tied: one table serves the gather and the GEMM
