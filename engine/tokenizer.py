@@ -181,7 +181,10 @@ class Tokenizer:
         self.control_tokens: tuple[str, ...] = tuple(sorted(
             {tok.content for i, tok in added_tokens.items()
              if i in self.special_token_ids or _CONTROL_SHAPE.fullmatch(tok.content)}, key=lambda t: (-len(t), t)))
-        self._control_re = re.compile("|".join(map(re.escape, self.control_tokens))) if self.control_tokens else None
+        # compiled at the first text that holds a control token's first character (gemma: 6,249
+        # spellings, a tenth of a second of a start), so a start pays it only for a prompt that may need it
+        self._control_re: re.Pattern | None = None
+        self._control_starts = frozenset(t[0] for t in self.control_tokens)
         self._decodable: dict[int, np.ndarray | None] = {}  # width -> Tokenizer.decodable(width)
         self._token_bytes: dict[int, bytes] = {}  # id -> Tokenizer.token_bytes(id), filled as asked
         self._byte_decoder: dict[str, int] | None = None  # GPT-2's alphabet reversed, for byte-level BPE
@@ -248,7 +251,11 @@ class Tokenizer:
         """`value` with each control token's spelling in its strings replaced by a marker no
         client can write (private-use delimiters around a fresh nonce and the token's index)."""
         if isinstance(value, str):
-            if self._control_re is None or self._control_re.search(value) is None:
+            if not self._control_starts or self._control_starts.isdisjoint(value):
+                return value
+            if self._control_re is None:
+                self._control_re = re.compile("|".join(map(re.escape, self.control_tokens)))
+            if self._control_re.search(value) is None:
                 return value
             index = {t: i for i, t in enumerate(self.control_tokens)}
             return self._control_re.sub(lambda m: f"\ue000{nonce}{index[m.group(0)]}\ue001", value)

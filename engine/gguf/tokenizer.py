@@ -143,7 +143,7 @@ def assemble_backend(recipe: dict):
     from tokenizers import Tokenizer as Backend
 
     tokens = recipe["tokens"]
-    vocab = {t: i for i, t in enumerate(tokens)}
+    vocab = dict(zip(tokens, range(len(tokens))))  # as {t: i for i, t in enumerate(tokens)}: a repeated spelling keeps its last id
     ids = recipe["merges"]
     if len(ids):  # the pairs' strings are the vocabulary's own objects, looked up in C
         merges = list(zip(operator.itemgetter(*ids[:, 0].tolist())(tokens), operator.itemgetter(*ids[:, 1].tolist())(tokens)))
