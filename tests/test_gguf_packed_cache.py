@@ -200,3 +200,24 @@ def test_the_least_recently_used_entries_go_past_the_limits(tmp_path, monkeypatc
     monkeypatch.setattr(pc, "MAX_BYTES", 2 * size)
     pc.store({"w": np.full(1000, 9, np.uint8)}, f"{9:064d}", root)
     assert [p.stem[-1] for p in entries(root)] == ["1", "9"]
+
+
+def test_a_backend_that_is_not_the_hosts_is_not_cached(tiny, private_cache):
+    from engine.testing.backends import PrimitivesOnly
+    from kernels.ggml.backend import BlockHostBackend
+    from kernels.host.backend import HostBackend
+
+    backend = PrimitivesOnly(BlockHostBackend())
+    assert not isinstance(backend, HostBackend)
+    Model.load(tiny, "bf16", backend)
+    assert entries(private_cache) == []
+
+
+def test_a_header_of_the_right_key_but_not_of_this_shape_is_unusable(tiny, private_cache):
+    Model.load(tiny, "bf16")
+    (entry,) = entries(private_cache)
+    first, _, rest = entry.read_bytes().partition(b"\n")
+    header = json.loads(first)
+    del header["arrays"]
+    entry.write_bytes(json.dumps(header).encode() + b"\n" + rest)
+    assert pc.load(entry.stem, private_cache) is None and not entry.exists()

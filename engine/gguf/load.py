@@ -34,7 +34,7 @@ def load_gguf_model(path, q8: bool = False) -> tuple[ModelConfig, ModelWeights, 
 def load_gguf_prepared(path, q8: bool, backend, prepare) -> tuple[ModelConfig, ModelWeights, dict]:
     """load_gguf_model's triple with the weights already laid out for `backend`: read from the
     packed-weights cache, or loaded, passed through `prepare` (weights -> prepared weights) and
-    stored there. A cache that cannot be read or written costs only the build (logged).
+    stored there (a host backend's; any other backend's are prepared at each start). A cache that cannot be read or written costs only the build (logged).
     Raises ConfigError or WeightsError."""
     from engine.gguf import packed_cache
     from kernels.ggml.gemm import LAYOUT_FLOAT, LAYOUT_Q8
@@ -44,11 +44,12 @@ def load_gguf_prepared(path, q8: bool, backend, prepare) -> tuple[ModelConfig, M
     cfg = gguf_config(g)
     info = describe_file(g, cfg)
     root = packed_cache.default_root()
-    try:
-        key = packed_cache.entry_key(path, LAYOUT_Q8 if q8 else LAYOUT_FLOAT, backend, root)
-    except (OSError, packed_cache.FingerprintError) as exc:
-        log.warning("packed_weights_unkeyed", error=str(exc))
-        key = None
+    key = None
+    if packed_cache.cacheable(backend):
+        try:
+            key = packed_cache.entry_key(path, LAYOUT_Q8 if q8 else LAYOUT_FLOAT, backend, root)
+        except OSError as exc:  # FingerprintError too
+            log.warning("packed_weights_unkeyed", error=str(exc))
     weights = packed_cache.load(key, root) if key is not None else None
     if weights is not None:
         log.info("gguf_weights_loaded", source="packed_cache", seconds=round(time.perf_counter() - started, 3))

@@ -82,6 +82,14 @@ def _memo(root: Path) -> DigestMemo:
         return _memos[root]
 
 
+def cacheable(backend) -> bool:
+    """Whether `backend`'s prepared weights are plain arrays this cache can keep: the host
+    backends' (an NPU backend's hold device state, and are built each start)."""
+    from kernels.host.backend import HostBackend
+
+    return isinstance(backend, HostBackend)
+
+
 def entry_key(path, layout: str, backend, root: Path) -> str:
     """The key of `path`'s packed weights in `layout` for `backend`. Raises FingerprintError."""
     from kernels.base import numerics_identity
@@ -257,6 +265,8 @@ def load(key: str, root: Path | None = None):
             weights, why = _read(f, key)
     except OSError as exc:
         weights, why = None, f"cannot read: {exc.strerror or exc}"
+    except (KeyError, TypeError, ValueError, IndexError):  # a header of the right key but not of this shape
+        weights, why = None, "a malformed header"
     if weights is None:
         log.warning("packed_weights_entry_ignored", entry=str(entry), reason=why)
         unlink(entry)
