@@ -3,21 +3,28 @@
 The rule (engine/speculative.py's _BreakEven) compares what speculative rounds produced with
 what they cost. Timing each round against the median plain step makes the neighbours decide:
 on a busy machine every round looks slower and the job falls back. Instead the costs come from
-a calibration of the model's own passes (r = 1 .. max rows, the fastest of a few runs of each),
-made once per CPU, kernel path, weight format, thread count and model shape (about a second for
-gemma-3-270m on a quiet machine) and kept in the
-kernel cache directory, so that later loads read the same table and the same prompt makes the
-same speculation choices however busy the machine is.
+a calibration of the model's own passes (r = 1 .. max rows, the fastest of a few runs of each,
+on the model's own thread count), made once and kept in the kernel cache directory under a key
+over everything that changes the figures: the CPU (model, flags, microcode), the backend and
+ISA path, the compiled library (a digest of the kernel sources and flags), the numerics
+version, every linear's format, layout and shape, the model's config, the thread count and
+the row count. Later loads read the same table (about a millisecond instead of a second or
+more), so the same prompt makes the same speculation choices however busy the machine is.
+
+An entry is checked on read: this file's format, the full key, the row count, and seconds that
+are finite, positive and non-decreasing in the rows. Anything else (a torn write, another
+key's entry copied over, a hand-edited table) is measured again and overwritten, never used.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-import platform
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,17 +32,20 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-CALIBRATION_VERSION = 1
+FORMAT = 2  # of the cache entry and of what the key covers
 REPEATS = 5  # runs of each row count; the fastest is kept (a preempted run only ever looks slower)
 
 
 @dataclass(slots=True, frozen=True)
 class PassCosts:
-    """ratios[r - 1]: an r-row base pass in plain steps (ratios[0] = 1); `source` says where they came from."""
+    """ratios[r - 1]: an r-row base pass in plain steps (ratios[0] = 1); `source` says where they
+    came from; `step_seconds` the fastest one-row pass the calibration saw (0.0: not measured),
+    which puts a drafter's calibrated passes on the same scale."""
 
     ratios: tuple[float, ...]
     source: str  # "calibrated" (measured now), "cached" (read from the kernel cache), "injected" (tests)
     key: str = ""
+    step_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.ratios or self.ratios[0] != 1.0 or any(not (r > 0) for r in self.ratios):
@@ -50,47 +60,118 @@ class PassCosts:
     def as_dict(self) -> dict:
         return {"source": self.source, "ratios": list(self.ratios), "key": self.key}
 
+    @classmethod
+    def from_seconds(cls, seconds, source: str, key: str = "") -> PassCosts:
+        step = seconds[0]
+        return cls(tuple(1.0 if r == 1 else s / step for r, s in enumerate(seconds, 1)), source, key, step)
+
 
 def calibration_key(model, threads: int, max_rows: int) -> str:
-    """CPU, kernel path, weight layouts, thread count, rows and the model's shape, as one digest."""
-    from kernels.host import native
+    """The full sha256 an entry is stored under (the module docstring says what it covers)."""
+    from kernels import base as kernels_base
+    from kernels.host import checkcache, native
 
     w = model.weights
-    layouts = sorted({f"{getattr(lw.fmt, 'value', lw.fmt)}/{lw.layout}" for lw in _linears(w)})
-    parts = [_cpu_name(), native.isa(), ",".join(layouts), str(threads), str(max_rows), repr(model.config),
-             str(CALIBRATION_VERSION)]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+    shapes = sorted({f"{getattr(lw.fmt, 'value', lw.fmt)}/{lw.layout}/{lw.out_features}x{lw.in_features}"
+                     for lw in _linears(w)})
+    parts = [str(FORMAT), checkcache._cpu(), getattr(model.backend, "name", "?"), native.isa(),
+             native.library_path().name, str(kernels_base.NUMERICS_VERSION), ",".join(shapes),
+             repr(model.config), str(threads), str(max_rows)]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def load_or_calibrate(model, threads: int, max_rows: int, directory: Path | None = None) -> PassCosts:
-    """The model's pass costs for rows 1..max_rows: from the cache directory when there, else
-    measured (REPEATS runs of each row count, the fastest kept) and stored there."""
+def entry_path(key: str, directory: Path | None = None) -> Path:
     from kernels.host.cache import cache_dir
 
-    key = calibration_key(model, threads, max_rows)
-    path = (directory or cache_dir()) / "pass-costs" / f"{key}.json"
+    return (directory or cache_dir()) / "pass-costs" / f"{key[:32]}.json"
+
+
+def read_entry(key: str, max_rows: int, directory: Path | None = None) -> PassCosts | None:
+    """The cached table for `key`, or None: absent, unreadable, or failing any check."""
+    path = entry_path(key, directory)
     try:
-        ratios = tuple(float(r) for r in json.loads(path.read_text())["ratios"])
-        return PassCosts(ratios, "cached", key)
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    costs = PassCosts(measure(model, max_rows), "calibrated", key)
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("pass_costs_entry_rejected", key=key[:24], reason="unreadable", error=str(e))
+        return None
+    seconds = raw.get("seconds") if isinstance(raw, dict) else None
+    reason = None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        reason = "format"
+    elif raw.get("key") != key:
+        reason = "key"
+    elif not isinstance(seconds, list) or len(seconds) != max_rows:
+        reason = "rows"
+    elif not all(isinstance(s, float) and math.isfinite(s) and s > 0 for s in seconds) \
+            or any(b < a for a, b in zip(seconds, seconds[1:])):
+        reason = "seconds"
+    if reason is not None:
+        log.warning("pass_costs_entry_rejected", key=key[:24], reason=reason)
+        return None
+    return PassCosts.from_seconds(seconds, "cached", key)
+
+
+def write_entry(costs_seconds, key: str, directory: Path | None = None) -> None:
+    """Store a table atomically; a cache that refuses is logged and otherwise ignored."""
+    path = entry_path(key, directory)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump({"ratios": list(costs.ratios), "cpu": _cpu_name()}, f)
+            json.dump({"format": FORMAT, "key": key, "seconds": [float(s) for s in costs_seconds]}, f)
         os.replace(tmp, path)
     except OSError as e:  # an unwritable cache: the table serves this process only
         log.warning("pass_costs_not_cached", error=str(e))
-    log.info("pass_costs_calibrated", key=key, ratios=[round(r, 3) for r in costs.ratios])
+
+
+def load_or_calibrate(model, threads: int, max_rows: int, directory: Path | None = None) -> PassCosts:
+    """The model's pass costs for rows 1..max_rows on `threads` host threads: from the cache
+    directory when a valid entry is there, else measured (REPEATS runs of each row count, the
+    fastest kept, on `threads` threads) and stored there."""
+    key = calibration_key(model, threads, max_rows)
+    cached = read_entry(key, max_rows, directory)
+    if cached is not None:
+        return cached
+    started = time.perf_counter()
+    with _threads(threads):
+        seconds = measure(model, max_rows)
+    write_entry(seconds, key, directory)
+    costs = PassCosts.from_seconds(seconds, "calibrated", key)
+    log.info("pass_costs_calibrated", key=key[:24], threads=threads, seconds=round(time.perf_counter() - started, 2),
+             ratios=[round(r, 3) for r in costs.ratios])
     return costs
 
 
+def model_threads(threads: int | None) -> int:
+    """The thread count a model's rounds run on: its own `threads`, else the process default
+    (NPUD_HOST_THREADS, else the CPUs it may use), whatever count another model left set."""
+    from kernels.host import native
+
+    if threads:
+        return threads
+    with _threads(0):
+        return native.threads()
+
+
+@contextmanager
+def _threads(n: int):
+    """The host kernels on n threads for the calibration, the previous count after it."""
+    from kernels.host import native
+
+    before = native.threads()
+    native.set_threads(n)
+    try:
+        yield
+    finally:
+        native.set_threads(before)
+
+
 def measure(model, max_rows: int) -> tuple[float, ...]:
-    """An r-row pass (after a 16-token prefix) over a one-row pass, r = 1..max_rows: the fastest of
+    """Seconds of an r-row pass (after a 16-token prefix), r = 1..max_rows: the fastest of
     REPEATS runs at r = 1, 2, 4, 8, ... and max_rows (taken in turns, so a busy spell slows them
-    alike), linear in between, never below the ratio of fewer rows."""
+    alike), linear in between, never below the time of fewer rows."""
     from engine.forward import Forward
 
     f = Forward(model, max_batch_rows=max_rows)
@@ -106,13 +187,13 @@ def measure(model, max_rows: int) -> tuple[float, ...]:
             f.step_batch_all(rows, len(prefix)) if r > 1 else f.step(rows[0], len(prefix))
             fastest[r] = min(fastest[r], time.perf_counter() - t)
             f.truncate(len(prefix))
-    ratios = [1.0]
+    seconds = [fastest[1]]
     for r in range(2, max_rows + 1):
         lo = max(c for c in counts if c <= r)
         hi = min(c for c in counts if c >= r)
         t = fastest[lo] if hi == lo else fastest[lo] + (fastest[hi] - fastest[lo]) * (r - lo) / (hi - lo)
-        ratios.append(max(ratios[-1], t / fastest[1]))
-    return tuple(ratios)
+        seconds.append(max(seconds[-1], t))
+    return tuple(seconds)
 
 
 def _linears(weights):
@@ -123,13 +204,3 @@ def _linears(weights):
     for layer in weights.layers:
         out += [o for o in weight_arrays(layer) if isinstance(o, LinearWeight)]
     return out
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

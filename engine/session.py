@@ -46,14 +46,13 @@ from engine.generate import Generation
 from engine.gguf import is_gguf
 from engine.gguf.load import GGUF_Q8
 from engine.model import Model
-from engine.pass_costs import load_or_calibrate
+from engine.pass_costs import load_or_calibrate, model_threads
 from engine.prefix_cache import PrefixCache, PrefixCacheError
 from engine.state import ModelState
 from engine.tokenizer import Tokenizer, TokenizerError
 from engine.tokenizer_methods import TokenizerMethods
 from engine.weights import checkpoint_files
 from kernels.base import numerics_identity
-from kernels.host import num_threads
 from kernels.select import select_backend
 from kernels.xrt import XrtUnavailable
 
@@ -140,8 +139,9 @@ class LoadedModel(TokenizerMethods):
         tokenizer = Tokenizer.from_dir(checkpoint_dir)
         _give_back_free_heap()
         model = Model.load(checkpoint_dir, weight_format, kernels)
-        # the speculation break-even rule's cost model: read from the kernel cache, or measured once
-        model.pass_costs = load_or_calibrate(model, num_threads(), CALIBRATED_ROWS)
+        # the speculation break-even rule's cost model on this model's own thread count: read from
+        # the kernel cache, or measured once
+        model.pass_costs = load_or_calibrate(model, model_threads(threads), CALIBRATED_ROWS)
         # "gguf-q8" names a GGUF file's path: safetensors companions (a draft, a drafter head) take bf16
         companion_format = "bf16" if weight_format == GGUF_Q8 else weight_format
         template_label = _install_chat_template(tokenizer, chat_template)

@@ -4,6 +4,7 @@ the CPU busy as without."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -14,10 +15,12 @@ from engine.api import SpecParams
 from engine.drafters import PromptLookupHead
 from engine.forward import Forward
 from engine.model import Model
-from engine.pass_costs import PassCosts, calibration_key, load_or_calibrate
+from engine import pass_costs
+from engine.pass_costs import PassCosts, calibration_key, entry_path, load_or_calibrate
 from engine.sampling import Sampler
 from engine.speculative import DecodeStats, speculative_decode
 from engine.testing.checkpoints import build_tiny_checkpoint
+from kernels.base import WeightFormat
 from test_speculative import N, OracleHead, ToyBase, run_spec
 
 
@@ -103,18 +106,58 @@ def test_calibration_is_cached_per_key_and_monotone(tiny):
     model, cache = tiny
     first = load_or_calibrate(model, 2, 8, cache / "own")
     again = load_or_calibrate(model, 2, 8, cache / "own")
+    assert first.source == "calibrated" and first.step_seconds > 0
     assert again.source == "cached" and again.ratios == first.ratios and again.key == first.key
     assert first.ratios[0] == 1.0 and list(first.ratios) == sorted(first.ratios) and len(first.ratios) == 8
-    assert calibration_key(model, 1, 8) != first.key != calibration_key(model, 2, 16)
+    # the thread count, the row count and the weights' format each make another key
+    assert len({first.key, calibration_key(model, 1, 8), calibration_key(model, 2, 16)}) == 3
+    fp32, model.weights.lm_head = model.weights.lm_head, dataclasses.replace(model.weights.lm_head, fmt=WeightFormat.BF16)
+    try:
+        assert calibration_key(model, 2, 8) != first.key
+    finally:
+        model.weights.lm_head = fp32
+
+
+@pytest.mark.parametrize("damage", ["torn", "foreign key", "short", "negative", "decreasing", "not a dict"])
+def test_a_damaged_or_foreign_entry_is_measured_again(tiny, damage):
+    model, cache = tiny
+    where = cache / damage
+    good = load_or_calibrate(model, 2, 8, where)
+    path = entry_path(good.key, where)
+    entry = json.loads(path.read_text())
+    seconds = [0.5 + 0.1 * r for r in range(8)]  # a table this test can tell apart from a measured one
+    bad = {
+        "torn": path.read_text()[:20],
+        "foreign key": json.dumps({**entry, "key": calibration_key(model, 1, 8), "seconds": seconds}),
+        "short": json.dumps({**entry, "seconds": seconds[:7]}),
+        "negative": json.dumps({**entry, "seconds": [-s for s in seconds]}),
+        "decreasing": json.dumps({**entry, "seconds": seconds[::-1]}),
+        "not a dict": json.dumps(seconds),
+    }[damage]
+    path.write_text(bad)
+    again = load_or_calibrate(model, 2, 8, where)
+    assert again.source == "calibrated" and again.ratios != PassCosts.from_seconds(seconds, "x").ratios
+    assert json.loads(path.read_text())["seconds"] != seconds  # rewritten with the new measurement
+    assert load_or_calibrate(model, 2, 8, where).source == "cached"
+
+
+def test_calibration_runs_on_the_models_threads(tiny, monkeypatch):
+    from kernels.host import native
+
+    model, cache = tiny
+    seen = []
+    monkeypatch.setattr(pass_costs, "measure", lambda m, rows: seen.append(native.threads()) or (1.0,) * rows)
+    before = native.threads()
+    load_or_calibrate(model, 1, 8, cache / "threads")
+    assert seen == [1] and native.threads() == before
+    assert pass_costs.model_threads(3) == 3 and pass_costs.model_threads(None) >= 1
 
 
 def test_same_speculation_decisions_with_a_cpu_hog_running(tiny):
     """The table as a calibration left it in the cache (a fixed one here, so that the prompt's
     decisions are known to include both outcomes), then the same run quiet and under a hog."""
     model, cache = tiny
-    key = calibration_key(model, 2, 8)
-    (cache / "pass-costs").mkdir(parents=True, exist_ok=True)
-    (cache / "pass-costs" / f"{key}.json").write_text(json.dumps({"ratios": [1.0 + 0.15 * r for r in range(8)]}))
+    pass_costs.write_entry([0.01 * (1.0 + 0.15 * r) for r in range(8)], calibration_key(model, 2, 8), cache)
     model.pass_costs = load_or_calibrate(model, 2, 8, cache)
     try:
         quiet = _decisions(model)
