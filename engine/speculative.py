@@ -23,10 +23,13 @@ passes of many sessions into one weight stream (engine/batch.py). The loops also
 RoundEvent at the end of each round. A pass's time is measured around its yield, so in a
 packed round it is the packed pass's time.
 
-Break-even fallback: each speculative round is timed (draft + passes) against the median
-plain step; once the last `fallback_rounds` rounds together yielded fewer tokens than plain
-steps would have in that time, the job continues with plain-step rounds (optionally
-re-probing later). Those are the rounds plain decode runs, so the output does not change.
+Break-even fallback: each speculative round is costed (draft + passes) in plain steps; once
+the last `fallback_rounds` rounds together yielded fewer tokens than plain steps would have
+for that cost, the job continues with plain-step rounds (optionally re-probing later). Those
+are the rounds plain decode runs, so the output does not change. The cost comes from the
+model's calibrated pass costs and the head's calibrated draft costs (engine/pass_costs.py)
+when both are known, so the choices depend on the tokens alone; otherwise from the round's
+measured time over the median plain step.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ def speculative_loop(
             speculating, reprobe_at, k_next = True, None, config.k
             stats.reprobes += 1
         left = max_new_tokens - stats.emitted - 1  # tokens the run may emit after t1
+        passes.round_rows.clear()
         # t1 takes a batch row in the one-pass round; in the two-pass round it runs alone
         k = min(k_next, base.max_batch_rows() - (0 if two_pass else 1), left) if speculating else 0
         done = yield from (_two_pass_round(run, t1, pos, k) if two_pass else _one_pass_round(run, t1, pos, k))
@@ -138,7 +142,7 @@ def speculative_loop(
             stats.accepted += done.take
             if config.adapt_k:
                 k_next = min(config.k, 2 * k_next) if done.take == done.drafted else done.take + 1
-            fallback = breakeven.judge(done.seconds, done.take + 1, done.drafted, done.take)
+            fallback = breakeven.judge(done.seconds, done.take + 1, done.drafted, done.take, passes.round_rows)
         if done.problem is not None:
             fallback = breakeven.head_error(done.problem)
         if fallback is not None:
@@ -355,6 +359,7 @@ class _Passes:
         self.base, self.stats, self.clock = base, stats, clock
         self.vocab = 0  # the logits width, known after the first pass
         self.last_seconds = 0.0
+        self.round_rows: list[int] = []  # rows of each pass of the current round (the loop clears it)
 
     def step(self, token: int, pos: int, counted: bool = True) -> Generator[Pass, np.ndarray, np.ndarray]:
         """logits [V] of token at pos; counted=False for the prompt's last token."""
@@ -364,6 +369,7 @@ class _Passes:
         self.vocab = logits.shape[-1]
         self.stats.step_samples.append(self.last_seconds)
         self.stats.base_steps += counted
+        self.round_rows.append(1)
         return logits
 
     def batch(self, tokens: Sequence[int], pos: int) -> Generator[Pass, np.ndarray, np.ndarray]:
@@ -376,6 +382,7 @@ class _Passes:
         self.stats.verify_samples.append(self.last_seconds)
         self.stats.base_batches += 1
         self.stats.batch_rows += len(tokens)
+        self.round_rows.append(len(tokens))
         return logits
 
 
@@ -412,29 +419,41 @@ class _BreakEven:
     produced fewer tokens than plain steps would have for what they cost. Taking them together
     keeps one lucky round from hiding a losing streak.
 
-    What a round costs: when the head drafts for free (`drafts_free`, prompt lookup) and the base
-    has a cost model (`pass_costs()`: engine/pass_costs.py, the kernels' calibration of an r-row
-    pass in plain steps, cached per CPU, format, threads and shape), the cost of its pass of
-    drafted + 1 rows, so the decision depends on the tokens alone, not on how busy the machine
-    is; otherwise its measured seconds (draft + passes) over the median plain step."""
+    What a round costs: when the base has a cost model (`pass_costs()`: engine/pass_costs.py,
+    the kernels' calibration of an r-row pass in plain steps, cached per CPU, format, threads
+    and shape) and the head has one for its drafts (`costs`, with `draft_cost()` for the last
+    draft: none for prompt lookup, the draft model's calibrated passes, DFlash's calibrated
+    block), its passes' costs plus its draft's, so the decision depends on the tokens alone,
+    not on how busy the machine is; otherwise its measured seconds (draft + passes) over the
+    median plain step."""
 
     def __init__(self, config: SpecParams, stats: DecodeStats, base: object = None, head: object = None) -> None:
-        self.config, self.stats = config, stats
-        # (seconds, produced, drafted, accepted) of the latest rounds
-        self.window: deque[tuple[float, int, int, int]] = deque(maxlen=max(config.fallback_rounds, 1))
+        self.config, self.stats, self.head = config, stats, head
+        # (seconds, produced, drafted, accepted, cost in plain steps or None) of the latest rounds
+        self.window: deque[tuple[float, int, int, int, float | None]] = deque(maxlen=max(config.fallback_rounds, 1))
         pass_costs = getattr(base, "pass_costs", None)
-        self.costs = pass_costs() if callable(pass_costs) and getattr(head, "drafts_free", False) else None
-        stats.cost_model = self.costs.as_dict() if self.costs is not None else None
+        costs = pass_costs() if callable(pass_costs) else None
+        head_costs = getattr(head, "costs", None)
+        self.costs = costs if costs is not None and head_costs is not None else None
+        stats.cost_model = None if self.costs is None else {**self.costs.as_dict(), "drafter": head_costs.as_dict()}
 
-    def judge(self, seconds: float, produced: int, drafted: int, accepted: int) -> Fallback | None:
-        self.window.append((seconds, produced, drafted, accepted))
+    def judge(self, seconds: float, produced: int, drafted: int, accepted: int,
+              pass_rows: Sequence[int] = ()) -> Fallback | None:
+        """One speculative round: its time, tokens produced (t1 + accepted), drafts, accepted
+        drafts and the rows of each base pass it ran; a Fallback when the rule says stop."""
+        cost = None
+        if self.costs is not None:
+            # the round's base passes and its draft, in plain steps
+            cost = sum(self.costs.rows(r) for r in pass_rows) + self.head.draft_cost()
+            self.stats.round_cost_steps += cost
+        self.window.append((seconds, produced, drafted, accepted, cost))
         if self.config.fallback_rounds == 0 or len(self.window) < self.config.fallback_rounds:
             return None
         step = self.stats.step_seconds
-        spent, produced, drafted, accepted = (sum(x) for x in zip(*self.window))
+        spent, produced, drafted, accepted = (sum(x[i] for x in self.window) for i in range(4))
         n = len(self.window)
         if self.costs is not None:
-            steps = sum(self.costs.rows(d + 1) for _, _, d, _ in self.window)  # the rounds' passes
+            steps = sum(x[4] for x in self.window)  # the rounds' passes and drafts
             if produced >= steps:
                 return None
             cost = steps / n  # a round, in plain steps

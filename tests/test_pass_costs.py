@@ -6,21 +6,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from engine.api import SpecParams
-from engine.drafters import PromptLookupHead
+from engine.dflash import DFlashDraft, DFlashHead
+from engine.drafters import Draft, DraftModelHead, PromptLookupHead
 from engine.forward import Forward
 from engine.model import Model
 from engine import pass_costs
-from engine.pass_costs import PassCosts, calibration_key, entry_path, load_or_calibrate
+from engine.pass_costs import FREE, DraftCosts, PassCosts, calibration_key, entry_path, load_or_calibrate
 from engine.sampling import Sampler
-from engine.speculative import DecodeStats, speculative_decode
+from engine.speculative import DecodeStats, plain_decode, speculative_decode
 from engine.testing.checkpoints import build_tiny_checkpoint
 from kernels.base import WeightFormat
+from test_dflash import BASE_LAYERS, write_random_dflash
+from test_drafters import FakeTokenizer
 from test_speculative import N, OracleHead, ToyBase, run_spec
 
 
@@ -36,7 +40,10 @@ class CostedBase(ToyBase):
 
 
 class FreeOracle(OracleHead):
-    drafts_free = True
+    costs = FREE
+
+    def draft_cost(self):
+        return 0.0
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +64,8 @@ def test_injected_costs_decide_whatever_the_clock_says(reference, five_rows, qua
     out, _, stats, _ = run_spec(FreeOracle(reference, quality), k=4, fallback_rounds=1, base=base)
     assert out == reference[:N]
     assert stats.fell_back is falls_back
-    assert stats.cost_model == {"source": "injected", "ratios": ratios, "key": ""}
+    assert stats.cost_model == {"source": "injected", "ratios": ratios, "key": "",
+                                "drafter": {"source": "free", "steps": [0.0], "key": ""}}
     assert stats.as_dict()["cost_model"] == stats.cost_model
     if falls_back:
         fb = stats.fallbacks[0]
@@ -88,18 +96,74 @@ PROMPT = [11, 57, 200, 3, 98, 140, 7, 77, 31, 11, 57, 200, 3, 98, 11, 57, 200, 5
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("costs")
-    return Model.load(build_tiny_checkpoint(root / "qwen3", model_type="qwen3"), "fp32"), root / "cache"
+    path = build_tiny_checkpoint(root / "qwen3", model_type="qwen3", num_hidden_layers=BASE_LAYERS)  # layers to tap
+    return Model.load(path, "fp32"), root / "cache"
 
 
-def _decisions(model) -> tuple:
+class Spotty:
+    """A head whose drafts go wrong after their first token when the context length is a
+    multiple of 3: the tokens decide which rounds pay off, so both outcomes of the rule occur."""
+
+    def draft(self, context, k):
+        d = super().draft(context, k)
+        if len(context) % 3 or len(d.tokens) < 2:
+            return d
+        return Draft((d.tokens[0], *((t + 1) % 320 for t in d.tokens[1:])))
+
+
+class SpottyLookup(Spotty, PromptLookupHead):
+    pass
+
+
+class SpottyDraftModel(Spotty, DraftModelHead):
+    pass
+
+
+class SpottyDFlash(Spotty, DFlashHead):
+    pass
+
+
+def _head(method, model, tmp_path):
+    """The method's head on `model`, its draft costs a fixed table (so the outcomes are known)."""
+    if method == "ngram":
+        return SpottyLookup()
+    if method == "draft":  # the base itself drafts (exactly, but for Spotty), each pass costed 0.3 steps
+        return SpottyDraftModel(Forward(model), FakeTokenizer(vocab=320), FakeTokenizer(vocab=320),
+                                costs=DraftCosts(tuple(0.3 + 0.03 * r for r in range(16)), "injected"))
+    # a random DFlash draft runs its fold and block for real; its pick proposes the plain text
+    plain = _plain_text(model)
+    dflash = DFlashDraft.load(write_random_dflash(tmp_path / "dflash", block_size=8), model, "fp32")
+    oracle = lambda hidden, context: Draft(tuple(plain[len(context) - len(PROMPT) :][: len(hidden)]))
+    return SpottyDFlash(dflash, pick=oracle, costs=DraftCosts((0.5,) * 7, "injected"))
+
+
+def _plain_text(model) -> list[int]:
     f = Forward(model, max_batch_rows=8)
     f.prefill(PROMPT[:-1])
-    stats = DecodeStats()
-    config = SpecParams(k=6, fallback_rounds=1, reprobe_after=3)
-    for _ in speculative_decode(f, PromptLookupHead(), PROMPT, max_new_tokens=96, sampler=Sampler(),
-                                on_token=lambda t: None, stats=stats, config=config):
+    out = []
+    for _ in plain_decode(f, PROMPT, max_new_tokens=MAX_NEW + 8, sampler=Sampler(), on_token=out.append,
+                          stats=DecodeStats()):
         pass
-    return stats.rounds, stats.drafted, stats.accepted, stats.plain_steps, [(b.round, b.emitted) for b in stats.fallbacks]
+    return out
+
+
+MAX_NEW = 96
+
+
+def _decisions(model, head) -> tuple:
+    """What the break-even rule decided on one run, and everything it decided from."""
+    f = Forward(model, max_batch_rows=8)
+    if isinstance(head, DFlashHead):
+        head.attach(f)
+    f.prefill(PROMPT[:-1])
+    stats, out = DecodeStats(), []
+    config = SpecParams(k=6, fallback_rounds=1, reprobe_after=3)
+    for _ in speculative_decode(f, head, PROMPT, max_new_tokens=MAX_NEW, sampler=Sampler(),
+                                on_token=out.append, stats=stats, config=config):
+        pass
+    head.reset()
+    fallbacks = [(b.round, b.emitted, b.acceptance, b.break_even_acceptance, b.cost_ratio) for b in stats.fallbacks]
+    return out, stats.rounds, stats.drafted, stats.accepted, stats.plain_steps, stats.round_cost_steps, fallbacks
 
 
 def test_calibration_is_cached_per_key_and_monotone(tiny):
@@ -129,15 +193,15 @@ def test_a_damaged_or_foreign_entry_is_measured_again(tiny, damage):
     bad = {
         "torn": path.read_text()[:20],
         "foreign key": json.dumps({**entry, "key": calibration_key(model, 1, 8), "seconds": seconds}),
-        "short": json.dumps({**entry, "seconds": seconds[:7]}),
-        "negative": json.dumps({**entry, "seconds": [-s for s in seconds]}),
-        "decreasing": json.dumps({**entry, "seconds": seconds[::-1]}),
+        "short": json.dumps({**entry, "table": seconds[:7]}),
+        "negative": json.dumps({**entry, "table": [-s for s in seconds]}),
+        "decreasing": json.dumps({**entry, "table": seconds[::-1]}),
         "not a dict": json.dumps(seconds),
     }[damage]
     path.write_text(bad)
     again = load_or_calibrate(model, 2, 8, where)
     assert again.source == "calibrated" and again.ratios != PassCosts.from_seconds(seconds, "x").ratios
-    assert json.loads(path.read_text())["seconds"] != seconds  # rewritten with the new measurement
+    assert json.loads(path.read_text())["table"] != seconds  # rewritten with the new measurement
     assert load_or_calibrate(model, 2, 8, where).source == "cached"
 
 
@@ -153,21 +217,25 @@ def test_calibration_runs_on_the_models_threads(tiny, monkeypatch):
     assert pass_costs.model_threads(3) == 3 and pass_costs.model_threads(None) >= 1
 
 
-def test_same_speculation_decisions_with_a_cpu_hog_running(tiny):
-    """The table as a calibration left it in the cache (a fixed one here, so that the prompt's
-    decisions are known to include both outcomes), then the same run quiet and under a hog."""
+@pytest.mark.parametrize("method", ["ngram", "draft", "dflash"])
+def test_same_speculation_decisions_with_a_cpu_hog_running(tiny, tmp_path, method):
+    """The base's table as a calibration left it in the cache (a fixed one here, and fixed draft
+    costs, so that the prompt's decisions are known to include both outcomes), then the same
+    run quiet and twice under a hog on every core: the same rounds, fallbacks and inputs."""
     model, cache = tiny
     pass_costs.write_entry([0.01 * (1.0 + 0.15 * r) for r in range(8)], calibration_key(model, 2, 8), cache)
     model.pass_costs = load_or_calibrate(model, 2, 8, cache)
+    head = _head(method, model, tmp_path)
     try:
-        quiet = _decisions(model)
-        rounds, _, _, _, fallbacks = quiet
+        quiet = _decisions(model, head)
+        out, rounds, _, _, _, _, fallbacks = quiet
+        assert out == _plain_text(model)[:MAX_NEW]
         assert rounds > len(fallbacks) > 0  # both outcomes of the rule occur on this prompt
-        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
         try:
             model.pass_costs = load_or_calibrate(model, 2, 8, cache)  # a later load: the cached table
             assert model.pass_costs.source == "cached"
-            busy = [_decisions(model) for _ in range(2)]
+            busy = [_decisions(model, head) for _ in range(2)]
         finally:
             for hog in hogs:
                 hog.kill()
