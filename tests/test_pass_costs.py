@@ -1,6 +1,20 @@
 """The break-even rule's cost model (engine/pass_costs.py): calibrated once and cached, it decides
 the fallback from the tokens alone, so the same prompt makes the same speculation choices with
-the CPU busy as without."""
+the CPU busy as without (prompt lookup, draft model, DFlash).
+
+MUTANTS. Each was applied, this file run, the failing checks named, and the code restored:
+
+    mutant (where)                                          failing checks
+    break-even comparison flipped (speculative.py)          injected costs x3
+    a pass costed as one row more, rows(r + 1)              injected costs x3, hog: ngram, draft, dflash
+    the draft model's first pass not costed (drafters.py)   hog: draft (round_cost_steps)
+    the drafter's cost left out of a round                  hog: draft, dflash
+    cache key without the thread count (pass_costs.py)      cached per key, foreign entry
+    cache key without the weights' format                   cached per key
+    a rejected entry used anyway                            foreign key, short, negative, decreasing
+    the entry's key not compared                            foreign key
+    calibration on the process's threads                    runs on the model's threads
+"""
 
 from __future__ import annotations
 
@@ -20,7 +34,7 @@ from engine.model import Model
 from engine import pass_costs
 from engine.pass_costs import FREE, DraftCosts, PassCosts, calibration_key, entry_path, load_or_calibrate
 from engine.sampling import Sampler
-from engine.speculative import DecodeStats, plain_decode, speculative_decode
+from engine.speculative import DecodeStats, RoundKind, plain_decode, speculative_decode
 from engine.testing.checkpoints import build_tiny_checkpoint
 from kernels.base import WeightFormat
 from test_dflash import BASE_LAYERS, write_random_dflash
@@ -59,7 +73,7 @@ def reference():
     (0.9 + 0.1, "garbage", False),  # a 5-row pass costing one step: t1 alone pays for it (the clock says 2.25)
 ])
 def test_injected_costs_decide_whatever_the_clock_says(reference, five_rows, quality, falls_back):
-    ratios = [1.0, 1.0, 1.0, 1.0, five_rows, five_rows, five_rows, five_rows]
+    ratios = [1.0, 1.0, 1.0, 1.0, five_rows, five_rows + 1, five_rows + 2, five_rows + 3]
     base = CostedBase(ratios, row_cost=10.0)  # the clock: a 5-row verify 51 steps; ignored
     out, _, stats, _ = run_spec(FreeOracle(reference, quality), k=4, fallback_rounds=1, base=base)
     assert out == reference[:N]
@@ -156,12 +170,24 @@ def _decisions(model, head) -> tuple:
     if isinstance(head, DFlashHead):
         head.attach(f)
     f.prefill(PROMPT[:-1])
-    stats, out = DecodeStats(), []
+    stats, out, drafter_rows = DecodeStats(), [], []
+    if isinstance(head, DraftModelHead):  # every pass the draft model runs, by its rows
+        fw = head.forward
+        fw.step = lambda t, p, step=fw.step: drafter_rows.append(1) or step(t, p)
+        fw.step_batch_all = lambda ts, p, batch=fw.step_batch_all: drafter_rows.append(len(ts)) or batch(ts, p)
     config = SpecParams(k=6, fallback_rounds=1, reprobe_after=3)
-    for _ in speculative_decode(f, head, PROMPT, max_new_tokens=MAX_NEW, sampler=Sampler(),
-                                on_token=out.append, stats=stats, config=config):
-        pass
+    cost = 0.0  # what the rounds cost by the tables, counted here from what ran
+    for event in speculative_decode(f, head, PROMPT, max_new_tokens=MAX_NEW, sampler=Sampler(),
+                                    on_token=out.append, stats=stats, config=config):
+        if event.kind is RoundKind.ONE_PASS:
+            cost += model.pass_costs.rows(event.drafted + 1)  # [t1, d1..dk] verified in one pass
+            if isinstance(head, DFlashHead):
+                cost += head.costs.rows(event.drafted)  # its fold, block and pick for k drafts
     head.reset()
+    if isinstance(head, DraftModelHead):
+        del fw.step, fw.step_batch_all
+        cost += sum(head.costs.rows(r) for r in drafter_rows)
+    assert stats.round_cost_steps == pytest.approx(cost)
     fallbacks = [(b.round, b.emitted, b.acceptance, b.break_even_acceptance, b.cost_ratio) for b in stats.fallbacks]
     return out, stats.rounds, stats.drafted, stats.accepted, stats.plain_steps, stats.round_cost_steps, fallbacks
 
