@@ -252,6 +252,13 @@ class DraftCosts:
 FREE = DraftCosts((0.0,), "free")  # prompt lookup: a dictionary look-up, next to nothing beside a pass
 
 
+def drafter_costs(base, draft, dflash, threads: int, max_rows: int) -> tuple[DraftCosts | None, DraftCosts | None]:
+    """The costs of a served model's drafters (a draft model, a DFlash drafter; None for one it
+    lacks) in its plain steps, on its thread count; base.pass_costs must be set."""
+    return (None if draft is None else draft_model_costs(draft, base, base.pass_costs, threads, max_rows),
+            None if dflash is None else dflash_costs(dflash, base, base.pass_costs, threads))
+
+
 def draft_model_costs(draft, base, base_costs: PassCosts, threads: int, max_rows: int,
                       directory: Path | None = None) -> DraftCosts:
     """A draft model's r-row passes in the base's plain steps (its own calibration key and the

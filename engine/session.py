@@ -46,7 +46,7 @@ from engine.generate import Generation
 from engine.gguf import is_gguf
 from engine.gguf.load import GGUF_Q8
 from engine.model import Model
-from engine.pass_costs import DraftCosts, dflash_costs, draft_model_costs, load_or_calibrate, model_threads
+from engine.pass_costs import drafter_costs, load_or_calibrate, model_threads
 from engine.prefix_cache import PrefixCache, PrefixCacheError
 from engine.state import ModelState
 from engine.tokenizer import Tokenizer, TokenizerError
@@ -88,10 +88,7 @@ class LoadedModel(TokenizerMethods):
         self.fim_tokens = find_fim_tokens(tokenizer)
         self.backend_reason = "given by the caller"
         self.threads: int | None = None  # host threads of this model's rounds (None: the default)
-        # the drafters' calibrated costs in the base's plain steps (engine/pass_costs.py; None: not
-        # calibrated, their rounds are judged by the clock)
-        self.draft_costs: DraftCosts | None = None
-        self.dflash_costs: DraftCosts | None = None
+        self.draft_costs = self.dflash_costs = None  # the drafters' costs in base steps (engine/pass_costs.py)
         self._vocabulary = None  # engine.grammar.Vocabulary, built at the first constrained request
         # which template renders chats (engine/chat_templates: "checkpoint", "builtin:gemma", ...; None: none)
         self.chat_template: str | None = "checkpoint" if tokenizer.chat_template_names else None
@@ -145,8 +142,7 @@ class LoadedModel(TokenizerMethods):
         model = Model.load(checkpoint_dir, weight_format, kernels)
         # the speculation break-even rule's cost model on this model's own thread count: read from
         # the kernel cache, or measured once
-        threads_used = model_threads(threads)
-        model.pass_costs = load_or_calibrate(model, threads_used, CALIBRATED_ROWS)
+        model.pass_costs = load_or_calibrate(model, model_threads(threads), CALIBRATED_ROWS)
         # "gguf-q8" names a GGUF file's path: safetensors companions (a draft, a drafter head) take bf16
         companion_format = "bf16" if weight_format == GGUF_Q8 else weight_format
         template_label = _install_chat_template(tokenizer, chat_template)
@@ -171,10 +167,8 @@ class LoadedModel(TokenizerMethods):
         if context_length is not None:  # never past what the checkpoint was trained for
             served.max_context = max(1, min(served.max_context, context_length))
         served.threads = threads
-        if draft is not None:
-            served.draft_costs = draft_model_costs(draft, model, model.pass_costs, threads_used, CALIBRATED_ROWS)
-        if dflash is not None:
-            served.dflash_costs = dflash_costs(dflash, model, model.pass_costs, threads_used)
+        served.draft_costs, served.dflash_costs = drafter_costs(model, draft, dflash, model_threads(threads),
+                                                                CALIBRATED_ROWS)
         served.chat_template = template_label
         _give_back_free_heap()
         return served
