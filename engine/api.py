@@ -157,7 +157,8 @@ class SpecParams:
     got right, and one more), after a fully accepted round twice as many, never more than k.
     Fall back to plain steps once `fallback_rounds` consecutive rounds, taken together, were
     below break-even (0 never falls back); speculate again after `reprobe_after` plain tokens
-    (None: stay on plain decode for the rest of the job).
+    (None: stay on plain decode for the rest of the job, except with prompt lookup, whose drafts
+    cost nothing: it tries again after 16).
 
     Raises ConfigError naming the field for a value out of range."""
 

@@ -53,6 +53,7 @@ from engine.decode_stats import (  # re-exported: callers import the run's stats
 )
 from engine.drafters import NO_DRAFT, Draft, DraftHead
 from engine.packed import Pass, Rows
+from engine.pass_costs import FREE
 from engine.sampling import Sampler
 
 
@@ -80,6 +81,8 @@ class Base(Protocol):
 
 
 OnToken = Callable[[int], "bool | None"]
+
+FREE_REPROBE_AFTER = 16  # plain tokens after a fallback before a head with free drafts tries again
 
 # what a decode loop yields: a base pass to run (the driver sends its logits back) or the end
 # of a round; what a round generator returns at its end
@@ -117,6 +120,11 @@ def speculative_loop(
     breakeven = _BreakEven(config, stats, base, head)
     two_pass = head is not None and head.needs_last_hidden()
     speculating, reprobe_at = head is not None, None
+    reprobe_after = config.reprobe_after
+    if reprobe_after is None and getattr(head, "costs", None) is FREE:
+        # free drafts: a fallback only saves verify rows, and a code edit's copying often starts
+        # after a few rounds of preamble, so prompt lookup looks again
+        reprobe_after = FREE_REPROBE_AFTER
     k_next = config.k  # drafts asked for next round, before the batch and budget limits
 
     started = clock()
@@ -148,8 +156,8 @@ def speculative_loop(
         if fallback is not None:
             stats.fallbacks.append(fallback)
             speculating = False
-            if config.reprobe_after is not None:
-                reprobe_at = stats.emitted + config.reprobe_after
+            if reprobe_after is not None:
+                reprobe_at = stats.emitted + reprobe_after
         stats.seconds = clock() - started
         yield RoundEvent(done.kind, tuple(tokens[pos:]), done.drafted, done.take)
 

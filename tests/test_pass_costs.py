@@ -34,7 +34,7 @@ from engine.model import Model
 from engine import pass_costs
 from engine.pass_costs import FREE, DraftCosts, PassCosts, calibration_key, entry_path, load_or_calibrate
 from engine.sampling import Sampler
-from engine.speculative import DecodeStats, RoundKind, plain_decode, speculative_decode
+from engine.speculative import FREE_REPROBE_AFTER, DecodeStats, RoundKind, plain_decode, speculative_decode
 from engine.testing.checkpoints import build_tiny_checkpoint
 from kernels.base import WeightFormat
 from test_dflash import BASE_LAYERS, write_random_dflash
@@ -64,7 +64,7 @@ class FreeOracle(OracleHead):
 def reference():
     from test_speculative import run_plain
 
-    return run_plain(n=N + 16)[0]
+    return run_plain(n=64)[0]
 
 
 @pytest.mark.parametrize("five_rows, quality, falls_back", [
@@ -89,6 +89,22 @@ def test_injected_costs_decide_whatever_the_clock_says(reference, five_rows, qua
         assert fb.break_even_acceptance == pytest.approx((five_rows - 1) / 4)
         assert fb.acceptance == pytest.approx((produced - 1) / 4)
         assert "calibrated pass costs" in fb.message
+
+
+def test_free_drafts_look_again_after_a_fallback_others_stay_plain(reference):
+    """reprobe_after None: prompt lookup (free drafts) speculates again FREE_REPROBE_AFTER plain
+    tokens after its fallback; a head whose drafts cost something stays on plain decode."""
+    base = CostedBase([1.0] * 4 + [3.5] * 4)
+    out, _, stats, events = run_spec(FreeOracle(reference, "garbage"), n=48, k=4, fallback_rounds=1, base=base)
+    first = stats.fallbacks[0]
+    assert out == reference[:48] and stats.reprobes >= 1 and len(stats.fallbacks) == stats.reprobes + 1
+    # the tokens emitted before the next speculative round: the fallback's, then 16 plain steps
+    emitted = [sum(len(e.tokens) for e in events[: i + 1]) for i in range(len(events))]
+    speculative = [i for i, e in enumerate(events) if e.kind is not RoundKind.STEP]
+    assert emitted[speculative[0]] == first.emitted and emitted[speculative[1] - 1] == first.emitted + FREE_REPROBE_AFTER
+    out, _, stats, _ = run_spec(OracleHead(reference, "garbage"), n=48, k=4, fallback_rounds=1,
+                                base=ToyBase())
+    assert out == reference[:48] and stats.fell_back and stats.reprobes == 0
 
 
 def test_without_free_drafts_or_costs_the_clock_decides(reference):
