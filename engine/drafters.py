@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.api import ConfigError, ModelError, SamplingParams
+from engine.api import DEFAULT_LOOKUP_K, ConfigError, ModelError, SamplingParams
 from engine.pass_costs import FREE, DraftCosts
 from engine.prefix_match import common_prefix
 from engine.sampling import Sampler
@@ -81,6 +81,7 @@ class PromptLookupHead:
     """
 
     costs = FREE  # drafting costs next to nothing: the break-even rule counts only base passes
+    default_k = DEFAULT_LOOKUP_K  # drafts a round when the request leaves k out
 
     def __init__(self, min_n: int = 2, max_n: int = 4, lookback: int | None = None) -> None:
         if not (isinstance(min_n, int) and min_n >= 1):

@@ -42,7 +42,7 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.api import SpecParams, is_int
+from engine.api import DEFAULT_SPEC_K, SpecParams, is_int
 from engine.decode_stats import (  # re-exported: callers import the run's stats types from here too
     DecodeStats,
     Fallback,
@@ -125,14 +125,16 @@ def speculative_loop(
         # free drafts: a fallback only saves verify rows, and a code edit's copying often starts
         # after a few rounds of preamble, so prompt lookup looks again
         reprobe_after = FREE_REPROBE_AFTER
-    k_next = config.k  # drafts asked for next round, before the batch and budget limits
+    # drafts asked for at most: the request's k, else the head's default (prompt lookup's is larger)
+    k_max = config.k if config.k is not None else getattr(head, "default_k", DEFAULT_SPEC_K)
+    k_next = k_max  # drafts asked for next round, before the batch and budget limits
 
     started = clock()
     t1 = sampler.choose((yield from passes.step(prompt[-1], len(prompt) - 1, counted=False)))
     while not emit.done:
         pos = len(tokens)  # t1's position
         if not speculating and reprobe_at is not None and stats.emitted >= reprobe_at:
-            speculating, reprobe_at, k_next = True, None, config.k
+            speculating, reprobe_at, k_next = True, None, k_max
             stats.reprobes += 1
         left = max_new_tokens - stats.emitted - 1  # tokens the run may emit after t1
         passes.round_rows.clear()
@@ -149,7 +151,7 @@ def speculative_loop(
             stats.drafted += done.drafted
             stats.accepted += done.take
             if config.adapt_k:
-                k_next = min(config.k, 2 * k_next) if done.take == done.drafted else done.take + 1
+                k_next = min(k_max, 2 * k_next) if done.take == done.drafted else done.take + 1
             fallback = breakeven.judge(done.seconds, done.take + 1, done.drafted, done.take, passes.round_rows)
         if done.problem is not None:
             fallback = breakeven.head_error(done.problem)
