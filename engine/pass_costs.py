@@ -1,6 +1,6 @@
 """What a base pass of r rows costs, in plain one-row steps: the speculation break-even rule's cost model.
 
-The rule (engine/speculative.py's _BreakEven) compares what speculative rounds produced with
+The rule (engine/break_even.py) compares what speculative rounds produced with
 what they cost. Timing each round against the median plain step makes the neighbours decide:
 on a busy machine every round looks slower and the job falls back. Instead the costs come from
 a calibration of the model's own passes (r = 1 .. max rows, the fastest of a few runs of each,
