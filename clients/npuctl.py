@@ -159,7 +159,7 @@ def _generation_options() -> argparse.ArgumentParser:
     g.add_argument("--spec", choices=("auto", "none", "ngram", "draft", "dflash", "assistant"),
                    help="speculative decoding: auto (default), none, ngram (prompt lookup), draft (draft model), "
                         "dflash (the model's DFlash block drafter) or assistant (its Gemma 4 assistant)")
-    g.add_argument("--spec-k", type=int, metavar="K", help="tokens drafted per round, 1..16 (default 4)")
+    g.add_argument("--spec-k", type=int, metavar="K", help="tokens drafted per round, 1..16 (default 16 for prompt lookup, else 4)")
     g.add_argument("--no-prefix-cache", action="store_true", help="do not reuse or store cached prompt prefixes")
     return p
 

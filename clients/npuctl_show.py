@@ -88,7 +88,8 @@ def cmd_result(args: argparse.Namespace) -> int:
                 stats = r.get("stats") or {}
                 sys.stdout.write(
                     f"--- prompt {r['prompt']}: {r.get('finish_reason')}, {len(r.get('token_ids') or ())} tokens, "
-                    f"acceptance {fmt_rate(int(stats.get('accepted') or 0), int(stats.get('drafted') or 0))}\n")
+                    f"acceptance {fmt_rate(int(stats.get('accepted') or 0), int(stats.get('drafted') or 0))}"
+                    f"{_break_even(stats)}\n")
                 text = r.get("text", "")
                 sys.stdout.write(text + ("" if text.endswith("\n") else "\n"))
             if not reply["results"]:
@@ -406,3 +407,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
         *(_metrics_fields(s["metrics"]) if s.get("metrics") else ()),
     ])
     return EXIT_OK
+
+
+def _break_even(stats: dict) -> str:
+    """" (break-even 23%, fell back after round 3)" from a prompt's speculation stats, or ""."""
+    needed, fallbacks = stats.get("break_even_acceptance"), stats.get("fallbacks") or ()
+    parts = [] if needed is None else [f"break-even {100 * needed:.0f}%"]
+    if fallbacks:
+        parts.append(f"fell back after round {fallbacks[0].get('round')}"
+                     + (f" and {len(fallbacks) - 1} more" if len(fallbacks) > 1 else ""))
+    return f" ({', '.join(parts)})" if parts else ""

@@ -12,6 +12,7 @@ import sys
 import structlog
 
 from engine.api import (
+    DEFAULT_LOOKUP_K,
     DEFAULT_SPEC_K,
     DEFAULT_SPEC_METHOD,
     SPEC_METHODS,
@@ -39,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dflash", help="a DFlash drafter checkpoint directory trained on this base")
     ap.add_argument("--assistant", help="a Gemma 4 assistant (gemma4_assistant) checkpoint directory for this base")
     ap.add_argument("--spec", default=DEFAULT_SPEC_METHOD, choices=SPEC_METHODS)
-    ap.add_argument("--k", type=int, default=DEFAULT_SPEC_K, help="tokens drafted per round")
+    ap.add_argument("--k", type=int, default=None,
+                    help=f"tokens drafted per round (default: {DEFAULT_LOOKUP_K} for prompt lookup, {DEFAULT_SPEC_K} otherwise)")
     ap.add_argument("--stats", action="store_true", help="print the run's statistics as JSON to stderr")
     args = ap.parse_args(argv)
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout is the text

@@ -33,6 +33,7 @@ model), dflash (a block drafter), assistant (a Gemma 4 assistant reading the bas
 DEFAULT_MAX_TOKENS = 128
 DEFAULT_SPEC_METHOD = "auto"
 DEFAULT_SPEC_K = 4
+DEFAULT_LOOKUP_K = 16  # prompt lookup's: its drafts are free, and adapt_k shrinks k after a reject
 DEFAULT_FALLBACK_ROUNDS = 3
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs bound)
 GRAMMAR_KINDS = ("json_schema", "regex", "lark")
@@ -152,17 +153,19 @@ class SamplingParams:
 
 @dataclass(slots=True, frozen=True)
 class SpecParams:
-    """Speculative decoding: `method` (one of SPEC_METHODS) drafts up to k tokens a round.
+    """Speculative decoding: `method` (one of SPEC_METHODS) drafts up to k tokens a round (None:
+    the method's default, DEFAULT_LOOKUP_K for prompt lookup and DEFAULT_SPEC_K for the others).
     adapt_k: after a round with a reject the next drafts number take + 1 (what the head just
     got right, and one more), after a fully accepted round twice as many, never more than k.
     Fall back to plain steps once `fallback_rounds` consecutive rounds, taken together, were
     below break-even (0 never falls back); speculate again after `reprobe_after` plain tokens
-    (None: stay on plain decode for the rest of the job).
+    (None: stay on plain decode for the rest of the job, except with prompt lookup, whose drafts
+    cost nothing: it tries again after 16).
 
     Raises ConfigError naming the field for a value out of range."""
 
     method: str = DEFAULT_SPEC_METHOD
-    k: int = DEFAULT_SPEC_K
+    k: int | None = None
     adapt_k: bool = True
     fallback_rounds: int = DEFAULT_FALLBACK_ROUNDS
     reprobe_after: int | None = None
@@ -170,8 +173,8 @@ class SpecParams:
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ConfigError(f"SpecParams.method must be one of {list(SPEC_METHODS)}, got {self.method!r}")
-        if not (is_int(self.k) and self.k >= 1):
-            raise ConfigError(f"SpecParams.k must be an integer >= 1, got {self.k!r}")
+        if self.k is not None and not (is_int(self.k) and self.k >= 1):
+            raise ConfigError(f"SpecParams.k must be None or an integer >= 1, got {self.k!r}")
         if not isinstance(self.adapt_k, bool):
             raise ConfigError(f"SpecParams.adapt_k must be a bool, got {self.adapt_k!r}")
         if not (is_int(self.fallback_rounds) and self.fallback_rounds >= 0):

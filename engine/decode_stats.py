@@ -73,8 +73,18 @@ class DecodeStats:
     fallbacks: list[Fallback] = field(default_factory=list)
     reprobes: int = 0
     # the break-even rule's cost model when it used one (engine/pass_costs.py: source, ratios of an
-    # r-row pass to a plain step, calibration key); None: rounds were judged by their measured times
+    # r-row pass to a plain step, calibration key, and the drafter's costs in plain steps under
+    # "drafter"); None: rounds were judged by their measured times
     cost_model: dict | None = None
+    round_cost_steps: float = 0.0  # the speculative rounds' cost (passes + drafts) in plain steps, by the cost model
+
+    @property
+    def break_even_acceptance(self) -> float | None:
+        """The acceptance the job's speculative rounds needed to match plain decode at their
+        modelled cost: t1 plus cost - 1 accepted drafts a round (None without a cost model)."""
+        if self.cost_model is None or not self.drafted:
+            return None
+        return (self.round_cost_steps - self.rounds) / self.drafted
 
     @property
     def base_passes(self) -> int:
@@ -130,6 +140,8 @@ class DecodeStats:
             "fallbacks": [f.as_dict() for f in self.fallbacks],
             "reprobes": self.reprobes,
             "cost_model": self.cost_model,
+            "round_cost_steps": self.round_cost_steps,
+            "break_even_acceptance": self.break_even_acceptance,
         }
 
 

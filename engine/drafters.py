@@ -17,7 +17,8 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.api import ConfigError, ModelError, SamplingParams
+from engine.api import DEFAULT_LOOKUP_K, ConfigError, ModelError, SamplingParams
+from engine.pass_costs import FREE, DraftCosts
 from engine.prefix_match import common_prefix
 from engine.sampling import Sampler
 
@@ -79,7 +80,8 @@ class PromptLookupHead:
     (reset() starts a job; a context that does not extend the indexed one is re-indexed).
     """
 
-    drafts_free = True  # drafting costs next to nothing: the break-even rule counts only base passes
+    costs = FREE  # drafting costs next to nothing: the break-even rule counts only base passes
+    default_k = DEFAULT_LOOKUP_K  # drafts a round when the request leaves k out
 
     def __init__(self, min_n: int = 2, max_n: int = 4, lookback: int | None = None) -> None:
         if not (isinstance(min_n, int) and min_n >= 1):
@@ -95,6 +97,9 @@ class PromptLookupHead:
 
     def needs_last_hidden(self) -> bool:
         return False
+
+    def draft_cost(self) -> float:
+        return 0.0
 
     def draft(self, context: Sequence[int], k: int) -> Draft:
         self._extend(context)
@@ -180,14 +185,18 @@ class DraftModelHead:
     the longest prefix that agrees with the context and runs only what is new (after a
     fallback that is every token emitted meanwhile, in batches of max_batch_rows()). With a
     temperature the drafts are sampled from the draft's own distribution q, which the loop
-    needs for the accept/resample rule; greedy drafts are deterministic.
+    needs for the accept/resample rule; greedy drafts are deterministic. `costs` (the draft
+    model's calibrated passes in base steps, engine/pass_costs.py) lets the break-even rule
+    cost a draft by the passes it ran rather than by the clock.
     Raises DraftMismatchError at construction when the tokenizers disagree.
     """
 
     def __init__(self, forward, base_tokenizer, draft_tokenizer, sampling: SamplingParams = SamplingParams(),
-                 allowed: np.ndarray | None = None) -> None:
+                 allowed: np.ndarray | None = None, costs: DraftCosts | None = None) -> None:
         check_same_tokenizer(base_tokenizer, draft_tokenizer)
         self.forward = forward
+        self.costs = costs
+        self.last_passes: list[int] = []  # rows of each draft pass the last draft ran
         forward.truncate(0)
         # allowed: the draft's logit ids the tokenizer decodes; a padded id would only be rejected
         self.sampler = Sampler(sampling, allowed)
@@ -201,7 +210,12 @@ class DraftModelHead:
     def needs_last_hidden(self) -> bool:
         return False
 
+    def draft_cost(self) -> float | None:
+        """The last draft's passes in base steps, None without a calibration."""
+        return None if self.costs is None else sum(self.costs.rows(r) for r in self.last_passes)
+
     def draft(self, context: Sequence[int], k: int) -> Draft:
+        self.last_passes = []
         # keep the agreeing prefix, and at least the last context token to run for its logits
         keep = min(common_prefix(self.held, context), len(context) - 1)
         self.forward.truncate(keep)
@@ -247,6 +261,7 @@ class DraftModelHead:
             pos = self.forward.positions_held
             logits = self.forward.step(chunk[0], pos) if len(chunk) == 1 else self.forward.step_batch_all(chunk, pos)[-1]
             self.held.extend(chunk)
+            self.last_passes.append(len(chunk))
         return logits
 
 

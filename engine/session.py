@@ -46,14 +46,13 @@ from engine.generate import Generation
 from engine.gguf import is_gguf
 from engine.gguf.load import GGUF_Q8
 from engine.model import Model
-from engine.pass_costs import load_or_calibrate
+from engine.pass_costs import drafter_costs, load_or_calibrate, model_threads
 from engine.prefix_cache import PrefixCache, PrefixCacheError
 from engine.state import ModelState
 from engine.tokenizer import Tokenizer, TokenizerError
 from engine.tokenizer_methods import TokenizerMethods
 from engine.weights import checkpoint_files
 from kernels.base import numerics_identity
-from kernels.host import num_threads
 from kernels.select import select_backend
 from kernels.xrt import XrtUnavailable
 
@@ -89,6 +88,7 @@ class LoadedModel(TokenizerMethods):
         self.fim_tokens = find_fim_tokens(tokenizer)
         self.backend_reason = "given by the caller"
         self.threads: int | None = None  # host threads of this model's rounds (None: the default)
+        self.draft_costs = self.dflash_costs = None  # the drafters' costs in base steps (engine/pass_costs.py)
         self._vocabulary = None  # engine.grammar.Vocabulary, built at the first constrained request
         # which template renders chats (engine/chat_templates: "checkpoint", "builtin:gemma", ...; None: none)
         self.chat_template: str | None = "checkpoint" if tokenizer.chat_template_names else None
@@ -140,8 +140,9 @@ class LoadedModel(TokenizerMethods):
         tokenizer = Tokenizer.from_dir(checkpoint_dir)
         _give_back_free_heap()
         model = Model.load(checkpoint_dir, weight_format, kernels)
-        # the speculation break-even rule's cost model: read from the kernel cache, or measured once
-        model.pass_costs = load_or_calibrate(model, num_threads(), CALIBRATED_ROWS)
+        # the speculation break-even rule's cost model on this model's own thread count: read from
+        # the kernel cache, or measured once
+        model.pass_costs = load_or_calibrate(model, model_threads(threads), CALIBRATED_ROWS)
         # "gguf-q8" names a GGUF file's path: safetensors companions (a draft, a drafter head) take bf16
         companion_format = "bf16" if weight_format == GGUF_Q8 else weight_format
         template_label = _install_chat_template(tokenizer, chat_template)
@@ -166,6 +167,8 @@ class LoadedModel(TokenizerMethods):
         if context_length is not None:  # never past what the checkpoint was trained for
             served.max_context = max(1, min(served.max_context, context_length))
         served.threads = threads
+        served.draft_costs, served.dflash_costs = drafter_costs(model, draft, dflash, model_threads(threads),
+                                                                CALIBRATED_ROWS)
         served.chat_template = template_label
         _give_back_free_heap()
         return served
@@ -260,7 +263,8 @@ class LoadedModel(TokenizerMethods):
         if method == "dflash":
             if self.dflash is None:
                 raise RequestError(f"model {self.name!r} has no DFlash drafter (speculative method 'dflash')")
-            return DFlashHead(self.dflash, sampling, pick=self.dflash.proposer(sampling, self.allowed))
+            return DFlashHead(self.dflash, sampling, pick=self.dflash.proposer(sampling, self.allowed),
+                              costs=self.dflash_costs)
         if method == "assistant":
             if self.assistant is None:
                 raise RequestError(f"model {self.name!r} has no assistant drafter (speculative method 'assistant')")
@@ -268,7 +272,7 @@ class LoadedModel(TokenizerMethods):
         if self.draft is None:
             raise RequestError(f"model {self.name!r} has no draft model (speculative method 'draft')")
         return DraftModelHead(Forward(self.draft), self.tokenizer, self.draft_tokenizer, sampling,
-                              self.tokenizer.decodable(self.draft.config.vocab_size))
+                              self.tokenizer.decodable(self.draft.config.vocab_size), costs=self.draft_costs)
 
     def use_threads(self) -> None:
         """Set the host kernels' thread count to this model's before one of its rounds (the

@@ -23,23 +23,26 @@ passes of many sessions into one weight stream (engine/batch.py). The loops also
 RoundEvent at the end of each round. A pass's time is measured around its yield, so in a
 packed round it is the packed pass's time.
 
-Break-even fallback: each speculative round is timed (draft + passes) against the median
-plain step; once the last `fallback_rounds` rounds together yielded fewer tokens than plain
-steps would have in that time, the job continues with plain-step rounds (optionally
-re-probing later). Those are the rounds plain decode runs, so the output does not change.
+Break-even fallback: each speculative round is costed (draft + passes) in plain steps; once
+the last `fallback_rounds` rounds together yielded fewer tokens than plain steps would have
+for that cost, the job continues with plain-step rounds (optionally re-probing later). Those
+are the rounds plain decode runs, so the output does not change. The cost comes from the
+model's calibrated pass costs and the head's calibrated draft costs (engine/pass_costs.py)
+when both are known, so the choices depend on the tokens alone; otherwise from the round's
+measured time over the median plain step.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from engine.api import SpecParams, is_int
+from engine.api import DEFAULT_SPEC_K, SpecParams, is_int
+from engine.break_even import BreakEven
 from engine.decode_stats import (  # re-exported: callers import the run's stats types from here too
     DecodeStats,
     Fallback,
@@ -50,6 +53,7 @@ from engine.decode_stats import (  # re-exported: callers import the run's stats
 )
 from engine.drafters import NO_DRAFT, Draft, DraftHead
 from engine.packed import Pass, Rows
+from engine.pass_costs import FREE
 from engine.sampling import Sampler
 
 
@@ -77,6 +81,8 @@ class Base(Protocol):
 
 
 OnToken = Callable[[int], "bool | None"]
+
+FREE_REPROBE_AFTER = 16  # plain tokens after a fallback before a head with free drafts tries again
 
 # what a decode loop yields: a base pass to run (the driver sends its logits back) or the end
 # of a round; what a round generator returns at its end
@@ -111,19 +117,27 @@ def speculative_loop(
     passes = _Passes(base, stats, clock)
     emit = _Emitter(tokens, len(prompt) + max_new_tokens, on_token, eos_ids, stats)
     run = _Run(base, head, sampler, passes, emit, tokens, stats, clock)
-    breakeven = _BreakEven(config, stats, base, head)
+    breakeven = BreakEven(config, stats, base, head)
     two_pass = head is not None and head.needs_last_hidden()
     speculating, reprobe_at = head is not None, None
-    k_next = config.k  # drafts asked for next round, before the batch and budget limits
+    reprobe_after = config.reprobe_after
+    if reprobe_after is None and getattr(head, "costs", None) is FREE:
+        # free drafts: a fallback only saves verify rows, and a code edit's copying often starts
+        # after a few rounds of preamble, so prompt lookup looks again
+        reprobe_after = FREE_REPROBE_AFTER
+    # drafts asked for at most: the request's k, else the head's default (prompt lookup's is larger)
+    k_max = config.k if config.k is not None else getattr(head, "default_k", DEFAULT_SPEC_K)
+    k_next = k_max  # drafts asked for next round, before the batch and budget limits
 
     started = clock()
     t1 = sampler.choose((yield from passes.step(prompt[-1], len(prompt) - 1, counted=False)))
     while not emit.done:
         pos = len(tokens)  # t1's position
         if not speculating and reprobe_at is not None and stats.emitted >= reprobe_at:
-            speculating, reprobe_at, k_next = True, None, config.k
+            speculating, reprobe_at, k_next = True, None, k_max
             stats.reprobes += 1
         left = max_new_tokens - stats.emitted - 1  # tokens the run may emit after t1
+        passes.round_rows.clear()
         # t1 takes a batch row in the one-pass round; in the two-pass round it runs alone
         k = min(k_next, base.max_batch_rows() - (0 if two_pass else 1), left) if speculating else 0
         done = yield from (_two_pass_round(run, t1, pos, k) if two_pass else _one_pass_round(run, t1, pos, k))
@@ -137,15 +151,15 @@ def speculative_loop(
             stats.drafted += done.drafted
             stats.accepted += done.take
             if config.adapt_k:
-                k_next = min(config.k, 2 * k_next) if done.take == done.drafted else done.take + 1
-            fallback = breakeven.judge(done.seconds, done.take + 1, done.drafted, done.take)
+                k_next = min(k_max, 2 * k_next) if done.take == done.drafted else done.take + 1
+            fallback = breakeven.judge(done.seconds, done.take + 1, done.drafted, done.take, passes.round_rows)
         if done.problem is not None:
             fallback = breakeven.head_error(done.problem)
         if fallback is not None:
             stats.fallbacks.append(fallback)
             speculating = False
-            if config.reprobe_after is not None:
-                reprobe_at = stats.emitted + config.reprobe_after
+            if reprobe_after is not None:
+                reprobe_at = stats.emitted + reprobe_after
         stats.seconds = clock() - started
         yield RoundEvent(done.kind, tuple(tokens[pos:]), done.drafted, done.take)
 
@@ -355,6 +369,7 @@ class _Passes:
         self.base, self.stats, self.clock = base, stats, clock
         self.vocab = 0  # the logits width, known after the first pass
         self.last_seconds = 0.0
+        self.round_rows: list[int] = []  # rows of each pass of the current round (the loop clears it)
 
     def step(self, token: int, pos: int, counted: bool = True) -> Generator[Pass, np.ndarray, np.ndarray]:
         """logits [V] of token at pos; counted=False for the prompt's last token."""
@@ -364,6 +379,7 @@ class _Passes:
         self.vocab = logits.shape[-1]
         self.stats.step_samples.append(self.last_seconds)
         self.stats.base_steps += counted
+        self.round_rows.append(1)
         return logits
 
     def batch(self, tokens: Sequence[int], pos: int) -> Generator[Pass, np.ndarray, np.ndarray]:
@@ -376,6 +392,7 @@ class _Passes:
         self.stats.verify_samples.append(self.last_seconds)
         self.stats.base_batches += 1
         self.stats.batch_rows += len(tokens)
+        self.round_rows.append(len(tokens))
         return logits
 
 
@@ -405,71 +422,3 @@ class _Emitter:
                 self.done = True
                 return n
         return len(seq)
-
-
-class _BreakEven:
-    """Decides the fallback: the last config.fallback_rounds speculative rounds, taken together,
-    produced fewer tokens than plain steps would have for what they cost. Taking them together
-    keeps one lucky round from hiding a losing streak.
-
-    What a round costs: when the head drafts for free (`drafts_free`, prompt lookup) and the base
-    has a cost model (`pass_costs()`: engine/pass_costs.py, the kernels' calibration of an r-row
-    pass in plain steps, cached per CPU, format, threads and shape), the cost of its pass of
-    drafted + 1 rows, so the decision depends on the tokens alone, not on how busy the machine
-    is; otherwise its measured seconds (draft + passes) over the median plain step."""
-
-    def __init__(self, config: SpecParams, stats: DecodeStats, base: object = None, head: object = None) -> None:
-        self.config, self.stats = config, stats
-        # (seconds, produced, drafted, accepted) of the latest rounds
-        self.window: deque[tuple[float, int, int, int]] = deque(maxlen=max(config.fallback_rounds, 1))
-        pass_costs = getattr(base, "pass_costs", None)
-        self.costs = pass_costs() if callable(pass_costs) and getattr(head, "drafts_free", False) else None
-        stats.cost_model = self.costs.as_dict() if self.costs is not None else None
-
-    def judge(self, seconds: float, produced: int, drafted: int, accepted: int) -> Fallback | None:
-        self.window.append((seconds, produced, drafted, accepted))
-        if self.config.fallback_rounds == 0 or len(self.window) < self.config.fallback_rounds:
-            return None
-        step = self.stats.step_seconds
-        spent, produced, drafted, accepted = (sum(x) for x in zip(*self.window))
-        n = len(self.window)
-        if self.costs is not None:
-            steps = sum(self.costs.rows(d + 1) for _, _, d, _ in self.window)  # the rounds' passes
-            if produced >= steps:
-                return None
-            cost = steps / n  # a round, in plain steps
-        else:
-            if produced * step >= spent:
-                return None
-            cost = spent / n / step
-        acceptance = accepted / drafted
-        # a round pays off when it yields `cost` tokens: t1 plus cost - 1 accepted drafts
-        needed = (cost - 1.0) / (drafted / n)
-        self.window.clear()
-        basis = "calibrated pass costs" if self.costs is not None else "measured round times"
-        return Fallback(
-            round=self.stats.rounds,
-            emitted=self.stats.emitted,
-            reason=FallbackReason.BELOW_BREAK_EVEN,
-            message=(
-                f"{n} consecutive rounds below break-even: acceptance {acceptance:.2f} where "
-                f"{needed:.2f} was needed at a round cost of {cost:.2f} plain steps ({basis})"
-            ),
-            acceptance=acceptance,
-            break_even_acceptance=needed,
-            cost_ratio=cost,
-            step_seconds=step,
-        )
-
-    def head_error(self, message: str) -> Fallback:
-        self.window.clear()
-        return Fallback(
-            round=self.stats.rounds,
-            emitted=self.stats.emitted,
-            reason=FallbackReason.HEAD_ERROR,
-            message=message,
-            acceptance=self.stats.acceptance_rate,
-            break_even_acceptance=None,
-            cost_ratio=None,
-            step_seconds=self.stats.step_seconds,
-        )

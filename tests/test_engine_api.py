@@ -80,5 +80,7 @@ def test_errors_carry_their_codes():
 
 
 def test_one_default_k():
-    assert api.SpecParams().k == api.DEFAULT_SPEC_K == api.GenerationParams().spec.k
+    # k None: the method's default, resolved by the loop (prompt lookup's, else DEFAULT_SPEC_K)
+    assert api.SpecParams().k is None is api.GenerationParams().spec.k
+    assert api.DEFAULT_LOOKUP_K > api.DEFAULT_SPEC_K
     assert api.SpecParams().method == api.DEFAULT_SPEC_METHOD in api.SPEC_METHODS

@@ -18,10 +18,14 @@ import numpy as np
 import pytest
 
 from decoding import greedy_run
+from engine.api import SpecParams
 from engine.drafters import PromptLookupHead
 from engine.forward import Forward
 from engine.model import Model, rows_equal
+from engine.pass_costs import PassCosts
 from engine.prefix_cache import PrefixCache
+from engine.sampling import Sampler
+from engine.speculative import DecodeStats, speculative_decode
 from engine.tokenizer import Tokenizer
 from real_gemma import PROMPTS, gemma_gguf_path, need
 
@@ -235,6 +239,26 @@ def plain_q8(q8_model, prompt_ids):
 def test_gguf_q8_prompt_lookup_equals_its_plain_greedy(q8_model, prompt_ids, plain_q8, k):
     out, stats = greedy_run(Forward(q8_model, max_batch_rows=32), prompt_ids[0], 96, PromptLookupHead(), k)
     assert out == plain_q8 and stats.drafted > 0
+
+
+def test_gguf_q8_prompt_lookup_with_its_fallback_equals_plain_greedy_over_160_tokens(q8_model, prompt_ids):
+    """The serving configuration (k up to 16, adaptive k, the break-even rule on, re-probing) on
+    a code edit whose rounds cross the break-even both ways (by a fixed cost table: an r-row
+    pass 1 + 0.15 (r - 1) steps): a fallback, plain steps, a re-probe, and the same bytes."""
+    ids = prompt_ids[1]
+    plain = greedy_run(Forward(q8_model), ids, 160)[0]
+    q8_model.pass_costs = PassCosts(tuple(1.0 + 0.15 * r for r in range(16)), "injected")
+    try:
+        f = Forward(q8_model, max_batch_rows=17)
+        f.prefill(ids[:-1])
+        out, stats = [], DecodeStats()
+        for _ in speculative_decode(f, PromptLookupHead(), ids, max_new_tokens=160, sampler=Sampler(),
+                                    on_token=out.append, stats=stats, config=SpecParams(k=16, reprobe_after=16)):
+            pass
+    finally:
+        q8_model.pass_costs = None
+    assert out == plain
+    assert stats.accepted > 0 and stats.fell_back and stats.reprobes > 0 and stats.plain_steps > 0
 
 
 def test_gguf_q8_batched_rows_bit_identical_to_single_steps(q8_model, prompt_ids):

@@ -304,7 +304,12 @@ def test_submit_prints_job_ids_then_result_reads_them(daemon, client, tmp_path):
     for r in stored:
         drafted, accepted = r["stats"].get("drafted", 0), r["stats"].get("accepted", 0)
         rate = f"{100 * accepted / drafted:.0f}%" if drafted else "-"
-        expected += f"--- prompt {r['prompt']}: length, {[6, 6, 3][r['prompt']]} tokens, acceptance {rate}\n"
+        needed, fallbacks = r["stats"]["break_even_acceptance"], r["stats"]["fallbacks"]
+        more = f" and {len(fallbacks) - 1} more" if len(fallbacks) > 1 else ""
+        why = ([] if needed is None else [f"break-even {100 * needed:.0f}%"]) + (
+            [f"fell back after round {fallbacks[0]['round']}{more}"] if fallbacks else [])
+        why = f" ({', '.join(why)})" if why else ""
+        expected += f"--- prompt {r['prompt']}: length, {[6, 6, 3][r['prompt']]} tokens, acceptance {rate}{why}\n"
         expected += r["text"] + ("" if r["text"].endswith("\n") else "\n")
     assert run.stdout == expected
     run = npuctl("status", str(jobs[1]), socket_path=daemon.socket)
@@ -819,3 +824,12 @@ def test_the_progress_bar_keeps_its_width():
     assert lines[-1].startswith("[" + "#" * 30 + "]") and " 120/120 prompts " in lines[-1]
     assert lines[1].startswith("[" + "-" * 30 + "]") and "   3/120 prompts " in lines[1]
     assert len(bar.line(40)) == 39  # a narrow terminal cuts the line
+
+
+def test_result_lines_say_the_break_even_and_the_fallbacks():
+    from clients.npuctl_show import _break_even
+
+    assert _break_even({}) == "" and _break_even({"break_even_acceptance": None, "fallbacks": []}) == ""
+    fell = {"break_even_acceptance": 0.234, "fallbacks": [{"round": 3}, {"round": 9}]}
+    assert _break_even(fell) == " (break-even 23%, fell back after round 3 and 1 more)"
+    assert _break_even({"break_even_acceptance": None, "fallbacks": [{"round": 2}]}) == " (fell back after round 2)"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.api import DEFAULT_SPEC_K, EngineCode, EngineError, GenerateRequest, ModelError, PromptTooLong
+from engine.api import EngineCode, EngineError, GenerateRequest, ModelError, PromptTooLong
 from npud.config import LimitsConfig
 from npud.jobspec import ENGINE_CODES, JobSpec, api_error, parse_spec
 from npud.protocol import ApiError, Params
@@ -22,7 +22,7 @@ def test_defaults_and_round_trip():
     # the default of 128 tokens is capped by the limit
     params = s.params
     assert (s.model, s.num_prompts, params.max_tokens, params.sampling.temperature, params.sampling.seed,
-            params.spec.method, params.spec.k) == ("m", 2, 100, 0.0, 0, "auto", DEFAULT_SPEC_K)
+            params.spec.method, params.spec.k) == ("m", 2, 100, 0.0, 0, "auto", None)  # None: the method's k
     full = spec({"model": "n", "chats": [[{"role": "user", "content": "hi"}]], "max_tokens": 7,
                  "sampling": {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 3}, "stop": ["\n"],
                  "spec": {"method": "ngram", "k": 2, "fallback_rounds": 0}, "use_prefix_cache": False})

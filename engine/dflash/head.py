@@ -8,6 +8,7 @@ import numpy as np
 
 from engine.dflash.draft import DFlashDraft, Pick
 from engine.drafters import NO_DRAFT, Draft
+from engine.pass_costs import DraftCosts
 from engine.api import SamplingParams
 
 
@@ -58,8 +59,11 @@ class DFlashHead:
     into tokens (default: the draft's own rule, `DFlashDraft.proposer(sampling)`).
     """
 
-    def __init__(self, draft: DFlashDraft, sampling: SamplingParams = SamplingParams(), pick: Pick | None = None):
+    def __init__(self, draft: DFlashDraft, sampling: SamplingParams = SamplingParams(), pick: Pick | None = None,
+                 costs: DraftCosts | None = None):
         self.draft_model = draft
+        self.costs = costs  # the drafter's calibrated rounds in base steps (engine/pass_costs.py), or None
+        self._last_drafted = 0
         self.sink = TapRows(draft.tap_width)
         self.cache = draft.new_cache()
         self.pick = pick if pick is not None else draft.proposer(sampling)
@@ -74,10 +78,14 @@ class DFlashHead:
     def needs_last_hidden(self) -> bool:
         return False
 
+    def draft_cost(self) -> float | None:
+        """The last draft (fold, block, pick) in base steps, None without a calibration."""
+        return None if self.costs is None else self.costs.rows(self._last_drafted)
+
     def draft(self, context: Sequence[int], k: int) -> Draft:
         """Up to min(k, block_size - 1) tokens after context (which ends with t1, not yet run).
         Refused (empty, with error()) unless the sink ends at t1's position."""
-        self._error = None
+        self._error, self._last_drafted = None, 0
         rows, pos = len(self.sink), len(context) - 1
         if rows != pos:
             self._error = f"drafting at position {pos} over {rows} committed rows"
@@ -90,7 +98,7 @@ class DFlashHead:
             return NO_DRAFT
         self.draft_model.fold(self.cache, self.sink.rows(self.cache.rows, rows))
         hidden = self.draft_model.block(self.cache, int(context[-1]), n)
-        self._mark, self._drafted = rows, True
+        self._mark, self._drafted, self._last_drafted = rows, True, n
         return self.pick(hidden, context)
 
     def commit_rows(self, tokens: Sequence[int], rows: np.ndarray | None, count: int) -> None:
