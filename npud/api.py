@@ -434,22 +434,26 @@ class Api:
         return {"ticket": None, "job": None, "priority": granted["priority"], "state": "granted"}
 
     def _snapshot(self, peer: "Peer") -> dict:
-        # prefix-cache counts of the peer's own prompts: whether another's hit tells of the cache
+        # a non-admin's own counters: every user's would tell of others' work (and whether
+        # another's prompt hit the prefix cache, of the cache)
         snap = self.snapshot(None if peer.caller.admin else peer.uid)
         return {**snap, "holding": self._visible(peer, snap["holding"])}
 
     async def stats(self, peer: "Peer", p: Params, emit: Emit) -> dict:
+        """Every user's counters to an admin; a non-admin's own jobs' (docs/protocol.md)."""
         p.finish()
-        jobs, tickets = await self.job_manager.counts()
+        owner = None if peer.caller.admin else peer.uid
+        jobs, tickets = await self.job_manager.counts(owner)
         granted = self.queue.granted
+        snap = self._snapshot(peer)
         return {
             "uptime_s": round(time.monotonic() - self.started_mono, 3), "version": __version__,
-            "connections": self.connections(), "jobs": jobs, "tickets": tickets,
-            "tokens_generated": self.job_manager.tokens_generated, "queue": self.queue.counts(),
+            "connections": snap["connections"], "jobs": jobs, "tickets": tickets,
+            "tokens_generated": snap["tokens"]["generated"], "queue": self.queue.counts(owner),
             "granted": self._visible(peer, None if granted is None else granted.to_wire()),
             "quarantined": self.queue.quarantine is not None,
-            "store": self.job_manager.store_status(),
-            "metrics": self._snapshot(peer),
+            "store": self.job_manager.store_status(owner),
+            "metrics": snap,
         }
 
     async def metrics(self, peer: "Peer", p: Params, emit: Emit) -> dict:
