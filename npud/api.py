@@ -173,7 +173,7 @@ class Api:
                 if name != "progress":
                     await emit(name, data)
             if sub.lagged:
-                raise ApiError(ErrorCode.OVERLOADED, f"the stream fell behind; job {job.id} is being cancelled")
+                raise ApiError(ErrorCode.OVERLOADED, "the stream fell behind; its job is being cancelled")
         finally:
             if not job.finished.is_set():  # the client went away or fell behind: nobody wants the rest
                 await jobs.cancel_job(job)
@@ -206,8 +206,18 @@ class Api:
             raise ApiError(ErrorCode.PROMPT_TOO_LONG,
                            f"the prompt has {num_tokens} tokens, more than limits.max_prompt_tokens = {limit}")
 
+    def _job_param(self, p: Params, required: bool = True) -> int | None:
+        """`job`: a job id, or the opaque reference an HTTP reply named it by (npud/jobref.py)."""
+        value = p.raw("job")
+        if isinstance(value, str):
+            job_id = self.job_manager.refs.job_id(value)
+            if job_id is None:
+                raise p.bad("job", "expected a job id or a job reference (16 hex digits)")
+            return job_id
+        return p.int("job", min=1) if required else p.int("job", None, min=1)
+
     async def stream(self, peer: "Peer", p: Params, emit: Emit) -> dict:
-        job_id = p.int("job", min=1)
+        job_id = self._job_param(p)
         tokens = p.bool("tokens", True)
         p.finish()
         jobs = self.job_manager
@@ -233,7 +243,7 @@ class Api:
         return await jobs.status(peer.caller, job_id)
 
     async def result(self, peer: "Peer", p: Params, emit: Emit) -> dict:
-        job_id = p.int("job", min=1)
+        job_id = self._job_param(p)
         prompts = p.list("prompts", None, max_items=100_000)
         if prompts is not None and not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= INT64_MAX
                                            for i in prompts):
@@ -242,7 +252,7 @@ class Api:
         return await self.job_manager.results(peer.caller, job_id, prompts)
 
     async def status(self, peer: "Peer", p: Params, emit: Emit) -> dict:
-        job_id = p.int("job", min=1)
+        job_id = self._job_param(p)
         p.finish()
         return await self.job_manager.status(peer.caller, job_id)
 
@@ -256,12 +266,12 @@ class Api:
                                                before=before)}
 
     async def cancel(self, peer: "Peer", p: Params, emit: Emit) -> dict:
-        job_id = p.int("job", min=1)
+        job_id = self._job_param(p)
         p.finish()
         return await self.job_manager.cancel(peer.caller, job_id)
 
     async def tickets(self, peer: "Peer", p: Params, emit: Emit) -> dict:
-        job_id = p.int("job", None, min=1)
+        job_id = self._job_param(p, required=False)
         state = p.str("state", None, choices=tuple(s.value for s in TicketState))
         outcome = p.str("outcome", None, choices=tuple(o.value for o in Outcome))
         since = p.number("since", None)

@@ -20,6 +20,7 @@ import trio
 
 from engine.api import Session
 from npud.config import DaemonConfig
+from npud.jobref import JobRefs, stored_refs
 from npud.jobspec import JobSpec
 from npud.memtrim import Trimmer
 from npud.protocol import ApiError, ErrorCode
@@ -149,6 +150,7 @@ class JobManager:
         self.accepting = True
         self.tokens_generated = 0
         self.tokens_by_owner: dict[int, int] = {}  # the same per job owner (a non-admin's stats)
+        self.refs = JobRefs()  # HTTP replies' job references; recover() takes the store's key
         self._db_limiter = trio.CapacityLimiter(1)
         self._keyed = trio.Lock()  # the store's connection is used by one thread at a time
         self.trimmer = Trimmer()
@@ -160,9 +162,14 @@ class JobManager:
 
     # -- start-up ------------------------------------------------------------------------
 
+    async def load_ref_key(self) -> None:
+        """The jobs' references' key from the store (npud/jobref.py `stored_refs`)."""
+        self.refs = await self.db(stored_refs, self.store)
+
     async def recover(self) -> int:
         """Requeue every job that was unfinished when the daemon last stopped (an interactive
         one, whose client went with the connection, is cancelled instead); returns how many."""
+        await self.load_ref_key()
         closed = await self.db(self.store.recover, self.wall())
         rows = await self.db(self.store.unfinished_jobs)
         for row in rows:

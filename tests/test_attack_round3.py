@@ -1,0 +1,96 @@
+"""npud under attack, round two's remainder (issue 26): HTTP replies name their job by an opaque
+reference, not by the job id that counts every user's jobs.
+
+A daemon process on the fake engine and real sockets; the references are checked as a client
+sees them (reply ids, `npud.job`, the stream's chunks) and as it passes them back (`status`,
+`result`, `cancel`, `tickets`), before and after a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+
+import pytest
+
+import test_npud_support as fakes
+from clients.client import NpudError
+from test_npud_support import DaemonProc, write_fake_checkpoint
+
+REF = re.compile(r"^[0-9a-f]{16}$")
+
+
+def _post(path: str, endpoint: str, body: dict) -> tuple[bytes, bytes]:
+    """One HTTP request on http.sock (Connection: close): (head, body)."""
+    raw = json.dumps(body).encode()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(60)
+        s.connect(path)
+        s.sendall(b"POST %s HTTP/1.1\r\nHost: npud\r\nConnection: close\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\n\r\n%s" % (endpoint.encode(), len(raw), raw))
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), data[:300]
+    return head, rest
+
+
+def _events(body: bytes) -> list[dict]:
+    """The JSON events of a chunked SSE body (the chunk sizes and [DONE] skipped)."""
+    return [json.loads(line[6:]) for line in body.split(b"\n") if line.startswith(b"data: {")]
+
+
+@pytest.fixture
+def daemon():
+    workdir = fakes.short_tempdir()
+    checkpoint = write_fake_checkpoint(workdir / "fake", tokens_per_round=2)
+    d = DaemonProc(workdir, [{"name": "fake", "checkpoint_dir": str(checkpoint)}], fake_engine=True)
+    try:
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_http_replies_name_jobs_by_opaque_references_that_last_across_a_restart(daemon):
+    d = daemon.start()
+    http = str(d.dir / "http.sock")
+    replies = [json.loads(_post(http, "/v1/completions", {"model": "fake", "prompt": f"p{i}", "max_tokens": 3})[1])
+               for i in range(3)]
+    chat = json.loads(_post(http, "/v1/chat/completions",
+                            {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})[1])
+    stream = _events(_post(http, "/v1/completions", {"model": "fake", "prompt": "s", "max_tokens": 5,
+                                                     "stream": True})[1])
+    refs = [r["id"].removeprefix("cmpl-") for r in replies] + [chat["id"].removeprefix("chatcmpl-")]
+    refs.append(stream[0]["id"].removeprefix("cmpl-"))
+    # before: "cmpl-5", "cmpl-6", ... and npud.job 5, 6, ...: the job sequence, every user's
+    assert all(REF.match(r) for r in refs), refs
+    assert [r["npud"]["job"] for r in replies] + [chat["npud"]["job"], stream[-1]["npud"]["job"]] == refs
+    assert {e["id"] for e in stream} == {stream[0]["id"]}  # every chunk of a stream names the same job
+    with d.client() as c:
+        ids = [c.status(r)["job"] for r in refs]  # the socket methods take a reference as they take an id
+        assert ids == sorted(ids) and len(set(ids)) == len(ids)
+        assert not any(int(r, 16) == i or r == str(i).zfill(16) for i, r in zip(ids, refs))
+        assert c.result(refs[0])["results"][0]["text"] == replies[0]["choices"][0]["text"]
+        assert c.tickets(job=refs[1])["tickets"][0]["job"] == ids[1]
+        assert c.cancel(refs[2]) == c.cancel(ids[2])  # a finished job: nothing to cancel, either way
+        for bad in ("cmpl-1", "0123456789ABCDEF", "123"):
+            with pytest.raises(NpudError) as err:
+                c.status(bad)
+            assert err.value.code == "bad_request" and "params.job" in err.value.message
+        with pytest.raises(NpudError) as err:
+            c.status("ffffffffffffffff")  # a guess names no job of this store
+        assert err.value.code in ("not_found", "bad_request")  # (bad_request: it names no job id at all)
+    # the store keeps the key: after a restart the references name the same jobs
+    assert d.terminate() == 0
+    d.start()
+    with d.client() as c:
+        assert [c.status(r)["job"] for r in refs] == ids
+    again = json.loads(_post(http, "/v1/completions", {"model": "fake", "prompt": "later", "max_tokens": 2})[1])
+    later = again["id"].removeprefix("cmpl-")
+    assert REF.match(later) and later not in refs
+    with d.client() as c:
+        assert c.status(later)["job"] > max(ids)
