@@ -94,3 +94,126 @@ def test_http_replies_name_jobs_by_opaque_references_that_last_across_a_restart(
     assert REF.match(later) and later not in refs
     with d.client() as c:
         assert c.status(later)["job"] > max(ids)
+
+
+# -- descriptors ---------------------------------------------------------------------------------
+
+needs_prlimit = pytest.mark.skipif(not shutil.which("prlimit"), reason="needs prlimit")
+
+
+class LimitedDaemon(DaemonProc):
+    """A DaemonProc started under `prlimit --nofile=SOFT:HARD`."""
+
+    def __init__(self, *args, nofile: tuple[int, int], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.nofile = nofile
+
+    def argv(self) -> list[str]:
+        return ["prlimit", f"--nofile={self.nofile[0]}:{self.nofile[1]}", "--", *super().argv()]
+
+
+def _nofile_soft(pid: int) -> int:
+    with open(f"/proc/{pid}/limits") as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        if line.startswith("Max open files"):
+            return int(line.split()[3])
+    raise AssertionError("no 'Max open files' line")
+
+
+@needs_prlimit
+def test_npud_raises_its_soft_descriptor_limit_to_the_hard_one_and_the_units_set_it():
+    workdir = fakes.short_tempdir()
+    checkpoint = write_fake_checkpoint(workdir / "fake", tokens_per_round=2)
+    d = LimitedDaemon(workdir, [{"name": "fake", "checkpoint_dir": str(checkpoint)}], fake_engine=True,
+                      nofile=(256, 2048))
+    try:
+        d.start()
+        assert _nofile_soft(d.proc.pid) == 2048  # before: 256, whatever the unit allowed
+        (raised,) = d.events("nofile_limit_raised")
+        assert raised["soft"] == 256 and raised["to"] == 2048
+    finally:
+        d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    # the units give it a hard limit far above systemd's default 1,024 (the lock-out came at 600-1,100)
+    for unit in (fakes.REPO / "systemd" / "npud.service", fakes.REPO / "systemd" / "user" / "npud.service"):
+        limits = [line.split("=", 1)[1].strip() for line in unit.read_text().splitlines()
+                  if line.startswith("LimitNOFILE=")]
+        assert limits == ["65536"], unit
+
+
+NOFILE_LOW = 160  # budget: NOFILE_LOW less npud's reserve of 64 = 96 connections
+OPENED = 150
+
+
+@needs_prlimit
+def test_short_of_descriptors_npud_refuses_connections_and_keeps_its_store_and_guards():
+    workdir = fakes.short_tempdir()
+    checkpoint = write_fake_checkpoint(workdir / "fake", tokens_per_round=2)
+    d = LimitedDaemon(workdir, [{"name": "fake", "checkpoint_dir": str(checkpoint)}], fake_engine=True,
+                      nofile=(NOFILE_LOW, NOFILE_LOW), server={"max_connections": 1000})
+    held: list[socket.socket] = []
+    try:
+        d.start()
+        answers = []
+        for i in range(OPENED):  # root's: no per-uid limit, and the admin slots are its
+            s = socket.socket(socket.AF_UNIX)
+            s.settimeout(60)
+            s.connect(d.socket)
+            held.append(s)
+            s.sendall(b'{"id": 1, "method": "hello"}\n')
+            line = b""
+            while not line.endswith(b"\n"):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                line += chunk
+            answers.append(json.loads(line))
+        served = [a for a in answers if a.get("ok")]
+        refused = [a for a in answers if not a.get("ok")]
+        # before: every connection was accepted until accept() itself failed (EMFILE), and
+        # the store and the thermal guard could no longer open their files
+        assert len(served) + len(refused) == OPENED and len(served) <= NOFILE_LOW - 64
+        assert len(refused) >= OPENED - (NOFILE_LOW - 64)
+        assert {(a["error"]["code"], a["error"]["message"]) for a in refused} == {
+            ("overloaded", "npud is short of file descriptors; try again later")}
+        assert d.events("descriptors_low")
+        # meanwhile the store takes a job and its results, and the thermal guard reads its sensor
+        first = held[0]  # a served connection: submit, wait, read the results on it
+        first.sendall(b'{"id": 2, "method": "submit", "params": {"prompts": ["a", "b"], "max_tokens": 4}}\n'
+                      b'{"id": 3, "method": "device.status"}\n')
+        replies = _lines(first, 2)
+        job = replies[2]["result"]["job"]
+        assert replies[3]["result"]["thermal"]["state"] == "ok"
+
+        def done() -> bool:
+            first.sendall(b'{"id": 4, "method": "status", "params": {"job": %d}}\n' % job)
+            return _lines(first, 1)[4]["result"]["state"] == "done"
+
+        fakes.wait_for(done, 60, what="the job")
+        first.sendall(b'{"id": 5, "method": "result", "params": {"job": %d}}\n' % job)
+        assert [r["prompt"] for r in _lines(first, 1)[5]["result"]["results"]] == [0, 1]
+        for s in held:
+            s.close()
+        with d.client() as c:  # the descriptors are back
+            assert c.status(job)["state"] == "done"
+    finally:
+        for s in held:
+            s.close()
+        d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _lines(s: socket.socket, n: int) -> dict:
+    """The next n replies (events skipped) on a socket, by id."""
+    out, buf = {}, b""
+    while len(out) < n:
+        while b"\n" not in buf:
+            chunk = s.recv(65536)
+            assert chunk, "closed"
+            buf += chunk
+        line, buf = buf.split(b"\n", 1)
+        msg = json.loads(line)
+        if "event" not in msg:
+            out[msg["id"]] = msg
+    return out
