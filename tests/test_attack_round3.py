@@ -1,7 +1,9 @@
 """npud under attack, round two's remainder (issue 26): HTTP replies name their job by an opaque
-reference, not by the job id that counts every user's jobs.
+reference, not by the job id that counts every user's jobs; the descriptor limit is raised at
+start and, short of descriptors, npud refuses connections rather than its own files; a huge
+prompt is tokenized without holding the GIL, so it does not stall the event loop.
 
-A daemon process on the fake engine and real sockets; the references are checked as a client
+Daemon processes on the fake engine and real sockets; the references are checked as a client
 sees them (reply ids, `npud.job`, the stream's chunks) and as it passes them back (`status`,
 `result`, `cancel`, `tickets`), before and after a restart.
 """
@@ -12,6 +14,8 @@ import json
 import re
 import shutil
 import socket
+import threading
+import time
 
 import pytest
 
@@ -217,3 +221,28 @@ def _lines(s: socket.socket, n: int) -> dict:
         if "event" not in msg:
             out[msg["id"]] = msg
     return out
+
+
+# -- a huge prompt and the event loop ------------------------------------------------------------
+
+def test_a_huge_prompt_is_tokenized_with_the_gil_released(tmp_path):
+    """The daemon tokenizes on its engine thread; while the tokenizer held the GIL, a 0.9 MB
+    prompt stopped the event loop for seconds (issue 26: /health p90 4.7 s). Here the other
+    thread is this test's: it must keep running while the text is encoded."""
+    from engine.tokenizer import Tokenizer
+    from test_tokenizer import write_checkpoint
+
+    tok = Tokenizer.from_dir(write_checkpoint(tmp_path))
+    text = "def f(x):\n    return x * 2  # a comment that goes on\n" * 18_000  # ~0.9 MB
+    ids: list[int] = []
+    worker = threading.Thread(target=lambda: ids.extend(tok.encode_text(text)))
+    turns = 0
+    worker.start()
+    while worker.is_alive():  # each turn needs the GIL
+        turns += 1
+        time.sleep(0.0005)
+    worker.join()
+    assert len(ids) > 100_000
+    # before: encode() kept the GIL from the call to its return, so this thread got a turn or
+    # two at the start and none while the text was encoded
+    assert turns >= 20, turns
