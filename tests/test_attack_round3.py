@@ -23,6 +23,8 @@ import test_npud_support as fakes
 from clients.client import NpudError
 from test_npud_support import DaemonProc, write_fake_checkpoint
 
+pytestmark = pytest.mark.hog  # run again under a CPU hog by .ci/run
+
 REF = re.compile(r"^[0-9a-f]{16}$")
 
 
