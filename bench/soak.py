@@ -14,7 +14,8 @@ daemon every --kill-every seconds (0: never) and starts it again (bench/soak_loa
 At the end every batch submit a client sent is settled: one whose reply never came (the run
 stopped while it retried) is sent again with its idempotency key, which names the job it made
 or makes it. Then each job must end `done` with each prompt's result exactly once and none an
-error, or `cancelled` by a cancel a client sent; anything else is a lost prompt, named by how
+error, or `cancelled` by a cancel a client sent (or a fuzzed frame that parsed as a cancel of its id:
+the fuzzer's job ids 1 and 8 are real ones); anything else is a lost prompt, named by how
 (a done job short of results, an error result, a job failed, cancelled by nobody, unfinished).
 A duplicated job is one more job of the soak's own than the settled submits.
 
@@ -180,7 +181,8 @@ def settle(socket_path: str, tally: Tally, hang_s: float) -> dict:
             a["duplicated"] += len(prompts) - len(set(prompts))
             # a prompt a cancel of ours stopped ends `cancelled` (in a job that ends `done` when
             # its other prompts had finished); anything but these is an error
-            fine = ("stop", "length", "cancelled") if job in tally.cancel_sent else ("stop", "length")
+            asked = job in tally.cancel_sent or job in tally.fuzz_cancels
+            fine = ("stop", "length", "cancelled") if asked else ("stop", "length")
             errors = sum(1 for r in results if r.get("error") or r.get("finish_reason") not in fine)
             if state == "done":  # every prompt's result, none an error
                 a["done"] += 1
@@ -191,6 +193,8 @@ def settle(socket_path: str, tally: Tally, hang_s: float) -> dict:
                 a["cancelled_acked"] += 1
             elif state == "cancelled" and job in tally.cancel_sent:
                 a["cancelled_reply_lost"] += 1  # a cancel we sent did it; its reply came too late
+            elif state == "cancelled" and job in tally.fuzz_cancels:
+                a["cancelled_by_fuzzer"] += 1  # a fuzzed frame that parsed as a cancel of this job
             else:
                 if state == "failed":
                     a["failed"][(status.get("error") or {}).get("code", "?")] += 1
@@ -306,8 +310,9 @@ def main() -> int:
         ("HTTP completions cut short (lost results)", tally.http_cut),
         ("batch jobs (settled at the end: reply lost while the run stopped)",
          f"{account['jobs']} ({account['settled']})"),
-        ("... done / cancelled by a cancel we sent (reply seen / reply lost)",
-         f"{account['done']} / {account['cancelled_acked']} / {account['cancelled_reply_lost']}"),
+        ("... done / cancelled by a client's cancel (reply seen / lost) / by a fuzzed cancel",
+         f"{account['done']} / {account['cancelled_acked']} / {account['cancelled_reply_lost']} / "
+         f"{account['cancelled_by_fuzzer']}"),
         ("prompts submitted / with their result", f"{account['prompts']} / {account['results']}"),
         ("lost prompts", account["lost"]),
         ("... done jobs short of results / error results", f"{account['short']} / {account['errors']}"),

@@ -41,6 +41,7 @@ class Tally:
         self.pending: dict[str, dict] = {}  # idempotency key -> submit params, until a reply names the job
         self.cancelled: set[int] = set()  # a cancel's reply said it cancelled the job
         self.cancel_sent: set[int] = set()  # a cancel was sent (its reply may have been lost)
+        self.fuzz_cancels: set[int] = set()  # jobs a fuzzed frame asked to cancel (ids like 1 and 8)
         self.http_done = 0  # HTTP completions answered whole
         self.http_cut = 0  # HTTP completions answered 200 but cut short (a lost result)
         self.completes = 0  # socket `complete`s answered with a result
@@ -174,6 +175,16 @@ def frame(rng: random.Random) -> bytes:
     return data.replace(b"\n", b" ") + b"\n"
 
 
+def cancelled_by(data: bytes) -> int | None:
+    """The job a fuzzed frame cancels if the daemon reads it as a well-formed `cancel`."""
+    try:
+        msg = json.loads(data)
+        job = msg["params"]["job"] if msg["method"] == "cancel" else None
+    except (ValueError, TypeError, KeyError, RecursionError):  # the daemon refuses what json refuses
+        return None
+    return job if isinstance(job, int) and not isinstance(job, bool) else None
+
+
 def fuzz_worker(socket_path: str, tally: Tally, stop: threading.Event, seed: int, hang_s: float) -> None:
     rng = random.Random(seed)
     n = 0
@@ -190,7 +201,12 @@ def fuzz_worker(socket_path: str, tally: Tally, stop: threading.Event, seed: int
             while not stop.is_set():
                 n += 1
                 probe = f"probe{n}"
-                s.sendall(frame(rng) + json.dumps({"id": probe, "method": "hello"}).encode() + b"\n")
+                data = frame(rng)
+                job = cancelled_by(data)
+                if job is not None:  # the daemon reads it as a cancel of one of the soak's jobs, maybe
+                    with tally.lock:
+                        tally.fuzz_cancels.add(job)
+                s.sendall(data + json.dumps({"id": probe, "method": "hello"}).encode() + b"\n")
                 tally.add("frames")
                 while True:
                     while b"\n" not in buf:
