@@ -213,6 +213,8 @@ class Api:
             job_id = self.job_manager.refs.job_id(value)
             if job_id is None:
                 raise p.bad("job", "expected a job id or a job reference (16 hex digits)")
+            if not 0 < job_id <= INT64_MAX:  # 16 hex digits npud did not make: no job, as any other
+                raise ApiError(ErrorCode.NOT_FOUND, f"no job {value}")
             return job_id
         return p.int("job", min=1) if required else p.int("job", None, min=1)
 

@@ -48,15 +48,15 @@ class JobRefs:
         return f"{(left << 32) | right:016x}"
 
     def job_id(self, ref: str) -> int | None:
-        """The job id a reference names, or None when the text is not a reference."""
+        """The 64-bit number a reference stands for (a job id when npud made it: in (0, 2**63)),
+        or None when the text is not 16 lowercase hex digits."""
         if not isinstance(ref, str) or not REF.match(ref):
             return None
         value = int(ref, 16)
         left, right = value >> 32, value & _MASK32
         for i in reversed(range(ROUNDS)):
             left, right = right ^ self._f(i, left), left
-        job_id = (left << 32) | right
-        return job_id if 0 < job_id < 1 << 63 else None
+        return (left << 32) | right
 
 
 def stored_refs(store: Store) -> JobRefs:
