@@ -86,13 +86,16 @@ With --format openai, OpenAI Batch output lines instead:
 
 # -- argument types ----------------------------------------------------------------------------
 
-def job_id(text: str) -> int:
+def job_id(text: str) -> int | str:
+    """A job id, or the reference an HTTP reply names a job by (16 hex digits: `cmpl-REF`)."""
+    if re.fullmatch(r"[0-9a-f]{16}", text):
+        return text
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"a job id is a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"a job id is a positive integer or a 16-hex-digit reference, got {text!r}")
     return value
 
 

@@ -173,7 +173,7 @@ class Api:
                 if name != "progress":
                     await emit(name, data)
             if sub.lagged:
-                raise ApiError(ErrorCode.OVERLOADED, f"the stream fell behind; job {job.id} is being cancelled")
+                raise ApiError(ErrorCode.OVERLOADED, "the stream fell behind; its job is being cancelled")
         finally:
             if not job.finished.is_set():  # the client went away or fell behind: nobody wants the rest
                 await jobs.cancel_job(job)
@@ -206,8 +206,20 @@ class Api:
             raise ApiError(ErrorCode.PROMPT_TOO_LONG,
                            f"the prompt has {num_tokens} tokens, more than limits.max_prompt_tokens = {limit}")
 
+    def _job_param(self, p: Params, required: bool = True) -> int | None:
+        """`job`: a job id, or the opaque reference an HTTP reply named it by (npud/jobref.py)."""
+        value = p.raw("job")
+        if isinstance(value, str):
+            job_id = self.job_manager.refs.job_id(value)
+            if job_id is None:
+                raise p.bad("job", "expected a job id or a job reference (16 hex digits)")
+            if not 0 < job_id <= INT64_MAX:  # 16 hex digits npud did not make: no job, as any other
+                raise ApiError(ErrorCode.NOT_FOUND, f"no job {value}")
+            return job_id
+        return p.int("job", min=1) if required else p.int("job", None, min=1)
+
     async def stream(self, peer: "Peer", p: Params, emit: Emit) -> dict:
-        job_id = p.int("job", min=1)
+        job_id = self._job_param(p)
         tokens = p.bool("tokens", True)
         p.finish()
         jobs = self.job_manager
@@ -233,7 +245,7 @@ class Api:
         return await jobs.status(peer.caller, job_id)
 
     async def result(self, peer: "Peer", p: Params, emit: Emit) -> dict:
-        job_id = p.int("job", min=1)
+        job_id = self._job_param(p)
         prompts = p.list("prompts", None, max_items=100_000)
         if prompts is not None and not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= INT64_MAX
                                            for i in prompts):
@@ -242,7 +254,7 @@ class Api:
         return await self.job_manager.results(peer.caller, job_id, prompts)
 
     async def status(self, peer: "Peer", p: Params, emit: Emit) -> dict:
-        job_id = p.int("job", min=1)
+        job_id = self._job_param(p)
         p.finish()
         return await self.job_manager.status(peer.caller, job_id)
 
@@ -256,12 +268,12 @@ class Api:
                                                before=before)}
 
     async def cancel(self, peer: "Peer", p: Params, emit: Emit) -> dict:
-        job_id = p.int("job", min=1)
+        job_id = self._job_param(p)
         p.finish()
         return await self.job_manager.cancel(peer.caller, job_id)
 
     async def tickets(self, peer: "Peer", p: Params, emit: Emit) -> dict:
-        job_id = p.int("job", None, min=1)
+        job_id = self._job_param(p, required=False)
         state = p.str("state", None, choices=tuple(s.value for s in TicketState))
         outcome = p.str("outcome", None, choices=tuple(o.value for o in Outcome))
         since = p.number("since", None)
@@ -434,22 +446,26 @@ class Api:
         return {"ticket": None, "job": None, "priority": granted["priority"], "state": "granted"}
 
     def _snapshot(self, peer: "Peer") -> dict:
-        # prefix-cache counts of the peer's own prompts: whether another's hit tells of the cache
+        # a non-admin's own counters: every user's would tell of others' work (and whether
+        # another's prompt hit the prefix cache, of the cache)
         snap = self.snapshot(None if peer.caller.admin else peer.uid)
         return {**snap, "holding": self._visible(peer, snap["holding"])}
 
     async def stats(self, peer: "Peer", p: Params, emit: Emit) -> dict:
+        """Every user's counters to an admin; a non-admin's own jobs' (docs/protocol.md)."""
         p.finish()
-        jobs, tickets = await self.job_manager.counts()
+        owner = None if peer.caller.admin else peer.uid
+        jobs, tickets = await self.job_manager.counts(owner)
         granted = self.queue.granted
+        snap = self._snapshot(peer)
         return {
             "uptime_s": round(time.monotonic() - self.started_mono, 3), "version": __version__,
-            "connections": self.connections(), "jobs": jobs, "tickets": tickets,
-            "tokens_generated": self.job_manager.tokens_generated, "queue": self.queue.counts(),
+            "connections": snap["connections"], "jobs": jobs, "tickets": tickets,
+            "tokens_generated": snap["tokens"]["generated"], "queue": self.queue.counts(owner),
             "granted": self._visible(peer, None if granted is None else granted.to_wire()),
             "quarantined": self.queue.quarantine is not None,
-            "store": self.job_manager.store_status(),
-            "metrics": self._snapshot(peer),
+            "store": self.job_manager.store_status(owner),
+            "metrics": snap,
         }
 
     async def metrics(self, peer: "Peer", p: Params, emit: Emit) -> dict:

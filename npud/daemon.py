@@ -60,7 +60,8 @@ class Daemon:
             loader=loader, backend=cfg.device.backend, xrt_design=cfg.device.xrt_design or None,
             xrt_timeout_ms=cfg.device.xrt_timeout_ms, cache_users=cfg.store.prefix_cache_users)
         self.jobs = JobManager(cfg, self.store, self.queue)
-        self.metrics = Metrics(cfg.metrics, self.queue, lambda: self.jobs.tokens_generated)
+        self.metrics = Metrics(cfg.metrics, self.queue, lambda: self.jobs.tokens_generated,
+                               owner_tokens=lambda: self.jobs.tokens_by_owner)
         self.owner = DeviceOwner(cfg, self.queue, self.jobs, self.registry, self.thermal, self.errors,
                                  self.metrics)
         self.owner.fw_version = self.device.fw_version
@@ -149,8 +150,9 @@ class Daemon:
 
     def metrics_snapshot(self, owner_uid: int | None = None) -> dict:
         """The metrics as everyone's (the text file, admins) or as `owner_uid` may see them."""
-        return snapshot(self.metrics, self.queue, device_kind=self.device.kind, jobs=self.jobs.live_states(),
-                        connections=self.server.connections, thermal=self.thermal, errors=self.errors,
+        connections = self.server.connections if owner_uid is None else self.server.by_uid.get(owner_uid, 0)
+        return snapshot(self.metrics, self.queue, device_kind=self.device.kind, jobs=self.jobs.live_states(owner_uid),
+                        connections=connections, thermal=self.thermal, errors=self.errors,
                         gemms=self.gemm_site()[0], owner_uid=owner_uid)
 
     def gemm_site(self) -> tuple[str, str]:

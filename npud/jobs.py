@@ -20,6 +20,7 @@ import trio
 
 from engine.api import Session
 from npud.config import DaemonConfig
+from npud.jobref import JobRefs, stored_refs
 from npud.jobspec import JobSpec
 from npud.memtrim import Trimmer
 from npud.protocol import ApiError, ErrorCode
@@ -148,6 +149,8 @@ class JobManager:
         self.store_error: ApiError | None = None  # the last failed write; None once a write succeeds
         self.accepting = True
         self.tokens_generated = 0
+        self.tokens_by_owner: dict[int, int] = {}  # the same per job owner (a non-admin's stats)
+        self.refs = JobRefs()  # HTTP replies' job references; recover() takes the store's key
         self._db_limiter = trio.CapacityLimiter(1)
         self._keyed = trio.Lock()  # the store's connection is used by one thread at a time
         self.trimmer = Trimmer()
@@ -159,9 +162,14 @@ class JobManager:
 
     # -- start-up ------------------------------------------------------------------------
 
+    async def load_ref_key(self) -> None:
+        """The jobs' references' key from the store (npud/jobref.py `stored_refs`)."""
+        self.refs = await self.db(stored_refs, self.store)
+
     async def recover(self) -> int:
         """Requeue every job that was unfinished when the daemon last stopped (an interactive
         one, whose client went with the connection, is cancelled instead); returns how many."""
+        await self.load_ref_key()
         closed = await self.db(self.store.recover, self.wall())
         rows = await self.db(self.store.unfinished_jobs)
         for row in rows:
@@ -382,6 +390,7 @@ class JobManager:
         job.tokens += num_tokens
         ticket.tokens += num_tokens
         self.tokens_generated += num_tokens
+        self.tokens_by_owner[job.owner_uid] = self.tokens_by_owner.get(job.owner_uid, 0) + num_tokens
 
     async def on_released(self, job: Job, ticket: Ticket, yielded: YieldReason | None) -> None:
         """Persist a released ticket and move the job on: finished, or queued again."""
@@ -451,11 +460,12 @@ class JobManager:
                 break  # the store is still failing; try again later
         return len(self.unsaved)
 
-    def store_status(self) -> dict:
-        """Whether the last store write succeeded, and the jobs whose final state waits in memory."""
+    def store_status(self, owner_uid: int | None = None) -> dict:
+        """Whether the last store write succeeded, and the jobs (every user's, or `owner_uid`'s)
+        whose final state waits in memory."""
         return {"writable": self.store_error is None,
                 "error": None if self.store_error is None else self.store_error.to_wire(),
-                "unsaved_jobs": len(self.unsaved)}
+                "unsaved_jobs": sum(1 for j in self.unsaved.values() if owner_uid in (None, j.owner_uid))}
 
     # -- queries -------------------------------------------------------------------------
 
@@ -465,14 +475,18 @@ class JobManager:
         it), or None before its first; `complete` answers with it, its job has one prompt."""
         return job.last_result
 
-    async def counts(self) -> tuple[dict[str, int], dict[str, int]]:
-        """(jobs by state, tickets by state) in the store's history."""
-        return await self.db(self.store.job_counts), await self.db(self.store.ticket_counts)
+    async def counts(self, owner_uid: int | None = None) -> tuple[dict[str, int], dict[str, int]]:
+        """(jobs by state, tickets by state) in the store's history: every user's, or `owner_uid`'s."""
+        return (await self.db(self.store.job_counts, owner_uid),
+                await self.db(self.store.ticket_counts, owner_uid))
 
-    def live_states(self) -> dict[str, int]:
-        """Unfinished jobs by state (queued and running always present)."""
+    def live_states(self, owner_uid: int | None = None) -> dict[str, int]:
+        """Unfinished jobs by state (queued and running always present): every user's, or
+        `owner_uid`'s only."""
         states = {"queued": 0, "running": 0}
         for job in self.active.values():
+            if owner_uid is not None and job.owner_uid != owner_uid:
+                continue
             states[job.state.value] = states.get(job.state.value, 0) + 1
         return states
 

@@ -83,15 +83,10 @@ def _ratio(part: int, whole: int) -> float | None:
     return part / whole if whole else None
 
 
-class Metrics:
-    """The counters, fed by the ticket queue (grants, releases) and the device owner (prompts)."""
+class Account:
+    """One set of counters: every user's work (the daemon's), or one owner's jobs' only."""
 
-    def __init__(self, cfg: MetricsConfig, queue: TicketQueue, tokens: Callable[[], int], *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.cfg = cfg
-        self.tokens = tokens  # tokens generated since start
-        self.clock = clock
-        self.started = clock()
+    def __init__(self) -> None:
         self.granted = 0
         self.released = {o: 0 for o in Outcome}
         self.waits = {p: collections.deque(maxlen=WAIT_SAMPLES) for p in Priority}
@@ -105,17 +100,8 @@ class Metrics:
         self.cache_hits = 0
         self.cache_misses = 0
         self.cached_tokens = 0
-        # the same three per owner: whether a prompt hit tells of the cache's other entries,
-        # so a user is shown the counts of their own prompts only (see counters)
-        self.cache_by_owner: dict[int, list[int]] = {}  # uid -> [hits, misses, cached_tokens]
-        self._samples: collections.deque[tuple[float, int]] = collections.deque([(self.started, tokens())])
-        self._textfile_error: str | None = None
-        queue.observers.append(self.on_ticket)
-
-    # -- what feeds the counters -----------------------------------------------------------------
 
     def on_ticket(self, ticket: Ticket) -> None:
-        """A queue observer: count grants (with their wait) and releases (with their work)."""
         if ticket.state is TicketState.GRANTED:
             self.granted += 1
             wait = max(0.0, ticket.granted_at - ticket.queued_at)
@@ -133,8 +119,7 @@ class Metrics:
             if ticket.granted_at is not None:  # a ticket cancelled while queued never held the device
                 self.busy_s += max(0.0, ticket.released_at - ticket.granted_at)
 
-    def on_prompt(self, stats: dict, owner_uid: int | None = None) -> None:
-        """A prompt (of a job of `owner_uid`) finished with these engine stats."""
+    def on_prompt(self, stats: dict) -> None:
         self.drafted += int(stats.get("drafted") or 0)
         self.accepted += int(stats.get("accepted") or 0)
         first = stats.get("time_to_first_token_s")
@@ -143,57 +128,98 @@ class Metrics:
         cached = stats.get("num_cached_tokens")
         if cached is None:  # the prompt did not use the prefix cache
             return
-        mine = self.cache_by_owner.setdefault(owner_uid, [0, 0, 0]) if owner_uid is not None else [0, 0, 0]
         if cached:
             self.cache_hits += 1
             self.cached_tokens += int(cached)
-            mine[0] += 1
-            mine[2] += int(cached)
         else:
             self.cache_misses += 1
-            mine[1] += 1
+
+
+class Metrics:
+    """The counters, fed by the ticket queue (grants, releases) and the device owner (prompts):
+    every user's (`all`) and, beside them, each owner's own (`owners`: what a user who is not an
+    admin is shown, so that no counter tells of another user's work)."""
+
+    def __init__(self, cfg: MetricsConfig, queue: TicketQueue, tokens: Callable[[], int], *,
+                 owner_tokens: Callable[[], dict[int, int]] = dict,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.tokens = tokens  # tokens generated since start
+        self.owner_tokens = owner_tokens  # the same per owner uid
+        self.clock = clock
+        self.started = clock()
+        self.all = Account()
+        self.owners: dict[int, Account] = {}  # one per uid that had work, for the daemon's life
+        self._samples: collections.deque[tuple[float, int, dict[int, int]]] = collections.deque(
+            [(self.started, tokens(), dict(owner_tokens()))])
+        self._textfile_error: str | None = None
+        queue.observers.append(self.on_ticket)
+
+    def account(self, owner_uid: int) -> Account:
+        return self.owners.setdefault(owner_uid, Account())
+
+    # -- what feeds the counters -----------------------------------------------------------------
+
+    def on_ticket(self, ticket: Ticket) -> None:
+        """A queue observer: count grants (with their wait) and releases (with their work), as
+        every user's and as the ticket's owner's."""
+        self.all.on_ticket(ticket)
+        self.account(ticket.owner_uid).on_ticket(ticket)
+
+    def on_prompt(self, stats: dict, owner_uid: int | None = None) -> None:
+        """A prompt (of a job of `owner_uid`) finished with these engine stats."""
+        self.all.on_prompt(stats)
+        if owner_uid is not None:
+            self.account(owner_uid).on_prompt(stats)
 
     def sample(self) -> None:
-        """Record the token counter now; samples older than the rate window are dropped."""
+        """Record the token counters now; samples older than the rate window are dropped."""
         now = self.clock()
-        self._samples.append((now, self.tokens()))
+        self._samples.append((now, self.tokens(), dict(self.owner_tokens())))
         while len(self._samples) > 1 and self._samples[1][0] <= now - self.cfg.rate_window_s:
             self._samples.popleft()
 
-    def tokens_per_second(self) -> float:
-        """Tokens generated per second over the last rate_window_s (since start, if shorter)."""
-        t0, n0 = self._samples[0]
+    def tokens_per_second(self, owner_uid: int | None = None) -> float:
+        """Tokens generated per second over the last rate_window_s (since start, if shorter):
+        every user's, or `owner_uid`'s jobs' only."""
+        t0, n0, by_owner = self._samples[0]
         elapsed = self.clock() - t0
-        return (self.tokens() - n0) / elapsed if elapsed > 0 else 0.0
+        if owner_uid is None:
+            now = self.tokens()
+        else:
+            now, n0 = self.owner_tokens().get(owner_uid, 0), by_owner.get(owner_uid, 0)
+        return (now - n0) / elapsed if elapsed > 0 else 0.0
 
     # -- reading them ----------------------------------------------------------------------------
 
     def cache_counters(self, owner_uid: int | None = None) -> dict:
         """The prefix-cache counters of every prompt, or of `owner_uid`'s prompts only."""
-        if owner_uid is None:
-            hits, misses, cached = self.cache_hits, self.cache_misses, self.cached_tokens
-        else:
-            hits, misses, cached = self.cache_by_owner.get(owner_uid, (0, 0, 0))
-        return {"hits": hits, "misses": misses, "hit_rate": _ratio(hits, hits + misses), "cached_tokens": cached}
+        a = self.all if owner_uid is None else self.owners.get(owner_uid) or Account()
+        hits, misses = a.cache_hits, a.cache_misses
+        return {"hits": hits, "misses": misses, "hit_rate": _ratio(hits, hits + misses),
+                "cached_tokens": a.cached_tokens}
 
     def counters(self, owner_uid: int | None = None) -> dict:
-        """Every counter; the prefix cache's of `owner_uid`'s prompts only, when given."""
+        """Every counter: of every user's work, or of `owner_uid`'s jobs only when given (the
+        tickets of their jobs, their prompts, the tokens generated for them)."""
+        a = self.all if owner_uid is None else self.owners.get(owner_uid) or Account()
         waits = {}
         for p in Priority:
-            ordered = sorted(self.waits[p])
-            waits[p.label] = {"count": self.wait_count[p], "sum": round(self.wait_sum_s[p], 6),
+            ordered = sorted(a.waits[p])
+            waits[p.label] = {"count": a.wait_count[p], "sum": round(a.wait_sum_s[p], 6),
                               **{f"p{round(q * 100)}": quantile(ordered, q) for q in QUANTILES},
-                              "buckets": self.wait_hist[p].to_wire()["buckets"]}
+                              "buckets": a.wait_hist[p].to_wire()["buckets"]}
+        generated = self.tokens() if owner_uid is None else self.owner_tokens().get(owner_uid, 0)
         return {
             "uptime_s": round(self.clock() - self.started, 3),
-            "tickets": {"granted": self.granted, "released": {o.value: n for o, n in self.released.items()}},
+            "tickets": {"granted": a.granted, "released": {o.value: n for o, n in a.released.items()}},
             "wait_s": waits,
-            "tokens": {"generated": self.tokens(), "per_second": round(self.tokens_per_second(), 3),
-                       "window_s": self.cfg.rate_window_s, "device_busy_s": round(self.busy_s, 3)},
-            "speculative": {"drafted": self.drafted, "accepted": self.accepted,
-                            "acceptance": _ratio(self.accepted, self.drafted)},
+            "tokens": {"generated": generated, "per_second": round(self.tokens_per_second(owner_uid), 3),
+                       "window_s": self.cfg.rate_window_s, "device_busy_s": round(a.busy_s, 3)},
+            "speculative": {"drafted": a.drafted, "accepted": a.accepted,
+                            "acceptance": _ratio(a.accepted, a.drafted)},
             "prefix_cache": self.cache_counters(owner_uid),
-            "first_token_s": self.first_token.to_wire(),
+            "first_token_s": a.first_token.to_wire(),
         }
 
     # -- the Prometheus text file ----------------------------------------------------------------
@@ -263,8 +289,9 @@ def snapshot(metrics: Metrics, queue: TicketQueue, *, device_kind: str, jobs: di
              thermal: "ThermalGuard", errors: "ErrorCountGuard", gemms: str, owner_uid: int | None = None) -> dict:
     """The counters with the gauges of the running daemon (`jobs`: unfinished jobs by state;
     `gemms`: "npu" or "host", where the loaded models' GEMMs run), as the `metrics` method
-    returns them; the prefix cache's counters are `owner_uid`'s own when given (a non-admin's
-    view), every user's otherwise."""
+    returns them. With `owner_uid` (a non-admin's view) the counters are that user's jobs' own
+    and the caller passes their own `jobs` and `connections`; the queue counts their tickets.
+    Every user's otherwise."""
     quarantine = queue.quarantine
     granted = queue.granted
     return {
@@ -273,7 +300,7 @@ def snapshot(metrics: Metrics, queue: TicketQueue, *, device_kind: str, jobs: di
         **metrics.counters(owner_uid),
         "connections": connections,
         "jobs": jobs,
-        "queue": queue.counts(),
+        "queue": queue.counts(owner_uid),
         "holding": None if granted is None else {"ticket": granted.id, "job": granted.job_id,
                                                  "priority": granted.priority.label},
         "gemms": gemms,

@@ -257,8 +257,13 @@ class Store:
         return [{"prompt": r["prompt"], **json.loads(r["body"])} for r in rows
                 if wanted is None or r["prompt"] in wanted]
 
-    def job_counts(self) -> dict[str, int]:
-        rows = self._read("counting jobs", "SELECT state, COUNT(*) AS n FROM jobs GROUP BY state")
+    def job_counts(self, owner_uid: int | None = None) -> dict[str, int]:
+        """Jobs by state: every user's, or `owner_uid`'s only."""
+        if owner_uid is None:
+            rows = self._read("counting jobs", "SELECT state, COUNT(*) AS n FROM jobs GROUP BY state")
+        else:
+            rows = self._read("counting jobs", "SELECT state, COUNT(*) AS n FROM jobs WHERE owner_uid = ?"
+                              " GROUP BY state", (owner_uid,))
         return {r["state"]: r["n"] for r in rows}
 
     # -- tickets -------------------------------------------------------------------------
@@ -293,9 +298,15 @@ class Store:
         rows = self._read("reading ticket ids", "SELECT COALESCE(MAX(id), 0) AS m FROM tickets")
         return int(rows[0]["m"])
 
-    def ticket_counts(self) -> dict[str, int]:
-        rows = self._read("counting tickets",
-                          "SELECT outcome, COUNT(*) AS n FROM tickets WHERE outcome IS NOT NULL GROUP BY outcome")
+    def ticket_counts(self, owner_uid: int | None = None) -> dict[str, int]:
+        """Ended tickets by outcome: every user's, or those of `owner_uid`'s jobs only."""
+        if owner_uid is None:
+            rows = self._read("counting tickets",
+                              "SELECT outcome, COUNT(*) AS n FROM tickets WHERE outcome IS NOT NULL GROUP BY outcome")
+        else:
+            rows = self._read("counting tickets",
+                              "SELECT t.outcome, COUNT(*) AS n FROM tickets t JOIN jobs j ON j.id = t.job_id"
+                              " WHERE t.outcome IS NOT NULL AND j.owner_uid = ? GROUP BY t.outcome", (owner_uid,))
         return {r["outcome"]: r["n"] for r in rows}
 
     def recover(self, now: float) -> int:

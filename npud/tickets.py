@@ -302,10 +302,12 @@ class TicketQueue:
                 return i
         return None
 
-    def counts(self) -> dict[str, int]:
+    def counts(self, owner_uid: int | None = None) -> dict[str, int]:
+        """Queued tickets by class: every user's, or `owner_uid`'s only."""
         out = {p.label: 0 for p in Priority}
         for t in self._queued:
-            out[t.priority.label] += 1
+            if owner_uid is None or t.owner_uid == owner_uid:
+                out[t.priority.label] += 1
         return out
 
 

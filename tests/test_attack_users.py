@@ -136,3 +136,60 @@ def test_the_prefix_cache_tells_no_user_about_anothers_prompts(tmp_path):
     finally:
         d.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+AS_OTHER_COUNTERS = r"""
+import json, sys
+from clients import client as npc
+with npc.Client(sys.argv[1], timeout=60) as c:
+    done = c.complete("mine", max_tokens=3).wait()
+    print(json.dumps([done["tokens"] if "tokens" in done else len(done["token_ids"]), c.stats(), c.metrics(),
+                      c.metrics(format="prometheus")["text"]]))
+"""
+
+
+def test_a_non_admin_sees_the_counters_of_their_own_work_only():
+    workdir = short_tempdir()
+    slow = write_fake_checkpoint(workdir / "fake", tokens_per_round=1, round_sleep_s=0.02)
+    d = DaemonProc(workdir, [{"name": "fake", "checkpoint_dir": str(slow)}], fake_engine=True,
+                   server={"socket_group": "nogroup", "admin_group": "npud-test-no-such-group"})
+    try:
+        d.start()
+        with d.client() as c:
+            for i in range(2):
+                c.complete(f"root's {i}", max_tokens=5).wait()
+            running = c.submit(["root's long one"], max_tokens=4000)["job"]
+            queued = c.submit(["root's next"], max_tokens=5)["job"]
+            wait_for(lambda: c.status(running)["state"] == "running", what="root's job to run")
+            done = subprocess.run(["/usr/bin/python3", "-c", AS_OTHER_COUNTERS, d.socket], user=OTHER_UID,
+                                  group=NOGROUP, extra_groups=[], env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+                                  capture_output=True, text=True, cwd="/", timeout=120)
+            assert done.returncode == 0, done.stderr
+            tokens, stats, metrics, text = json.loads(done.stdout)
+            everyone = c.stats()
+            c.cancel(running)
+            c.cancel(queued)
+        assert tokens == 3
+        # before: every user's jobs, tickets, tokens, queue, connections and waits
+        assert stats["jobs"] == {"done": 1}
+        assert sum(stats["tickets"].values()) == 1 and set(stats["tickets"]) <= {"done", "joined"}  # rode root's?
+        assert stats["tokens_generated"] == 3 and stats["connections"] == 1
+        assert stats["queue"] == {"interactive": 0, "batch": 0} and stats["store"]["unsaved_jobs"] == 0
+        for m in (metrics, stats["metrics"]):
+            assert m["tokens"]["generated"] == 3 and m["tickets"]["granted"] <= 1
+            assert sum(m["tickets"]["released"].values()) == 1
+            assert m["wait_s"]["interactive"]["count"] == 1 and m["wait_s"]["batch"]["count"] == 0
+            assert m["jobs"] == {"queued": 0, "running": 0} and m["queue"] == {"interactive": 0, "batch": 0}
+            assert m["connections"] == 1
+            assert m["holding"] == {"ticket": None, "job": None, "priority": "batch", "state": "granted"}
+        assert "npud_tokens_generated_total 3.0" in text and 'npud_jobs_active{state="queued"} 0.0' in text
+        assert 'npud_jobs_active{state="running"} 0.0' in text
+        # the device's own state is everyone's: held, at which priority
+        assert "npud_device_held 1.0" in text
+        # an operator sees every user's
+        assert everyone["tokens_generated"] >= 10 + 3 and everyone["jobs"]["done"] >= 3
+        assert everyone["jobs"]["running"] == 1  # root's long one
+        assert everyone["metrics"]["tickets"]["granted"] >= 3 and everyone["metrics"]["jobs"]["running"] == 1
+    finally:
+        d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)

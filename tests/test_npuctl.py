@@ -520,7 +520,7 @@ def test_json_errors_keep_the_code_on_stdout(daemon, tmp_path):
     assert error["code"] == "usage_error" and error["message"].startswith(f"{bad}:1: unknown key 'promt'")
     # an argument argparse rejects: usage_error too, and no usage text on stdout
     error = error_of("status", "abc", "--json", exit_code=2)
-    assert error == {"code": "usage_error", "message": "argument JOB: a job id is a positive integer, got 'abc'"}
+    assert error == {"code": "usage_error", "message": "argument JOB: a job id is a positive integer or a 16-hex-digit reference, got 'abc'"}
     # without --json, stdout stays empty
     run = npuctl("status", "999999", socket_path=daemon.socket)
     assert run.returncode == 1 and run.stdout == "" and run.stderr == "error: no job 999999\n"
@@ -685,8 +685,8 @@ def test_a_refused_prompt_names_its_line_in_the_one_file_error_format(daemon, cl
 def test_usage_errors(daemon, tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", ["x"])
     cases = [
-        (["status", "abc"], "error: argument JOB: a job id is a positive integer, got 'abc'"),
-        (["cancel", "0"], "error: argument JOB: a job id is a positive integer, got '0'"),
+        (["status", "abc"], "error: argument JOB: a job id is a positive integer or a 16-hex-digit reference, got 'abc'"),
+        (["cancel", "0"], "error: argument JOB: a job id is a positive integer or a 16-hex-digit reference, got '0'"),
         (["frobnicate"], "error: argument COMMAND: invalid choice: 'frobnicate'"),
         (["submit", str(src), "-o", str(tmp_path / "o")], "error: -o/--output needs --wait"),
         (["tickets", "--since", "yesterday"], "error: argument --since: expected Unix seconds"),

@@ -65,7 +65,8 @@ def test_socket_and_http_clients_beside_a_batch_job_each_get_the_text_it_gets_al
     def http_client(prompt, n):
         out = http_complete(str(d.dir / "http.sock"), prompt, n)
         got["http", asked["http"].index((prompt, n))] = out["choices"][0]["text"]
-        jobs.append(out["npud"]["job"])
+        with d.client() as c:  # the reply names the job by reference; status gives its id
+            jobs.append(c.status(out["npud"]["job"])["job"])
 
     def guarded(fn, *args):
         try:

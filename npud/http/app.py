@@ -30,6 +30,7 @@ from npud.http.translate import (
     rename,
     usage,
 )
+from npud.jobref import JobRefs
 from npud.jobs import store_api_error
 from npud.metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from npud.metrics import render_prometheus
@@ -98,11 +99,12 @@ class Stream:
     """A streamed reply: the status line waits for the first text, so an error before it
     (a prompt too long, a full queue) is still a plain HTTP error."""
 
-    def __init__(self, responder: Responder, kind: str, model: str) -> None:
+    def __init__(self, responder: Responder, kind: str, model: str, refs: JobRefs) -> None:
         self.responder = responder
         self.kind = kind
         self.model = model
-        self.job: int | None = None
+        self.refs = refs
+        self.job: str | None = None  # the job's reference (npud/jobref.py), never its id
         self.logprobs: list[dict] | None = None  # of tokens whose text has not been sent yet
         self.offset = 0  # characters of the tokens' own texts sent so far (completions' text_offset)
 
@@ -116,7 +118,7 @@ class Stream:
 
     async def emit(self, name: str, data: dict) -> None:
         if name == "ticket" and self.job is None:
-            self.job = data["job"]
+            self.job = self.refs.ref(data["job"])
         elif name == "token":
             if "logprobs" in data:  # a token whose text is held back sends its logprobs with that text
                 self.logprobs = (self.logprobs or []) + data["logprobs"]
@@ -130,6 +132,7 @@ class Stream:
         await self.responder.send_event(sse.event(payload))
 
     async def finish(self, result: dict, include_usage: bool) -> None:
+        """`result` as run_single returns it, its `job` the job's reference."""
         self.job = result["job"]
         if self.kind == "infill":  # llama.cpp's last event: the whole reply with an empty text
             await self._send({**infill_reply(self.model, result), "content": ""})
@@ -256,8 +259,11 @@ class App:
             spec = self.api.single_spec(job.params)
         except ApiError as exc:
             raise rename(exc) from None
-        stream = Stream(responder, job.kind, spec.model) if job.stream else None
+        refs = self.api.job_manager.refs
+        stream = Stream(responder, job.kind, spec.model, refs) if job.stream else None
         result = await self.api.run_single(peer, spec, job.priority, stream.emit if stream else _ignore)
+        # a reply names its job by reference: ids count every user's jobs (npud/jobref.py)
+        result = {**result, "job": refs.ref(result["job"])}
         if stream is not None:
             await stream.finish(result, job.include_usage)
         elif job.kind == "infill":

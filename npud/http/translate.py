@@ -194,7 +194,7 @@ def usage(result: dict) -> dict:
 
 
 def npud_reply(result: dict) -> dict:
-    """The `npud` object of a reply: the job, the number of new tokens the context had room for
+    """The `npud` object of a reply: the job's reference, the number of new tokens the context had room for
     when that was below max_tokens (else null), the chat template that wrote a chat's prompt
     ("builtin:gemma", "checkpoint", "file:NAME"; null for a plain prompt), and the engine's
     counters (speculative rounds, drafted and accepted tokens, prefix-cache hits)."""
@@ -202,7 +202,8 @@ def npud_reply(result: dict) -> dict:
             "chat_template": (result.get("stats") or {}).get("chat_template"), "stats": result["stats"]}
 
 
-def reply_id(kind: str, job: int | None) -> str:
+def reply_id(kind: str, job: str | None) -> str:
+    """`cmpl-REF` / `chatcmpl-REF`: REF the job's reference (npud/jobref.py), not its id."""
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{job}"
 
 
@@ -226,7 +227,7 @@ def completion_reply(kind: str, model: str, result: dict) -> dict:
             "npud": npud_reply(result)}
 
 
-def chunk(kind: str, model: str, job: int | None, text: str | None, finish_reason: str | None = None, *,
+def chunk(kind: str, model: str, job: str | None, text: str | None, finish_reason: str | None = None, *,
           first: bool = False, logprobs: dict | None = None) -> dict:
     """One streamed chunk: `text` (None in the last), or the finish reason; `logprobs` those
     of the tokens the chunk carries, in the endpoint's shape."""
