@@ -75,6 +75,23 @@ def test_self_check_catches_a_blas_gemm():
     assert check_batch_invariance(_NumpyBackend(), k=1024, n=256) != []
 
 
+class _PathDependentBackend(HostBackend):
+    """Negative control: GEMM rows invariant in M but one ulp off the generic C path's on any other
+    path, as a kernel that scaled a block's integer sum at another step would be."""
+
+    def linear(self, x, w):
+        out = super().linear(x, w)
+        return out if native.isa() == "generic" else np.nextafter(out, np.float32(np.inf))
+
+
+def test_self_check_compares_the_path_in_use_with_the_generic_c():
+    if native.best_isa() == "generic":
+        pytest.skip("this CPU runs the generic C path only")
+    assert check_batch_invariance(_PathDependentBackend(), formats=[WeightFormat.INT8_Q16]) == [
+        f"int8-q16 {native.isa()} != generic"]
+    assert check_batch_invariance(HostBackend(), formats=[WeightFormat.INT8_Q16]) == []
+
+
 def test_rowwise_fallback_is_invariant():
     assert check_batch_invariance(RowwiseBackend(_NumpyBackend()), k=1024, n=256) == []
 
