@@ -194,12 +194,18 @@ def convert(ckpt: Path, outtype: str) -> Path:
 # ------------------------------------------------------------------ logits
 
 def reference_logits(ckpt: Path, tokens: list[int]) -> np.ndarray:
+    """transformers' logits (kept beside the checkpoint, so that a rerun of one column is cheap)."""
     import torch
 
     from engine.testing.checkpoints import load_reference
 
+    kept = ckpt / f"reference-{len(tokens)}.npy"
+    if kept.exists():
+        return np.load(kept)
     with torch.no_grad():
-        return load_reference(ckpt)(torch.tensor([tokens])).logits[0].numpy()
+        logits = load_reference(ckpt)(torch.tensor([tokens])).logits[0].numpy()
+    np.save(kept, logits)
+    return logits
 
 
 def ours(path: Path, fmt: str | None, tokens: list[int]) -> np.ndarray:
@@ -257,24 +263,28 @@ def score(got: np.ndarray, ref: np.ndarray) -> dict:
 
 
 def attempt(row: dict, key: str, fn) -> None:
+    if row.get("_only") and key not in row["_only"]:
+        return
     try:
         row[key] = fn()
     except Exception as e:  # a format or llama.cpp that cannot run this architecture: say so in the table
         row[key] = {"error": f"{type(e).__name__}: {e}"[:160]}
 
 
-def run_case(name, arch, d, layers, std, outliers, plen) -> dict:
+def run_case(name, arch, d, layers, std, outliers, plen, row: dict | None = None) -> dict:
+    """The case's row (with `row` given: its stored row, the columns in row["_only"] measured again)."""
     root = OUT / name
     base = root / "base"
     if not (base / "config.json").exists():
         build(base, arch, d, layers, std, outliers)
     tokens = [int(t) for t in np.random.default_rng(plen).integers(3, VOCAB, plen)]
-    row: dict = {"case": name, "arch": arch, "d": d, "std": std, "outliers": outliers, "positions": plen}
+    row = row or {"case": name, "arch": arch, "d": d, "std": std, "outliers": outliers, "positions": plen}
     # q8: the checkpoint rounded to values int8 rows and Q8_0 blocks both hold; every q8 row on those weights
     q8 = rounded_copy(base, root / "q8", round_int8_q8_0)
     ref_q8 = reference_logits(q8, tokens)
     attempt(row, "int8", lambda: score(ours(q8, "int8", tokens), ref_q8))
     attempt(row, "int8-q8", lambda: score(ours(q8, "int8-q8", tokens), ref_q8))
+    attempt(row, "int8-q16", lambda: score(ours(q8, "int8-q16", tokens), ref_q8))
     try:
         q8_file = convert(q8, "q8_0")
     except Exception as e:
@@ -283,6 +293,8 @@ def run_case(name, arch, d, layers, std, outliers, plen) -> dict:
         attempt(row, "exact", lambda: score(ours(q8_file, None, tokens), ref_q8))
         attempt(row, "gguf-q8", lambda: score(ours(q8_file, "gguf-q8", tokens), ref_q8))
         attempt(row, "llama q8_0", lambda: score(llama_logits(q8_file, tokens), ref_q8))
+    if row.get("_only") and not {"bf16-bf16", "llama bf16"} & row["_only"]:
+        return row
     bf = rounded_copy(base, root / "bf16", round_bf16)
     ref_bf = reference_logits(bf, tokens)
     attempt(row, "bf16-bf16", lambda: score(ours(bf, "bf16-bf16", tokens), ref_bf))
@@ -337,7 +349,7 @@ def run_gemma() -> dict:
 
 # ------------------------------------------------------------------ the table
 
-COLUMNS = ("exact", "int8", "int8-q8", "gguf-q8", "llama q8_0", "bf16-bf16", "llama bf16", "llama q4_k_m")
+COLUMNS = ("exact", "int8", "int8-q8", "int8-q16", "gguf-q8", "llama q8_0", "bf16-bf16", "llama bf16", "llama q4_k_m")
 
 
 FILE_COLUMNS = ("exact", "gguf-q8", "llama q8_0", "llama bf16")
@@ -402,16 +414,23 @@ def main() -> None:
     ap.add_argument("--only", default="", help="run the cases whose name contains this")
     ap.add_argument("--table", action="store_true", help="only print the stored results")
     ap.add_argument("--redo", action="store_true", help="run the chosen cases again (after a kernel change)")
+    ap.add_argument("--columns", default="", help="with --redo: measure only these columns (comma-separated) again")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     if not args.table:
         done = stored()
         todo = [c for c in CASES if args.only in c[0]] + ([("gemma-3-270m",)] if args.only in "gemma-3-270m" else [])
         for case in todo:
-            if case[0] in done and not args.redo:
+            if (case[0] in done and not args.redo) or (args.columns and case[0] not in done):
                 continue
             t0 = time.time()
-            row = run_gemma() if case[0] == "gemma-3-270m" else run_case(*case)
+            if case[0] == "gemma-3-270m":
+                row = run_gemma()
+            elif args.columns and case[0] in done:
+                row = run_case(*case, row={**done[case[0]], "_only": set(args.columns.split(","))})
+                row.pop("_only")
+            else:
+                row = run_case(*case)
             row["load"] = load_text()
             print(f"{case[0]}: {time.time() - t0:.0f} s", {c: cell(row, c) for c in COLUMNS if c in row},
                   flush=True)
