@@ -209,6 +209,43 @@ static inline __attribute__((always_inline)) TVNNI void vnni_pass(const int R, _
     }
 }
 
+/* int8-q16's block in one pass: the hi and lo bytes' sums in their own registers (8 independent
+ * chains a row, for a one-row call's latency), at most 2 rows (16 accumulators and 4 weights). */
+static inline __attribute__((always_inline)) TVNNI void vnni_pairs(const int R, __m512i isum[MAXR_Q8][4],
+                                                                   const uint8_t *wb, const int8_t *xq, long stride,
+                                                                   const int32_t *fix) {
+    __m512i lo[2][4];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < 4; v++) isum[r][v] = lo[r][v] = _mm512_setzero_si512();
+    for (int k4 = 0; k4 < QB / 4; k4++) {
+        const uint8_t *wp = wb + (size_t)k4 * TILE * 4;
+        for (int l = 0; l < 4; l++) _mm_prefetch((const char *)wp + PF_BYTES + 64 * l, _MM_HINT_T0);
+        const __m512i w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 64);
+        const __m512i w2 = _mm512_loadu_si512(wp + 128), w3 = _mm512_loadu_si512(wp + 192);
+        for (int r = 0; r < R; r++) {
+            int32_t four_hi, four_lo;
+            memcpy(&four_hi, xq + r * stride + k4 * 4, 4);
+            memcpy(&four_lo, xq + r * stride + QB + k4 * 4, 4);
+            const __m512i xh = _mm512_set1_epi32(four_hi), xl = _mm512_set1_epi32(four_lo);
+            isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w0, xh);
+            lo[r][0] = _mm512_dpbusd_epi32(lo[r][0], w0, xl);
+            isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w1, xh);
+            lo[r][1] = _mm512_dpbusd_epi32(lo[r][1], w1, xl);
+            isum[r][2] = _mm512_dpbusd_epi32(isum[r][2], w2, xh);
+            lo[r][2] = _mm512_dpbusd_epi32(lo[r][2], w2, xl);
+            isum[r][3] = _mm512_dpbusd_epi32(isum[r][3], w3, xh);
+            lo[r][3] = _mm512_dpbusd_epi32(lo[r][3], w3, xl);
+        }
+    }
+    for (int r = 0; r < R; r++) { /* 254 hi + lo - 128 sum(Q): exact in int32 */
+        const __m512i c = _mm512_set1_epi32(fix[r]);
+        for (int v = 0; v < 4; v++) {
+            const __m512i h = _mm512_sub_epi32(_mm512_slli_epi32(isum[r][v], 8), _mm512_slli_epi32(isum[r][v], 1));
+            isum[r][v] = _mm512_add_epi32(_mm512_add_epi32(h, lo[r][v]), c);
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) TVNNI void vnni_rows(const int R, const job_t *j, long t, float *o,
                                                                   long ldo, long r0, long b0, long b1) {
     const long Kp = j->K, nb = Kp / QB;
@@ -217,20 +254,15 @@ static inline __attribute__((always_inline)) TVNNI void vnni_rows(const int R, c
     const int8_t *xq = j->xq + r0 * (pairs ? 2 : 1) * Kp;
     const float *xs = j->xs + r0 * nb;
     const int32_t *xsum = j->xsum + r0 * nb;
-    const __m512i f254 = _mm512_set1_epi32(254);
     o += r0 * ldo;
     for (long b = b0; b < b1; b++) {
         const uint8_t *wb = wt + (size_t)b * (QB / 4) * TILE * 4;
         __m512i isum[MAXR_Q8][4];
         if (pairs) {
-            for (int r = 0; r < R; r++)
-                for (int v = 0; v < 4; v++) isum[r][v] = _mm512_setzero_si512();
-            vnni_pass(R, isum, wb, xq + b * 2 * QB, 2 * Kp, 1);
-            for (int r = 0; r < R; r++) {
-                const __m512i fix = _mm512_set1_epi32(-128 * xsum[r * nb + b]);
-                for (int v = 0; v < 4; v++) isum[r][v] = _mm512_add_epi32(_mm512_mullo_epi32(isum[r][v], f254), fix);
-            }
-            vnni_pass(R, isum, wb, xq + b * 2 * QB + QB, 2 * Kp, 0);
+            int32_t fix[MAXR_Q8];
+            for (int r = 0; r < R; r++) fix[r] = -128 * xsum[r * nb + b];
+            vnni_pairs(R < 2 ? R : 2, isum, wb, xq + b * 2 * QB, 2 * Kp, fix);
+            if (R > 2) vnni_pairs(R - 2, isum + 2, wb, xq + 2 * 2 * Kp + b * 2 * QB, 2 * Kp, fix + 2);
         } else {
             for (int r = 0; r < R; r++) {
                 const __m512i init = _mm512_set1_epi32(-128 * xsum[r * nb + b]);
