@@ -110,21 +110,21 @@ def test_low_precision_weights_match_rounded_reference(checkpoints, tmp_path, na
 
 
 # The activation-rounding formats against transformers on the same (dequantized) weights. Their
-# bounds are the worst of bench/accuracy.py's sweep (35 random checkpoints of the six
+# bounds are the worst of bench/accuracy.py's sweep (random checkpoints of the six
 # architectures, widths 64-512, weight scales 0.02-0.4, outlier channels, 64-256 teacher-forced
 # positions) rounded up, and llama.cpp's own error on the same weights is as large (README):
 # int8-q8 quantizes every activation entering a linear layer per row in blocks of 32 as llama.cpp's
 # q8_0 (each value off by up to max|block| / 254), which random networks with outlier channels
 # amplify to a large share of the logits' range
 Q8_ACTIVATION_BOUND = 0.8
-Q8_AGREEMENT = 0.8
+Q8_AGREEMENT = 0.75
 # int8-q16 quantizes them to 16-bit blocks (off by up to max|block| / 64516)
 Q16_ACTIVATION_BOUND = 1e-2
 Q16_AGREEMENT = 1.0
 # bf16-bf16 rounds every activation entering a linear layer to bf16 (each value off by up to
 # 2^-9 of itself)
-BF16_ACTIVATION_BOUND = 0.25
-BF16_AGREEMENT = 0.95
+BF16_ACTIVATION_BOUND = 0.3
+BF16_AGREEMENT = 0.9
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama_tied_gqa"])
