@@ -7,7 +7,7 @@ the GEMM (default: Qwen3-0.5B's gate/up projection, N 3072, K 1024) in each form
 rotated every round, for each row count and thread count. Printed: median microseconds a call
 with the range over rounds, the ratios, and the load. bench/accuracy.py measures what the finer rows buy.
 
-    .venv/bin/python bench/q8_rows_ab.py --rows 1,8,64 --rounds 9
+    .venv/bin/python bench/q8_rows_ab.py --rows 1,8,64 --rounds 9 [--clock cpu --threads 1]
 """
 
 from __future__ import annotations
@@ -37,11 +37,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("-n", type=int, default=3072)
     ap.add_argument("-k", type=int, default=1024)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this process's CPU time (on a busy machine, what the call cost rather than its wait)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     sample = kernel_for(WeightFormat.INT8_Q8).sample(rng, args.n, args.k)
     weights = {f: kernel_for(f).prepare(sample) for f in FORMATS}  # the same int8 weights
-    print(f"# N={args.n} K={args.k} isa={native.isa()}; load {load()}")
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    print(f"# N={args.n} K={args.k} isa={native.isa()} clock={args.clock}; load {load()}")
     print("| rows | threads | int8-q8 us (range) | int8-q16 us (range) | int8 us (range) | q16 / q8 | q16 / int8 |")
     print("|---|---|---|---|---|---|---|")
     for threads in map(int, args.threads.split(",")):
@@ -54,10 +57,10 @@ def main() -> None:
                 for f in FORMATS[r % 3:] + FORMATS[: r % 3]:  # each format first in turn
                     kernel = kernel_for(f)
                     kernel.linear(x, weights[f], True)  # warm
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     for _ in range(calls):
                         kernel.linear(x, weights[f], True)
-                    times[f].append((time.perf_counter() - t0) / calls * 1e6)
+                    times[f].append((clock() - t0) / calls * 1e6)
             med = {f: statistics.median(times[f]) for f in FORMATS}
             cells = " | ".join(f"{med[f]:.0f} ({min(times[f]):.0f}-{max(times[f]):.0f})" for f in FORMATS)
             q8, q16, i8 = (med[f] for f in FORMATS)
