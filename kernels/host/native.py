@@ -66,7 +66,8 @@ FMT_F32, FMT_BF16, FMT_I8, FMT_Q8 = 0, 1, 2, 3
 FMT_Q16 = 7  # int8-q16: the q8 kernels on 16-bit activation blocks held as byte pairs (gemm.h)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("gemm.c", "q8pairs.c", "bf16dot.c", "blockgemm.c", "blockq8.c", "pool.c", "attention.c", "pointwise.c"))
+                for name in ("gemm.c", "q8pairs.c", "bf16dot.c", "blockgemm.c", "blockq8.c", "pool.c", "attention.c",
+                             "pointwise.c"))
 # the library's name covers them too: gemm.h (what the GEMM sources share), vexp.h (the exponential
 # attention.c and pointwise.c share)
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("gemm.h", "vexp.h"))

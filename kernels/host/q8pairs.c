@@ -70,7 +70,8 @@ static T512 void quantize_pair_row_avx512(const float *x, long K, long nb, int8_
             __m512 q = _mm512_mask_add_ps(r, up, r, away);
             q = _mm512_max_ps(lo_lim, _mm512_min_ps(hi_lim, q)); /* vmaxps/vminps return the second operand on NaN */
             q = _mm512_maskz_mov_ps(live[h], q); /* padding: 0, as the scalar code */
-            const __m512 hi = _mm512_roundscale_ps(_mm512_mul_ps(q, inv254), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512 hi =
+                _mm512_roundscale_ps(_mm512_mul_ps(q, inv254), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             const __m512 lo = _mm512_sub_ps(q, _mm512_mul_ps(f254, hi));
             _mm_storeu_si128((__m128i *)(xq + 2 * b * QB + 16 * h), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(hi)));
             _mm_storeu_si128((__m128i *)(xq + 2 * b * QB + QB + 16 * h), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(lo)));
