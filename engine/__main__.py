@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    ap.add_argument("--format", default="bf16", choices=["fp32", "bf16", "int8", "int8-q8", "bf16-bf16"], help="host weight format")
+    ap.add_argument("--format", default="bf16", choices=["fp32", "bf16", "int8", "int8-q8", "int8-q16", "bf16-bf16"], help="host weight format")
     ap.add_argument("--draft", help="a draft model checkpoint directory (same tokenizer)")
     ap.add_argument("--dflash", help="a DFlash drafter checkpoint directory trained on this base")
     ap.add_argument("--assistant", help="a Gemma 4 assistant (gemma4_assistant) checkpoint directory for this base")

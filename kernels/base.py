@@ -50,15 +50,20 @@ class WeightFormat(enum.Enum):
     # INT8's weights against activations quantized per row in blocks of 32 (one fp32 scale
     # each, as llama.cpp's q8_0): exact integer block sums, a looser parity bound (README)
     INT8_Q8 = "int8-q8"
+    # INT8's weights against activations quantized per row in blocks of 32 to 16-bit integers
+    # (one fp32 scale each), held as byte pairs for the same integer kernels: 254x finer than q8_0
+    # for a second pass of byte products, within 1e-2 of the exact path (README)
+    INT8_Q16 = "int8-q16"
     # BF16's weights against activations rounded per row to bf16, pairs of products summed
     # in fp32 (AVX512_BF16's vdpbf16ps where present): a looser parity bound (README)
     BF16_BF16 = "bf16-bf16"
 
     @property
     def storage(self) -> "WeightFormat":
-        """The format whose data a loader produces for this one (INT8_Q8 holds INT8's data,
-        BF16_BF16 BF16's)."""
-        return {WeightFormat.INT8_Q8: WeightFormat.INT8, WeightFormat.BF16_BF16: WeightFormat.BF16}.get(self, self)
+        """The format whose data a loader produces for this one (INT8_Q8 and INT8_Q16 hold INT8's
+        data, BF16_BF16 BF16's)."""
+        return {WeightFormat.INT8_Q8: WeightFormat.INT8, WeightFormat.INT8_Q16: WeightFormat.INT8,
+                WeightFormat.BF16_BF16: WeightFormat.BF16}.get(self, self)
 
     @classmethod
     def parse(cls, value: str) -> "WeightFormat":

@@ -25,7 +25,7 @@ from npud.packaged import PACKAGED, PackagedModelError, packaged_path
 
 DEFAULT_CONFIG_PATH = Path("/etc/npud/npud.toml")
 # kernels.base.WeightFormat's values, and "gguf-q8" (a GGUF file's blocks against q8 activations)
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-q8", "bf16-bf16", "gguf-q8")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-q8", "int8-q16", "bf16-bf16", "gguf-q8")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
 MAX_CACHE_USERS = 64  # store.prefix_cache_users: more shares than this leave each too small to hold a prompt

@@ -75,6 +75,23 @@ def test_self_check_catches_a_blas_gemm():
     assert check_batch_invariance(_NumpyBackend(), k=1024, n=256) != []
 
 
+class _PathDependentBackend(HostBackend):
+    """Negative control: GEMM rows invariant in M but one ulp off the generic C path's on any other
+    path, as a kernel that scaled a block's integer sum at another step would be."""
+
+    def linear(self, x, w):
+        out = super().linear(x, w)
+        return out if native.isa() == "generic" else np.nextafter(out, np.float32(np.inf))
+
+
+def test_self_check_compares_the_path_in_use_with_the_generic_c():
+    if native.best_isa() == "generic":
+        pytest.skip("this CPU runs the generic C path only")
+    assert check_batch_invariance(_PathDependentBackend(), formats=[WeightFormat.INT8_Q16]) == [
+        f"int8-q16 {native.isa()} != generic"]
+    assert check_batch_invariance(HostBackend(), formats=[WeightFormat.INT8_Q16]) == []
+
+
 def test_rowwise_fallback_is_invariant():
     assert check_batch_invariance(RowwiseBackend(_NumpyBackend()), k=1024, n=256) == []
 
@@ -319,6 +336,75 @@ def test_q8_quantization_is_llama_cpps_and_the_same_on_every_path(isa_and_thread
             assert np.array_equal(want.view(np.uint8), have.view(np.uint8)), path
 
 
+def _q16_rows(x: np.ndarray):
+    """int8-q16's activation blocks (q8pairs.c): per 32 values d = max|x| / 32258, Q = round(x / d)
+    (half away), hi = rint(Q / 254), lo = Q - 254 hi."""
+    m, k = x.shape
+    kp = -(-k // QB) * QB
+    xp = np.zeros((m, kp), np.float32)
+    xp[:, :k] = x
+    blocks = xp.reshape(m, kp // QB, QB)
+    d = (np.abs(blocks).max(axis=2) / np.float32(32258)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    t = (blocks * inv[:, :, None]).astype(np.float32)
+    r = np.trunc(t)
+    q = np.clip(r + np.sign(t) * (np.abs(t - r) >= 0.5), -32258, 32258).astype(np.float32)
+    hi = np.rint((q * np.float32(1 / 254)).astype(np.float32))
+    return q.astype(np.int32), hi.astype(np.int32), (q - 254 * hi).astype(np.int32), d
+
+
+def test_q16_path_is_exact_integer_block_sums_of_the_pairs_and_one_fma_per_block(host):
+    # int8-q16: each block's exact integer sum Q . w (Q = 254 hi + lo), then one FMA with the
+    # block's d, in increasing block order; a kernel that scaled the hi and lo sums apart, or
+    # summed a block in float, has other bits
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((4, 100)).astype(np.float32)
+    x[1, 7] = 60.0  # an outlier: its block's step is 60 / 32258
+    lw = KERNELS[WeightFormat.INT8_Q16].sample(rng, 70, 100)
+    q, hi, lo, d = _q16_rows(x)
+    assert np.abs(hi).max() <= 127 and np.abs(lo).max() <= 127 and np.array_equal(254 * hi + lo, q)
+    wq = np.zeros((70, q.shape[1] * QB), np.int64)
+    wq[:, :100] = lw.data
+    isum = np.einsum("mbk,nbk->mnb", q.astype(np.int64), wq.reshape(70, -1, QB))  # exact integers
+    acc = np.zeros((4, 70), np.float32)
+    for b in range(q.shape[1]):
+        acc = _fma32(isum[:, :, b].astype(np.float32), np.repeat(d[:, b : b + 1], 70, axis=1), acc)
+    want = acc * lw.scale + lw.bias
+    for path in _paths():
+        native.set_isa(path)
+        got = host.linear(x, host.prepare_linear(lw))
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), path
+
+
+def test_q16_rows_are_the_documented_pairs_and_the_same_on_every_path(isa_and_threads):
+    # the vectorised quantizer (AVX-512) against the scalar one on the edges of q8's test (halves,
+    # a zero block, padding, tiny values, infinities, NaNs) and Q at +-32258 (hi at +-127)
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((6, 75)).astype(np.float32)
+    x[0, :32] = (np.arange(-16, 16, dtype=np.float32) + 0.5) / 32
+    x[0, 0] = -32258 / 32  # d = 1 / 32: the others are exact halves of a step
+    x[1, 32:64] = 0
+    x[2, :32] = np.float32(1e-40) * rng.standard_normal(32).astype(np.float32)
+    x[2, 5] = 0
+    x[3, 3], x[3, 40] = np.inf, -np.inf
+    x[4, 7], x[4, 70] = np.nan, np.nan
+    kp = 96
+    q, hi, lo, d = _q16_rows(x[[0, 1, 5]])
+    results = []
+    for path in _paths():
+        native.set_isa(path)
+        results.append((path, *native.quantize_q8_pairs(x, kp)))
+    xq, xs, xsum = results[0][1:]
+    pairs = xq.reshape(6, kp // QB, 2, QB)
+    assert np.array_equal(pairs[[0, 1, 5], :, 0], hi) and np.array_equal(pairs[[0, 1, 5], :, 1], lo)
+    assert np.array_equal(xs[[0, 1, 5]], d) and np.array_equal(xsum[[0, 1, 5]], q.sum(axis=2))
+    assert q[0, 0, 0] == -32258 and hi[0, 0, 0] == -127 and lo[0, 0, 0] == 0
+    assert np.all(pairs[:, 2, :, 75 - 64 :] == 0)  # padding past K: hi and lo 0
+    for path, *got in results[1:]:
+        for want, have in zip((xq, xs, xsum), got):
+            assert np.array_equal(want.view(np.uint8), have.view(np.uint8)), path
+
+
 @pytest.mark.parametrize("fmt", list(WeightFormat))
 def test_linear_matches_float64_reference(host, fmt):
     rng = np.random.default_rng(1)
@@ -328,8 +414,8 @@ def test_linear_matches_float64_reference(host, fmt):
     want = x.astype(np.float64) @ _dense(lw).T + lw.bias
     assert got.shape == (5, 70)
     # q8 activations: each block's values are off by up to half a step of max|block| / 127
-    # bf16 activations: each value off by up to 2^-9 of itself
-    bound = {WeightFormat.INT8_Q8: 1e-2, WeightFormat.BF16_BF16: 4e-3}.get(fmt, 1e-5)
+    # (int8-q16: of max|block| / 32258); bf16 activations: each value off by up to 2^-9 of itself
+    bound = {WeightFormat.INT8_Q8: 1e-2, WeightFormat.INT8_Q16: 1e-4, WeightFormat.BF16_BF16: 4e-3}.get(fmt, 1e-5)
     assert np.abs(got - want).max() < bound * np.abs(want).max()
 
 

@@ -22,7 +22,8 @@ CHECK_ROWS = 64
 
 def check_batch_invariance(backend, rows: int = CHECK_ROWS, k: int = 300, n: int = 136, seed: int = 0,
                            formats=None) -> list[str]:
-    """Run each GEMM format for M = 1..rows and compare row bits with one-row calls.
+    """Run each GEMM format for M = 1..rows and compare row bits with one-row calls, and the
+    M = rows call on the path in use with the generic C path's.
 
     `formats`: the WeightFormats to check (default: every format the host backend registers).
     Returns a list of failure descriptions (empty when every row of every M matched). N is
@@ -43,7 +44,23 @@ def check_batch_invariance(backend, rows: int = CHECK_ROWS, k: int = 300, n: int
             got = np.ascontiguousarray(backend.linear(x[:m], w))
             if not np.array_equal(got.view(np.uint32), single[:m].view(np.uint32)):
                 failures.append(f"{fmt.value} M={m}")
+        failures += _path_failures(backend, fmt, x, w, single)
     return failures + check_attention_invariance(backend, rows, rng) + check_rowwise_invariance(backend, rows, rng)
+
+
+def _path_failures(backend, fmt: WeightFormat, x: np.ndarray, w: LinearWeight, want: np.ndarray) -> list[str]:
+    """The generic C path's bits for the same rows, against the path in use's: every ISA path
+    computes each element's documented chain (gemm.c), so a path that sums a block in another
+    order, or scales it at another step, shows here."""
+    used = native.isa()
+    if used == "generic":
+        return []
+    native.set_isa("generic")
+    try:
+        got = np.ascontiguousarray(backend.linear(x, w))
+    finally:
+        native.set_isa(used)
+    return [] if np.array_equal(got.view(np.uint32), want.view(np.uint32)) else [f"{fmt.value} {used} != generic"]
 
 
 def check_attention_invariance(backend, rows: int, rng) -> list[str]:

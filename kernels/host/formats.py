@@ -19,6 +19,8 @@ Registered here:
 - INT8_Q8: INT8's weights against activations quantized per row in blocks of 32 (llama.cpp's
   q8_0 activation blocks): tiles [ceil(N / 64), Kp / 4, 64, 4] holding w + 128 as uint8, exact
   integer block sums (VNNI's vpdpbusd where present), one FMA per block (gemm.c's q8 path).
+- INT8_Q16: the same tiles and kernels against activations quantized per row in blocks of 32 to
+  16-bit integers, each held as two signed bytes (q8pairs.c): two passes of byte products a block.
 - BF16_BF16: BF16's weights against activations rounded per row to bf16: words [ceil(N / 64),
   Kp / 2, 64] each holding one column's (w[k], w[k + 1]), Kp = K rounded up to even, two
   flushed FMAs per word (AVX512_BF16's vdpbf16ps where present, bf16dot.c).
@@ -139,9 +141,13 @@ class FloatTiles:
 
 
 class Q8Blocks:
-    """INT8 weights (one scale per output column) against q8 activation blocks, integer dot products."""
+    """INT8 weights (one scale per output column) against q8 activation blocks (or, `pairs`, 16-bit
+    blocks held as byte pairs), integer dot products."""
 
     layout = "q8-tiles"
+
+    def __init__(self, fmt: WeightFormat = WeightFormat.INT8_Q8):
+        self.fmt, self.pairs = fmt, fmt is WeightFormat.INT8_Q16
 
     def prepare(self, w: LinearWeight) -> LinearWeight:
         if w.scale is None:
@@ -150,7 +156,7 @@ class Q8Blocks:
                             w.in_features)
 
     def linear(self, x: np.ndarray, w: LinearWeight, parallel: bool) -> np.ndarray:
-        out = native.linear_q8(x, w.data, w.out_features, w.scale, w.bias, parallel)
+        out = native.linear_q8(x, w.data, w.out_features, w.scale, w.bias, parallel, self.pairs)
         return out if out.shape[1] == w.out_features else out[:, : w.out_features]
 
     def embed(self, w: LinearWeight, tokens: np.ndarray) -> np.ndarray:
@@ -158,7 +164,7 @@ class Q8Blocks:
 
     def sample(self, rng: np.random.Generator, n: int, k: int) -> LinearWeight:
         q, scale = _quantized(rng, n, k)
-        return LinearWeight(WeightFormat.INT8_Q8, q, scale, rng.standard_normal(n).astype(np.float32))
+        return LinearWeight(self.fmt, q, scale, rng.standard_normal(n).astype(np.float32))
 
 
 def pack_bf16_pairs(w: np.ndarray) -> np.ndarray:
@@ -201,4 +207,5 @@ register(WeightFormat.FP32, FloatTiles(WeightFormat.FP32, native.FMT_F32))
 register(WeightFormat.BF16, FloatTiles(WeightFormat.BF16, native.FMT_BF16))
 register(WeightFormat.INT8, FloatTiles(WeightFormat.INT8, native.FMT_I8))
 register(WeightFormat.INT8_Q8, Q8Blocks())
+register(WeightFormat.INT8_Q16, Q8Blocks(WeightFormat.INT8_Q16))
 register(WeightFormat.BF16_BF16, BF16Pairs())

@@ -3,7 +3,9 @@
  * Every output element y[m, n] is one chain of operations that depends on row m alone:
  *   float path:   acc = 0; for k = 0..K-1: acc = fma(x[m,k], w[n,k], acc)   (one rounding each)
  *   q8 path:      acc = 0; for block b: acc = fma((float) isum_b, xs[m,b], acc), isum_b an exact
- *                 integer dot product of the row's int8 block with the weights
+ *                 integer dot product of the row's int8 block with the weights (int8-q16: of its
+ *                 16-bit block, each value Q held as two signed bytes Q = 254 hi + lo (q8pairs.c),
+ *                 isum = 254 (hi . w) + lo . w, exact in int32)
  *   bf16-dot path: x rounded to bf16 (npud_round_bf16); acc = 0; for each k-pair (k, k+1):
  *                 acc = ftz(fma(x[m,k+1], w[n,k+1], acc)); acc = ftz(fma(x[m,k], w[n,k], acc)),
  *                 ftz flushing a result below FLT_MIN to zero (what vdpbf16ps computes: bd_step)
@@ -69,12 +71,23 @@ static inline __attribute__((always_inline)) void gen_q8_block(const job_t *j, l
         for (int c = 0; c < TILE; c++) acc[r][c] = b0 == 0 ? 0.0f : o[(r0 + r) * ldo + c];
     for (long b = b0; b < b1; b++) {
         for (long r = 0; r < R; r++) {
-            const int8_t *xq = j->xq + (r0 + r) * Kp + b * QB;
             for (int c = 0; c < TILE; c++) isum[c] = 0;
-            for (int k4 = 0; k4 < QB / 4; k4++) {
-                const uint8_t *wp = wt + ((size_t)b * (QB / 4) + k4) * TILE * 4;
-                for (int c = 0; c < TILE; c++)
-                    for (int i = 0; i < 4; i++) isum[c] += (int32_t)xq[k4 * 4 + i] * ((int32_t)wp[c * 4 + i] - 128);
+            if (j->fmt == FMT_Q16) {
+                const int8_t *xq = j->xq + (r0 + r) * 2 * Kp + b * 2 * QB; /* the block's hi bytes, then its lo */
+                for (int k4 = 0; k4 < QB / 4; k4++) {
+                    const uint8_t *wp = wt + ((size_t)b * (QB / 4) + k4) * TILE * 4;
+                    for (int c = 0; c < TILE; c++)
+                        for (int i = 0; i < 4; i++)
+                            isum[c] += (254 * (int32_t)xq[k4 * 4 + i] + (int32_t)xq[QB + k4 * 4 + i]) *
+                                       ((int32_t)wp[c * 4 + i] - 128);
+                }
+            } else {
+                const int8_t *xq = j->xq + (r0 + r) * Kp + b * QB;
+                for (int k4 = 0; k4 < QB / 4; k4++) {
+                    const uint8_t *wp = wt + ((size_t)b * (QB / 4) + k4) * TILE * 4;
+                    for (int c = 0; c < TILE; c++)
+                        for (int i = 0; i < 4; i++) isum[c] += (int32_t)xq[k4 * 4 + i] * ((int32_t)wp[c * 4 + i] - 128);
+                }
             }
             const float s = j->xs[(r0 + r) * nb + b];
             for (int c = 0; c < TILE; c++) acc[r][c] = fmaf((float)isum[c], s, acc[r][c]);
@@ -90,7 +103,7 @@ static inline __attribute__((always_inline)) void gen_q8_block(const job_t *j, l
  * stays in cache across them (the partial sums wait in o, stored and reloaded exactly). */
 #define TILE_DRIVER(NAME, ATTR, BLOCK_FLOAT, BLOCK_Q8, MAXR_F)                                          \
     ATTR static void NAME(const job_t *j, long t, float *o, long ldo) {                              \
-        const int q8 = j->fmt == FMT_Q8;                                                             \
+        const int q8 = j->fmt == FMT_Q8 || j->fmt == FMT_Q16;                                        \
         const int maxr = q8 ? MAXR_Q8 : (MAXR_F);                                                    \
         const long nblocks = (j->M + maxr - 1) / maxr;                                               \
         const long steps = q8 ? j->K / QB : j->K;                                                    \
@@ -168,41 +181,94 @@ static inline __attribute__((always_inline)) T512 void avx512_float_block(int fm
 
 /* q8 with VNNI: vpdpbusd multiplies the weights' unsigned bytes (w + 128) by the row's signed
  * bytes in groups of 4 k; starting each block's int32 sum at -128 * sum(x block) makes it the
- * exact sum of x * w. The block sum then enters the float accumulator by one FMA. The float
- * accumulators live in o (L1; stored and reloaded exactly), so that the registers hold the
- * int32 sums of 4 rows and each weight vector serves 4 rows (rather than 3 with the float
- * accumulators in registers too: 1.1-1.3x at 8 and 64 rows); scale and bias go on last. */
+ * exact sum of x * w. int8-q16 makes two passes a block: the row's hi bytes from 0, the sum times
+ * 254 plus -128 * sum(Q block), then the lo bytes (the block's weights again, from L1):
+ * 254 (hi . w) + lo . w = Q . w, exact in int32 (|Q . w| <= 32 * 32258 * 127 < 2^28).
+ * The block sum then enters the float accumulator by one FMA. The float accumulators
+ * live in o (L1; stored and reloaded exactly), so that the registers hold the int32 sums of 4
+ * rows and each weight vector serves 4 rows (rather than 3 with the float accumulators in
+ * registers too: 1.1-1.3x at 8 and 64 rows); scale and bias go on last. */
+static inline __attribute__((always_inline)) TVNNI void vnni_pass(const int R, __m512i isum[MAXR_Q8][4],
+                                                                  const uint8_t *wb, const int8_t *xq, long stride,
+                                                                  int prefetch) {
+    for (int k4 = 0; k4 < QB / 4; k4++) {
+        const uint8_t *wp = wb + (size_t)k4 * TILE * 4;
+        if (prefetch)
+            for (int l = 0; l < 4; l++) _mm_prefetch((const char *)wp + PF_BYTES + 64 * l, _MM_HINT_T0);
+        const __m512i w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 64);
+        const __m512i w2 = _mm512_loadu_si512(wp + 128), w3 = _mm512_loadu_si512(wp + 192);
+        for (int r = 0; r < R; r++) {
+            int32_t four;
+            memcpy(&four, xq + r * stride + k4 * 4, 4);
+            const __m512i xb = _mm512_set1_epi32(four);
+            isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w0, xb);
+            isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w1, xb);
+            isum[r][2] = _mm512_dpbusd_epi32(isum[r][2], w2, xb);
+            isum[r][3] = _mm512_dpbusd_epi32(isum[r][3], w3, xb);
+        }
+    }
+}
+
+/* int8-q16's block in one pass: the hi and lo bytes' sums in their own registers (8 independent
+ * chains a row, for a one-row call's latency), at most 2 rows (16 accumulators and 4 weights). */
+static inline __attribute__((always_inline)) TVNNI void vnni_pairs(const int R, __m512i isum[MAXR_Q8][4],
+                                                                   const uint8_t *wb, const int8_t *xq, long stride,
+                                                                   const int32_t *fix) {
+    __m512i lo[2][4];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < 4; v++) isum[r][v] = lo[r][v] = _mm512_setzero_si512();
+    for (int k4 = 0; k4 < QB / 4; k4++) {
+        const uint8_t *wp = wb + (size_t)k4 * TILE * 4;
+        for (int l = 0; l < 4; l++) _mm_prefetch((const char *)wp + PF_BYTES + 64 * l, _MM_HINT_T0);
+        const __m512i w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 64);
+        const __m512i w2 = _mm512_loadu_si512(wp + 128), w3 = _mm512_loadu_si512(wp + 192);
+        for (int r = 0; r < R; r++) {
+            int32_t four_hi, four_lo;
+            memcpy(&four_hi, xq + r * stride + k4 * 4, 4);
+            memcpy(&four_lo, xq + r * stride + QB + k4 * 4, 4);
+            const __m512i xh = _mm512_set1_epi32(four_hi), xl = _mm512_set1_epi32(four_lo);
+            isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w0, xh);
+            lo[r][0] = _mm512_dpbusd_epi32(lo[r][0], w0, xl);
+            isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w1, xh);
+            lo[r][1] = _mm512_dpbusd_epi32(lo[r][1], w1, xl);
+            isum[r][2] = _mm512_dpbusd_epi32(isum[r][2], w2, xh);
+            lo[r][2] = _mm512_dpbusd_epi32(lo[r][2], w2, xl);
+            isum[r][3] = _mm512_dpbusd_epi32(isum[r][3], w3, xh);
+            lo[r][3] = _mm512_dpbusd_epi32(lo[r][3], w3, xl);
+        }
+    }
+    for (int r = 0; r < R; r++) { /* 254 hi + lo - 128 sum(Q): exact in int32 */
+        const __m512i c = _mm512_set1_epi32(fix[r]);
+        for (int v = 0; v < 4; v++) {
+            const __m512i h = _mm512_sub_epi32(_mm512_slli_epi32(isum[r][v], 8), _mm512_slli_epi32(isum[r][v], 1));
+            isum[r][v] = _mm512_add_epi32(_mm512_add_epi32(h, lo[r][v]), c);
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) TVNNI void vnni_rows(const int R, const job_t *j, long t, float *o,
                                                                   long ldo, long r0, long b0, long b1) {
     const long Kp = j->K, nb = Kp / QB;
     const uint8_t *wt = (const uint8_t *)j->w + (size_t)t * Kp * TILE;
-    const int8_t *xq = j->xq + r0 * Kp;
+    const int pairs = j->fmt == FMT_Q16;
+    const int8_t *xq = j->xq + r0 * (pairs ? 2 : 1) * Kp;
     const float *xs = j->xs + r0 * nb;
     const int32_t *xsum = j->xsum + r0 * nb;
     o += r0 * ldo;
     for (long b = b0; b < b1; b++) {
+        const uint8_t *wb = wt + (size_t)b * (QB / 4) * TILE * 4;
         __m512i isum[MAXR_Q8][4];
-        for (int r = 0; r < R; r++) {
-            const __m512i init = _mm512_set1_epi32(-128 * xsum[r * nb + b]);
-            for (int v = 0; v < 4; v++) isum[r][v] = init;
-        }
-        for (int k4 = 0; k4 < QB / 4; k4++) {
-            const uint8_t *wp = wt + ((size_t)b * (QB / 4) + k4) * TILE * 4;
-            _mm_prefetch((const char *)wp + PF_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)wp + PF_BYTES + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)wp + PF_BYTES + 128, _MM_HINT_T0);
-            _mm_prefetch((const char *)wp + PF_BYTES + 192, _MM_HINT_T0);
-            const __m512i w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 64);
-            const __m512i w2 = _mm512_loadu_si512(wp + 128), w3 = _mm512_loadu_si512(wp + 192);
+        if (pairs) {
+            int32_t fix[MAXR_Q8];
+            for (int r = 0; r < R; r++) fix[r] = -128 * xsum[r * nb + b];
+            vnni_pairs(R < 2 ? R : 2, isum, wb, xq + b * 2 * QB, 2 * Kp, fix);
+            if (R > 2) vnni_pairs(R - 2, isum + 2, wb, xq + 2 * 2 * Kp + b * 2 * QB, 2 * Kp, fix + 2);
+        } else {
             for (int r = 0; r < R; r++) {
-                int32_t four;
-                memcpy(&four, xq + r * Kp + b * QB + k4 * 4, 4);
-                const __m512i xb = _mm512_set1_epi32(four);
-                isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w0, xb);
-                isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w1, xb);
-                isum[r][2] = _mm512_dpbusd_epi32(isum[r][2], w2, xb);
-                isum[r][3] = _mm512_dpbusd_epi32(isum[r][3], w3, xb);
+                const __m512i init = _mm512_set1_epi32(-128 * xsum[r * nb + b]);
+                for (int v = 0; v < 4; v++) isum[r][v] = init;
             }
+            vnni_pass(R, isum, wb, xq + b * QB, Kp, 1);
         }
         for (int r = 0; r < R; r++) {
             const __m512 s = _mm512_set1_ps(xs[r * nb + b]);
@@ -382,19 +448,23 @@ void npud_embed(int fmt, const void *w, long K, long D, const int64_t *tokens, l
 }
 
 /* out[M, ntiles*TILE] from int8 weights [ntiles, Kp/4, TILE, 4] (stored w + 128) and x [M, K]
- * quantized per row in q8 blocks (npud_quantize_q8); scale (per column), bias [N] or NULL.
- * Returns as npud_gemm. */
-long npud_linear_q8(const float *x, long M, long K, long Kp, const uint8_t *w, long ntiles, long N, const float *scale,
-                    const float *bias, float *out, int threads) {
-    const long nb = Kp / QB;
-    const size_t qbytes = ((size_t)M * Kp + 63) / 64 * 64;
+ * quantized per row in q8 blocks (npud_quantize_q8) or, for int8-q16 (fmt FMT_Q16), in blocks of
+ * 16-bit values held as byte pairs (q8pairs.c's npud_quantize_q8_pairs); scale (per column), bias
+ * [N] or NULL. Returns as npud_gemm. */
+long npud_linear_q8(int fmt, const float *x, long M, long K, long Kp, const uint8_t *w, long ntiles, long N,
+                    const float *scale, const float *bias, float *out, int threads) {
+    const long nb = Kp / QB, bytes = fmt == FMT_Q16 ? 2 : 1;
+    const size_t qbytes = ((size_t)M * bytes * Kp + 63) / 64 * 64;
     job_t *j = job_new(ntiles, qbytes + (size_t)M * nb * (sizeof(float) + sizeof(int32_t)));
     if (!j) return -1;
     int8_t *xq = job_extra(j, ntiles);
     float *xs = (float *)((char *)xq + qbytes);
     int32_t *xsum = (int32_t *)(xs + M * nb);
-    npud_quantize_q8(x, M, K, Kp, xq, xs, xsum);
-    j->fmt = FMT_Q8, j->M = M, j->K = Kp, j->w = w, j->ntiles = ntiles, j->N = N;
+    if (fmt == FMT_Q16)
+        npud_quantize_q8_pairs(x, M, K, Kp, xq, xs, xsum);
+    else
+        npud_quantize_q8(x, M, K, Kp, xq, xs, xsum);
+    j->fmt = fmt == FMT_Q16 ? FMT_Q16 : FMT_Q8, j->M = M, j->K = Kp, j->w = w, j->ntiles = ntiles, j->N = N;
     j->scale = scale, j->bias = bias, j->out = out, j->xq = xq, j->xs = xs, j->xsum = xsum;
     j->tile = tile_for(isa_in_use());
     return dispatch(j, threads);

@@ -1,6 +1,6 @@
 /* What the host GEMM's files share: the job a call becomes, its constants and the inline
  * helpers every kernel path uses. gemm.c: the float and q8 kernels and the ISA choice;
- * bf16dot.c: the bf16-dot format; blockgemm.c: GGML block weights; blockq8.c: GGML block weights
+ * bf16dot.c: the bf16-dot format; q8pairs.c: int8-q16's activation rows; blockgemm.c: GGML block weights; blockq8.c: GGML block weights
  * against q8 rows; pool.c: the thread pool that
  * runs a job's tiles. */
 #ifndef NPUD_GEMM_H
@@ -25,7 +25,7 @@
 #define MAXR_Q8 4       /* q8: 4 x 4 int32 accumulators (the float ones wait in the output) */
 #define PF_BYTES 1024   /* software prefetch distance in the weight stream */
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2, FMT_Q8 = 3, FMT_BD = 4, FMT_QT = 5, FMT_BQ = 6 };
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2, FMT_Q8 = 3, FMT_BD = 4, FMT_QT = 5, FMT_BQ = 6, FMT_Q16 = 7 };
 /* ISA_AVX512_BF16: VNNI and AVX512_BF16 (every CPU with the latter has the former) */
 enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_VNNI = 3, ISA_AVX512_BF16 = 4 };
 
@@ -40,9 +40,10 @@ typedef struct job {
     const float *scale;      /* [N] or NULL */
     const float *bias;       /* [N] or NULL */
     float *out;              /* [M, ntiles * TILE] */
-    const int8_t *xq;        /* q8: [M, Kp] */
+    const int8_t *xq;        /* q8: [M, Kp]; int8-q16: [M, 2 Kp], each block's hi bytes then its
+                                lo bytes (q8pairs.c) */
     const float *xs;         /* q8: [M, Kp / QB] */
-    const int32_t *xsum;     /* q8: [M, Kp / QB], sum of each block's int8 values */
+    const int32_t *xsum;     /* q8: [M, Kp / QB], sum of each block's integer values */
     const uint32_t *xb;      /* bf16-dot: [Kp / 2, M], each word a row's bf16 pair (x[k], x[k+1]) */
     const float *fac;        /* GGML blocks (blockgemm.c): factor tiles [ntiles, K / group, parts, TILE] */
     long group, parts;       /* GGML blocks: weights a factor group; 1 (S) or 2 (S, D) factors */
@@ -72,6 +73,8 @@ INTERNAL long dispatch(job_t *j, int threads);
 
 /* gemm.c: rows of x [M, K] in q8 blocks of QB (zero-padded to Kp); blockq8.c uses it too */
 void npud_quantize_q8(const float *x, long M, long K, long Kp, int8_t *xq, float *xs, int32_t *xsum);
+/* q8pairs.c: int8-q16's rows, blocks of 16-bit values as byte pairs (xq [M, 2 Kp]) */
+void npud_quantize_q8_pairs(const float *x, long M, long K, long Kp, int8_t *xq, float *xs, int32_t *xsum);
 
 /* ------------------------------------------------------------------ row blocks */
 

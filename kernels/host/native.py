@@ -63,9 +63,11 @@ TILE = 64  # output columns per weight tile (gemm.c's TILE)
 QB = 32  # activation quantization block (gemm.c's QB)
 ISA_NAMES = ("generic", "avx2", "avx512", "avx512-vnni", "avx512-bf16")  # each has the ones before it
 FMT_F32, FMT_BF16, FMT_I8, FMT_Q8 = 0, 1, 2, 3
+FMT_Q16 = 7  # int8-q16: the q8 kernels on 16-bit activation blocks held as byte pairs (gemm.h)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("gemm.c", "bf16dot.c", "blockgemm.c", "blockq8.c", "pool.c", "attention.c", "pointwise.c"))
+                for name in ("gemm.c", "q8pairs.c", "bf16dot.c", "blockgemm.c", "blockq8.c", "pool.c", "attention.c",
+                             "pointwise.c"))
 # the library's name covers them too: gemm.h (what the GEMM sources share), vexp.h (the exponential
 # attention.c and pointwise.c share)
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("gemm.h", "vexp.h"))
@@ -142,7 +144,7 @@ def library() -> ctypes.CDLL:
             lib.npud_set_isa.restype = _I
             lib.npud_gemm.argtypes = [_I, _P, _L, _L, _P, _L, _L, _P, _P, _P, _I]
             lib.npud_gemm.restype = _L
-            lib.npud_linear_q8.argtypes = [_P, _L, _L, _L, _P, _L, _L, _P, _P, _P, _I]
+            lib.npud_linear_q8.argtypes = [_I, _P, _L, _L, _L, _P, _L, _L, _P, _P, _P, _I]
             lib.npud_linear_q8.restype = _L
             lib.npud_linear_bd.argtypes = [_P, _L, _L, _L, _P, _L, _L, _P, _P, _P, _I]
             lib.npud_linear_bd.restype = _L
@@ -163,6 +165,8 @@ def library() -> ctypes.CDLL:
             lib.npud_pool_stall.restype = None
             lib.npud_quantize_q8.argtypes = [_P, _L, _L, _L, _P, _P, _P]
             lib.npud_quantize_q8.restype = None
+            lib.npud_quantize_q8_pairs.argtypes = [_P, _L, _L, _L, _P, _P, _P]
+            lib.npud_quantize_q8_pairs.restype = None
             lib.npud_embed.argtypes = [_I, _P, _L, _L, _P, _L, _P, _P]
             lib.npud_embed.restype = None
             lib.npud_attention.argtypes = [_I, _P, _L, _L, _L, _P, _P, _L, _L, _P, _L, ctypes.c_float, _P,
@@ -321,14 +325,16 @@ def gemm(fmt: int, x: np.ndarray, w: np.ndarray, n: int, scale: np.ndarray | Non
 
 
 def linear_q8(x: np.ndarray, w: np.ndarray, n: int, scale: np.ndarray, bias: np.ndarray | None,
-              parallel: bool) -> np.ndarray:
-    """x: [M, K] f32 quantized per row in blocks of QB, w: [T, Kp / 4, TILE, 4] uint8 (int8 + 128)
+              parallel: bool, pairs: bool = False) -> np.ndarray:
+    """x: [M, K] f32 quantized per row in blocks of QB (quantize_q8, or quantize_q8_pairs when `pairs`:
+    int8-q16), w: [T, Kp / 4, TILE, 4] uint8 (int8 + 128)
     -> [M, T * TILE] f32. Raises MemoryError when the row buffer cannot be allocated."""
     m, k = x.shape
     tiles, kp = w.shape[0], w.shape[1] * 4
     out = np.empty((m, tiles * TILE), np.float32)
-    if _call((_lib or library()).npud_linear_q8, (w, scale, bias), _addr(x), m, k, kp, _weight_ptr(w), tiles, n,
-             _weight_ptr(scale), _weight_ptr(bias), _addr(out), threads() if parallel else 1) < 0:
+    if _call((_lib or library()).npud_linear_q8, (w, scale, bias), FMT_Q16 if pairs else FMT_Q8, _addr(x), m, k, kp,
+             _weight_ptr(w), tiles, n, _weight_ptr(scale), _weight_ptr(bias), _addr(out),
+             threads() if parallel else 1) < 0:
         raise MemoryError(f"no memory for the q8 rows of a [{m}, {kp}] activation")
     return out
 
@@ -342,6 +348,19 @@ def quantize_q8(x: np.ndarray, kp: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     xs = np.empty((m, kp // QB), np.float32)
     xsum = np.empty((m, kp // QB), np.int32)
     library().npud_quantize_q8(x.ctypes.data, m, k, kp, xq.ctypes.data, xs.ctypes.data, xsum.ctypes.data)
+    return xq, xs, xsum
+
+
+def quantize_q8_pairs(x: np.ndarray, kp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows linear_q8 makes of x [M, K] f32 (zero-padded to kp; q8pairs.c): int8 [M, 2 kp]
+    (each block's hi bytes, then its lo bytes: Q = 254 hi + lo), per-block scales d and sums of
+    Q [M, kp / QB] (on the path in use; every path gives the same)."""
+    m, k = x.shape
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    xq = np.empty((m, 2 * kp), np.int8)
+    xs = np.empty((m, kp // QB), np.float32)
+    xsum = np.empty((m, kp // QB), np.int32)
+    library().npud_quantize_q8_pairs(x.ctypes.data, m, k, kp, xq.ctypes.data, xs.ctypes.data, xsum.ctypes.data)
     return xq, xs, xsum
 
 
