@@ -68,6 +68,9 @@ static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R
     const int8_t *xq = j->xq + r0 * K;
     const float *xs = j->xs + r0 * nb;
     const int32_t *xsum = j->xsum + r0 * ng;
+    /* several rows: the tile's first row block fetches the next tile (the other blocks reread
+     * this one from cache, with no stream of their own to overlap) */
+    const int ahead = j->M > 1 && r0 == 0;
     __m512 acc[MAXR_Q8][4];
     for (int r = 0; r < R; r++)
         for (int v = 0; v < 4; v++)
@@ -85,6 +88,12 @@ static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R
             _mm_prefetch((const char *)wp + PF_BYTES + 64, _MM_HINT_T0);
             _mm_prefetch((const char *)wp + PF_BYTES + 128, _MM_HINT_T0);
             _mm_prefetch((const char *)wp + PF_BYTES + 192, _MM_HINT_T0);
+            if (ahead) { /* the next tile's same lines into L2: its stream overlaps this tile's sums */
+                _mm_prefetch((const char *)wp + K * TILE, _MM_HINT_T1);
+                _mm_prefetch((const char *)wp + K * TILE + 64, _MM_HINT_T1);
+                _mm_prefetch((const char *)wp + K * TILE + 128, _MM_HINT_T1);
+                _mm_prefetch((const char *)wp + K * TILE + 192, _MM_HINT_T1);
+            }
             const __m512i w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 64);
             const __m512i w2 = _mm512_loadu_si512(wp + 128), w3 = _mm512_loadu_si512(wp + 192);
             for (int r = 0; r < R; r++) {
@@ -99,6 +108,7 @@ static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R
         }
         const float *f = ft + G * P * TILE;
         _mm_prefetch((const char *)(f + 4 * P * TILE), _MM_HINT_T0);
+        if (ahead) _mm_prefetch((const char *)(f + ng * P * TILE), _MM_HINT_T1);
         for (int r = 0; r < R; r++) {
             const __m512 d = _mm512_set1_ps(xs[r * nb + G * g / QB]);
             const __m512 sf = _mm512_set1_ps((float)xsum[r * ng + G]);
