@@ -139,9 +139,11 @@ def main() -> None:
             fraction = med([d * step_bytes / bw for d in col["decode"]], ".2f")
         print(f"| {name} | {threads} | {med(col['decode'], '.1f')} | {med(col['verify8/step'], '.2f')} | "
               f"{med(col['prefill64'], '.0f')} | {med(col['prefill512'], '.0f')} | {roof} | {fraction} |")
-    print("\noutput layer (262144 x 640 Q8_0), fastest of 5 calls, median over rounds, vs its bytes / read bandwidth:")
-    print("| format | threads | bytes | M=1 ms | M=1 / roofline | M=8 ms | M=8 / M=1 |")
-    print("|---|---|---|---|---|---|---|")
+    head = next(iter(models.values())).weights.lm_head
+    print(f"\noutput layer ({head.out_features} x {head.in_features} {head.fmt.value}), fastest of 5 calls, median over "
+          "rounds; GB/s: its prepared bytes (q and factor tiles) / the call's time, beside the read bandwidth:")
+    print("| format | threads | bytes | M=1 ms | M=1 GB/s | M=1 / roofline | M=8 ms | M=8 GB/s | M=8 / M=1 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (name, threads), rows in results.items():
         if not name.startswith("npud"):
             continue
@@ -150,7 +152,8 @@ def main() -> None:
         bw = statistics.median(bandwidth[threads])
         h1 = statistics.median(r["head1"] for r in rows)
         h8 = statistics.median(r["head8"] for r in rows)
-        print(f"| {name} | {threads} | {nbytes / 2**20:.0f} MiB | {h1 * 1e3:.1f} | {nbytes / bw / h1:.2f} | {h8 * 1e3:.1f} | {h8 / h1:.2f} |")
+        print(f"| {name} | {threads} | {nbytes / 2**20:.0f} MiB | {h1 * 1e3:.1f} | {nbytes / h1 / 1e9:.1f} | "
+              f"{nbytes / bw / h1:.2f} | {h8 * 1e3:.1f} | {nbytes / h8 / 1e9:.1f} | {h8 / h1:.2f} |")
     print("\nread bandwidth (GB/s, median and range over rounds): " +
           ", ".join(f"{t} thread(s) {med([b / 1e9 for b in v], '.1f')}" for t, v in bandwidth.items()))
     print("anchor commits: " + (", ".join(f"{n} {c}" for n, c in commits.items()) or "none"))
