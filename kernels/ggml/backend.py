@@ -123,12 +123,19 @@ def check_block_invariance(backend, rows: int = CHECK_ROWS, k: int = 512, n: int
         x = np.ascontiguousarray(x_all[:, :kk])
         for fmt in BlockFormat:
             w = backend.prepare_linear(random_block_weight(fmt, n, kk, seed, layout))
-            single = np.concatenate([backend.linear(x[i : i + 1], w) for i in range(rows)])
-            for m in range(1, rows + 1):
-                if not np.array_equal(backend.linear(x[:m], w).view(np.uint32), single[:m].view(np.uint32)):
-                    failures.append(f"{fmt.value}{tag} M={m}")
-            if layout == LAYOUT_Q8:
-                failures += _isa_failures(backend, x, w, single, f"{fmt.value}{tag}")
+            variants = [(tag, w)]
+            if w.scale.dtype == np.float16:  # the q8 kernel's float16 factor tiles, and the float32 ones too
+                variants.append((tag + "f32", dataclasses.replace(w, scale=w.scale.astype(np.float32))))
+            for name, wv in variants:
+                single = np.concatenate([backend.linear(x[i : i + 1], wv) for i in range(rows)])
+                if name != tag and not np.array_equal(single.view(np.uint32), first.view(np.uint32)):
+                    failures.append(f"{fmt.value}{name} != {fmt.value}{tag}")
+                first = single
+                for m in range(1, rows + 1):
+                    if not np.array_equal(backend.linear(x[:m], wv).view(np.uint32), single[:m].view(np.uint32)):
+                        failures.append(f"{fmt.value}{name} M={m}")
+                if layout == LAYOUT_Q8:
+                    failures += _isa_failures(backend, x, wv, single, f"{fmt.value}{name}")
     return failures
 
 

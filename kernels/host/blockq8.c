@@ -7,6 +7,9 @@
  *
  * Weights: q tiles [ntiles, K / 4, TILE, 4] uint8 holding q + 128 (q the block's small integer,
  * kernels/ggml/blocks.py), factor tiles [ntiles, K / g, P, TILE] float32 (S, then D for P = 2),
+ * or float16 where every S is a float16 value (Q8_0, Q4_0, Q5_0: S is the block's own fp16 d;
+ * kernels/ggml/gemm.py decides at packing), widened exactly (vcvtph2ps, or fac_at below) into the
+ * same float32 S: the bits do not depend on the storage, and the head streams 5% fewer bytes,
  * g = 32 (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K) or 16 (Q6_K). Weight (n, k) is S * q (- D): gguf's own
  * dequantized weight. For row m and column n, over the weight groups G = 0, 1, ... in k order:
  *   i_G = sum over the group's k of q[n,k] * xq[m,k]            (exact, int32: any order)
@@ -20,19 +23,39 @@
  * blocks (the partial sums wait in the output, stored and reloaded exactly), threads take whole
  * tiles (pool.c). */
 
+/* A float16 factor as float32, exactly (normal, subnormal, zero, inf and NaN alike: what
+ * vcvtph2ps gives). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, man = h & 0x3ffu;
+    uint32_t bits;
+    if (e == 0) { /* zero or subnormal: man * 2^-24, exact in float32 */
+        const float v = (float)man * 0x1p-24f;
+        return sign ? -v : v;
+    }
+    bits = sign | (e == 31 ? 0x7f800000u : (e + 112) << 23) | man << 13;
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* Factor i (an index into the factor tiles) of job j as float32. */
+static inline __attribute__((always_inline)) float fac_at(const job_t *j, size_t i) {
+    return j->fac16 ? half_to_float(((const uint16_t *)j->fac)[i]) : j->fac[i];
+}
+
 #define BQ_KC 512 /* k per chunk when several row blocks share a tile's weights (32 KiB of them) */
 
 static inline __attribute__((always_inline)) void bq_gen_block(const job_t *j, long t, float *o, long ldo, long r0,
                                                                long R, long g0, long g1) {
     const long K = j->K, g = j->group, P = j->parts, ng = K / g, nb = K / QB;
     const uint8_t *wt = (const uint8_t *)j->w + (size_t)t * K * TILE;
-    const float *ft = j->fac + (size_t)t * ng * P * TILE;
+    const size_t ft = (size_t)t * ng * P * TILE; /* the tile's first factor */
     float acc[MAXR_Q8][TILE];
     int32_t isum[TILE];
     for (long r = 0; r < R; r++)
         for (int c = 0; c < TILE; c++) acc[r][c] = g0 == 0 ? 0.0f : o[r * ldo + c];
     for (long G = g0; G < g1; G++) {
-        const float *f = ft + G * P * TILE;
+        const size_t f = ft + G * P * TILE;
         for (long r = 0; r < R; r++) {
             const int8_t *xq = j->xq + (r0 + r) * K + G * g;
             const int32_t s = j->xsum[(r0 + r) * ng + G];
@@ -44,8 +67,8 @@ static inline __attribute__((always_inline)) void bq_gen_block(const job_t *j, l
             }
             const float d = j->xs[(r0 + r) * nb + G * g / QB], sf = (float)s;
             for (int c = 0; c < TILE; c++) {
-                float v = (float)isum[c] * f[c];
-                if (P == 2) v = fmaf(-f[TILE + c], sf, v);
+                float v = (float)isum[c] * fac_at(j, f + c);
+                if (P == 2) v = fmaf(-fac_at(j, f + TILE + c), sf, v);
                 acc[r][c] = fmaf(v, d, acc[r][c]);
             }
         }
@@ -59,12 +82,21 @@ static inline __attribute__((always_inline)) void bq_gen_block(const job_t *j, l
  * vector loaded once for the R rows), then the float step into 4R float accumulators: in registers
  * up to 2 rows, past that in o (L1: the driver's row buffer), so that the registers hold the int32
  * sums (measured 1.2-1.5x at 8 and 64 rows on Zen 4). */
-static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R, const int P, const int g,
+/* H: the factor tiles are float16 (P = 1). */
+static inline __attribute__((always_inline)) TVNNI __m512 bq_fac16(const int H, const float *f32, const uint16_t *f16,
+                                                                  size_t i) {
+    return H ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(f16 + i))) : _mm512_loadu_ps(f32 + i);
+}
+
+static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R, const int P, const int g, const int H,
                                                                      const job_t *j, long t, float *o, long ldo,
                                                                      long r0, long g0, long g1) {
     const long K = j->K, ng = K / g, nb = K / QB;
     const uint8_t *wt = (const uint8_t *)j->w + (size_t)t * K * TILE;
-    const float *ft = j->fac + (size_t)t * ng * P * TILE;
+    const size_t ft = (size_t)t * ng * P * TILE; /* the tile's first factor */
+    const float *f32 = j->fac;
+    const uint16_t *f16 = (const uint16_t *)j->fac;
+    const size_t fbytes = H ? 2 : 4;
     const int8_t *xq = j->xq + r0 * K;
     const float *xs = j->xs + r0 * nb;
     const int32_t *xsum = j->xsum + r0 * ng;
@@ -106,15 +138,16 @@ static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R
                 isum[r][3] = _mm512_dpbusd_epi32(isum[r][3], w3, xb);
             }
         }
-        const float *f = ft + G * P * TILE;
-        _mm_prefetch((const char *)(f + 4 * P * TILE), _MM_HINT_T0);
-        if (ahead) _mm_prefetch((const char *)(f + ng * P * TILE), _MM_HINT_T1);
+        const size_t f = ft + G * P * TILE;
+        const char *fp = (const char *)j->fac + f * fbytes;
+        _mm_prefetch(fp + 4 * P * TILE * fbytes, _MM_HINT_T0);
+        if (ahead) _mm_prefetch(fp + ng * P * TILE * fbytes, _MM_HINT_T1);
         for (int r = 0; r < R; r++) {
             const __m512 d = _mm512_set1_ps(xs[r * nb + G * g / QB]);
             const __m512 sf = _mm512_set1_ps((float)xsum[r * ng + G]);
             for (int v = 0; v < 4; v++) {
-                __m512 val = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][v]), _mm512_loadu_ps(f + 16 * v));
-                if (P == 2) val = _mm512_fnmadd_ps(_mm512_loadu_ps(f + TILE + 16 * v), sf, val);
+                __m512 val = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][v]), bq_fac16(H, f32, f16, f + 16 * v));
+                if (P == 2) val = _mm512_fnmadd_ps(_mm512_loadu_ps(f32 + f + TILE + 16 * v), sf, val);
                 if (R <= 2) {
                     acc[r][v] = _mm512_fmadd_ps(val, d, acc[r][v]);
                 } else { /* more rows: the float sums wait in o (L1), the registers hold the int32 ones */
@@ -133,22 +166,24 @@ static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R
         }
 }
 
-#define BQ_ROWS(P, g)                                                                                \
+#define BQ_ROWS(P, g, H)                                                                             \
     switch (R) {                                                                                     \
-    case 1: bq_vnni_rows(1, P, g, j, t, o, ldo, r0, g0, g1); break;                                  \
-    case 2: bq_vnni_rows(2, P, g, j, t, o, ldo, r0, g0, g1); break;                                  \
-    case 3: bq_vnni_rows(3, P, g, j, t, o, ldo, r0, g0, g1); break;                                  \
-    default: bq_vnni_rows(4, P, g, j, t, o, ldo, r0, g0, g1); break;                                 \
+    case 1: bq_vnni_rows(1, P, g, H, j, t, o, ldo, r0, g0, g1); break;                               \
+    case 2: bq_vnni_rows(2, P, g, H, j, t, o, ldo, r0, g0, g1); break;                               \
+    case 3: bq_vnni_rows(3, P, g, H, j, t, o, ldo, r0, g0, g1); break;                               \
+    default: bq_vnni_rows(4, P, g, H, j, t, o, ldo, r0, g0, g1); break;                              \
     }
 
 static inline __attribute__((always_inline)) TVNNI void bq_vnni_block(const job_t *j, long t, float *o, long ldo,
                                                                       long r0, long R, long g0, long g1) {
     if (j->parts == 2) {
-        BQ_ROWS(2, 32)
+        BQ_ROWS(2, 32, 0)
     } else if (j->group == 16) {
-        BQ_ROWS(1, 16)
+        BQ_ROWS(1, 16, 0)
+    } else if (j->fac16) {
+        BQ_ROWS(1, 32, 1)
     } else {
-        BQ_ROWS(1, 32)
+        BQ_ROWS(1, 32, 0)
     }
 }
 
@@ -188,10 +223,12 @@ BQ_DRIVER(tile_bq_avx512, __attribute__((noinline)) T512, bq_gen_block)
 BQ_DRIVER(tile_bq_vnni, __attribute__((noinline)) TVNNI, bq_vnni_block)
 
 /* out[M, ntiles*TILE] = x[M, K] @ W.T (+ bias [N] or NULL) for block weights against q8 rows:
- * q [ntiles, K / 4, TILE, 4] uint8 (q + 128), fac [ntiles, K / group, parts, TILE] float32; K a
- * multiple of QB and of group. Returns as npud_gemm (gemm.c). */
-long npud_linear_bq8(const float *x, long M, long K, const uint8_t *q, const float *fac, long group, long parts,
-                     long ntiles, long N, const float *bias, float *out, int threads) {
+ * q [ntiles, K / 4, TILE, 4] uint8 (q + 128), fac [ntiles, K / group, parts, TILE] float32 (or
+ * float16 when fac16, for parts 1 and group 32 only: else -2); K a multiple of QB and of group.
+ * Returns as npud_gemm (gemm.c). */
+long npud_linear_bq8(const float *x, long M, long K, const uint8_t *q, const void *fac, long group, long parts,
+                     int fac16, long ntiles, long N, const float *bias, float *out, int threads) {
+    if (fac16 && (parts != 1 || group != 32)) return -2; /* float16 factors: the (S, g = 32) formats only */
     const long nb = K / QB, ng = K / group;
     const size_t qbytes = ((size_t)M * K + 63) / 64 * 64;
     job_t *j = job_new(ntiles, qbytes + (size_t)M * nb * (sizeof(float) + sizeof(int32_t)) +
@@ -208,7 +245,7 @@ long npud_linear_bq8(const float *x, long M, long K, const uint8_t *q, const flo
             for (long k = G * group; k < (G + 1) * group; k++) s += xq[m * K + k];
             gsum[m * ng + G] = s;
         }
-    j->fmt = FMT_BQ, j->M = M, j->K = K, j->w = q, j->fac = fac, j->group = group, j->parts = parts;
+    j->fmt = FMT_BQ, j->M = M, j->K = K, j->w = q, j->fac = fac, j->group = group, j->parts = parts, j->fac16 = fac16;
     j->ntiles = ntiles, j->N = N, j->bias = bias, j->out = out, j->xq = xq, j->xs = xs, j->xsum = gsum;
     const int isa = isa_in_use();
     j->tile = isa >= ISA_AVX512_VNNI ? tile_bq_vnni
