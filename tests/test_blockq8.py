@@ -45,7 +45,9 @@ def test_layout_holds_ggufs_weights_and_the_kernel_computes_the_documented_chain
     raw = random_block_rows(fmt, 70, K, seed=5)
     q, factors = unpack_matrix(raw, fmt, K)
     w = pack_block_matrix(raw, fmt, K, layout=LAYOUT_Q8)
-    assert w.layout == LAYOUT_Q8 and w.data.shape == (2, K // 4, TILE, 4) and w.data.dtype == np.uint8
+    packed = {BlockFormat.Q4_0: 1024, BlockFormat.Q5_0: 1280}  # kernels/ggml/nibbles.py: bytes a tile's group
+    shape = (2, K // 32, packed[fmt]) if fmt in packed else (2, K // 4, TILE, 4)
+    assert w.layout == LAYOUT_Q8 and w.data.shape == shape and w.data.dtype == np.uint8
     dense = widen(q, factors)
     assert np.array_equal(dense_weights(w).view(np.uint32), dense.view(np.uint32))
     b = BlockHostBackend(parallel=True)
@@ -126,7 +128,7 @@ def test_float16_factor_tiles_hold_ggufs_scales_and_give_the_float32_tiles_bits(
     blocks[: len(special) // 2 * 7 : 7, 0:2] = special.reshape(-1, 2)  # every 7th block a special scale
     w = pack_block_matrix(raw, fmt, K, layout=LAYOUT_Q8)
     q, factors = unpack_matrix(raw, fmt, K)
-    assert w.scale.dtype == np.float16 and w.scale.nbytes == w.data.nbytes // 16
+    assert w.scale.dtype == np.float16
     assert np.array_equal(w.scale.astype(np.float32).view(np.uint32)[:, :, 0, :].transpose(0, 2, 1).reshape(-1, K // 32)[:70],
                           factors[:, :, 0].view(np.uint32))
     b = BlockHostBackend(parallel=True)
@@ -136,9 +138,26 @@ def test_float16_factor_tiles_hold_ggufs_scales_and_give_the_float32_tiles_bits(
     for path in _paths():
         native.set_isa(path)
         half = b.linear(x, w)
-        assert np.array_equal(half.view(np.uint32), b.linear(x, wide).view(np.uint32)), path
+        if w.data.ndim == 4:  # Q8_0's byte tiles also run with float32 factors (packed tiles: float16 only)
+            assert np.array_equal(half.view(np.uint32), b.linear(x, wide).view(np.uint32)), path
         assert np.array_equal(half.view(np.uint32), (expected + np.float32(0)).view(np.uint32)), path
     native.set_isa(None)
+
+
+@pytest.mark.parametrize("fmt", [BlockFormat.Q4_0, BlockFormat.Q5_0])
+def test_packed_q_tiles_hold_the_same_integers_in_4_or_5_bits(fmt):
+    """Q4_0 / Q5_0 q tiles packed to nibbles (and a fifth-bit plane): every weight's q read back
+    from them is gguf's (the row gather and dense_weights read them too), in 1024 / 1280 bytes a
+    tile's group of 32 k instead of 2048."""
+    from kernels.ggml import nibbles
+
+    raw = random_block_rows(fmt, 130, K, seed=8)
+    q, _ = unpack_matrix(raw, fmt, K)
+    w = pack_block_matrix(raw, fmt, K, layout=LAYOUT_Q8)
+    assert w.data.shape == (3, K // 32, {BlockFormat.Q4_0: 1024, BlockFormat.Q5_0: 1280}[fmt])
+    tokens = np.arange(130)
+    assert np.array_equal(nibbles.q_columns(w.data, tokens // TILE, tokens % TILE), q)
+    assert (q.min(), q.max()) == ((-8, 7) if fmt is BlockFormat.Q4_0 else (-16, 15))
 
 
 def test_float16_factors_of_another_shape_are_refused():

@@ -124,7 +124,8 @@ def check_block_invariance(backend, rows: int = CHECK_ROWS, k: int = 512, n: int
         for fmt in BlockFormat:
             w = backend.prepare_linear(random_block_weight(fmt, n, kk, seed, layout))
             variants = [(tag, w)]
-            if w.scale.dtype == np.float16:  # the q8 kernel's float16 factor tiles, and the float32 ones too
+            if w.scale.dtype == np.float16 and w.data.ndim == 4:  # float16 factor tiles, and float32 ones too
+                # (Q8_0; packed Q4_0 / Q5_0 tiles come with float16 factors only: kernels/ggml/nibbles.py)
                 variants.append((tag + "f32", dataclasses.replace(w, scale=w.scale.astype(np.float32))))
             for name, wv in variants:
                 single = np.concatenate([backend.linear(x[i : i + 1], wv) for i in range(rows)])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels.base import LinearWeight
+from kernels.ggml import nibbles
 from kernels.ggml.blocks import LAYOUTS, BlockFormat
 from kernels.host import native
 from kernels.host.formats import PARALLEL_MIN_BYTES
@@ -76,6 +77,8 @@ def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarra
         half = f_tiles.astype(np.float16)
         if np.array_equal(half.astype(np.float32).view(np.uint32), f_tiles.view(np.uint32)):
             f_tiles = half
+            if fmt in nibbles.PACKED_BITS:  # 4 / 5 bits a weight, not 8 (kernels/ggml/nibbles.py)
+                q_tiles = nibbles.pack(q_tiles, nibbles.PACKED_BITS[fmt])
     if q8:  # huge pages: a one-row call streams them faster (kernels/host/resident.py)
         q_tiles, f_tiles = resident_copy(q_tiles), resident_copy(f_tiles)
     return LinearWeight(fmt=fmt, data=q_tiles, scale=f_tiles, layout=layout, out_features=n, in_features=k)
@@ -99,7 +102,7 @@ def block_embed(table: LinearWeight, tokens: np.ndarray) -> np.ndarray:
         from kernels.ggml.blocks import widen
 
         tiles, cols = tokens // TILE, tokens % TILE
-        q = (table.data[tiles, :, cols, :].astype(np.int16) - 128).astype(np.int8).reshape(len(tokens), -1)
+        q = nibbles.q_columns(table.data, tiles, cols)
         return widen(q, np.ascontiguousarray(table.scale[tiles, :, :, cols], dtype=np.float32))
     return native.gather_qtiles(table.data, table.scale, np.ascontiguousarray(tokens, dtype=np.int64))
 

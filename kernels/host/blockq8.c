@@ -9,7 +9,13 @@
  * kernels/ggml/blocks.py), factor tiles [ntiles, K / g, P, TILE] float32 (S, then D for P = 2),
  * or float16 where every S is a float16 value (Q8_0, Q4_0, Q5_0: S is the block's own fp16 d;
  * kernels/ggml/gemm.py decides at packing), widened exactly (vcvtph2ps, or fac_at below) into the
- * same float32 S: the bits do not depend on the storage, and the head streams 5% fewer bytes,
+ * same float32 S: the bits do not depend on the storage, and the head streams 5% fewer bytes.
+ * Q4_0 and Q5_0 hold their q tiles packed (qbits 4 / 5; kernels/ggml/nibbles.py lays them out):
+ * per tile and group of 32 k, 8 rows of 128 bytes (row k4: byte b of the first 64 holds the
+ * 8-bit layout's vector 0 byte b in its low nibble and vector 1's in its high nibble, the next 64
+ * vectors 2 and 3), then for 5 bits 4 x 64 bytes (vector v's byte b: bit k4 the fifth bit of row
+ * k4's byte), each u = q + Z (Z = 8 / 16 instead of 128): the same integers, in 4 / 5 bits,
+ * unpacked in registers; the sum starts at -Z * s_G. Weight (n, k) is S * q (- D):
  * g = 32 (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K) or 16 (Q6_K). Weight (n, k) is S * q (- D): gguf's own
  * dequantized weight. For row m and column n, over the weight groups G = 0, 1, ... in k order:
  *   i_G = sum over the group's k of q[n,k] * xq[m,k]            (exact, int32: any order)
@@ -43,12 +49,29 @@ static inline __attribute__((always_inline)) float fac_at(const job_t *j, size_t
     return j->fac16 ? half_to_float(((const uint16_t *)j->fac)[i]) : j->fac[i];
 }
 
+/* The offset Z the q tiles add to q (u = q + Z: unsigned bytes for vpdpbusd), and the weight bytes
+ * of one tile's group of g k. */
+static inline __attribute__((always_inline)) int32_t bq_zero(const int qbits) {
+    return qbits == 8 ? 128 : qbits == 5 ? 16 : 8;
+}
+
+/* u of column c, k = 4 k4 + i of a group's packed q tiles (qbits 4 or 5) at wg. */
+static inline __attribute__((always_inline)) int32_t bq_packed_u(const int qbits, const uint8_t *wg, int k4, int c,
+                                                                 int i) {
+    const int v = c / 16, b = (c % 16) * 4 + i;
+    int32_t u = (wg[k4 * 128 + (v / 2) * 64 + b] >> (4 * (v % 2))) & 15;
+    if (qbits == 5) u |= ((wg[1024 + v * 64 + b] >> k4) & 1) << 4;
+    return u;
+}
+
 #define BQ_KC 512 /* k per chunk when several row blocks share a tile's weights (32 KiB of them) */
 
 static inline __attribute__((always_inline)) void bq_gen_block(const job_t *j, long t, float *o, long ldo, long r0,
                                                                long R, long g0, long g1) {
     const long K = j->K, g = j->group, P = j->parts, ng = K / g, nb = K / QB;
-    const uint8_t *wt = (const uint8_t *)j->w + (size_t)t * K * TILE;
+    const int qb = j->qbits;
+    const size_t gbytes = (size_t)g * TILE * qb / 8;
+    const uint8_t *wt = (const uint8_t *)j->w + (size_t)t * ng * gbytes;
     const size_t ft = (size_t)t * ng * P * TILE; /* the tile's first factor */
     float acc[MAXR_Q8][TILE];
     int32_t isum[TILE];
@@ -59,11 +82,13 @@ static inline __attribute__((always_inline)) void bq_gen_block(const job_t *j, l
         for (long r = 0; r < R; r++) {
             const int8_t *xq = j->xq + (r0 + r) * K + G * g;
             const int32_t s = j->xsum[(r0 + r) * ng + G];
-            for (int c = 0; c < TILE; c++) isum[c] = -128 * s;
-            for (long k4 = 0; k4 < g / 4; k4++) {
-                const uint8_t *wp = wt + ((size_t)G * (g / 4) + k4) * TILE * 4;
+            for (int c = 0; c < TILE; c++) isum[c] = -bq_zero(qb) * s;
+            const uint8_t *wg = wt + G * gbytes;
+            for (int k4 = 0; k4 < g / 4; k4++) {
+                const uint8_t *wp = wg + (size_t)k4 * TILE * 4;
                 for (int c = 0; c < TILE; c++)
-                    for (int i = 0; i < 4; i++) isum[c] += (int32_t)xq[k4 * 4 + i] * (int32_t)wp[c * 4 + i];
+                    for (int i = 0; i < 4; i++)
+                        isum[c] += (int32_t)xq[k4 * 4 + i] * (qb == 8 ? (int32_t)wp[c * 4 + i] : bq_packed_u(qb, wg, k4, c, i));
             }
             const float d = j->xs[(r0 + r) * nb + G * g / QB], sf = (float)s;
             for (int c = 0; c < TILE; c++) {
@@ -89,10 +114,12 @@ static inline __attribute__((always_inline)) TVNNI __m512 bq_fac16(const int H, 
 }
 
 static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R, const int P, const int g, const int H,
-                                                                     const job_t *j, long t, float *o, long ldo,
-                                                                     long r0, long g0, long g1) {
+                                                                     const int Q, const job_t *j, long t, float *o,
+                                                                     long ldo, long r0, long g0, long g1) {
     const long K = j->K, ng = K / g, nb = K / QB;
-    const uint8_t *wt = (const uint8_t *)j->w + (size_t)t * K * TILE;
+    const size_t gbytes = (size_t)g * TILE * Q / 8, tbytes = ng * gbytes; /* a group's, a tile's q bytes */
+    const uint8_t *wt = (const uint8_t *)j->w + (size_t)t * tbytes;
+    const __m512i low4 = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
     const size_t ft = (size_t)t * ng * P * TILE; /* the tile's first factor */
     const float *f32 = j->fac;
     const uint16_t *f16 = (const uint16_t *)j->fac;
@@ -110,24 +137,43 @@ static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R
     for (long G = g0; G < g1; G++) {
         __m512i isum[MAXR_Q8][4];
         for (int r = 0; r < R; r++) {
-            const __m512i init = _mm512_set1_epi32(-128 * xsum[r * ng + G]);
+            const __m512i init = _mm512_set1_epi32(-bq_zero(Q) * xsum[r * ng + G]);
             for (int v = 0; v < 4; v++) isum[r][v] = init;
         }
-        const uint8_t *wg = wt + (size_t)G * g * TILE;
+        const uint8_t *wg = wt + G * gbytes;
+        __m512i hb[4];
+        if (Q == 5)
+            for (int v = 0; v < 4; v++) hb[v] = _mm512_loadu_si512(wg + 1024 + 64 * v);
         for (int k4 = 0; k4 < g / 4; k4++) {
-            const uint8_t *wp = wg + (size_t)k4 * TILE * 4;
-            _mm_prefetch((const char *)wp + PF_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)wp + PF_BYTES + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)wp + PF_BYTES + 128, _MM_HINT_T0);
-            _mm_prefetch((const char *)wp + PF_BYTES + 192, _MM_HINT_T0);
+            /* prefetch this k4's share of the group's stream (gbytes / 8: 256, 160 or 128 bytes) */
+            const char *pf = (const char *)wg + k4 * (gbytes / 8) + PF_BYTES;
+            _mm_prefetch(pf, _MM_HINT_T0);
+            _mm_prefetch(pf + 64, _MM_HINT_T0);
+            if (Q != 4) _mm_prefetch(pf + 128, _MM_HINT_T0);
+            if (Q == 8) _mm_prefetch(pf + 192, _MM_HINT_T0);
             if (ahead) { /* the next tile's same lines into L2: its stream overlaps this tile's sums */
-                _mm_prefetch((const char *)wp + K * TILE, _MM_HINT_T1);
-                _mm_prefetch((const char *)wp + K * TILE + 64, _MM_HINT_T1);
-                _mm_prefetch((const char *)wp + K * TILE + 128, _MM_HINT_T1);
-                _mm_prefetch((const char *)wp + K * TILE + 192, _MM_HINT_T1);
+                _mm_prefetch(pf - PF_BYTES + tbytes, _MM_HINT_T1);
+                _mm_prefetch(pf - PF_BYTES + tbytes + 64, _MM_HINT_T1);
+                if (Q != 4) _mm_prefetch(pf - PF_BYTES + tbytes + 128, _MM_HINT_T1);
+                if (Q == 8) _mm_prefetch(pf - PF_BYTES + tbytes + 192, _MM_HINT_T1);
             }
-            const __m512i w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 64);
-            const __m512i w2 = _mm512_loadu_si512(wp + 128), w3 = _mm512_loadu_si512(wp + 192);
+            __m512i w0, w1, w2, w3;
+            if (Q == 8) {
+                const uint8_t *wp = wg + (size_t)k4 * TILE * 4;
+                w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 64);
+                w2 = _mm512_loadu_si512(wp + 128), w3 = _mm512_loadu_si512(wp + 192);
+            } else { /* the nibbles, then (5 bits) the fifth bit: + 16 where the plane's bit k4 is set */
+                const __m512i n0 = _mm512_loadu_si512(wg + 128 * k4), n1 = _mm512_loadu_si512(wg + 128 * k4 + 64);
+                w0 = _mm512_and_si512(n0, low4), w1 = _mm512_and_si512(_mm512_srli_epi16(n0, 4), low4);
+                w2 = _mm512_and_si512(n1, low4), w3 = _mm512_and_si512(_mm512_srli_epi16(n1, 4), low4);
+                if (Q == 5) {
+                    const __m512i bit = _mm512_set1_epi8((char)(1 << k4));
+                    w0 = _mm512_mask_add_epi8(w0, _mm512_test_epi8_mask(hb[0], bit), w0, sixteen);
+                    w1 = _mm512_mask_add_epi8(w1, _mm512_test_epi8_mask(hb[1], bit), w1, sixteen);
+                    w2 = _mm512_mask_add_epi8(w2, _mm512_test_epi8_mask(hb[2], bit), w2, sixteen);
+                    w3 = _mm512_mask_add_epi8(w3, _mm512_test_epi8_mask(hb[3], bit), w3, sixteen);
+                }
+            }
             for (int r = 0; r < R; r++) {
                 int32_t four;
                 memcpy(&four, xq + r * K + G * g + k4 * 4, 4);
@@ -166,24 +212,30 @@ static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R
         }
 }
 
-#define BQ_ROWS(P, g, H)                                                                             \
+#define BQ_ROWS(P, g, H, Q)                                                                          \
     switch (R) {                                                                                     \
-    case 1: bq_vnni_rows(1, P, g, H, j, t, o, ldo, r0, g0, g1); break;                               \
-    case 2: bq_vnni_rows(2, P, g, H, j, t, o, ldo, r0, g0, g1); break;                               \
-    case 3: bq_vnni_rows(3, P, g, H, j, t, o, ldo, r0, g0, g1); break;                               \
-    default: bq_vnni_rows(4, P, g, H, j, t, o, ldo, r0, g0, g1); break;                              \
+    case 1: bq_vnni_rows(1, P, g, H, Q, j, t, o, ldo, r0, g0, g1); break;                            \
+    case 2: bq_vnni_rows(2, P, g, H, Q, j, t, o, ldo, r0, g0, g1); break;                            \
+    case 3: bq_vnni_rows(3, P, g, H, Q, j, t, o, ldo, r0, g0, g1); break;                            \
+    default: bq_vnni_rows(4, P, g, H, Q, j, t, o, ldo, r0, g0, g1); break;                           \
     }
 
 static inline __attribute__((always_inline)) TVNNI void bq_vnni_block(const job_t *j, long t, float *o, long ldo,
                                                                       long r0, long R, long g0, long g1) {
     if (j->parts == 2) {
-        BQ_ROWS(2, 32, 0)
+        BQ_ROWS(2, 32, 0, 8)
     } else if (j->group == 16) {
-        BQ_ROWS(1, 16, 0)
+        BQ_ROWS(1, 16, 0, 8)
+    } else if (j->qbits != 8) { /* Q4_0, Q5_0: float16 factors (S = d) */
+        if (j->qbits == 5) {
+            BQ_ROWS(1, 32, 1, 5)
+        } else {
+            BQ_ROWS(1, 32, 1, 4)
+        }
     } else if (j->fac16) {
-        BQ_ROWS(1, 32, 1)
+        BQ_ROWS(1, 32, 1, 8)
     } else {
-        BQ_ROWS(1, 32, 0)
+        BQ_ROWS(1, 32, 0, 8)
     }
 }
 
@@ -224,11 +276,13 @@ BQ_DRIVER(tile_bq_vnni, __attribute__((noinline)) TVNNI, bq_vnni_block)
 
 /* out[M, ntiles*TILE] = x[M, K] @ W.T (+ bias [N] or NULL) for block weights against q8 rows:
  * q [ntiles, K / 4, TILE, 4] uint8 (q + 128), fac [ntiles, K / group, parts, TILE] float32 (or
- * float16 when fac16, for parts 1 and group 32 only: else -2); K a multiple of QB and of group.
+ * float16 when fac16, for parts 1 and group 32 only: else -2); qbits 8, or 4 / 5 for packed q tiles
+ * [ntiles, K / 32, 1024 or 1280] (with float16 factors only: else -2); K a multiple of QB and of group.
  * Returns as npud_gemm (gemm.c). */
 long npud_linear_bq8(const float *x, long M, long K, const uint8_t *q, const void *fac, long group, long parts,
-                     int fac16, long ntiles, long N, const float *bias, float *out, int threads) {
+                     int fac16, int qbits, long ntiles, long N, const float *bias, float *out, int threads) {
     if (fac16 && (parts != 1 || group != 32)) return -2; /* float16 factors: the (S, g = 32) formats only */
+    if (qbits != 8 && (qbits != 4 && qbits != 5 || !fac16)) return -2; /* packed q: Q4_0 / Q5_0's, float16 S */
     const long nb = K / QB, ng = K / group;
     const size_t qbytes = ((size_t)M * K + 63) / 64 * 64;
     job_t *j = job_new(ntiles, qbytes + (size_t)M * nb * (sizeof(float) + sizeof(int32_t)) +
@@ -245,7 +299,7 @@ long npud_linear_bq8(const float *x, long M, long K, const uint8_t *q, const voi
             for (long k = G * group; k < (G + 1) * group; k++) s += xq[m * K + k];
             gsum[m * ng + G] = s;
         }
-    j->fmt = FMT_BQ, j->M = M, j->K = K, j->w = q, j->fac = fac, j->group = group, j->parts = parts, j->fac16 = fac16;
+    j->fmt = FMT_BQ, j->M = M, j->K = K, j->w = q, j->fac = fac, j->group = group, j->parts = parts, j->fac16 = fac16, j->qbits = qbits;
     j->ntiles = ntiles, j->N = N, j->bias = bias, j->out = out, j->xq = xq, j->xs = xs, j->xsum = gsum;
     const int isa = isa_in_use();
     j->tile = isa >= ISA_AVX512_VNNI ? tile_bq_vnni
