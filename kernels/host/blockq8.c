@@ -7,17 +7,16 @@
  *
  * Weights: q tiles [ntiles, K / 4, TILE, 4] uint8 holding q + 128 (q the block's small integer,
  * kernels/ggml/blocks.py), factor tiles [ntiles, K / g, P, TILE] float32 (S, then D for P = 2),
- * or float16 where every S is a float16 value (Q8_0, Q4_0, Q5_0: S is the block's own fp16 d;
- * kernels/ggml/gemm.py decides at packing), widened exactly (vcvtph2ps, or fac_at below) into the
- * same float32 S: the bits do not depend on the storage, and the head streams 5% fewer bytes.
- * Q4_0 and Q5_0 hold their q tiles packed (qbits 4 / 5; kernels/ggml/nibbles.py lays them out):
- * per tile and group of 32 k, 8 rows of 128 bytes (row k4: byte b of the first 64 holds the
- * 8-bit layout's vector 0 byte b in its low nibble and vector 1's in its high nibble, the next 64
- * vectors 2 and 3), then for 5 bits 4 x 64 bytes (vector v's byte b: bit k4 the fifth bit of row
- * k4's byte), each u = q + Z (Z = 8 / 16 instead of 128): the same integers, in 4 / 5 bits,
- * unpacked in registers; the sum starts at -Z * s_G. Weight (n, k) is S * q (- D):
  * g = 32 (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K) or 16 (Q6_K). Weight (n, k) is S * q (- D): gguf's own
- * dequantized weight. For row m and column n, over the weight groups G = 0, 1, ... in k order:
+ * dequantized weight. Two smaller forms of the same numbers (kernels/ggml/gemm.py picks them at
+ * packing; the bits do not depend on the form):
+ * - factor tiles in float16 where every S is a float16 value (Q8_0, Q4_0, Q5_0: S is the block's
+ *   own fp16 d), widened exactly (vcvtph2ps, or half_to_float below);
+ * - Q4_0 / Q5_0 q tiles packed (qbits 4 / 5, kernels/ggml/nibbles.py): per tile and group of 32 k,
+ *   8 rows of 128 bytes (row k4: byte b of the first 64 holds the byte tiles' vector 0 byte b in
+ *   its low nibble and vector 1's in its high one, the next 64 vectors 2 and 3), then for 5 bits
+ *   4 x 64 bytes (vector v's byte b: bit k4 the fifth bit of row k4's byte); u = q + Z with Z = 8
+ *   / 16 in place of 128, unpacked in registers, the sum started at -Z * s_G. For row m and column n, over the weight groups G = 0, 1, ... in k order:
  *   i_G = sum over the group's k of q[n,k] * xq[m,k]            (exact, int32: any order)
  *   v   = (float) i_G * S_G                                      (one rounding)
  *   v   = fma(-D_G, (float) s_G, v)   (P = 2; s_G = sum of the group's xq, exact)
@@ -49,8 +48,7 @@ static inline __attribute__((always_inline)) float fac_at(const job_t *j, size_t
     return j->fac16 ? half_to_float(((const uint16_t *)j->fac)[i]) : j->fac[i];
 }
 
-/* The offset Z the q tiles add to q (u = q + Z: unsigned bytes for vpdpbusd), and the weight bytes
- * of one tile's group of g k. */
+/* The offset Z the q tiles add to q (u = q + Z: unsigned bytes for vpdpbusd). */
 static inline __attribute__((always_inline)) int32_t bq_zero(const int qbits) {
     return qbits == 8 ? 128 : qbits == 5 ? 16 : 8;
 }
@@ -103,15 +101,16 @@ static inline __attribute__((always_inline)) void bq_gen_block(const job_t *j, l
             o[r * ldo + c] = g1 == ng ? store_value(j, acc[r][c], t * TILE + c) : acc[r][c];
 }
 
-/* Rows r0 .. r0 + R - 1 (output row r at o + r * ldo) x 64 columns for groups [g0, g1): per group, 4R int32 sums by vpdpbusd (each weight
- * vector loaded once for the R rows), then the float step into 4R float accumulators: in registers
- * up to 2 rows, past that in o (L1: the driver's row buffer), so that the registers hold the int32
- * sums (measured 1.2-1.5x at 8 and 64 rows on Zen 4). */
-/* H: the factor tiles are float16 (P = 1). */
+/* 16 factors from i on as float32 (H: the factor tiles are float16). */
 static inline __attribute__((always_inline)) TVNNI __m512 bq_fac16(const int H, const float *f32, const uint16_t *f16,
                                                                   size_t i) {
     return H ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(f16 + i))) : _mm512_loadu_ps(f32 + i);
 }
+
+/* Rows r0 .. r0 + R - 1 (output row r at o + r * ldo) x 64 columns for groups [g0, g1): per group, 4R int32 sums by vpdpbusd (each weight
+ * vector loaded, or unpacked, once for the R rows), then the float step into 4R float accumulators: in registers
+ * up to 2 rows, past that in o (L1: the driver's row buffer), so that the registers hold the int32
+ * sums (measured 1.2-1.5x at 8 and 64 rows on Zen 4). H: float16 factors; Q: qbits (8, 5, 4). */
 
 static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R, const int P, const int g, const int H,
                                                                      const int Q, const job_t *j, long t, float *o,
