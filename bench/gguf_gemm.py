@@ -9,6 +9,7 @@ is the bandwidth a step streams at; GMAC/s at M = 64 is a prefill chunk's rate.
     .venv/bin/python bench/gguf_gemm.py [--rows 1,8,64] [--threads 1,2] [--repeats 7] [--base REV]
 --base REV: the same calls with the kernels of git revision REV too (bench/kernels_ab.py's build),
 the two libraries taking turns within every repeat; the table gains A (REV) / B (this checkout).
+REV must call npud_linear_bq8 as this checkout does (the packed tiles' arguments came with 86bd999).
 """
 
 from __future__ import annotations
