@@ -45,7 +45,8 @@ def test_layout_holds_ggufs_weights_and_the_kernel_computes_the_documented_chain
     raw = random_block_rows(fmt, 70, K, seed=5)
     q, factors = unpack_matrix(raw, fmt, K)
     w = pack_block_matrix(raw, fmt, K, layout=LAYOUT_Q8)
-    packed = {BlockFormat.Q4_0: 1024, BlockFormat.Q5_0: 1280}  # kernels/ggml/nibbles.py: bytes a tile's group
+    packed = {BlockFormat.Q4_0: 1024, BlockFormat.Q5_0: 1280, BlockFormat.Q4_K: 1024, BlockFormat.Q5_K: 1280}
+    # (kernels/ggml/nibbles.py: bytes a tile's group)
     shape = (2, K // 32, packed[fmt]) if fmt in packed else (2, K // 4, TILE, 4)
     assert w.layout == LAYOUT_Q8 and w.data.shape == shape and w.data.dtype == np.uint8
     dense = widen(q, factors)
@@ -144,9 +145,9 @@ def test_float16_factor_tiles_hold_ggufs_scales_and_give_the_float32_tiles_bits(
     native.set_isa(None)
 
 
-@pytest.mark.parametrize("fmt", [BlockFormat.Q4_0, BlockFormat.Q5_0])
+@pytest.mark.parametrize("fmt", [BlockFormat.Q4_0, BlockFormat.Q5_0, BlockFormat.Q4_K, BlockFormat.Q5_K])
 def test_packed_q_tiles_hold_the_same_integers_in_4_or_5_bits(fmt):
-    """Q4_0 / Q5_0 q tiles packed to nibbles (and a fifth-bit plane): every weight's q read back
+    """Q4_0 / Q5_0 / Q4_K / Q5_K q tiles packed to nibbles (and a fifth-bit plane): every weight's q read back
     from them is gguf's (the row gather and dense_weights read them too), in 1024 / 1280 bytes a
     tile's group of 32 k instead of 2048."""
     from kernels.ggml import nibbles
@@ -154,10 +155,11 @@ def test_packed_q_tiles_hold_the_same_integers_in_4_or_5_bits(fmt):
     raw = random_block_rows(fmt, 130, K, seed=8)
     q, _ = unpack_matrix(raw, fmt, K)
     w = pack_block_matrix(raw, fmt, K, layout=LAYOUT_Q8)
-    assert w.data.shape == (3, K // 32, {BlockFormat.Q4_0: 1024, BlockFormat.Q5_0: 1280}[fmt])
+    assert w.data.shape == (3, K // 32, 1024 if nibbles.PACKED_BITS[fmt] == 4 else 1280)
     tokens = np.arange(130)
-    assert np.array_equal(nibbles.q_columns(w.data, tokens // TILE, tokens % TILE), q)
-    assert (q.min(), q.max()) == ((-8, 7) if fmt is BlockFormat.Q4_0 else (-16, 15))
+    assert np.array_equal(nibbles.q_columns(w.data, tokens // TILE, tokens % TILE, nibbles.ZERO[fmt]), q)
+    assert (q.min(), q.max()) == {BlockFormat.Q4_0: (-8, 7), BlockFormat.Q5_0: (-16, 15), BlockFormat.Q4_K: (0, 15),
+                                  BlockFormat.Q5_K: (0, 31)}[fmt]
 
 
 def test_float16_factors_of_another_shape_are_refused():

@@ -77,8 +77,8 @@ def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarra
         half = f_tiles.astype(np.float16)
         if np.array_equal(half.astype(np.float32).view(np.uint32), f_tiles.view(np.uint32)):
             f_tiles = half
-            if fmt in nibbles.PACKED_BITS:  # 4 / 5 bits a weight, not 8 (kernels/ggml/nibbles.py)
-                q_tiles = nibbles.pack(q_tiles, nibbles.PACKED_BITS[fmt])
+    if q8 and fmt in nibbles.PACKED_BITS and (parts == 2 or f_tiles.dtype == np.float16):
+        q_tiles = nibbles.pack(q_tiles, fmt)  # 4 / 5 bits a weight, not 8 (kernels/ggml/nibbles.py)
     if q8:  # huge pages: a one-row call streams them faster (kernels/host/resident.py)
         q_tiles, f_tiles = resident_copy(q_tiles), resident_copy(f_tiles)
     return LinearWeight(fmt=fmt, data=q_tiles, scale=f_tiles, layout=layout, out_features=n, in_features=k)
@@ -91,8 +91,10 @@ def block_linear(x: np.ndarray, w: LinearWeight, parallel: bool) -> np.ndarray:
         raise ValueError(f"linear: x has shape {x.shape}, weight expects [M, {w.in_features}]")
     # by weight size alone, so a step and a verify of the same layer take the same path
     parallel = parallel and w.data.nbytes >= PARALLEL_MIN_BYTES
-    kernel = native.linear_bq8 if w.layout == LAYOUT_Q8 else native.linear_qtiles
-    out = kernel(x, w.data, w.scale, w.out_features, w.bias, parallel)
+    if w.layout == LAYOUT_Q8:
+        out = native.linear_bq8(x, w.data, w.scale, w.out_features, w.bias, parallel, nibbles.zero_of(w.fmt, w.data))
+    else:
+        out = native.linear_qtiles(x, w.data, w.scale, w.out_features, w.bias, parallel)
     return out[:, : w.out_features]
 
 
@@ -102,7 +104,7 @@ def block_embed(table: LinearWeight, tokens: np.ndarray) -> np.ndarray:
         from kernels.ggml.blocks import widen
 
         tiles, cols = tokens // TILE, tokens % TILE
-        q = nibbles.q_columns(table.data, tiles, cols)
+        q = nibbles.q_columns(table.data, tiles, cols, nibbles.zero_of(table.fmt, table.data))
         return widen(q, np.ascontiguousarray(table.scale[tiles, :, :, cols], dtype=np.float32))
     return native.gather_qtiles(table.data, table.scale, np.ascontiguousarray(tokens, dtype=np.int64))
 

@@ -12,11 +12,11 @@
  * packing; the bits do not depend on the form):
  * - factor tiles in float16 where every S is a float16 value (Q8_0, Q4_0, Q5_0: S is the block's
  *   own fp16 d), widened exactly (vcvtph2ps, or half_to_float below);
- * - Q4_0 / Q5_0 q tiles packed (qbits 4 / 5, kernels/ggml/nibbles.py): per tile and group of 32 k,
+ * - Q4_0 / Q5_0 / Q4_K / Q5_K q tiles packed (qbits 4 / 5, kernels/ggml/nibbles.py): per tile and group of 32 k,
  *   8 rows of 128 bytes (row k4: byte b of the first 64 holds the byte tiles' vector 0 byte b in
  *   its low nibble and vector 1's in its high one, the next 64 vectors 2 and 3), then for 5 bits
  *   4 x 64 bytes (vector v's byte b: bit k4 the fifth bit of row k4's byte); u = q + Z with Z = 8
- *   / 16 in place of 128, unpacked in registers, the sum started at -Z * s_G. For row m and column n, over the weight groups G = 0, 1, ... in k order:
+ *   / 16 / 0 / 0 (qzero) in place of 128, unpacked in registers, the sum started at -Z * s_G. For row m and column n, over the weight groups G = 0, 1, ... in k order:
  *   i_G = sum over the group's k of q[n,k] * xq[m,k]            (exact, int32: any order)
  *   v   = (float) i_G * S_G                                      (one rounding)
  *   v   = fma(-D_G, (float) s_G, v)   (P = 2; s_G = sum of the group's xq, exact)
@@ -48,11 +48,6 @@ static inline __attribute__((always_inline)) float fac_at(const job_t *j, size_t
     return j->fac16 ? half_to_float(((const uint16_t *)j->fac)[i]) : j->fac[i];
 }
 
-/* The offset Z the q tiles add to q (u = q + Z: unsigned bytes for vpdpbusd). */
-static inline __attribute__((always_inline)) int32_t bq_zero(const int qbits) {
-    return qbits == 8 ? 128 : qbits == 5 ? 16 : 8;
-}
-
 /* u of column c, k = 4 k4 + i of a group's packed q tiles (qbits 4 or 5) at wg. */
 static inline __attribute__((always_inline)) int32_t bq_packed_u(const int qbits, const uint8_t *wg, int k4, int c,
                                                                  int i) {
@@ -80,7 +75,7 @@ static inline __attribute__((always_inline)) void bq_gen_block(const job_t *j, l
         for (long r = 0; r < R; r++) {
             const int8_t *xq = j->xq + (r0 + r) * K + G * g;
             const int32_t s = j->xsum[(r0 + r) * ng + G];
-            for (int c = 0; c < TILE; c++) isum[c] = -bq_zero(qb) * s;
+            for (int c = 0; c < TILE; c++) isum[c] = -j->qzero * s;
             const uint8_t *wg = wt + G * gbytes;
             for (int k4 = 0; k4 < g / 4; k4++) {
                 const uint8_t *wp = wg + (size_t)k4 * TILE * 4;
@@ -136,7 +131,7 @@ static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R
     for (long G = g0; G < g1; G++) {
         __m512i isum[MAXR_Q8][4];
         for (int r = 0; r < R; r++) {
-            const __m512i init = _mm512_set1_epi32(-bq_zero(Q) * xsum[r * ng + G]);
+            const __m512i init = _mm512_set1_epi32(-j->qzero * xsum[r * ng + G]);
             for (int v = 0; v < 4; v++) isum[r][v] = init;
         }
         const uint8_t *wg = wt + G * gbytes;
@@ -221,8 +216,14 @@ static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R
 
 static inline __attribute__((always_inline)) TVNNI void bq_vnni_block(const job_t *j, long t, float *o, long ldo,
                                                                       long r0, long R, long g0, long g1) {
-    if (j->parts == 2) {
-        BQ_ROWS(2, 32, 0, 8)
+    if (j->parts == 2) { /* Q4_K, Q5_K: float32 factors, q tiles of bytes or packed */
+        if (j->qbits == 8) {
+            BQ_ROWS(2, 32, 0, 8)
+        } else if (j->qbits == 5) {
+            BQ_ROWS(2, 32, 0, 5)
+        } else {
+            BQ_ROWS(2, 32, 0, 4)
+        }
     } else if (j->group == 16) {
         BQ_ROWS(1, 16, 0, 8)
     } else if (j->qbits != 8) { /* Q4_0, Q5_0: float16 factors (S = d) */
@@ -276,12 +277,14 @@ BQ_DRIVER(tile_bq_vnni, __attribute__((noinline)) TVNNI, bq_vnni_block)
 /* out[M, ntiles*TILE] = x[M, K] @ W.T (+ bias [N] or NULL) for block weights against q8 rows:
  * q [ntiles, K / 4, TILE, 4] uint8 (q + 128), fac [ntiles, K / group, parts, TILE] float32 (or
  * float16 when fac16, for parts 1 and group 32 only: else -2); qbits 8, or 4 / 5 for packed q tiles
- * [ntiles, K / 32, 1024 or 1280] (with float16 factors only: else -2); K a multiple of QB and of group.
+ * [ntiles, K / 32, 1024 or 1280] (group 32: else -2), u = q + qzero; K a multiple of QB and of group.
  * Returns as npud_gemm (gemm.c). */
 long npud_linear_bq8(const float *x, long M, long K, const uint8_t *q, const void *fac, long group, long parts,
-                     int fac16, int qbits, long ntiles, long N, const float *bias, float *out, int threads) {
+                     int fac16, int qbits, int qzero, long ntiles, long N, const float *bias, float *out,
+                     int threads) {
     if (fac16 && (parts != 1 || group != 32)) return -2; /* float16 factors: the (S, g = 32) formats only */
-    if (qbits != 8 && (qbits != 4 && qbits != 5 || !fac16)) return -2; /* packed q: Q4_0 / Q5_0's, float16 S */
+    /* packed q: Q4_0 / Q5_0's with float16 S, Q4_K / Q5_K's (float32 S, D) */
+    if (qbits != 8 && (qbits != 4 && qbits != 5 || group != 32 || (parts == 1) != (fac16 != 0))) return -2;
     const long nb = K / QB, ng = K / group;
     const size_t qbytes = ((size_t)M * K + 63) / 64 * 64;
     job_t *j = job_new(ntiles, qbytes + (size_t)M * nb * (sizeof(float) + sizeof(int32_t)) +
@@ -298,7 +301,7 @@ long npud_linear_bq8(const float *x, long M, long K, const uint8_t *q, const voi
             for (long k = G * group; k < (G + 1) * group; k++) s += xq[m * K + k];
             gsum[m * ng + G] = s;
         }
-    j->fmt = FMT_BQ, j->M = M, j->K = K, j->w = q, j->fac = fac, j->group = group, j->parts = parts, j->fac16 = fac16, j->qbits = qbits;
+    j->fmt = FMT_BQ, j->M = M, j->K = K, j->w = q, j->fac = fac, j->group = group, j->parts = parts, j->fac16 = fac16, j->qbits = qbits, j->qzero = qzero;
     j->ntiles = ntiles, j->N = N, j->bias = bias, j->out = out, j->xq = xq, j->xs = xs, j->xsum = gsum;
     const int isa = isa_in_use();
     j->tile = isa >= ISA_AVX512_VNNI ? tile_bq_vnni
