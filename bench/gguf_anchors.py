@@ -10,7 +10,7 @@ and M=8 calls beside its own bytes over that bandwidth. The anchors: llama-bench
 commits from llama-bench's own JSON.
 
     NPUD_LLAMA_BENCH=/path/to/llama-bench NPUD_IK_LLAMA_BENCH=/path/to/ik/llama-bench \\
-        .venv/bin/python bench/gguf_anchors.py [--rounds 3] [--threads 1,2] [--tokens 32]
+        .venv/bin/python bench/gguf_anchors.py [--rounds 3] [--threads 1,2] [--tokens 32] [--profile]
 An anchor whose variable is unset or whose binary is missing is left out (the table says so).
 """
 
@@ -92,6 +92,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--profile", action="store_true",
+                    help="also print gguf-q8's per-op profile (bench/decode.py) of a step, an 8-row pass and the prefill")
     args = ap.parse_args()
     from demo import gemma_path
 
@@ -139,9 +141,11 @@ def main() -> None:
             fraction = med([d * step_bytes / bw for d in col["decode"]], ".2f")
         print(f"| {name} | {threads} | {med(col['decode'], '.1f')} | {med(col['verify8/step'], '.2f')} | "
               f"{med(col['prefill64'], '.0f')} | {med(col['prefill512'], '.0f')} | {roof} | {fraction} |")
-    print("\noutput layer (262144 x 640 Q8_0), fastest of 5 calls, median over rounds, vs its bytes / read bandwidth:")
-    print("| format | threads | bytes | M=1 ms | M=1 / roofline | M=8 ms | M=8 / M=1 |")
-    print("|---|---|---|---|---|---|---|")
+    head = next(iter(models.values())).weights.lm_head
+    print(f"\noutput layer ({head.out_features} x {head.in_features} {head.fmt.value}), fastest of 5 calls, median over "
+          "rounds; GB/s: its prepared bytes (q and factor tiles) / the call's time, beside the read bandwidth:")
+    print("| format | threads | bytes | M=1 ms | M=1 GB/s | M=1 / roofline | M=8 ms | M=8 GB/s | M=8 / M=1 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (name, threads), rows in results.items():
         if not name.startswith("npud"):
             continue
@@ -150,7 +154,18 @@ def main() -> None:
         bw = statistics.median(bandwidth[threads])
         h1 = statistics.median(r["head1"] for r in rows)
         h8 = statistics.median(r["head8"] for r in rows)
-        print(f"| {name} | {threads} | {nbytes / 2**20:.0f} MiB | {h1 * 1e3:.1f} | {nbytes / bw / h1:.2f} | {h8 * 1e3:.1f} | {h8 / h1:.2f} |")
+        print(f"| {name} | {threads} | {nbytes / 2**20:.0f} MiB | {h1 * 1e3:.1f} | {nbytes / h1 / 1e9:.1f} | "
+              f"{nbytes / bw / h1:.2f} | {h8 * 1e3:.1f} | {nbytes / h8 / 1e9:.1f} | {h8 / h1:.2f} |")
+    if args.profile:
+        from decode import CATEGORIES, profiles_of
+
+        for threads in [int(t) for t in args.threads.split(",")]:
+            set_threads(threads)
+            by_pass = profiles_of(models["gguf-q8"], prompt, long_prompt)
+            print(f"\n| per-op ms, npud gguf-q8, {threads} thread(s), load {load()} | " + " | ".join(by_pass) + " |")
+            print("|---|" + "---|" * len(by_pass))
+            for cat in CATEGORIES + ["total"]:
+                print(f"| {cat} | " + " | ".join(f"{p.get(cat, 0.0):.1f}" for p in by_pass.values()) + " |")
     print("\nread bandwidth (GB/s, median and range over rounds): " +
           ", ".join(f"{t} thread(s) {med([b / 1e9 for b in v], '.1f')}" for t, v in bandwidth.items()))
     print("anchor commits: " + (", ".join(f"{n} {c}" for n, c in commits.items()) or "none"))

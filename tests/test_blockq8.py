@@ -45,7 +45,10 @@ def test_layout_holds_ggufs_weights_and_the_kernel_computes_the_documented_chain
     raw = random_block_rows(fmt, 70, K, seed=5)
     q, factors = unpack_matrix(raw, fmt, K)
     w = pack_block_matrix(raw, fmt, K, layout=LAYOUT_Q8)
-    assert w.layout == LAYOUT_Q8 and w.data.shape == (2, K // 4, TILE, 4) and w.data.dtype == np.uint8
+    packed = {BlockFormat.Q4_0: 1024, BlockFormat.Q5_0: 1280, BlockFormat.Q4_K: 1024, BlockFormat.Q5_K: 1280}
+    # (kernels/ggml/nibbles.py: bytes a tile's group)
+    shape = (2, K // 32, packed[fmt]) if fmt in packed else (2, K // 4, TILE, 4)
+    assert w.layout == LAYOUT_Q8 and w.data.shape == shape and w.data.dtype == np.uint8
     dense = widen(q, factors)
     assert np.array_equal(dense_weights(w).view(np.uint32), dense.view(np.uint32))
     b = BlockHostBackend(parallel=True)
@@ -94,8 +97,10 @@ def test_start_up_check_covers_the_q8_layout_on_every_path():
             return (xq * np.repeat(xs[:1], QB, axis=1)) @ dense_weights(w).T
 
     failures = check_block_invariance(SharedScale(), rows=6)
-    assert failures and all("/q8 M=" in f or "/q8 isa=" in f for f in failures)
-    assert {f.split(" ")[0] for f in failures} == {f"{fmt.value}/q8" for fmt in BlockFormat}
+    assert failures and all("/q8 M=" in f or "/q8 isa=" in f or "/q8f32 M=" in f or "/q8f32 isa=" in f
+                            for f in failures)
+    assert {f.split(" ")[0] for f in failures} >= {f"{fmt.value}/q8" for fmt in BlockFormat}
+    assert all(f.split(" ")[0].removesuffix("f32").endswith("/q8") for f in failures)
 
 
 def test_gguf_q8_needs_a_gguf_file(tmp_path):
@@ -110,3 +115,55 @@ def test_groups_and_offsets_are_the_block_types():
     # the kernel takes g = 16 only with one factor (Q6_K) and the offset only with g = 32
     for fmt, lay in LAYOUTS.items():
         assert (lay.group, lay.has_offset) in ((32, False), (32, True), (16, False)), fmt
+
+
+@pytest.mark.parametrize("fmt", [BlockFormat.Q8_0, BlockFormat.Q4_0, BlockFormat.Q5_0])
+def test_float16_factor_tiles_hold_ggufs_scales_and_give_the_float32_tiles_bits(fmt, isa_and_threads):
+    """One factor per 32 weights (gguf's fp16 d) is packed as float16: the same values, widened exactly
+    by every path (subnormal, zero, -0 and the largest scales among them), so the bits are the
+    float32 tiles' and the documented chain's."""
+    raw = random_block_rows(fmt, 70, K, seed=6)
+    lay = LAYOUTS[fmt]
+    blocks = raw.reshape(-1, lay.block_bytes)
+    special = np.array([2.0**-24, 3 * 2.0**-20, 0.0, -0.0, -(2.0**-14), 6.0e4, -6.0e4], np.float16).view(np.uint8)
+    blocks[: len(special) // 2 * 7 : 7, 0:2] = special.reshape(-1, 2)  # every 7th block a special scale
+    w = pack_block_matrix(raw, fmt, K, layout=LAYOUT_Q8)
+    q, factors = unpack_matrix(raw, fmt, K)
+    assert w.scale.dtype == np.float16
+    assert np.array_equal(w.scale.astype(np.float32).view(np.uint32)[:, :, 0, :].transpose(0, 2, 1).reshape(-1, K // 32)[:70],
+                          factors[:, :, 0].view(np.uint32))
+    b = BlockHostBackend(parallel=True)
+    wide = dataclasses.replace(w, scale=np.ascontiguousarray(w.scale, dtype=np.float32))
+    x = np.random.default_rng(7).standard_normal((9, K)).astype(np.float32)
+    expected = _reference(x, q, factors, np.zeros(70, np.float32))
+    for path in _paths():
+        native.set_isa(path)
+        half = b.linear(x, w)
+        if w.data.ndim == 4:  # Q8_0's byte tiles also run with float32 factors (packed tiles: float16 only)
+            assert np.array_equal(half.view(np.uint32), b.linear(x, wide).view(np.uint32)), path
+        assert np.array_equal(half.view(np.uint32), (expected + np.float32(0)).view(np.uint32)), path
+    native.set_isa(None)
+
+
+@pytest.mark.parametrize("fmt", [BlockFormat.Q4_0, BlockFormat.Q5_0, BlockFormat.Q4_K, BlockFormat.Q5_K])
+def test_packed_q_tiles_hold_the_same_integers_in_4_or_5_bits(fmt):
+    """Q4_0 / Q5_0 / Q4_K / Q5_K q tiles packed to nibbles (and a fifth-bit plane): every weight's q read back
+    from them is gguf's (the row gather and dense_weights read them too), in 1024 / 1280 bytes a
+    tile's group of 32 k instead of 2048."""
+    from kernels.ggml import nibbles
+
+    raw = random_block_rows(fmt, 130, K, seed=8)
+    q, _ = unpack_matrix(raw, fmt, K)
+    w = pack_block_matrix(raw, fmt, K, layout=LAYOUT_Q8)
+    assert w.data.shape == (3, K // 32, 1024 if nibbles.PACKED_BITS[fmt] == 4 else 1280)
+    tokens = np.arange(130)
+    assert np.array_equal(nibbles.q_columns(w.data, tokens // TILE, tokens % TILE, nibbles.ZERO[fmt]), q)
+    assert (q.min(), q.max()) == {BlockFormat.Q4_0: (-8, 7), BlockFormat.Q5_0: (-16, 15), BlockFormat.Q4_K: (0, 15),
+                                  BlockFormat.Q5_K: (0, 31)}[fmt]
+
+
+def test_float16_factors_of_another_shape_are_refused():
+    w = pack_block_matrix(random_block_rows(BlockFormat.Q4_K, 64, K, seed=1), BlockFormat.Q4_K, K, layout=LAYOUT_Q8)
+    assert w.scale.dtype == np.float32  # two factors a group: kept float32
+    with pytest.raises(ValueError, match="float16 factor tiles"):
+        native.linear_bq8(np.ones((1, K), np.float32), w.data, w.scale.astype(np.float16), 64, None, False)

@@ -104,26 +104,39 @@ def random_block_rows(fmt: BlockFormat, n: int, k: int, seed: int = 0) -> np.nda
     return raw.reshape(n, -1)
 
 
-def check_block_invariance(backend, rows: int = CHECK_ROWS, k: int = 512, n: int = 136, seed: int = 0) -> list[str]:
+def check_block_invariance(backend, rows: int = CHECK_ROWS, k: int = 512, n: int = 136, seed: int = 0,
+                           k_q8: int = 768) -> list[str]:
     """Run every block format's GEMM for M = 1..rows and compare row bits with one-row calls.
 
     Returns failure descriptions (empty when every row of every M matched). N is not a
     multiple of the tile, so a padded tile is exercised too; rows up to 64 take every row
     block size and k chunk size of the kernel (blockgemm.c), K = 512 two of the largest chunks.
+    The q8 layout (blockq8.c) runs at K = k_q8: 768 is one 512-k chunk and a part of another,
+    so the partial sums that wait between chunks are checked too.
     """
-    x = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32)
-    x[rows // 2] *= 1e-3  # a row of another magnitude: its own q8 block scales
+    x_all = np.random.default_rng(seed).standard_normal((rows, max(k, k_q8))).astype(np.float32)
+    x_all[rows // 2] *= 1e-3  # a row of another magnitude: its own q8 block scales
     failures = []
     for layout in (LAYOUT_FLOAT, LAYOUT_Q8):
         tag = "" if layout == LAYOUT_FLOAT else "/q8"
+        kk = k if layout == LAYOUT_FLOAT else k_q8
+        x = np.ascontiguousarray(x_all[:, :kk])
         for fmt in BlockFormat:
-            w = backend.prepare_linear(random_block_weight(fmt, n, k, seed, layout))
-            single = np.concatenate([backend.linear(x[i : i + 1], w) for i in range(rows)])
-            for m in range(1, rows + 1):
-                if not np.array_equal(backend.linear(x[:m], w).view(np.uint32), single[:m].view(np.uint32)):
-                    failures.append(f"{fmt.value}{tag} M={m}")
-            if layout == LAYOUT_Q8:
-                failures += _isa_failures(backend, x, w, single, f"{fmt.value}{tag}")
+            w = backend.prepare_linear(random_block_weight(fmt, n, kk, seed, layout))
+            variants = [(tag, w)]
+            if w.scale.dtype == np.float16 and w.data.ndim == 4:  # float16 factor tiles, and float32 ones too
+                # (Q8_0; packed Q4_0 / Q5_0 tiles come with float16 factors only: kernels/ggml/nibbles.py)
+                variants.append((tag + "f32", dataclasses.replace(w, scale=w.scale.astype(np.float32))))
+            for name, wv in variants:
+                single = np.concatenate([backend.linear(x[i : i + 1], wv) for i in range(rows)])
+                if name != tag and not np.array_equal(single.view(np.uint32), first.view(np.uint32)):
+                    failures.append(f"{fmt.value}{name} != {fmt.value}{tag}")
+                first = single
+                for m in range(1, rows + 1):
+                    if not np.array_equal(backend.linear(x[:m], wv).view(np.uint32), single[:m].view(np.uint32)):
+                        failures.append(f"{fmt.value}{name} M={m}")
+                if layout == LAYOUT_Q8:
+                    failures += _isa_failures(backend, x, wv, single, f"{fmt.value}{name}")
     return failures
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels.base import LinearWeight
+from kernels.ggml import nibbles
 from kernels.ggml.blocks import LAYOUTS, BlockFormat
 from kernels.host import native
 from kernels.host.formats import PARALLEL_MIN_BYTES
@@ -37,7 +38,9 @@ def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarra
     rows: an optional row order (row i of the result is raw row rows[i]), for checkpoints
     whose rows are stored permuted. layout: "qtiles" (q tiles [T, K, TILE] int8, the exact
     float path: blockgemm.c) or "q8blocks" (q + 128 as uint8 [T, K / 4, TILE, 4], against q8
-    activation rows: blockq8.c); both with factor tiles [T, K / g, P, TILE]. done: called with
+    activation rows: blockq8.c); both with factor tiles [T, K / g, P, TILE] (float32; float16 in
+    "q8blocks" for one factor per 32 weights when every factor is a float16 value, as gguf's
+    Q8_0 / Q4_0 / Q5_0 scales are: the same values in half the bytes). done: called with
     each run of raw rows [r0, r1) once it is packed (and never read again), so a mapped file's
     pages can be let go as the copy grows. Raises ValueError for a row width that does not hold
     K weights of `fmt`, or an unknown layout.
@@ -70,6 +73,12 @@ def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarra
             f_tiles[t, :, :, : i1 - i0] = factors[i0 - r0 : i1 - r0].transpose(1, 2, 0)
         if done is not None and rows is None:
             done(raw[r0:r1])
+    if q8 and parts == 1 and lay.group == 32:  # float16 factors where that is every S exactly (blockq8.c)
+        half = f_tiles.astype(np.float16)
+        if np.array_equal(half.astype(np.float32).view(np.uint32), f_tiles.view(np.uint32)):
+            f_tiles = half
+    if q8 and fmt in nibbles.PACKED_BITS and (parts == 2 or f_tiles.dtype == np.float16):
+        q_tiles = nibbles.pack(q_tiles, fmt)  # 4 / 5 bits a weight, not 8 (kernels/ggml/nibbles.py)
     if q8:  # huge pages: a one-row call streams them faster (kernels/host/resident.py)
         q_tiles, f_tiles = resident_copy(q_tiles), resident_copy(f_tiles)
     return LinearWeight(fmt=fmt, data=q_tiles, scale=f_tiles, layout=layout, out_features=n, in_features=k)
@@ -82,8 +91,10 @@ def block_linear(x: np.ndarray, w: LinearWeight, parallel: bool) -> np.ndarray:
         raise ValueError(f"linear: x has shape {x.shape}, weight expects [M, {w.in_features}]")
     # by weight size alone, so a step and a verify of the same layer take the same path
     parallel = parallel and w.data.nbytes >= PARALLEL_MIN_BYTES
-    kernel = native.linear_bq8 if w.layout == LAYOUT_Q8 else native.linear_qtiles
-    out = kernel(x, w.data, w.scale, w.out_features, w.bias, parallel)
+    if w.layout == LAYOUT_Q8:
+        out = native.linear_bq8(x, w.data, w.scale, w.out_features, w.bias, parallel, nibbles.zero_of(w.fmt, w.data))
+    else:
+        out = native.linear_qtiles(x, w.data, w.scale, w.out_features, w.bias, parallel)
     return out[:, : w.out_features]
 
 
@@ -93,8 +104,8 @@ def block_embed(table: LinearWeight, tokens: np.ndarray) -> np.ndarray:
         from kernels.ggml.blocks import widen
 
         tiles, cols = tokens // TILE, tokens % TILE
-        q = (table.data[tiles, :, cols, :].astype(np.int16) - 128).astype(np.int8).reshape(len(tokens), -1)
-        return widen(q, np.ascontiguousarray(table.scale[tiles, :, :, cols]))
+        q = nibbles.q_columns(table.data, tiles, cols, nibbles.zero_of(table.fmt, table.data))
+        return widen(q, np.ascontiguousarray(table.scale[tiles, :, :, cols], dtype=np.float32))
     return native.gather_qtiles(table.data, table.scale, np.ascontiguousarray(tokens, dtype=np.int64))
 
 

@@ -47,6 +47,8 @@ typedef struct job {
     const uint32_t *xb;      /* bf16-dot: [Kp / 2, M], each word a row's bf16 pair (x[k], x[k+1]) */
     const float *fac;        /* GGML blocks (blockgemm.c): factor tiles [ntiles, K / group, parts, TILE] */
     long group, parts;       /* GGML blocks: weights a factor group; 1 (S) or 2 (S, D) factors */
+    int qbits, qzero;        /* blockq8.c: q tiles of bytes (8), or nibbles (4) and a fifth-bit plane (5); u = q + qzero */
+    int fac16;               /* blockq8.c: factor tiles held as float16 (exact: the formats whose S is gguf's fp16 d) */
     /* the thread pool's part (see the pool below) */
     void (*tile)(const struct job *, long, float *, long);
     long chunk, nchunks;     /* tiles per chunk; chunks */

@@ -150,7 +150,7 @@ def library() -> ctypes.CDLL:
             lib.npud_linear_bd.restype = _L
             lib.npud_linear_qtiles.argtypes = [_P, _L, _L, _P, _P, _L, _L, _L, _L, _P, _P, _I]
             lib.npud_linear_qtiles.restype = _L
-            lib.npud_linear_bq8.argtypes = [_P, _L, _L, _P, _P, _L, _L, _L, _L, _P, _P, _I]
+            lib.npud_linear_bq8.argtypes = [_P, _L, _L, _P, _P, _L, _L, _I, _I, _I, _L, _L, _P, _P, _I]
             lib.npud_linear_bq8.restype = _L
             lib.npud_gather_qtiles.argtypes = [_P, _P, _L, _L, _L, _P, _L, _P]
             lib.npud_gather_qtiles.restype = None
@@ -390,15 +390,23 @@ def linear_qtiles(x: np.ndarray, q: np.ndarray, f: np.ndarray, n: int, bias: np.
 
 
 def linear_bq8(x: np.ndarray, q: np.ndarray, f: np.ndarray, n: int, bias: np.ndarray | None,
-               parallel: bool) -> np.ndarray:
+               parallel: bool, zero: int = 128) -> np.ndarray:
     """x: [M, K] f32 quantized per row in q8 blocks, GGML block weights as q tiles [T, K / 4, TILE, 4]
-    uint8 (q + 128) and factor tiles [T, K / g, P, TILE] f32 (blockq8.c) -> [M, T * TILE] f32.
-    Raises MemoryError when the row buffer cannot be allocated."""
+    uint8 (q + 128) or packed [T, K / 32, 1024 | 1280] (q + zero: kernels/ggml/nibbles.py) and factor tiles [T, K / g, P, TILE] f32, or f16 for P = 1 and g = 32
+    (blockq8.c) -> [M, T * TILE] f32. Raises MemoryError when the row buffer cannot be allocated,
+    ValueError for f16 factors of another shape."""
     m, k = x.shape
     tiles = q.shape[0]
     out = np.empty((m, tiles * TILE), np.float32)
-    if _call((_lib or library()).npud_linear_bq8, (q, f, bias), _addr(x), m, k, _weight_ptr(q), _weight_ptr(f),
-             k // f.shape[1], f.shape[2], tiles, n, _weight_ptr(bias), _addr(out), threads() if parallel else 1) < 0:
+    half = f.dtype == np.float16
+    qbits = 8 if q.ndim == 4 else {1024: 4, 1280: 5}.get(q.shape[2], 0)  # packed Q4_0 / Q5_0 tiles
+    status = _call((_lib or library()).npud_linear_bq8, (q, f, bias), _addr(x), m, k, _weight_ptr(q), _weight_ptr(f),
+                   k // f.shape[1], f.shape[2], int(half), qbits, zero, tiles, n, _weight_ptr(bias), _addr(out),
+                   threads() if parallel else 1)
+    if status == -2:
+        raise ValueError(f"float16 factor tiles need one factor per 32 weights (packed q tiles: groups of 32, "
+                         f"float16 factors for one a group), not factors {f.shape[1:3]} {f.dtype} with q tiles {q.shape[1:]}")
+    if status < 0:
         raise MemoryError(f"no memory for the q8 rows of a [{m}, {k}] activation")
     return out
 
