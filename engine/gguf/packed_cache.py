@@ -61,7 +61,7 @@ _ROOT = Path(__file__).resolve().parents[2]
 # the modules whose code decides the arrays an entry holds
 SOURCES = ("engine/gguf/packed_cache.py", "engine/gguf/load.py", "engine/model.py", "engine/gguf/weights.py",
            "engine/weights/layout.py", "engine/weights/__init__.py", "kernels/base.py",
-           "kernels/ggml/gemm.py", "kernels/ggml/blocks.py", "kernels/ggml/backend.py", "kernels/host/backend.py",
+           "kernels/ggml/gemm.py", "kernels/ggml/blocks.py", "kernels/ggml/nibbles.py", "kernels/ggml/backend.py", "kernels/host/backend.py",
            "kernels/host/formats.py", "kernels/host/resident.py")
 _ALLOWED = ("engine.", "kernels.")  # the only modules an entry's classes may come from
 
