@@ -46,6 +46,9 @@ class Model:
         from engine.gguf import is_gguf
         from engine.gguf.load import GGUF_Q8
 
+        from engine import progress
+
+        progress.report("reading", 0, 1)
         gguf = is_gguf(checkpoint_dir)
         if fmt == GGUF_Q8 and not gguf:
             raise ValueError(f"weight format {GGUF_Q8!r} is for GGUF files; {checkpoint_dir} is not one")
@@ -57,11 +60,14 @@ class Model:
             from engine.gguf.load import load_gguf_model
 
             config, weights, info = load_gguf_model(checkpoint_dir, q8=fmt == GGUF_Q8)
+            progress.report("weights", len(config.layers), len(config.layers))
             model = cls(config, weights, backend)
             model.checkpoint_info = info
             return model
         config = load_config(checkpoint_dir)
-        return cls(config, load_weights(config, checkpoint_dir, fmt), backend)
+        weights = load_weights(config, checkpoint_dir, fmt)
+        progress.report("weights", len(config.layers), len(config.layers))
+        return cls(config, weights, backend)
 
     @property
     def nbytes(self) -> int:
