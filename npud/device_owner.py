@@ -362,14 +362,13 @@ class DeviceOwner:
         try:
             served = await self.engine_call(self.registry.get, name, keep=self.models_in_use(), progress=progress)
         finally:
-            job.loading_model = job.loading_progress = None
+            job.loading_model = None
         self.jobs.publish(job, "model_loaded", {"model": name,
                                                 "load_ms": round((time.perf_counter() - started) * 1000, 1)})
         return served
 
     def _load_progress(self, job: Job, report: dict) -> None:
         if job.loading_model == report["model"]:  # not a report that arrives after the load ended
-            job.loading_progress = report
             self.jobs.publish(job, "model_load_progress", report)
 
     def _measure(self, served: ServedModel, job: Job, prompt: int) -> int:

@@ -112,7 +112,6 @@ class Job:
     joined_from: Ticket | None = None  # the queued ticket it left to ride `ticket` (its place in the queue)
     sequences: dict[int, Sequence] = field(default_factory=dict)  # prompt -> its sequence, until its result
     loading_model: str | None = None  # the model being loaded for this job (a cold start), told to new streams
-    loading_progress: dict | None = None  # that load's last model_load_progress event, told to new streams
     last_result: dict | None = None  # the result last committed, as the store holds it
     subscribers: list[Subscriber] = field(default_factory=list)
     finished: trio.Event = field(default_factory=trio.Event)
