@@ -106,14 +106,16 @@ def test_a_client_waiting_on_the_load_sees_its_progress_before_the_tokens(daemon
     assert shown.returncode == 0, shown.stderr
     assert "loading (weights, 50%)" in shown.stdout
     # a stream that begins now hears that the model is loading and how far it is, at once
-    with npc.Client(daemon.socket) as c:
+    with npc.Client(daemon.socket, timeout=30) as c:  # a stream that is not told waits: the hold is still on
         (job,) = [j["job"] for j in c.jobs(["queued", "running"])["jobs"]]
         stream = iter(c.stream(job))
-        first = [next(stream) for _ in range(3)]
+        try:
+            first = [next(stream) for _ in range(3)]
+        finally:
+            hold.unlink()
     assert [(e.name, e.data) for e in first[1:]] == [
         ("model_loading", {"model": MODEL}),
         ("model_load_progress", {"model": MODEL, "stage": "weights", "done": HELD_AT, "total": 6})]
-    hold.unlink()
     thread.join(120)
     (events,) = out
     names = [name for name, _ in events]
