@@ -11,6 +11,14 @@ Stages, each resumable, each reading what the previous one left in ``--work-dir`
     base       next-token training of the base        -> npud/models/pycode-base
     draft      distillation of the base into a 2-layer draft -> npud/models/pycode-draft
     eval       held-out loss of both, draft/base greedy agreement -> work/eval.json
+    fim        continued training of the base with Qwen2.5-Coder's FIM tokens added, on half
+               plain windows and half fill-in-the-middle examples -> npud/models/pycode-base
+    fim-draft  redistillation of the draft against that base (same vocabulary) -> pycode-draft
+    fim-eval   eval, plus FIM on held-out files: middle loss, exact match, valid syntax
+
+The fim stages live in tools/pair_fim.py (its docstring has the example format); after them,
+`tools/train_dflash.py --stage train --init-from <the old pycode-dflash>` redistils the DFlash
+drafter against the new base.
 
 The learning-rate schedule is a function of ``--steps`` alone, and batches are drawn from a
 generator seeded with ``(seed, step)``, so a run resumed from a checkpoint is the run that
