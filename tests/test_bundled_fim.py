@@ -6,15 +6,16 @@ The request is llama.vim's (its `llama#fim` body: input_prefix, the cursor line'
 `prompt`, input_suffix, input_extra chunks, n_predict, n_indent, top_k/top_p, samplers, the
 t_max_* limits, response_fields); it sends no temperature, so npud decodes greedily and the
 answer is one string. The held-out file below was written for this test, so it is in no
-training file. What is checked, each of which a model without FIM training fails: the answer
-ends by itself (EOS before n_predict), put back between prefix and suffix the file parses, and
-for the function body the middle is exactly the one line a Python programmer writes there.
+training file. What is checked: the answer is not empty, it ends by itself (EOS before
+n_predict: the model knows where the middle stops), and put back between prefix and suffix the
+whole file parses. A syntactically valid middle, not an exact one: the 5.8M-parameter model
+writes Python-shaped lines whose meaning is often wrong (npud/models/README.md has its
+held-out exact-match rate). Mutant: the base after 3 FIM steps fails all three cases.
 """
 
 from __future__ import annotations
 
 import ast
-import json
 
 import pytest
 
@@ -55,25 +56,24 @@ def infill(http, prefix: str, line: str, suffix: str, n_predict: int = 64) -> di
     return r.json()
 
 
+# Written for this test (so in no training file): (lines above the cursor, the cursor line up to
+# the cursor, the rest of the file). llama.vim sends the cursor line's start, here the
+# indentation an editor puts on a new line, as `prompt`.
 CASES = {
-    # name: (lines above the cursor, the cursor line's start, the rest of the file, the exact middle or None)
-    "body": (
-        'import os\n\n\ndef read_lines(path):\n    """Return the lines of the file at path."""\n'
-        '    with open(path) as f:\n',
-        "        ",
-        "\n\n\ndef main():\n    for line in read_lines(os.environ['HOME']):\n        print(line)\n",
-        None,
-    ),
+    "with_block": ('import os\n\n\ndef read_lines(path):\n    """Return the lines of the file at path."""\n'
+                   '    with open(path) as f:\n', "        ",
+                   "\n\n\ndef main():\n    for line in read_lines(os.environ['HOME']):\n        print(line)\n"),
+    "method": ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n", "        ",
+               "\n\n    def pop(self):\n        return self.items.pop()\n"),
+    "function": ("import os\n\n\ndef exists(path):\n", "", '\n\n\nif exists("/tmp"):\n    print("yes")\n'),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_llama_vim_infill_completes_the_middle(http, name):
-    prefix, line, suffix, exact = CASES[name]
+    prefix, line, suffix = CASES[name]
     reply = infill(http, prefix, line, suffix)
     middle = reply["content"]
     assert reply["stop_type"] == "eos" and reply["tokens_predicted"] < 64, reply  # it ended by itself
     assert middle.strip(), reply
     ast.parse(prefix + line + middle + suffix)  # a SyntaxError fails the test
-    if exact is not None:
-        assert middle == exact, json.dumps(middle)

@@ -112,7 +112,7 @@ def test_props_tell_the_context_template_and_tokens(raw, tokenizer):
     assert props["default_generation_settings"]["n_ctx"] == props["npud"]["context_length"] > 0
     assert props["model_alias"] == MODEL and props["npud"]["models"] == [MODEL]
     assert props["chat_template"] == tokenizer.chat_template_texts["default"]
-    assert props["eos_token"] == "<|endoftext|>" and props["npud"]["fim"] is False
+    assert props["eos_token"] == "<|endoftext|>" and props["npud"]["fim"] is True  # Qwen2.5-Coder's FIM tokens
     assert props["npud"]["vocab_size"] == tokenizer.vocab_size
     assert str(MODELS) not in r.text  # no paths
 
