@@ -12,7 +12,7 @@ from typing import Any
 from clients.client import Client, ConnectionLost, NotRunning, NpudError, PermissionDenied
 from clients.npuctl_common import (EXIT_DAEMON, EXIT_OK, UsageError, connect, emit_json, is_tty, open_output,
                                    user_name)
-from clients.termout import fmt_bytes, fmt_duration, fmt_rate, fmt_time, print_fields, print_table
+from clients.termout import fmt_bytes, fmt_duration, fmt_rate, fmt_time, load_stage, print_fields, print_table
 
 
 # -- jobs, status, result, cancel ----------------------------------------------------------------
@@ -303,7 +303,8 @@ def cmd_models(args: argparse.Namespace) -> int:
         mix = ", ".join(f"{t} {n}" for t, n in (info.get("quant_mix") or {}).items())
         params = info.get("parameters")
         rows.append([m["name"] + (" (default)" if m["name"] == default else ""),
-                     m.get("state") or ("loaded" if m.get("resident") else "unloaded"),
+                     f"loading ({load_stage(m['loading'])})" if m.get("loading")
+                     else m.get("state") or ("loaded" if m.get("resident") else "unloaded"),
                      fmt_bytes(m.get("memory_bytes") or m.get("nbytes")), _keep_alive(m),
                      mix or m.get("weight_format"), info.get("architecture") or (m.get("describe") or {}).get("model_type"),
                      f"{params / 1e6:.0f}M" if params else None,

@@ -14,7 +14,7 @@ from clients.openai_batch import Endpoint, openai_record
 from clients.client import Client, NpudError
 from clients.npuctl_common import (EXIT_OK, Failed, Interrupted, UsageError, connect, emit_json, generation_settings,
                                    is_tty, open_output)
-from clients.termout import Progress, ProgressBar, fmt_rate
+from clients.termout import Progress, ProgressBar, fmt_rate, load_stage
 
 
 # -- submit ------------------------------------------------------------------------------------
@@ -157,6 +157,8 @@ def _follow(c: Client, aux: Client, plans: list[JobPlan], statuses: list[dict], 
             elif ev.name == "model_loading":  # a cold start: the wait is the load, not generation
                 progress.state = f"loading model {d.get('model')}"
                 reporter.loading(str(d.get("model")))
+            elif ev.name == "model_load_progress":
+                progress.state = f"loading model {d.get('model')} ({load_stage(d)})"
             elif ev.name == "model_loaded":
                 progress.load_s += float(d.get("load_ms") or 0) / 1000
                 progress.state = "running"

@@ -43,6 +43,13 @@ def fmt_rate(accepted: int, drafted: int) -> str:
     return "-" if not drafted else f"{100 * accepted / drafted:.0f}%"
 
 
+def load_stage(report: dict) -> str:
+    """A load's progress ({"stage", "done", "total"}) as "weights, 43%"."""
+    total = report.get("total") or 0
+    pct = f", {100 * (report.get('done') or 0) // total}%" if total > 1 else ""
+    return f"{report.get('stage')}{pct}"
+
+
 def cell(value: Any) -> str:
     if value is None:
         return "-"

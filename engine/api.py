@@ -455,8 +455,34 @@ class ServedModel(Protocol):
 DEFAULT_CACHE_USERS = 7
 
 
+LOAD_STAGES = ("self_check", "tokenizer", "reading", "weights", "calibration", "draft", "dflash", "assistant")
+"""The stages of a load, in the order they come: the host kernels' start-up self-check (once
+per process), the tokenizer, reading and validating the checkpoint's header, converting the
+weights (done/total layers), the speculation cost calibration (read from the kernel cache, or
+measured once), then the companions: a draft model (its own stages come as "draft tokenizer",
+"draft reading", "draft weights"), a DFlash drafter, a Gemma 4 assistant."""
+
+
+@dataclass(slots=True, frozen=True)
+class LoadProgress:
+    """How far a load is: `done` of `total` in `stage` (one of LOAD_STAGES, or "draft " and a
+    stage). A stage's first report has done = 0, its last done = total."""
+
+    stage: str
+    done: int
+    total: int
+
+
+class LoadProgressCallback(Protocol):
+    """Called by the thread that loads, at each step of the load; it must return quickly and
+    not raise (a load does not wait for the daemon)."""
+
+    def __call__(self, progress: LoadProgress) -> None: ...
+
+
 class ModelLoader(Protocol):
-    """How the daemon gets a ServedModel (engine.loader.load_model; tests pass fakes)."""
+    """How the daemon gets a ServedModel (engine.loader.load_model; tests pass fakes).
+    `progress`, when given, hears each LoadProgress of the load, in the loading thread."""
 
     def __call__(self, name: str, checkpoint_dir: str | Path, *, draft_dir: str | Path | None = None,
                  dflash_dir: str | Path | None = None, weight_format: str = "bf16",
@@ -464,4 +490,5 @@ class ModelLoader(Protocol):
                  xrt_design: str | Path | None = None, assistant_dir: str | Path | None = None,
                  xrt_timeout_ms: int | None = None, cache_users: int = DEFAULT_CACHE_USERS,
                  context_length: int | None = None, threads: int | None = None,
-                 chat_template: str | None = None) -> ServedModel: ...
+                 chat_template: str | None = None,
+                 progress: LoadProgressCallback | None = None) -> ServedModel: ...

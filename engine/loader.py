@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.api import DEFAULT_CACHE_USERS, Grammar, ServedModel
+from engine.api import DEFAULT_CACHE_USERS, Grammar, LoadProgressCallback, ServedModel
 
 
 def load_model(name: str, checkpoint_dir: str | Path, *, draft_dir: str | Path | None = None,
@@ -20,7 +20,7 @@ def load_model(name: str, checkpoint_dir: str | Path, *, draft_dir: str | Path |
                xrt_design: str | Path | None = None, assistant_dir: str | Path | None = None,
                xrt_timeout_ms: int | None = None, cache_users: int = DEFAULT_CACHE_USERS,
                context_length: int | None = None, threads: int | None = None,
-               chat_template: str | None = None) -> ServedModel:
+               chat_template: str | None = None, progress: LoadProgressCallback | None = None) -> ServedModel:
     """Load a model from a checkpoint directory (with an optional draft model, DFlash drafter
     and Gemma 4 assistant), its prefix cache persistent under `cache_dir` when given, on `backend` ("auto",
     "host" or "xrt"; `xrt_timeout_ms` bounds each NPU run, None for the backend's default).
@@ -31,18 +31,20 @@ def load_model(name: str, checkpoint_dir: str | Path, *, draft_dir: str | Path |
     `threads` is the host threads of the model's rounds (None: NPUD_HOST_THREADS, else the
     CPUs; the bits do not depend on it). `chat_template` is a Jinja file or the name of one of
     BUILTIN_CHAT_TEMPLATES, used in place of the checkpoint's (None: the checkpoint's, else the
-    built-in its vocabulary's turn markers name).
+    built-in its vocabulary's turn markers name). `progress` hears each stage of the load
+    (engine.api.LoadProgress), called in this thread.
     Blocking. Raises ModelError (or another EngineError) for files that are
     not what they claim, OSError for files that cannot be read."""
     # Imported here, not at the top: the engine proper pulls in numpy and numba, which a
     # daemon that has not loaded a model yet (or `npud --check-config`) does not need.
-    from engine.session import LoadedModel
+    from engine.session import LoadedModel, reporting
 
-    return LoadedModel.load(name, checkpoint_dir, draft_dir=draft_dir, dflash_dir=dflash_dir,
-                            weight_format=weight_format, cache_dir=cache_dir, backend=backend,
-                            xrt_design=xrt_design, assistant_dir=assistant_dir,
-                            xrt_timeout_ms=xrt_timeout_ms, cache_scopes=cache_users,
-                            context_length=context_length, threads=threads, chat_template=chat_template)
+    with reporting(progress):
+        return LoadedModel.load(name, checkpoint_dir, draft_dir=draft_dir, dflash_dir=dflash_dir,
+                                weight_format=weight_format, cache_dir=cache_dir, backend=backend,
+                                xrt_design=xrt_design, assistant_dir=assistant_dir,
+                                xrt_timeout_ms=xrt_timeout_ms, cache_scopes=cache_users,
+                                context_length=context_length, threads=threads, chat_template=chat_template)
 
 
 def describe_checkpoint(path: str | Path) -> dict:

@@ -52,6 +52,9 @@ class Model:
         from engine.gguf import is_gguf
         from engine.gguf.load import GGUF_Q8
 
+        from engine import progress
+
+        progress.report("reading", 0, 1)
         gguf = is_gguf(checkpoint_dir)
         if fmt == GGUF_Q8 and not gguf:
             raise ValueError(f"weight format {GGUF_Q8!r} is for GGUF files; {checkpoint_dir} is not one")
@@ -65,11 +68,14 @@ class Model:
             backend = backend if backend is not None else default_backend()
             config, weights, info = load_gguf_prepared(checkpoint_dir, fmt == GGUF_Q8, backend,
                                                        lambda w: cls.prepare_weights(w, backend))
+            progress.report("weights", len(config.layers), len(config.layers))
             model = cls(config, weights, backend, prepared=True)
             model.checkpoint_info = info
             return model
         config = load_config(checkpoint_dir)
-        return cls(config, load_weights(config, checkpoint_dir, fmt), backend)
+        weights = load_weights(config, checkpoint_dir, fmt)
+        progress.report("weights", len(config.layers), len(config.layers))
+        return cls(config, weights, backend)
 
     @property
     def nbytes(self) -> int:

@@ -34,6 +34,8 @@ from engine.api import (
     SpecParams,
     TokenEvent,
 )
+from engine import progress
+from engine.progress import reporting  # noqa: F401  (engine.loader's way to it: a load's progress callback)
 from engine.assistant import Assistant, AssistantHead
 from engine.batch import Work, run_round
 from engine.chat_templates import ChatTemplateError, choose
@@ -130,26 +132,35 @@ class LoadedModel(TokenizerMethods):
         "xrt" cannot run, AssistantMismatchError (a ModelError) for a Gemma 4 assistant made for
         another base, OSError for files that cannot be read.
         """
+        progress.report("self_check", 0, 1)
         try:
             kernels, backend_reason = select_backend(backend, None if xrt_design is None else str(xrt_design),
                                                      xrt_timeout_ms=xrt_timeout_ms)
         except XrtUnavailable as exc:  # kernels/ does not know the engine's error types
             raise ModelError(str(exc)) from exc
+        progress.report("self_check", 1, 1)
         # the tokenizer first: its temporaries are given back before the weights' arrive, so
         # the two loads' peaks do not add up
+        progress.report("tokenizer", 0, 1)
         tokenizer = Tokenizer.from_dir(checkpoint_dir)
+        progress.report("tokenizer", 1, 1)
         _give_back_free_heap()
         model = Model.load(checkpoint_dir, weight_format, kernels)
         # the speculation break-even rule's cost model on this model's own thread count: read from
         # the kernel cache, or measured once
+        progress.report("calibration", 0, 1)
         model.pass_costs = load_or_calibrate(model, model_threads(threads), CALIBRATED_ROWS)
+        progress.report("calibration", 1, 1)
         # "gguf-q8" names a GGUF file's path: safetensors companions (a draft, a drafter head) take bf16
         companion_format = "bf16" if weight_format == GGUF_Q8 else weight_format
         template_label = _install_chat_template(tokenizer, chat_template)
         draft = draft_tokenizer = None
         if draft_dir is not None:
-            draft = Model.load(draft_dir, weight_format if is_gguf(draft_dir) else companion_format, kernels)
-            draft_tokenizer = Tokenizer.from_dir(draft_dir)
+            with progress.part("draft"):
+                draft = Model.load(draft_dir, weight_format if is_gguf(draft_dir) else companion_format, kernels)
+                progress.report("tokenizer", 0, 1)
+                draft_tokenizer = Tokenizer.from_dir(draft_dir)
+                progress.report("tokenizer", 1, 1)
             check_same_tokenizer(tokenizer, draft_tokenizer)
         cache_key = _cache_key(checkpoint_dir, cache_dir, weight_format, kernels)
         cache = PrefixCache(
@@ -160,8 +171,15 @@ class LoadedModel(TokenizerMethods):
             block_size=cache_block,
             max_scopes=cache_scopes,  # each user has a share of the budgets (engine/prefix_cache.py)
         )
-        dflash = DFlashDraft.load(dflash_dir, model, companion_format) if dflash_dir is not None else None
-        assistant = Assistant.load(assistant_dir, model, companion_format) if assistant_dir is not None else None
+        dflash = assistant = None
+        if dflash_dir is not None:
+            progress.report("dflash", 0, 1)
+            dflash = DFlashDraft.load(dflash_dir, model, companion_format)
+            progress.report("dflash", 1, 1)
+        if assistant_dir is not None:
+            progress.report("assistant", 0, 1)
+            assistant = Assistant.load(assistant_dir, model, companion_format)
+            progress.report("assistant", 1, 1)
         served = cls(name, model, tokenizer, draft, cache, draft_tokenizer, dflash, assistant)
         served.backend_reason = backend_reason
         if context_length is not None:  # never past what the checkpoint was trained for

@@ -228,12 +228,16 @@ class Api:
         if job is None:  # already ended (or ended while we looked)
             return await jobs.status(peer.caller, job_id) if status["state"] in ("queued", "running") else status
         sub = jobs.subscribe(job)
-        loading = job.loading_model  # read before any await: a load that starts later reaches sub itself
+        # read before any await: a load that starts later reaches sub itself
+        loading = job.loading_model
+        loading_progress = None if loading is None else self.registry.loading_progress(loading)
         try:
             await emit("progress", {"done_prompts": len(job.done_prompts), "num_prompts": job.spec.num_prompts,
                                     "state": job.state.value})
             if loading is not None:  # a load that began before this stream did
                 await emit("model_loading", {"model": loading})
+                if loading_progress is not None:  # and how far it is
+                    await emit("model_load_progress", {"model": loading, **loading_progress})
             async for name, data in sub.receive:
                 if name != "token" or tokens:
                     await emit(name, data)

@@ -351,13 +351,25 @@ class DeviceOwner:
             return await self.engine_call(self.registry.get, name, keep=self.models_in_use())
         self.jobs.publish(job, "model_loading", {"model": name})
         job.loading_model, started = name, time.perf_counter()
+        token = trio.lowlevel.current_trio_token()
+
+        def progress(report: dict) -> None:  # in the loading thread: hand the event to trio's
+            try:
+                token.run_sync_soon(self._load_progress, job, report)
+            except trio.RunFinishedError:  # the daemon has stopped; the load goes on unheard
+                pass
+
         try:
-            served = await self.engine_call(self.registry.get, name, keep=self.models_in_use())
+            served = await self.engine_call(self.registry.get, name, keep=self.models_in_use(), progress=progress)
         finally:
             job.loading_model = None
         self.jobs.publish(job, "model_loaded", {"model": name,
                                                 "load_ms": round((time.perf_counter() - started) * 1000, 1)})
         return served
+
+    def _load_progress(self, job: Job, report: dict) -> None:
+        if job.loading_model == report["model"]:  # not a report that arrives after the load ended
+            self.jobs.publish(job, "model_load_progress", report)
 
     def _measure(self, served: ServedModel, job: Job, prompt: int) -> int:
         """The context positions the prompt may fill: its tokens plus max_tokens, at most the

@@ -12,13 +12,13 @@ from __future__ import annotations
 import collections
 import enum
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import psutil
 import structlog
 
-from engine.api import DEFAULT_CACHE_USERS, EngineError, ModelLoader, ServedModel
+from engine.api import DEFAULT_CACHE_USERS, EngineError, LoadProgress, ModelLoader, ServedModel
 from engine.loader import load_model
 from npud.config import ModelEntry
 from npud.protocol import ApiError, ErrorCode
@@ -62,6 +62,7 @@ class ModelRegistry:
         self.max_resident_bytes = max_resident_bytes
         self._resident: collections.OrderedDict[str, ServedModel] = collections.OrderedDict()
         self._loading: str | None = None  # the model a worker thread is loading
+        self._progress: ProgressRelay | None = None  # how far that load is
         self._failed: set[str] = set()
         self.clock = time.monotonic
         self._last_used: dict[str, float] = {}  # when a job or a load last used the model
@@ -83,8 +84,11 @@ class ModelRegistry:
     def budget(self) -> int:
         return self.max_resident_bytes or psutil.virtual_memory().total // 2
 
-    def get(self, name: str, *, keep: Iterable[str] = ()) -> ServedModel:
+    def get(self, name: str, *, keep: Iterable[str] = (),
+            progress: Callable[[dict], None] | None = None) -> ServedModel:
         """The loaded model `name`, loading it (and unloading others) if needed. Blocking.
+        A load's progress is logged (model_load_progress), shown by `describe` and, when
+        `progress` is given, told to it (in this thread) as {"model", "stage", "done", "total"}.
 
         Raises not_found for an unknown name and model_error when its files do not load.
         """
@@ -101,6 +105,8 @@ class ModelRegistry:
         self._loading = name
         # a large file can take a while: the log says the load began (model_loaded says when it ends)
         log.info("model_load_started", model=name, checkpoint_dir=entry.checkpoint_dir)
+        relay = ProgressRelay(name, progress)
+        self._progress = relay
         try:
             served = self._loader(
                 entry.name, entry.checkpoint_dir, draft_dir=entry.draft_dir, dflash_dir=entry.dflash_dir,
@@ -108,7 +114,7 @@ class ModelRegistry:
                 cache_dir=None if self.cache_root is None else self.cache_root / entry.name,
                 backend=self.backend, xrt_design=self.xrt_design, assistant_dir=entry.assistant_dir,
                 xrt_timeout_ms=self.xrt_timeout_ms, cache_users=self.cache_users, chat_template=entry.chat_template,
-                **tuning)
+                progress=relay, **tuning)
         except (EngineError, OSError) as exc:  # ConfigError, WeightsError, TokenizerError, missing files
             self._failed.add(name)
             log.error("model_load_failed", model=name, checkpoint_dir=entry.checkpoint_dir,
@@ -118,7 +124,7 @@ class ModelRegistry:
             raise ApiError(ErrorCode.MODEL_ERROR, f"model {name!r} does not load: {self.load_errors[name]}; "
                                                   "the daemon log says why (model_load_failed)") from None
         finally:
-            self._loading = None
+            self._loading, self._progress = None, None
         self._failed.discard(name)
         self._last_used[name] = self.clock()
         self.load_errors.pop(name, None)
@@ -157,6 +163,11 @@ class ModelRegistry:
         if self._loading == name:
             return ModelState.LOADING
         return ModelState.FAILED if name in self._failed else ModelState.UNLOADED
+
+    def loading_progress(self, name: str) -> dict | None:
+        """How far the load of `name` is ({"stage", "done", "total"}), None when it is not loading."""
+        relay = self._progress
+        return relay.last if relay is not None and relay.model == name and self._loading == name else None
 
     def keep_alive_s(self, name: str) -> float:
         """Seconds `name` stays loaded once idle (negative: until evicted or unloaded)."""
@@ -227,10 +238,46 @@ class ModelRegistry:
                 # null until the model is loaded (a job or `npuctl models load` loads it)
                 "context_length": None if served is None else served.max_context,
                 "fim": None if served is None else served.fim,
+                # while loading: {"stage", "done", "total"} of the load (engine.api.LOAD_STAGES)
+                "loading": self.loading_progress(name),
                 "describe": described,
                 "load_error": self.load_errors.get(name),
             })
         return out
+
+
+class ProgressRelay:
+    """The engine's LoadProgress callback for one load (called in the loading thread): keeps the
+    last report for `describe`, logs `model_load_progress` at each new stage and at most every
+    LOG_EVERY_S within one, and tells `forward` at each new stage, at a stage's end and at most
+    every FORWARD_EVERY_S within one."""
+
+    LOG_EVERY_S = 1.0
+    FORWARD_EVERY_S = 0.2
+
+    def __init__(self, model: str, forward: Callable[[dict], None] | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.model = model
+        self.forward = forward
+        self.clock = clock
+        self.last: dict | None = None
+        self._logged = self._forwarded = float("-inf")
+
+    def __call__(self, progress: LoadProgress) -> None:
+        now = self.clock()
+        new_stage = self.last is None or self.last["stage"] != progress.stage
+        report = {"stage": progress.stage, "done": progress.done, "total": progress.total}
+        self.last = report
+        if new_stage or now - self._logged >= self.LOG_EVERY_S:
+            self._logged = now
+            log.info("model_load_progress", model=self.model, **report)
+        if self.forward is not None and (new_stage or progress.done == progress.total
+                                         or now - self._forwarded >= self.FORWARD_EVERY_S):
+            self._forwarded = now
+            try:
+                self.forward({"model": self.model, **report})
+            except Exception:  # a listener's bug must not fail the load
+                log.exception("model_load_progress_listener_failed", model=self.model)
 
 
 # what a failed load's exception says about the model, in words with no path and no exception text

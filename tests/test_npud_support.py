@@ -22,6 +22,7 @@ from engine.api import (
     FinishReason,
     GenerateRequest,
     GenerationResult,
+    LoadProgress,
     ModelError,
     PromptTooLong,
     RequestError,
@@ -202,9 +203,10 @@ class FakeServedModel:
 def load_model(name: str, checkpoint_dir, *, draft_dir=None, dflash_dir=None, weight_format: str = "bf16",
                cache_dir=None, backend: str = "auto", xrt_design=None, assistant_dir=None,
                xrt_timeout_ms=None, cache_users: int = 7, context_length=None, threads=None,
-               chat_template=None) -> FakeServedModel:
+               chat_template=None, progress=None) -> FakeServedModel:
     """The fake engine's engine.api.ModelLoader: knobs from <checkpoint_dir>/fake.json
-    (and load_sleep_s, how long the load takes; a context_length caps max_context).
+    (and load_sleep_s, how long the load takes, told to `progress` as four "weights" steps;
+    a context_length caps max_context).
 
     Raises FileNotFoundError without the file, ModelError when it is not JSON."""
     path = Path(checkpoint_dir) / "fake.json"
@@ -212,7 +214,12 @@ def load_model(name: str, checkpoint_dir, *, draft_dir=None, dflash_dir=None, we
         knobs = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ModelError(f"{path}: not JSON: {exc}") from None
-    time.sleep(float(knobs.get("load_sleep_s", 0.0)))  # a load that takes a while (a cold start)
+    sleep = float(knobs.get("load_sleep_s", 0.0))  # a load that takes a while (a cold start)
+    for done in range(5):
+        if progress is not None:
+            progress(LoadProgress("weights", done, 4))
+        if done < 4:
+            time.sleep(sleep / 4)
     served = FakeServedModel(name, knobs)
     if context_length is not None:
         served.max_context = min(served.max_context, context_length)

@@ -290,6 +290,14 @@ def stage_train(args) -> None:
     torch.manual_seed(args.seed)
     draft = Draft(config, len(ids))
     init_from_base(draft, base)
+    if args.init_from is not None and not (work / "dflash.state.pt").exists():
+        # a short redistillation: the layers of a drafter trained on an earlier base (its
+        # weights do not depend on the vocabulary: the base's embedding and head are read)
+        from safetensors.torch import load_file
+
+        earlier = load_file(str(args.init_from / "model.safetensors"))
+        draft.load_state_dict({k: v.float() for k, v in earlier.items()})
+        log(f"dflash: starting from {args.init_from}")
     runner = BaseRunner(base)
     check_runner(runner, base, data, ids)
     embed = base.model.embed_tokens.weight  # frozen; tied with the base's LM head
@@ -609,6 +617,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=2, help="draft decoder layers")
     p.add_argument("--target-layers", type=int, nargs="*", default=None,
                    help="base layers to tap (default: the reference's spread for --layers)")
+    p.add_argument("--init-from", type=pathlib.Path, default=None,
+                   help="train: start from this drafter's weights (a redistillation against a changed base)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--gamma", type=float, default=4.0, help="loss weight exp(-(j-1)/gamma) of block row j")

@@ -11,6 +11,14 @@ Stages, each resumable, each reading what the previous one left in ``--work-dir`
     base       next-token training of the base        -> npud/models/pycode-base
     draft      distillation of the base into a 2-layer draft -> npud/models/pycode-draft
     eval       held-out loss of both, draft/base greedy agreement -> work/eval.json
+    fim        continued training of the base with Qwen2.5-Coder's FIM tokens added, on half
+               plain windows and half fill-in-the-middle examples -> npud/models/pycode-base
+    fim-draft  redistillation of the draft against that base (same vocabulary) -> pycode-draft
+    fim-eval   eval, plus FIM on held-out files: middle loss, exact match, valid syntax
+
+The fim stages live in tools/pair_fim.py (its docstring has the example format); after them,
+`tools/train_dflash.py --stage train --init-from <the old pycode-dflash>` redistils the DFlash
+drafter against the new base.
 
 The learning-rate schedule is a function of ``--steps`` alone, and batches are drawn from a
 generator seeded with ``(seed, step)``, so a run resumed from a checkpoint is the run that
@@ -406,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--stage", required=True, choices=["tokenizer", "base", "draft", "eval"])
+    p.add_argument("--stage", required=True, choices=["tokenizer", "base", "draft", "eval", "fim", "fim-draft", "fim-eval"])
     p.add_argument("--work-dir", type=pathlib.Path, default=pathlib.Path("/tmp/npud-train"))
     p.add_argument("--models-dir", type=pathlib.Path, default=MODELS_DIR,
                    help="where pycode-base/ and pycode-draft/ are written (default: npud/models)")
@@ -424,6 +432,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--distill", type=float, default=0.8,
                    help="draft only: weight of KL to the base; the rest is next-token CE")
     p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--fim-rate", type=float, default=0.5,
+                   help="fim stages: the share of each batch that is FIM examples")
+    p.add_argument("--fim-eval-examples", type=int, default=100,
+                   help="fim-eval: held-out examples of each kind (function body, lines)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--eval-windows", type=int, default=None,
@@ -432,13 +444,22 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("steps", "batch", "seq_len", "warmup", "threads", "log_every", "save_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+    if not 0.0 <= args.fim_rate <= 1.0:
+        p.error(f"--fim-rate must be within [0, 1], not {args.fim_rate}")
     if not 0.0 <= args.distill <= 1.0:
         p.error(f"--distill must be within [0, 1], not {args.distill}")
 
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    if args.stage == "tokenizer":
+    if args.stage.startswith("fim"):
+        import pair_fim
+
+        if args.stage == "fim-eval":
+            pair_fim.stage_fim_eval(args)
+        else:
+            pair_fim.stage_fim(args, "draft" if args.stage == "fim-draft" else "base")
+    elif args.stage == "tokenizer":
         stage_tokenizer(args)
     elif args.stage == "eval":
         stage_eval(args)

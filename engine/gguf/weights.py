@@ -20,6 +20,7 @@ import dataclasses
 
 import numpy as np
 
+from engine import progress
 from engine.config import ModelConfig
 from engine.gguf.reader import GgufFile, GgufTensor
 from engine.weights import AttentionWeights, LayerWeights, MlpWeights, ModelWeights, WeightsError, checkpoint_fingerprint
@@ -120,6 +121,8 @@ def load_gguf_weights(g: GgufFile, cfg: ModelConfig, q8: bool = False) -> ModelW
     Raises WeightsError for a missing tensor, a wrong shape, or a type npud cannot run.
     """
     check_gguf_tensors(g, cfg)
+    progress.report("reading", 1, 1)
+    progress.report("weights", 0, len(cfg.layers))
     layout = LAYOUT_Q8 if q8 else LAYOUT_FLOAT
     t = g.tensors
     gemma = _is_gemma3(cfg)
@@ -163,6 +166,7 @@ def load_gguf_weights(g: GgufFile, cfg: ModelConfig, q8: bool = False) -> ModelW
         else:
             layers.append(LayerWeights(input_norm=norm(f"{p}attn_norm.weight"), attn=attn,
                                        post_attention_norm=norm(f"{p}ffn_norm.weight"), mlp=mlp))
+        progress.report("weights", len(layers), len(cfg.layers))
     embed = _matrix(t["token_embd.weight"], None, layout, g.release)
     lm_head = embed if cfg.tie_word_embeddings else _matrix(t["output.weight"], None, layout, g.release)
     return ModelWeights(embed=embed, layers=layers, final_norm=norm("output_norm.weight"), lm_head=lm_head,

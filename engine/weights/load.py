@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine import progress
 from engine.config import HYBRID_MODEL_TYPES, ModelConfig
 from engine.weights.checkpoint import _LOADABLE, TensorRef, WeightsError, checkpoint_fingerprint, open_checkpoint
 from engine.weights.convert import _convert_matrix, _vector
@@ -78,6 +79,8 @@ def load_weights(cfg: ModelConfig, checkpoint_dir, fmt: WeightFormat) -> ModelWe
         return load_hybrid_weights(cfg, refs, fmt, checkpoint_fingerprint(directory))
     _check_tensors(refs, _expected_tensors(cfg), directory)
     fingerprint = checkpoint_fingerprint(directory)
+    progress.report("reading", 1, 1)
+    progress.report("weights", 0, len(cfg.layers))
 
     def linear(prefix: str, has_bias: bool) -> LinearWeight:
         data, scale = _convert_matrix(refs[f"{prefix}.weight"], fmt)
@@ -107,6 +110,7 @@ def load_weights(cfg: ModelConfig, checkpoint_dir, fmt: WeightFormat) -> ModelWe
             post_attention_norm=_vector(refs[f"{p}post_attention_layernorm.weight"]),
             mlp=mlp,
         ))
+        progress.report("weights", len(layers), len(cfg.layers))
     lm_head = embed if cfg.tie_word_embeddings else linear("lm_head", False)
     return ModelWeights(embed=embed, layers=layers, final_norm=_vector(refs["model.norm.weight"]),
                         lm_head=lm_head, fingerprint=fingerprint)

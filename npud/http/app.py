@@ -107,6 +107,7 @@ class Stream:
         self.job: str | None = None  # the job's reference (npud/jobref.py), never its id
         self.logprobs: list[dict] | None = None  # of tokens whose text has not been sent yet
         self.offset = 0  # characters of the tokens' own texts sent so far (completions' text_offset)
+        self.first = True  # no chunk sent yet (comments may have begun the stream)
 
     def _take_logprobs(self) -> dict | None:
         items, self.logprobs = self.logprobs, None
@@ -119,17 +120,25 @@ class Stream:
     async def emit(self, name: str, data: dict) -> None:
         if name == "ticket" and self.job is None:
             self.job = self.refs.ref(data["job"])
+        elif name in ("model_loading", "model_load_progress", "model_loaded"):
+            # a cold start: the stream begins and says so in comments, which clients skip
+            await self._start()
+            await self.responder.send_event(sse.comment(f"{name} {json.dumps(data, separators=(',', ':'))}"))
         elif name == "token":
             if "logprobs" in data:  # a token whose text is held back sends its logprobs with that text
                 self.logprobs = (self.logprobs or []) + data["logprobs"]
             if data["text"]:
-                await self._send(chunk(self.kind, self.model, self.job, data["text"], first=not self.responder.started,
+                await self._send(chunk(self.kind, self.model, self.job, data["text"], first=self.first,
                                        logprobs=self._take_logprobs()))
 
-    async def _send(self, payload: dict) -> None:
+    async def _start(self) -> None:
         if not self.responder.started:
             await self.responder.start_stream()
+
+    async def _send(self, payload: dict) -> None:
+        await self._start()
         await self.responder.send_event(sse.event(payload))
+        self.first = False
 
     async def finish(self, result: dict, include_usage: bool) -> None:
         """`result` as run_single returns it, its `job` the job's reference."""
@@ -138,7 +147,7 @@ class Stream:
             await self._send({**infill_reply(self.model, result), "content": ""})
             await self.responder.end_stream()
             return
-        last = chunk(self.kind, self.model, self.job, None, result["finish_reason"], first=not self.responder.started,
+        last = chunk(self.kind, self.model, self.job, None, result["finish_reason"], first=self.first,
                      logprobs=self._take_logprobs())
         last["npud"] = npud_reply(result)
         await self._send(last)
@@ -192,7 +201,7 @@ class App:
         data = []
         for m in self.api.registry.describe():  # no paths: a TCP client may be on another host
             facts = {k: m[k] for k in ("state", "resident", "memory_bytes", "keep_alive_s", "idle_unload_in_s",
-                                       "max_context", "context_length", "fim", "weight_format", "load_error") if k in m}
+                                       "max_context", "context_length", "fim", "weight_format", "load_error", "loading") if k in m}
             data.append({"id": m["name"], "object": "model", "created": 0, "owned_by": "npud", "npud": facts})
         await responder.send_json(200, {"object": "list", "data": data})
 

@@ -16,3 +16,9 @@ def event(payload: dict) -> bytes:
     except UnicodeEncodeError:  # a lone surrogate in generated or quoted text
         data = json.dumps(payload, separators=(",", ":")).encode()
     return b"data: " + data + b"\n\n"
+
+
+def comment(text: str) -> bytes:
+    """A comment line (`: text`), which every SSE client skips: how a stream says the model is
+    still loading without an event an OpenAI client would try to read as a chunk."""
+    return b": " + " ".join(text.split()).encode() + b"\n\n"
