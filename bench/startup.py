@@ -67,14 +67,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def npud_run(model: Path, work: Path, cache: Path, tokens: int, threads: int) -> dict:
+def npud_run(model: Path, work: Path, cache: Path, tokens: int, threads: int, weight_format: str | None = None) -> dict:
     """One daemon life: seconds from process start to a connectable socket and to the first
-    token, the daemon's memory after `tokens` greedy tokens, and the tokens."""
+    token, the daemon's memory after `tokens` greedy tokens, and the tokens. With
+    `weight_format` the model is served from a configuration file that sets it (`npud --config`),
+    else as `npud --model FILE` serves it (a GGUF file: the exact float path)."""
     sock = work / "npud.sock"
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "CACHE_DIRECTORY", "NPUD_CONFIG")}
     env |= {"PYTHONPATH": str(ROOT), "NPUD_CACHE_DIR": str(cache), "NPUD_HOST_THREADS": str(threads),
             "NUMBA_NUM_THREADS": str(threads)}
-    cmd = [sys.executable, "-m", "npud", "--model", str(model), "--socket", str(sock), "--state-dir",
+    if weight_format is None:
+        serve = ["--model", str(model)]
+    else:
+        config = work / "npud.toml"
+        config.write_text(f'[[models]]\nname = "bench"\ncheckpoint_dir = {json.dumps(str(model))}\n'
+                          f'weight_format = {json.dumps(weight_format)}\npreload = true\n')
+        serve = ["--config", str(config)]
+    cmd = [sys.executable, "-m", "npud", *serve, "--socket", str(sock), "--state-dir",
            str(work / "state"), "--log-level", "info", "--log-format", "json"]
     started = time.perf_counter()
     (work / "npud.log").unlink(missing_ok=True)
@@ -157,7 +166,7 @@ def llama_binary(arg: str | None) -> Path | None:
     return Path(value) if value else None
 
 
-def measure(model, rounds: int, tokens: int, threads: int, binary=None) -> list[tuple]:
+def measure(model, rounds: int, tokens: int, threads: int, binary=None, weight_format: str | None = None) -> list[tuple]:
     """One cold npud start, then `rounds` rounds of a warm npud start and (with `binary`) a
     llama-completion run. Rows: (round, engine, cache, load average, result, cache files, cache KiB).
 
@@ -171,7 +180,7 @@ def measure(model, rounds: int, tokens: int, threads: int, binary=None) -> list[
     try:
         for i in range(rounds + 1):
             load = loadavg()
-            r = npud_run(model, work, cache, tokens, threads)
+            r = npud_run(model, work, cache, tokens, threads, weight_format)
             files = [p for p in cache.rglob("*") if p.is_file()]
             rows.append((i, "npud", "cold" if i == 0 else "warm", load, r, len(files),
                          sum(p.stat().st_size for p in files) // 1024))
@@ -233,14 +242,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="warm rounds (npud, then llama.cpp, in each)")
     ap.add_argument("--tokens", type=int, default=32, help="greedy tokens decoded in each run")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--weight-format", default=None,
+                    help="serve the model in this format through a configuration file (e.g. gguf-q8); "
+                         "default: as `npud --model FILE` serves it")
     ap.add_argument("--llama-completion", default=None, help="llama.cpp's llama-completion ($NPUD_LLAMA_COMPLETION)")
     args = ap.parse_args()
     model = args.model or default_model()
     binary = llama_binary(args.llama_completion)
     load_start = loadavg()
-    rows = measure(model, args.rounds, args.tokens, args.threads, binary)
+    rows = measure(model, args.rounds, args.tokens, args.threads, binary, args.weight_format)
     print(f"\n# bench/startup.py: process start to first token and peak RSS decoding {args.tokens} tokens; "
-          f"{model.name}; CPU: {cpu_model()}; threads {args.threads}; load average at start {load_start}, "
+          f"{model.name} ({args.weight_format or 'as --model serves it'}); CPU: {cpu_model()}; threads {args.threads}; load average at start {load_start}, "
           f"at end {loadavg()}; llama.cpp: {binary or 'not given ($NPUD_LLAMA_COMPLETION)'}\n")
     report(rows)
 
