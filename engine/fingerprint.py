@@ -45,6 +45,8 @@ _CHUNK = 1 << 20
 
 _process_memo: dict[tuple, str] = {}  # stat identity -> digest, shared by every memo of the process
 _process_lock = threading.Lock()
+_directory_memos: dict[Path, "DigestMemo"] = {}  # cache directory -> its memo (directory_memo)
+_directory_memos_lock = threading.Lock()
 
 
 class FingerprintError(OSError):
@@ -53,6 +55,16 @@ class FingerprintError(OSError):
 
 def _identity(path: Path, st: os.stat_result) -> tuple:
     return (str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+
+
+def directory_memo(root: str | Path) -> "DigestMemo":
+    """The process's one memo kept in cache directory `root` (its `file-digests.json`): every
+    cache that lives in `root` and keys entries by file content reads and saves through it."""
+    root = Path(root)
+    with _directory_memos_lock:
+        if root not in _directory_memos:
+            _directory_memos[root] = DigestMemo(root / MEMO_FILE)
+        return _directory_memos[root]
 
 
 class DigestMemo:

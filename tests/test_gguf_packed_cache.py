@@ -32,7 +32,7 @@ IDS = [1, 5, 9, 3, 7, 2, 11, 4]
 @pytest.fixture(autouse=True)
 def private_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("NPUD_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(pc, "_memos", {})  # a memo per test, as a new process has
+    monkeypatch.setattr(fingerprint, "_directory_memos", {})  # a memo per test, as a new process has
     monkeypatch.setattr(fingerprint, "SETTLE_NS", 0)  # files written just now may be remembered
     return tmp_path / "cache" / pc.SUBDIR
 

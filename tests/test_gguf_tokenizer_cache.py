@@ -26,7 +26,7 @@ TEXTS = ["def total(values):\n    return sum(values)\n", "  the café  naïve\tv
 
 @pytest.fixture(autouse=True)
 def fresh_memos(monkeypatch):
-    monkeypatch.setattr(tc, "_memos", {})  # each test its own memo file, as a new process would have
+    monkeypatch.setattr(fingerprint, "_directory_memos", {})  # each test its own memo file, as a new process would have
     monkeypatch.setattr(fingerprint, "SETTLE_NS", 0)  # files written just now may be remembered
 
 
@@ -84,7 +84,7 @@ def test_a_hit_does_not_build(tiny, tmp_path, monkeypatch):
 def test_the_file_is_hashed_once_per_process_and_not_at_the_next_start(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(fingerprint, "_process_memo", {})
     tc.load_gguf_tokenizer(tiny, tmp_path)
-    memo = tc._memos[tmp_path]
+    memo = fingerprint._directory_memos[tmp_path]
     assert memo.files_read == 1
     # the prefix cache's key, in the same process, reads the process-wide memo
     other = fingerprint.DigestMemo(tmp_path / "model" / fingerprint.MEMO_FILE)
@@ -92,9 +92,9 @@ def test_the_file_is_hashed_once_per_process_and_not_at_the_next_start(tiny, tmp
     assert other.files_read == 0
     # a new process: an empty process memo, the persisted one in the cache directory
     monkeypatch.setattr(fingerprint, "_process_memo", {})
-    monkeypatch.setattr(tc, "_memos", {})
+    monkeypatch.setattr(fingerprint, "_directory_memos", {})
     assert tc.load_gguf_tokenizer(tiny, tmp_path)[1] == "hit"
-    assert tc._memos[tmp_path].files_read == 0
+    assert fingerprint._directory_memos[tmp_path].files_read == 0
     later = fingerprint.DigestMemo()
     later.digest(tiny)
     assert later.files_read == 0

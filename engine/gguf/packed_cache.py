@@ -34,7 +34,6 @@ import json
 import mmap
 import os
 import pickle
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +44,7 @@ try:
 except ImportError:  # numpy < 2
     from numpy import byte_bounds
 
-from engine.fingerprint import MEMO_FILE, DigestMemo, FingerprintError
+from engine.fingerprint import FingerprintError, directory_memo
 from engine.prefix_store import unlink, write_atomic
 
 log = structlog.get_logger(__name__)
@@ -65,21 +64,11 @@ SOURCES = ("engine/gguf/packed_cache.py", "engine/gguf/load.py", "engine/model.p
            "kernels/host/formats.py", "kernels/host/resident.py")
 _ALLOWED = ("engine.", "kernels.")  # the only modules an entry's classes may come from
 
-_memos: dict[Path, DigestMemo] = {}
-_memos_lock = threading.Lock()
-
 
 def default_root() -> Path:
     from kernels.host.cache import cache_dir
 
     return cache_dir() / SUBDIR
-
-
-def _memo(root: Path) -> DigestMemo:
-    with _memos_lock:
-        if root not in _memos:
-            _memos[root] = DigestMemo(root / MEMO_FILE)
-        return _memos[root]
 
 
 def cacheable(backend) -> bool:
@@ -94,7 +83,7 @@ def entry_key(path, layout: str, backend, root: Path) -> str:
     """The key of `path`'s packed weights in `layout` for `backend`. Raises FingerprintError."""
     from kernels.base import numerics_identity
 
-    memo = _memo(root)
+    memo = directory_memo(root)
     digest = memo.digest(path)
     memo.save()
     h = hashlib.sha256(json.dumps({"format": FORMAT, "version": PACK_VERSION, "file_sha256": digest,

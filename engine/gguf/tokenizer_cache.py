@@ -27,13 +27,12 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
 import structlog
 
-from engine.fingerprint import MEMO_FILE, DigestMemo, FingerprintError
+from engine.fingerprint import MEMO_FILE, FingerprintError, directory_memo
 from engine.gguf.tokenizer import (BUILDER_VERSION, assemble_backend, decode_recipe, finish_backend,
                                    gguf_tokenizer_parts, tokenizer_from_parts)
 from engine.prefix_store import unlink, write_atomic
@@ -45,22 +44,12 @@ FORMAT = "npud-gguf-tokenizer"
 SUBDIR = "tokenizers"
 MAX_ENTRIES = 16
 
-_memos: dict[Path, DigestMemo] = {}  # cache directory -> its memo, one per process (a memo saves what it used)
-_memos_lock = threading.Lock()
-
 
 def default_root() -> Path:
     """Where entries live: the `tokenizers` directory of the kernel cache (kernels/host/cache.py)."""
     from kernels.host.cache import cache_dir
 
     return cache_dir() / SUBDIR
-
-
-def _memo(root: Path) -> DigestMemo:
-    with _memos_lock:
-        if root not in _memos:
-            _memos[root] = DigestMemo(root / MEMO_FILE)
-        return _memos[root]
 
 
 def _library() -> str:
@@ -85,7 +74,7 @@ def _load(path, root) -> tuple[Tokenizer, str]:
 
     path = Path(path)
     root = Path(root) if root is not None else default_root()
-    memo = _memo(root)
+    memo = directory_memo(root)
     try:
         digest = memo.digest(path)
     except FingerprintError as exc:
