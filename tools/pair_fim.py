@@ -278,11 +278,7 @@ def stage_fim(args, which: str) -> None:
     window = {"plain": 0.0, "fim": 0.0, "n": 0, "t": t0, "tokens": 0}
     n_fim = round(args.batch * args.fim_rate)
     while step < args.steps:
-        if args.minutes is not None and time.monotonic() - t0 > args.minutes * 60:
-            log(f"{name}: wall-clock budget of {args.minutes} min reached at step {step}")
-            break
-        if args.stop_at is not None and step >= args.stop_at:
-            log(f"{name}: stopping at step {step} as asked (--stop-at)")
+        if tp.out_of_budget(name, step, t0, args):
             break
         for group in opt.param_groups:
             group["lr"] = tp.lr_at(step, args)
@@ -334,8 +330,7 @@ def stage_fim(args, which: str) -> None:
     log(f"{name}: exported {out_dir} after {step} steps, {elapsed:.0f}s")
 
 
-def log(msg: str) -> None:
-    print(msg, flush=True)
+log = tp.log
 
 
 # ---------------------------------------------------------------- evaluation

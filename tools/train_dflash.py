@@ -331,8 +331,7 @@ def stage_train(args) -> None:
     window = {"loss": 0.0, "top1": 0.0, "first": 0.0, "n": 0, "t": t0}
     draft.train()
     while step < args.steps:
-        if args.minutes is not None and time.monotonic() - t0 > args.minutes * 60:
-            log(f"dflash: wall-clock budget of {args.minutes} min reached at step {step}")
+        if train_pair.out_of_budget("dflash", step, t0, args):
             break
         for group in opt.param_groups:
             group["lr"] = train_pair.lr_at(step, args)

@@ -250,6 +250,18 @@ def batch_at(data: np.ndarray, seed: int, step: int, batch: int, seq_len: int) -
     return torch.from_numpy(rows)
 
 
+def out_of_budget(which: str, step: int, t0: float, args) -> bool:
+    """Whether a training loop stops before `step`: its wall-clock budget (--minutes, from t0)
+    spent or the step --stop-at names reached; says which."""
+    if args.minutes is not None and time.monotonic() - t0 > args.minutes * 60:
+        log(f"{which}: wall-clock budget of {args.minutes} min reached at step {step}")
+        return True
+    if getattr(args, "stop_at", None) is not None and step >= args.stop_at:
+        log(f"{which}: stopping at step {step} as asked (--stop-at)")
+        return True
+    return False
+
+
 def lr_at(step: int, args) -> float:
     """Linear warmup, then cosine decay to a tenth of the peak at --steps."""
     if step < args.warmup:
@@ -319,11 +331,7 @@ def stage_train(args, which: str) -> None:
     t0 = time.monotonic()
     window_t, window_tokens, window_loss, window_steps = t0, 0, 0.0, 0
     while step < args.steps:
-        if args.minutes is not None and time.monotonic() - t0 > args.minutes * 60:
-            log(f"{which}: wall-clock budget of {args.minutes} min reached at step {step}")
-            break
-        if args.stop_at is not None and step >= args.stop_at:
-            log(f"{which}: stopping at step {step} as asked (--stop-at)")
+        if out_of_budget(which, step, t0, args):
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
