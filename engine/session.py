@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,6 @@ from engine.api import (
 )
 from engine import progress
 from engine.progress import reporting  # noqa: F401  (engine.loader's way to it: a load's progress callback)
-from engine.assistant import Assistant, AssistantHead
 from engine.batch import Work, run_round
 from engine.chat_templates import ChatTemplateError, choose
 from engine.dflash import DFlashDraft, DFlashHead
@@ -57,6 +57,9 @@ from engine.weights import checkpoint_files
 from kernels.base import numerics_identity
 from kernels.select import select_backend
 from kernels.xrt import XrtUnavailable
+
+if TYPE_CHECKING:  # imported where used: only a Gemma 4 model with an assistant needs it (~0.1 s of a start)
+    from engine.assistant import Assistant
 
 log = structlog.get_logger(__name__)
 
@@ -177,6 +180,8 @@ class LoadedModel(TokenizerMethods):
             dflash = DFlashDraft.load(dflash_dir, model, companion_format)
             progress.report("dflash", 1, 1)
         if assistant_dir is not None:
+            from engine.assistant import Assistant
+
             progress.report("assistant", 0, 1)
             assistant = Assistant.load(assistant_dir, model, companion_format)
             progress.report("assistant", 1, 1)
@@ -286,6 +291,8 @@ class LoadedModel(TokenizerMethods):
         if method == "assistant":
             if self.assistant is None:
                 raise RequestError(f"model {self.name!r} has no assistant drafter (speculative method 'assistant')")
+            from engine.assistant import AssistantHead
+
             return AssistantHead(self.assistant)
         if self.draft is None:
             raise RequestError(f"model {self.name!r} has no draft model (speculative method 'draft')")
@@ -415,7 +422,7 @@ class ModelSession:
         # prompt run; a restored prefix would come without those rows (the head would refuse
         # every draft), so such a session prefills its whole prompt (and still offers it)
         self._restore_allowed = not isinstance(head, DFlashHead)
-        if isinstance(head, (DFlashHead, AssistantHead)):
+        if hasattr(head, "attach"):  # the heads that read the base's hidden rows (DFlash, the Gemma 4 assistant)
             head.attach(self.forward)
         constraint = None if params.grammar is None else served.constraint(params.grammar)
         self.generation = Generation(self.forward, served.tokenizer, prompt_ids, params, head=head,
