@@ -384,7 +384,9 @@ def _cache_key(checkpoint_dir, cache_dir, weight_format: str, backend) -> str:
     started = time.perf_counter()
     memo = DigestMemo(None if cache_dir is None else Path(cache_dir) / MEMO_FILE)
     key = numerics_key(checkpoint_files(checkpoint_dir), memo, weight_format=weight_format, backend=backend)
-    log.info("prefix_cache_key", key=key[:16], weight_format=weight_format, backend=numerics_identity(backend),
+    # a GGUF's blocks are served as they are under any setting but gguf-q8: the log says so (the key keeps the setting)
+    served_as = weight_format if weight_format == GGUF_Q8 or not is_gguf(checkpoint_dir) else "gguf"
+    log.info("prefix_cache_key", key=key[:16], weight_format=served_as, backend=numerics_identity(backend),
              files_read=memo.files_read, seconds=round(time.perf_counter() - started, 3))
     return key
 
