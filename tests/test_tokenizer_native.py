@@ -28,7 +28,7 @@ from engine.tokenizer_native import NativeBackend
 gguf = pytest.importorskip("gguf") if os.environ.get("CI") != "true" else __import__("gguf")
 
 WORDS = ("ab", "abc", "ba", "aab", "café", "中文", "cab", "bb", "aa", "a b", "the", "th", "he")
-CONTROL = ["<ctl>", "<ctl_long>", "<start_of_turn>", "<end_of_turn>"]
+CONTROL = ["<ctl>", "<ctl>ab", "<start_of_turn>", "<end_of_turn>"]
 USER = ["<|x|>", "abab"]
 
 
@@ -132,8 +132,8 @@ def test_synthetic_vocabularies_give_the_librarys_ids_and_text(tmp_path, arch, b
     assert_same_facts(native, library)
     rng = random.Random(f"{arch}{bytes_kind}{unk}")
     alphabet = "aabbc   \u2581\t\n\n中文éz🙂<>|"
-    texts = ["", " ", "  ", "ab", "abab", "aaaa", "a b", "z", "zz🙂z", "<ctl>", "<ctl><ctl_long>", " <ctl> ab",
-             "ab<|x|>ab", "\u2581ab", "<ctl_lon", "中文 café", "the theth"]
+    texts = ["", " ", "  ", "ab", "abab", "aaaa", "a b", "z", "zz🙂z", "<ctl>", "<ctl><ctl>ab", "<ctl>a", " <ctl> ab",
+             "ab<|x|>ab", "\u2581ab", "<ctl>ab<ctl>abab", "中文 café", "the theth"]
     texts += [random_text(rng, alphabet, CONTROL + USER) for _ in range(250)]
     texts.append("".join(texts) * 3)  # a long one
     assert_same(native, library, texts, rng)
