@@ -339,6 +339,12 @@ int64_t spm_encode(const spm *t, const uint8_t *text, int64_t len, int split_add
 
 int32_t spm_token_to_id(const spm *t, const uint8_t *s, int64_t n) { return lookup(t, s, n); }
 
+/* out[k] = the id of token index indices[k]'s spelling (the last id of a repeated spelling). */
+void spm_ids_of(const spm *t, const int32_t *indices, int64_t n, int32_t *out) {
+    for (int64_t k = 0; k < n; k++)
+        out[k] = lookup(t, t->blob + t->offsets[indices[k]], t->offsets[indices[k] + 1] - t->offsets[indices[k]]);
+}
+
 /* known[id] = 1 for the ids a spelling maps back to (the others decode to nothing). */
 void spm_known(const spm *t, uint8_t *known) {
     for (int32_t id = 0; id < t->n_tokens; id++)

@@ -90,6 +90,8 @@ def library() -> ctypes.CDLL:
             lib.spm_encode.restype = _L
             lib.spm_token_to_id.argtypes = [_P, ctypes.c_char_p, _L]
             lib.spm_token_to_id.restype = _I
+            lib.spm_ids_of.argtypes = [_P, _P, _L, _P]
+            lib.spm_ids_of.restype = None
             lib.spm_known.argtypes = [_P, _P]
             lib.spm_known.restype = None
             lib.spm_decode_bound.argtypes = [_P, _P, _L]
@@ -188,12 +190,15 @@ class NativeBackend:
 
     def added_tokens(self) -> dict[int, tuple[str, bool]]:
         """{id: (spelling, special)} of the tokens cut out of text whole (empty spellings are not)."""
+        indices = np.array(self._control + self._user, dtype=np.int32)
+        ids = np.empty(len(indices), dtype=np.int32)
+        self._lib.spm_ids_of(self._handle, indices.ctypes.data, len(indices), ids.ctypes.data)
+        blob, n_control = self._blob.tobytes(), len(self._control)
+        starts, ends = self._offsets[indices].tolist(), self._offsets[indices + 1].tolist()
         out: dict[int, tuple[str, bool]] = {}
-        for indices, special in ((self._control, True), (self._user, False)):
-            for index in indices:
-                content = self._blob[self._offsets[index]:self._offsets[index + 1]].tobytes().decode("utf-8")
-                if content:
-                    out[self.token_to_id(content)] = (content, special)
+        for k, (start, end, token_id) in enumerate(zip(starts, ends, ids.tolist())):
+            if end > start:
+                out[token_id] = (blob[start:end].decode("utf-8"), k < n_control)
         return out
 
     def known_ids(self) -> np.ndarray:
