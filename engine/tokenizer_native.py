@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -67,6 +68,9 @@ def build(directory: Path | None = None) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    for stale in path.parent.glob("npud_tokenizer-*.so"):  # older versions, unused for a day (as native.build)
+        if stale != path and time.time() - stale.stat().st_mtime > 86400:
+            stale.unlink(missing_ok=True)
     return path
 
 
