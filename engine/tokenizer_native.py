@@ -171,10 +171,12 @@ class NativeBackend:
         return self._encode(text, False, -1)
 
     def decode(self, ids) -> str:
-        """The text of `ids` (each in [0, n_tokens); the caller checks)."""
+        """The text of `ids`; raises ValueError for an id outside [0, n_tokens)."""
         arr = np.ascontiguousarray(ids, dtype=np.int32)
         if not arr.size:
             return ""
+        if arr.min() < 0 or arr.max() >= self.n_tokens:
+            raise ValueError(f"token ids must be in [0, {self.n_tokens})")
         bound = self._lib.spm_decode_bound(self._handle, arr.ctypes.data, len(arr))
         out = np.empty(bound, dtype=np.uint8)
         n = self._lib.spm_decode(self._handle, arr.ctypes.data, len(arr), out.ctypes.data)

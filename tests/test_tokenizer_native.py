@@ -184,10 +184,10 @@ def test_a_long_text_is_encoded_with_the_gil_released(tmp_path):
 def test_a_gguf_sentencepiece_vocabulary_never_imports_tokenizers(tmp_path):
     """Built (a miss) and read back (a hit), in fresh processes: the library is not loaded."""
     path = write_spm_gguf(tmp_path / "v.gguf", "gemma3", "all", True)
-    code = ("import sys; from engine.tokenizer import Tokenizer; t = Tokenizer.from_dir(sys.argv[1]); "
-            "print(t.encode('a b<ctl>'), 'tokenizers' in sys.modules)")
+    code = ("import sys; from engine.gguf.tokenizer_cache import load_gguf_tokenizer; "
+            "t, status = load_gguf_tokenizer(sys.argv[1]); print(status, t.encode('a b<ctl>'), 'tokenizers' in sys.modules)")
     env = {**os.environ, "NPUD_CACHE_DIR": str(tmp_path / "cache")}
     outs = [subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
-                           check=True).stdout.split("\n")[-2] for _ in range(2)]
-    assert outs[0] == outs[1] and outs[0].endswith("False")
-    assert len(list((tmp_path / "cache" / "tokenizers").glob("*.json"))) == 2  # the entry and the digest memo
+                           check=True).stdout.strip().split("\n")[-1] for _ in range(2)]
+    assert outs[0].startswith("miss ") and outs[1] == "hit " + outs[0][len("miss "):]
+    assert outs[1].endswith("False")
