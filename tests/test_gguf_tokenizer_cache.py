@@ -5,6 +5,7 @@ a corrupt, foreign or stale entry is ignored and replaced; the file is hashed on
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -224,3 +225,33 @@ def test_gemma_3_270m_ids_from_the_cache_equal_a_fresh_build(tmp_path):
     assert again.eos_token_ids == fresh.eos_token_ids and again.special_token_ids == fresh.special_token_ids
     assert again.decodable(262144) is None and fresh.decodable(262144) is None
     assert np.array_equal(again.decodable(262144 + 64), fresh.decodable(262144 + 64))
+
+
+@pytest.mark.parametrize("where", ["merge", "offset", "added", "sizes"])
+def test_a_native_entry_whose_indices_leave_its_arrays_is_rebuilt(tmp_path, where):
+    """An entry that passes its digest (rewritten whole, header and all) but whose ids or offsets
+    would send the C tokenizer outside its arrays is refused before any C sees it."""
+    path = write_tiny_gguf(tmp_path / "g.gguf", "gemma3", tokenizer="llama")
+    fresh, _ = tc.load_gguf_tokenizer(path, tmp_path / "cache")
+    (entry,) = entries(tmp_path / "cache")
+    header, _, payload = entry.read_bytes().partition(b"\n")
+    h = json.loads(header)
+    assert h["backend"] == "native"
+    small, _, arrays = payload.partition(b"\n")
+    meta = json.loads(small)
+    n, nc, nu = meta["n_tokens"], meta["n_control"], meta["n_user"]
+    words = np.frombuffer(arrays[:4 * (nc + nu + n + 1 + 3 * meta["n_merges"])], dtype="<i4").copy()
+    if where == "merge":
+        words[nc + nu + n + 1] = n  # the first merge's left id: one past the last token
+    elif where == "offset":
+        words[nc + nu + 5] = words[nc + nu + 4] - 1  # offsets going backwards
+    elif where == "added":
+        words[0] = -1
+    payload = json.dumps(meta).encode() + b"\n" + words.tobytes() + arrays[len(words) * 4:]
+    if where == "sizes":
+        payload += b"\0\0\0\0"  # longer than its sizes say
+    h["payload_bytes"], h["payload_sha256"] = len(payload), hashlib.sha256(payload).hexdigest()
+    entry.write_bytes(json.dumps(h).encode() + b"\n" + payload)
+    again, status = tc.load_gguf_tokenizer(path, tmp_path / "cache")
+    assert status == "rebuilt"
+    same_tokenizer(again, fresh)
