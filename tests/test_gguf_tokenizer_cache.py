@@ -5,6 +5,7 @@ a corrupt, foreign or stale entry is ignored and replaced; the file is hashed on
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -53,6 +54,14 @@ def same_tokenizer(a: Tokenizer, b: Tokenizer) -> None:
         assert (da is None) == (db is None) and (da is None or np.array_equal(da, db))
 
 
+def backend_state(tok: Tokenizer):
+    """All a backend is made of: the library's own JSON, or the native tokenizer's arrays."""
+    b = tok._backend
+    if hasattr(b, "library"):
+        return b.library.to_str()
+    return (b._offsets.tobytes(), b._blob.tobytes(), b._merges.tobytes(), b._control, b._user, b._gemma, b._bos)
+
+
 def entries(root):
     return sorted(p for p in root.glob("*.json") if p.name != fingerprint.MEMO_FILE)
 
@@ -67,7 +76,7 @@ def test_miss_then_hit_gives_the_fresh_tokenizer(tiny, tmp_path):
     assert status == "hit"
     same_tokenizer(first, fresh)
     same_tokenizer(second, fresh)
-    assert second._backend.to_str() == fresh._backend.to_str()  # the whole backend, as the library writes it
+    assert backend_state(second) == backend_state(fresh)  # the whole backend
     assert entries(tmp_path) == [entry]
 
 
@@ -133,7 +142,7 @@ def test_a_corrupt_entry_is_ignored_and_rebuilt(tiny, tmp_path, damage):
     assert tc.load_gguf_tokenizer(tiny, tmp_path)[1] == "hit"
 
 
-@pytest.mark.parametrize("field", ["file_sha256", "builder", "tokenizers"])
+@pytest.mark.parametrize("field", ["file_sha256", "builder", "tokenizers", "backend"])
 def test_a_foreign_or_stale_entry_is_ignored(tmp_path, field):
     a = (write_tiny_gguf(tmp_path / "a.gguf", "gemma3", tokenizer="llama"))
     b = (write_tiny_gguf(tmp_path / "b.gguf", "qwen2", tokenizer="gpt2"))
@@ -144,11 +153,14 @@ def test_a_foreign_or_stale_entry_is_ignored(tmp_path, field):
     entry_a, entry_b = root / f"{digest_a}.json", root / f"{digest_b}.json"
     if field == "file_sha256":  # b's entry under a's name: a valid entry, for another file
         entry_a.write_bytes(entry_b.read_bytes())
-    else:  # a's entry from another builder or tokenizers version
-        header, _, payload = entry_a.read_bytes().partition(b"\n")
+    else:  # an entry from another builder, tokenizers version (b's: a's is native) or backend
+        path, entry = (b, entry_b) if field == "tokenizers" else (a, entry_a)
+        header, _, payload = entry.read_bytes().partition(b"\n")
         h = json.loads(header)
-        h[field] = "0" if field == "tokenizers" else h[field] + 1
-        entry_a.write_bytes(json.dumps(h).encode() + b"\n" + payload)
+        assert h["backend"] == ("tokenizers" if field == "tokenizers" else "native")
+        h[field] = {"tokenizers": "0", "backend": "tokenizers", "builder": h["builder"] + 1}[field]
+        entry.write_bytes(json.dumps(h).encode() + b"\n" + payload)
+        a = path
     got, status = tc.load_gguf_tokenizer(a, root)
     assert status == "rebuilt"
     same_tokenizer(got, gguf_tokenizer(open_gguf(a)))
@@ -213,3 +225,33 @@ def test_gemma_3_270m_ids_from_the_cache_equal_a_fresh_build(tmp_path):
     assert again.eos_token_ids == fresh.eos_token_ids and again.special_token_ids == fresh.special_token_ids
     assert again.decodable(262144) is None and fresh.decodable(262144) is None
     assert np.array_equal(again.decodable(262144 + 64), fresh.decodable(262144 + 64))
+
+
+@pytest.mark.parametrize("where", ["merge", "offset", "added", "sizes"])
+def test_a_native_entry_whose_indices_leave_its_arrays_is_rebuilt(tmp_path, where):
+    """An entry that passes its digest (rewritten whole, header and all) but whose ids or offsets
+    would send the C tokenizer outside its arrays is refused before any C sees it."""
+    path = write_tiny_gguf(tmp_path / "g.gguf", "gemma3", tokenizer="llama")
+    fresh, _ = tc.load_gguf_tokenizer(path, tmp_path / "cache")
+    (entry,) = entries(tmp_path / "cache")
+    header, _, payload = entry.read_bytes().partition(b"\n")
+    h = json.loads(header)
+    assert h["backend"] == "native"
+    small, _, arrays = payload.partition(b"\n")
+    meta = json.loads(small)
+    n, nc, nu = meta["n_tokens"], meta["n_control"], meta["n_user"]
+    words = np.frombuffer(arrays[:4 * (nc + nu + n + 1 + 3 * meta["n_merges"])], dtype="<i4").copy()
+    if where == "merge":
+        words[nc + nu + n + 1] = n  # the first merge's left id: one past the last token
+    elif where == "offset":
+        words[nc + nu + 5] = words[nc + nu + 4] - 1  # offsets going backwards
+    elif where == "added":
+        words[0] = -1
+    payload = json.dumps(meta).encode() + b"\n" + words.tobytes() + arrays[len(words) * 4:]
+    if where == "sizes":
+        payload += b"\0\0\0\0"  # longer than its sizes say
+    h["payload_bytes"], h["payload_sha256"] = len(payload), hashlib.sha256(payload).hexdigest()
+    entry.write_bytes(json.dumps(h).encode() + b"\n" + payload)
+    again, status = tc.load_gguf_tokenizer(path, tmp_path / "cache")
+    assert status == "rebuilt"
+    same_tokenizer(again, fresh)

@@ -1,7 +1,7 @@
-"""The tokenizer a GGUF file describes, built as a `tokenizers` object (no torch, no transformers).
+"""The tokenizer a GGUF file describes (no torch, no transformers).
 
-Built the way transformers' GGUF conversion builds it (integrations/gguf), so both give the
-same ids:
+Described the way transformers' GGUF conversion builds it as a `tokenizers` object
+(integrations/gguf), so both give the same ids:
 - `tokenizer.ggml.model = llama` (SentencePiece): a BPE with byte fallback over the file's
   vocabulary; the merges are implied by the vocabulary (every split of a token into two
   vocabulary tokens), ranked by the token's score. Gemma files rank by position in the file
@@ -12,6 +12,10 @@ same ids:
   the known ones.
 Control tokens (type 3) become special added tokens, user-defined ones (type 4) plain added
 tokens, so both are matched whole. A BOS is added in front when add_bos_token is set.
+
+What runs it: for `llama` files the C tokenizer of engine/tokenizer_native.py, over the
+arrays native_arrays makes (it gives the ids and text the `tokenizers` object assemble_backend
+builds gives; tests compare the two); for `gpt2` files that `tokenizers` object.
 """
 
 from __future__ import annotations
@@ -133,7 +137,7 @@ def gguf_recipe(g: GgufFile) -> dict:
     user = [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in known]
     add_bos = _meta(g, "tokenizer.ggml.add_bos_token", bool, kind == "llama")
     return {"kind": kind, "tokens": model_tokens, "merges": merge_ids, "gemma": gemma, "split": split, "unk": unk,
-            "control": control, "user": user, "add_bos": bool(add_bos)}
+            "control": control, "user": user, "add_bos": add_bos}
 
 
 def assemble_backend(recipe: dict):
@@ -182,15 +186,9 @@ def assemble_backend(recipe: dict):
     return backend
 
 
-def build_gguf_backend(g: GgufFile):
-    """Returns (tokenizers.Tokenizer, add_bos) for the file's vocabulary; raises TokenizerError."""
-    recipe = gguf_recipe(g)
-    return assemble_backend(recipe), recipe["add_bos"]
-
-
-# Bump when gguf_recipe, assemble_backend or encode_recipe change what they make: cached
-# tokenizers (engine/gguf/tokenizer_cache.py) made by another version are then rebuilt.
-BUILDER_VERSION = 1
+# Bump when gguf_recipe, assemble_backend, native_arrays or the encodings change what they
+# make: cached tokenizers (engine/gguf/tokenizer_cache.py) made by another version are rebuilt.
+BUILDER_VERSION = 2
 _SMALL = ("kind", "gemma", "split", "unk", "control", "user", "add_bos")
 
 
@@ -210,7 +208,7 @@ def decode_recipe(payload: bytes) -> dict:
     for bytes it did not write."""
     import numpy as np
 
-    small, _, rest = payload.partition(b"\n")
+    small, _, rest = bytes(payload).partition(b"\n")
     tokens, newline, merges = rest.partition(b"\n")
     recipe = json.loads(small)
     if not newline or not isinstance(recipe, dict) or set(recipe) != set(_SMALL) or len(merges) % 8:
@@ -224,23 +222,113 @@ def decode_recipe(payload: bytes) -> dict:
     return recipe
 
 
+_NATIVE = ("gemma", "unk", "n_control", "n_user", "n_tokens", "n_merges", "blob_bytes")
+
+
+def native_arrays(recipe: dict) -> dict:
+    """What engine/tokenizer_native.py's NativeBackend is built from, for a recipe of kind
+    "llama": "offsets" (int32 [n + 1]) into "blob" (the spellings, UTF-8), "merges" (int32
+    [m, 3]: left, right and merged id, in rank order), "control" and "user" (token indices of
+    the added tokens), "unk" (the unknown token's index or None), "gemma". Raises TokenizerError."""
+    import numpy as np
+
+    tokens = recipe["tokens"]
+    encoded = [t.encode("utf-8") for t in tokens]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)), out=offsets[1:])
+    if offsets[-1] >= 2**31:
+        raise TokenizerError("the vocabulary's spellings take more than 2 GiB")
+    vocab = dict(zip(tokens, range(len(tokens))))  # a repeated spelling keeps its last id, as the library's
+    pairs = recipe["merges"]
+    try:
+        merged = [vocab[tokens[a] + tokens[b]] for a, b in pairs.tolist()]
+    except KeyError as exc:
+        raise TokenizerError(f"a merge makes {exc.args[0]!r}, which is not in the vocabulary") from None
+    merges = np.empty((len(pairs), 3), dtype=np.int32)
+    merges[:, :2] = pairs
+    merges[:, 2] = merged
+    unk = recipe["unk"]
+    return {"offsets": offsets.astype(np.int32), "blob": b"".join(encoded), "merges": merges,
+            "control": [vocab[t] for t in recipe["control"]], "user": [vocab[t] for t in recipe["user"]],
+            "unk": None if unk is None else vocab[unk], "gemma": bool(recipe["gemma"])}
+
+
+def encode_native(arrays: dict) -> bytes:
+    """native_arrays as bytes: a JSON line of the small fields and sizes, then the control and
+    user token indices, the offsets and the merges as little-endian int32, then the spellings."""
+    import numpy as np
+
+    small = {"gemma": arrays["gemma"], "unk": arrays["unk"], "n_control": len(arrays["control"]),
+             "n_user": len(arrays["user"]), "n_tokens": len(arrays["offsets"]) - 1, "n_merges": len(arrays["merges"]),
+             "blob_bytes": len(arrays["blob"])}
+    return b"".join([json.dumps(small, sort_keys=True).encode(), b"\n",
+                     np.array([*arrays["control"], *arrays["user"]], dtype="<i4").tobytes(),
+                     np.ascontiguousarray(arrays["offsets"], dtype="<i4").tobytes(),
+                     np.ascontiguousarray(arrays["merges"], dtype="<i4").tobytes(), arrays["blob"]])
+
+
+def decode_native(payload) -> dict:
+    """encode_native's inverse; the arrays are views of `payload` (bytes or a memoryview of
+    them). Raises ValueError for bytes it did not write, or whose indices would reach past
+    the arrays."""
+    import numpy as np
+
+    view = memoryview(payload)
+    end = bytes(view[:4096]).find(b"\n")
+    small = json.loads(bytes(view[:end])) if end > 0 else None
+    if not isinstance(small, dict) or set(small) != set(_NATIVE):
+        raise ValueError("not an encoded native tokenizer")
+    n, m, size, nc, nu = (small[k] for k in ("n_tokens", "n_merges", "blob_bytes", "n_control", "n_user"))
+    if (not all(isinstance(v, int) and v >= 0 for v in (n, m, size, nc, nu))
+            or len(view) != end + 1 + 4 * (nc + nu + n + 1) + 12 * m + size):
+        raise ValueError("the native tokenizer's sizes do not match its length")
+    added = np.frombuffer(view, dtype="<i4", count=nc + nu, offset=end + 1)
+    at = end + 1 + 4 * (nc + nu)
+    offsets = np.frombuffer(view, dtype="<i4", count=n + 1, offset=at)
+    merges = np.frombuffer(view, dtype="<i4", count=3 * m, offset=at + 4 * (n + 1)).reshape(m, 3)
+    blob = np.frombuffer(view, dtype=np.uint8, count=size, offset=at + 4 * (n + 1) + 12 * m)
+    unk = small["unk"]
+    if (offsets[0] != 0 or offsets[-1] != size or (n and np.diff(offsets).min() < 0)
+            or (m and not (0 <= merges.min() and merges.max() < n))
+            or (nc + nu and not (0 <= added.min() and added.max() < n))
+            or not (unk is None or (isinstance(unk, int) and 0 <= unk < n))):
+        raise ValueError("the native tokenizer's indices reach outside its arrays")
+    return {"offsets": offsets, "blob": blob, "merges": merges, "control": added[:nc].tolist(),
+            "user": added[nc:].tolist(), "unk": unk, "gemma": bool(small["gemma"])}
+
+
+def native_backend(arrays: dict):
+    """The engine/tokenizer_native.py backend of native_arrays (or decode_native's views)."""
+    from engine.tokenizer_native import NativeBackend
+
+    return NativeBackend(arrays["offsets"], arrays["blob"], arrays["merges"], arrays["control"], arrays["user"],
+                         arrays["unk"], arrays["gemma"])
+
+
 def finish_backend(backend, settings: dict) -> None:
     """Put BOS in front of every encoding when the file says so (settings from gguf_tokenizer_parts)."""
-    from tokenizers import processors
-
-    if settings["add_bos"] and "bos_token" in settings["special"]:
-        bos = settings["special"]["bos_token"]
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, backend.token_to_id(bos))])
+    special = settings["special"]
+    backend.add_bos(special["bos_token"] if settings["add_bos"] and "bos_token" in special else None)
 
 
-def gguf_tokenizer_parts(g: GgufFile):
-    """The tokenizer of a GGUF file as (tokenizers.Tokenizer, the recipe encoded, the settings
-    the engine Tokenizer takes beside it): the last two are what engine/gguf/tokenizer_cache.py
-    stores. Raises TokenizerError."""
+def gguf_tokenizer_parts(g: GgufFile, *, library: bool = False):
+    """The tokenizer of a GGUF file as (backend, payload, settings): the backend is
+    engine/tokenizer_native.py's for a SentencePiece vocabulary (the `tokenizers` library's
+    with `library`, or for a byte-level BPE); the payload (native_arrays or the recipe
+    encoded) and the settings the engine Tokenizer takes beside it are what
+    engine/gguf/tokenizer_cache.py stores; settings["backend"] says which. Raises TokenizerError."""
+    from engine.tokenizer_backend import TokenizersBackend
+
     recipe = gguf_recipe(g)
-    backend = assemble_backend(recipe)
-    add_bos = recipe["add_bos"]
+    recipe_bytes, add_bos = encode_recipe(recipe), recipe["add_bos"]
+    if recipe["kind"] == "llama" and not library:
+        arrays = native_arrays(recipe)
+        kind, payload = "native", encode_native(arrays)
+        del recipe
+        backend = native_backend(arrays)
+    else:
+        kind, payload = "tokenizers", recipe_bytes
+        backend = TokenizersBackend(assemble_backend(recipe))
     tokens = g.metadata["tokenizer.ggml.tokens"]
     special: dict[str, str] = {}
     for field, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
@@ -252,14 +340,15 @@ def gguf_tokenizer_parts(g: GgufFile):
             special[field] = backend.id_to_token(token_id)
     template = _meta(g, "tokenizer.chat_template", str)
     eot = _meta(g, "tokenizer.ggml.eot_token_id", int)
-    payload = encode_recipe(recipe)
-    digest = hashlib.sha256(payload)
-    digest.update(json.dumps({"add_bos": add_bos, "special": special, "template": template}, sort_keys=True).encode())
+    # the tokenizer's identity: its recipe (whichever backend runs it), and what is added to it
+    digest = hashlib.sha256(recipe_bytes)
+    digest.update(json.dumps({"add_bos": add_bos, "special": special, "template": template},
+                             sort_keys=True).encode())
     # ids below the vocabulary size that no token decodes to (two tokens of one spelling)
-    size = backend.get_vocab_size(with_added_tokens=True)
-    missing = sorted(set(range(size)) - set(backend.get_vocab(with_added_tokens=True).values()))
+    size = backend.vocab_size
+    missing = sorted(set(range(size)) - set(backend.known_ids().tolist()))
     settings = {"fingerprint": digest.hexdigest(), "add_bos": add_bos, "special": special, "template": template,
-                "eot": eot, "missing_ids": missing}
+                "eot": eot, "missing_ids": missing, "backend": kind}
     finish_backend(backend, settings)
     return backend, payload, settings
 
@@ -273,9 +362,10 @@ def tokenizer_from_parts(backend, settings: dict, source: str) -> Tokenizer:
                      source=source, add_bos_token=settings["add_bos"], missing_ids=settings["missing_ids"])
 
 
-def gguf_tokenizer(g: GgufFile) -> Tokenizer:
+def gguf_tokenizer(g: GgufFile, *, library: bool = False) -> Tokenizer:
     """The engine Tokenizer of a GGUF file, built now (engine/gguf/tokenizer_cache.py keeps it
     between starts): special tokens from the ggml ids, the chat template from
-    tokenizer.chat_template. Raises TokenizerError."""
-    backend, _, settings = gguf_tokenizer_parts(g)
+    tokenizer.chat_template; `library`: through the `tokenizers` library whatever the kind
+    (what tests compare the native backend with). Raises TokenizerError."""
+    backend, _, settings = gguf_tokenizer_parts(g, library=library)
     return tokenizer_from_parts(backend, settings, str(g.path))

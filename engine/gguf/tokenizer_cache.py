@@ -1,16 +1,19 @@
 """The tokenizer a GGUF file describes, built once and kept between starts in the kernel cache.
 
 Building it takes seconds (gemma-3-270m: 262,144 tokens, 514,906 merges implied by the
-vocabulary, found in Python), a start that reads it back takes one parse of its JSON. An
-entry is one file, `<cache_dir()>/tokenizers/<sha256 of the GGUF>.json`: a header line (JSON:
-the format, the builder's version, the tokenizers library's version, the GGUF's digest, the
-payload's length and sha256, and the settings engine/gguf/tokenizer.py's
-gguf_tokenizer_parts gives beside the backend) and then the payload: the recipe the backend
-is assembled from (engine/gguf/tokenizer.py's encode_recipe: the vocabulary once, as a JSON
-list, and the merges as pairs of token ids). A hit assembles it with the same code a build
-does, without the minutes of Python that find the merges; the tokenizers library's own JSON
-was not used, since reading it back took gemma-3-270m 1.4 s of CPU and 410 MB of transient
-memory (its untagged model enum buffers the whole document) against 0.9 s and about 200 MB.
+vocabulary, found in Python); a start that reads it back reads arrays. An entry is one file,
+`<cache_dir()>/tokenizers/<sha256 of the GGUF>.json`: a header line (JSON: the format, the
+builder's version, which backend the payload is for, the GGUF's digest, the payload's length
+and sha256, and the settings engine/gguf/tokenizer.py's gguf_tokenizer_parts gives beside
+the backend) and then the payload. For a SentencePiece vocabulary (backend "native") the
+payload is engine/gguf/tokenizer.py's encode_native: the spellings as one UTF-8 blob with
+int32 offsets and the merges as int32 (left, right, merged) rows, which
+engine/tokenizer_native.py's C tokenizer uses in place (gemma-3-270m: 9 MB, read and tabled
+in tens of milliseconds). For a byte-level BPE (backend "tokenizers", the header also names
+the library's version) it is the recipe (encode_recipe: the vocabulary as a JSON list and
+the merges as pairs of ids) that the `tokenizers` object is assembled from, by the same code a
+build uses; the library's own JSON was not used, since reading it back took gemma-3-270m 1.4 s
+of CPU and 410 MB of transient memory against 0.9 s and about 200 MB for the recipe.
 
 Keyed by the file's whole content: its digest comes from engine/fingerprint.py's DigestMemo,
 persisted here (`file-digests.json`), so an unchanged file is not read again at the next
@@ -33,8 +36,8 @@ from pathlib import Path
 import structlog
 
 from engine.fingerprint import MEMO_FILE, FingerprintError, directory_memo
-from engine.gguf.tokenizer import (BUILDER_VERSION, assemble_backend, decode_recipe, finish_backend,
-                                   gguf_tokenizer_parts, tokenizer_from_parts)
+from engine.gguf.tokenizer import (BUILDER_VERSION, assemble_backend, decode_native, decode_recipe, finish_backend,
+                                   gguf_tokenizer_parts, native_backend, tokenizer_from_parts)
 from engine.prefix_store import unlink, write_atomic
 from engine.tokenizer import Tokenizer, TokenizerError
 
@@ -101,8 +104,11 @@ def _load(path, root) -> tuple[Tokenizer, str]:
 
 
 def _header(digest: str, payload: bytes, settings: dict) -> dict:
-    return {"format": FORMAT, "builder": BUILDER_VERSION, "tokenizers": _library(), "file_sha256": digest,
-            "payload_bytes": len(payload), "payload_sha256": hashlib.sha256(payload).hexdigest(), "settings": settings}
+    header = {"format": FORMAT, "builder": BUILDER_VERSION, "backend": settings["backend"], "file_sha256": digest,
+              "payload_bytes": len(payload), "payload_sha256": hashlib.sha256(payload).hexdigest(), "settings": settings}
+    if settings["backend"] == "tokenizers":
+        header["tokenizers"] = _library()  # the library reads the payload; another version may read it otherwise
+    return header
 
 
 def _read(entry: Path, digest: str, source: str) -> tuple[Tokenizer | None, str]:
@@ -111,21 +117,32 @@ def _read(entry: Path, digest: str, source: str) -> tuple[Tokenizer | None, str]
         raw = entry.read_bytes()
     except OSError as exc:
         return None, f"cannot read: {exc.strerror or exc}"
-    line, newline, payload = raw.partition(b"\n")
+    end = raw.find(b"\n")
+    line, payload = raw[:max(end, 0)], memoryview(raw)[end + 1:]  # the payload is not copied
     try:
-        header = json.loads(line) if newline else None
+        header = json.loads(line) if end >= 0 else None
     except (UnicodeDecodeError, json.JSONDecodeError):
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         return None, "not a tokenizer cache entry"
-    for key, want in (("builder", BUILDER_VERSION), ("tokenizers", _library()), ("file_sha256", digest)):
+    checks = [("builder", BUILDER_VERSION), ("file_sha256", digest)]
+    if header.get("backend") == "tokenizers":
+        checks.append(("tokenizers", _library()))
+    elif header.get("backend") != "native":
+        return None, f"backend is {header.get('backend')!r}"
+    for key, want in checks:
         if header.get(key) != want:
             return None, f"{key} is {header.get(key)!r}, not {want!r}"
     if header.get("payload_bytes") != len(payload) or header.get("payload_sha256") != hashlib.sha256(payload).hexdigest():
         return None, "the payload does not match its digest"
     settings = header.get("settings")
     try:
-        backend = assemble_backend(decode_recipe(payload))
+        if header["backend"] == "native":
+            backend = native_backend(decode_native(payload))
+        else:
+            from engine.tokenizer_backend import TokenizersBackend
+
+            backend = TokenizersBackend(assemble_backend(decode_recipe(payload)))
         finish_backend(backend, settings)
         return tokenizer_from_parts(backend, settings, source), ""
     except Exception as exc:  # a header that passed its digest but not the library or the engine: rebuild
