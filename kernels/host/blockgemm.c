@@ -50,22 +50,45 @@ static inline __attribute__((always_inline)) float qt_widen1(const job_t *j, lon
     return j->parts == 2 ? v - qt_fac(j, f + TILE) : v;
 }
 
-/* The generic C block (and, built for AVX2, the AVX2 path's): per k the tile's 64 weights widened
- * into wv, then each row's chain. */
+/* The generic C block (and, built for AVX2, the AVX2 path's): per group the factors widened once
+ * into sf, df; per k the tile's 64 q unpacked and widened into wv, then each row's chain. */
 static inline __attribute__((always_inline)) void qt_gen_rows(const int Q, const job_t *j, long t, float *o, long ldo,
                                                               long r0, long R, long k0, long k1) {
     const long K = j->K, g = j->group, P = j->parts;
     const uint8_t *qt = (const uint8_t *)j->w + (size_t)t * K * QT_ROW_BYTES(Q);
     float acc[MAXR][TILE];
-    float wv[TILE];
+    float wv[TILE], sf[TILE], df[TILE];
+    int32_t qv[TILE];
     for (long r = 0; r < R; r++)
         for (int c = 0; c < TILE; c++) acc[r][c] = k0 == 0 ? 0.0f : o[(r0 + r) * ldo + c];
     for (long k = k0; k < k1; k++) {
+        if (k == k0 || k % g == 0) {
+            const size_t f = ((size_t)t * (K / g) + k / g) * P * TILE;
+            for (int c = 0; c < TILE; c++) {
+                sf[c] = qt_fac(j, f + c);
+                df[c] = P == 2 ? qt_fac(j, f + TILE + c) : 0.0f;
+            }
+        }
         const uint8_t *row = qt + k * QT_ROW_BYTES(Q);
-        const size_t f = ((size_t)t * (K / g) + k / g) * P * TILE;
+        if (Q == 8) {
+            for (int c = 0; c < TILE; c++) qv[c] = ((const int8_t *)row)[c];
+        } else {
+            for (int c = 0; c < 32; c++) {
+                qv[c] = (row[c] & 15) - j->qzero;
+                qv[c + 32] = (row[c] >> 4) - j->qzero;
+            }
+            if (Q == 5) {
+                uint32_t hi[2];
+                memcpy(hi, row + 32, sizeof hi); /* little-endian: bit c of the 64-bit mask */
+                for (int c = 0; c < 32; c++) {
+                    qv[c] += (int32_t)(hi[0] >> c & 1) << 4;
+                    qv[c + 32] += (int32_t)(hi[1] >> c & 1) << 4;
+                }
+            }
+        }
         for (int c = 0; c < TILE; c++) {
-            const float v = qt_fac(j, f + c) * (float)qt_q(Q, j->qzero, row, c);
-            wv[c] = P == 2 ? v - qt_fac(j, f + TILE + c) : v;
+            const float v = sf[c] * (float)qv[c];
+            wv[c] = P == 2 ? v - df[c] : v;
         }
         for (long r = 0; r < R; r++) {
             const float xv = j->x[k * j->M + r0 + r];
@@ -85,9 +108,10 @@ static inline __attribute__((always_inline)) void qt_gen_block(const job_t *j, l
 }
 
 /* The 64 q of the k row at `row` (qbits Q) as 4 x 16 floats, columns 16v .. 16v + 15 in q[v]:
- * bytes sign-extended (Q = 8); else the low nibbles of bytes 0-31 (columns 0-31) and their high
- * nibbles (columns 32-63), with 16 added where the fifth-bit mask's bit is set (Q = 5), minus zero. */
-static inline __attribute__((always_inline)) T512 void qt_unpack(const int Q, const uint8_t *row, __m512i zero,
+ * bytes sign-extended (Q = 8); else u, the low nibbles of bytes 0-31 (columns 0-31) and their
+ * high nibbles (columns 32-63), + 16 where the fifth-bit mask's bit is set (Q = 5), as the float
+ * 2^23 + u (u in the low mantissa bits), minus 2^23 + zero: u - zero, exactly. */
+static inline __attribute__((always_inline)) T512 void qt_unpack(const int Q, const uint8_t *row, __m512 zero,
                                                                  __m512 q[4]) {
     if (Q == 8) {
         for (int v = 0; v < 4; v++)
@@ -96,16 +120,20 @@ static inline __attribute__((always_inline)) T512 void qt_unpack(const int Q, co
     }
     const __m512i e0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)row));
     const __m512i e1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + 16)));
-    const __m512i nib = _mm512_set1_epi32(15);
-    __m512i u[4] = {_mm512_and_si512(e0, nib), _mm512_and_si512(e1, nib), _mm512_srli_epi32(e0, 4),
-                    _mm512_srli_epi32(e1, 4)};
-    if (Q == 5) {
-        uint64_t hi;
-        memcpy(&hi, row + 32, sizeof hi);
+    const __m512i magic = _mm512_set1_epi32(0x4B000000), nib = _mm512_set1_epi32(15);
+    __m512i u[4] = {_mm512_ternarylogic_epi32(e0, nib, magic, 0xEA), _mm512_ternarylogic_epi32(e1, nib, magic, 0xEA),
+                    _mm512_or_si512(_mm512_srli_epi32(e0, 4), magic), _mm512_or_si512(_mm512_srli_epi32(e1, 4), magic)};
+    if (Q == 5) { /* lane i of vector v: bit 16v + i of the mask, rotated to bit 4 */
         const __m512i b4 = _mm512_set1_epi32(16);
-        for (int v = 0; v < 4; v++) u[v] = _mm512_mask_or_epi32(u[v], (__mmask16)(hi >> (16 * v)), u[v], b4);
+        const __m512i rot = _mm512_set_epi32(11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 31, 30, 29, 28);
+        const __m512i rot16 = _mm512_add_epi32(rot, b4);
+        for (int v = 0; v < 4; v++) {
+            const __m512i m = _mm512_set1_epi32(*(const int32_t *)(row + 32 + 4 * (v / 2)));
+            const __m512i bit = _mm512_rorv_epi32(m, v % 2 ? rot16 : rot);
+            u[v] = _mm512_ternarylogic_epi32(u[v], bit, b4, 0xF8); /* u | (bit & 16) */
+        }
     }
-    for (int v = 0; v < 4; v++) q[v] = _mm512_cvtepi32_ps(_mm512_sub_epi32(u[v], zero));
+    for (int v = 0; v < 4; v++) q[v] = _mm512_sub_ps(_mm512_castsi512_ps(u[v]), zero);
 }
 
 /* 16 factors at index i of the factor tiles, float32 or float16 (widened exactly). */
@@ -123,7 +151,7 @@ static inline __attribute__((always_inline)) T512 void qt_rows(const int R, cons
     const uint8_t *qt = (const uint8_t *)j->w + (size_t)t * K * QT_ROW_BYTES(Q);
     const size_t ft = (size_t)t * (K / g) * P * TILE;
     const size_t fbytes = j->fac16 ? 2 : 4;
-    const __m512i zero = _mm512_set1_epi32(j->qzero);
+    const __m512 zero = _mm512_set1_ps(0x1p23f + (float)j->qzero);
     const float *x = j->x + r0;
     o += r0 * ldo;
     __m512 acc[MAXR][4];
@@ -187,7 +215,7 @@ static inline __attribute__((always_inline)) T512 void qt_widen_chunk(const int 
     const long K = j->K, g = j->group;
     const uint8_t *qt = (const uint8_t *)j->w + (size_t)t * K * QT_ROW_BYTES(Q);
     const size_t ft = (size_t)t * (K / g) * P * TILE;
-    const __m512i zero = _mm512_set1_epi32(j->qzero);
+    const __m512 zero = _mm512_set1_ps(0x1p23f + (float)j->qzero);
     for (long k = k0; k < k1; k++) {
         const size_t f = ft + k / g * P * TILE;
         const uint8_t *row = qt + k * QT_ROW_BYTES(Q);
