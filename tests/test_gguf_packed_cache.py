@@ -136,6 +136,25 @@ def test_entries_are_keyed_by_content_and_layout(tmp_path, private_cache):
     assert len(entries(private_cache)) == 3
 
 
+def test_the_key_covers_every_packing_source_and_the_pack_version(tmp_path, private_cache, monkeypatch):
+    """A change of layout (the exact path's packed q tiles and float16 factors) cannot meet an
+    entry of the old one: each module the packing runs through is hashed into the key, and so
+    is PACK_VERSION."""
+    import inspect
+    from pathlib import Path
+
+    from kernels.ggml import blocks, gemm, nibbles
+    from kernels.host.backend import HostBackend
+
+    root = Path(pc.__file__).resolve().parents[2]
+    for fn in (gemm.pack_block_matrix, gemm.half_factors, nibbles.pack_rows, nibbles.pack, blocks.unpack_matrix):
+        assert Path(inspect.getsourcefile(fn)).resolve().relative_to(root).as_posix() in pc.SOURCES, fn
+    a = write_tiny_gguf(tmp_path / "a.gguf", "gemma3", seed=1)
+    key = pc.entry_key(a, gemm.LAYOUT_FLOAT, HostBackend(), private_cache)
+    monkeypatch.setattr(pc, "PACK_VERSION", pc.PACK_VERSION - 1)
+    assert pc.entry_key(a, gemm.LAYOUT_FLOAT, HostBackend(), private_cache) != key
+
+
 def damage_buffer(entry):
     raw = bytearray(entry.read_bytes())
     raw[-100] ^= 0x10  # a bit in the last buffer

@@ -53,7 +53,9 @@ from engine.prefix_store import unlink, write_atomic
 log = structlog.get_logger(__name__)
 
 FORMAT = "npud-packed-weights"
-PACK_VERSION = 1  # bump when what an entry holds changes in a way the sources below do not show
+# bump when what an entry holds changes in a way the sources below do not show (2: the exact
+# path's q tiles packed in 4 / 5 bits and its factor tiles in float16 where exact)
+PACK_VERSION = 2
 SUBDIR = "packed"
 SUFFIX = ".npw"
 MAX_ENTRIES = 32

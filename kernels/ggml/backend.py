@@ -112,7 +112,9 @@ def check_block_invariance(backend, rows: int = CHECK_ROWS, k: int = 512, n: int
     multiple of the tile, so a padded tile is exercised too; rows up to 64 take every row
     block size and k chunk size of the kernel (blockgemm.c), K = 512 two of the largest chunks.
     The q8 layout (blockq8.c) runs at K = k_q8: 768 is one 512-k chunk and a part of another,
-    so the partial sums that wait between chunks are checked too.
+    so the partial sums that wait between chunks are checked too. Every slower ISA path (down to
+    the generic C) gives the M-row call's bits on both layouts; a smaller form of the same
+    numbers (packed q, float16 factors) gives the one-row bits of the plain form.
     """
     x_all = np.random.default_rng(seed).standard_normal((rows, max(k, k_q8))).astype(np.float32)
     x_all[rows // 2] *= 1e-3  # a row of another magnitude: its own q8 block scales
@@ -127,21 +129,27 @@ def check_block_invariance(backend, rows: int = CHECK_ROWS, k: int = 512, n: int
             if w.scale.dtype == np.float16 and w.data.ndim == 4:  # float16 factor tiles, and float32 ones too
                 # (Q8_0; packed Q4_0 / Q5_0 tiles come with float16 factors only: kernels/ggml/nibbles.py)
                 variants.append((tag + "f32", dataclasses.replace(w, scale=w.scale.astype(np.float32))))
+            if layout == LAYOUT_FLOAT and (w.data.shape[2] != TILE or w.scale.dtype == np.float16):
+                # the exact path's packed q / float16 factors against int8 and float32 tiles of the same blocks
+                raw = random_block_rows(fmt, n, kk, seed)
+                variants.append(("/bytes", backend.prepare_linear(pack_block_matrix(raw, fmt, kk, compact=False))))
             for name, wv in variants:
                 single = np.concatenate([backend.linear(x[i : i + 1], wv) for i in range(rows)])
                 if name != tag and not np.array_equal(single.view(np.uint32), first.view(np.uint32)):
                     failures.append(f"{fmt.value}{name} != {fmt.value}{tag}")
+                    continue
                 first = single
+                if name == "/bytes":  # the same bits as the served form, checked in full just above
+                    continue
                 for m in range(1, rows + 1):
                     if not np.array_equal(backend.linear(x[:m], wv).view(np.uint32), single[:m].view(np.uint32)):
                         failures.append(f"{fmt.value}{name} M={m}")
-                if layout == LAYOUT_Q8:
-                    failures += _isa_failures(backend, x, wv, single, f"{fmt.value}{name}")
+                failures += _isa_failures(backend, x, wv, single, f"{fmt.value}{name}")
     return failures
 
 
 def _isa_failures(backend, x: np.ndarray, w: LinearWeight, best: np.ndarray, name: str) -> list[str]:
-    """The q8 block kernel on every slower ISA path this CPU has (down to the generic C) against the
+    """The block kernel on every slower ISA path this CPU has (down to the generic C) against the
     path in use: one-row calls and the whole M-row call must give the same bits on each."""
     from kernels.host import native
 

@@ -20,8 +20,9 @@ Groups: 32 weights (Q8_0, Q4_0, Q5_0 blocks; the 8 sub-blocks of a Q4_K/Q5_K sup
 16 weights (the 16 sub-blocks of a Q6_K super-block).
 
 Memory: one byte per weight plus 4 (8 with D) bytes per group — 1.125 bytes a weight for
-Q8_0/Q4_0/Q5_0, 1.25 for the K-quants; a Q4_K_M file (about 0.6 bytes a weight on
-average) grows by about a fifth.
+Q8_0/Q4_0/Q5_0, 1.25 for the K-quants. The kernels' tiles (kernels/ggml/gemm.py) hold the same
+numbers in fewer bytes where that is exact: 4 / 5-bit integers packed (nibbles.py), factors in
+float16 where each is a float16 value; a Q4_K_M file then grows by about a hundredth.
 """
 
 from __future__ import annotations

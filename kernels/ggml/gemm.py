@@ -10,7 +10,11 @@ host library's ISA paths and thread pool), register-blocked like the float path.
 
 Layout (done once at load): q tiles [ceil(N / T), K, T] int8 and factor tiles
 [ceil(N / T), K / g, P, T] float32, T = 64 output columns; padded columns hold q = 0 and
-S = D = 0, so they widen to 0 and are cut off after the call.
+S = D = 0, so they widen to 0 and are cut off after the call. Two smaller forms of the same
+numbers (the bits do not depend on the form): Q4_0 / Q5_0 / Q4_K / Q5_K q tiles packed in 4 or
+5 bits a weight (kernels/ggml/nibbles.py's pack_rows), and factor tiles in float16 where every
+factor is a float16 value (Q8_0 / Q4_0 / Q5_0: S is the block's own fp16 d), both unpacked in
+registers. gemma-3-270m Q4_K_M: 292 MiB of tiles become 244.
 """
 
 from __future__ import annotations
@@ -31,8 +35,18 @@ _PACK_ROWS = TILE * 256  # rows unpacked per step while packing, to bound tempor
 LAYOUT_FLOAT, LAYOUT_Q8 = "qtiles", "q8blocks"  # widened into the float chain; integer sums against q8 rows
 
 
+def half_factors(f_tiles: np.ndarray) -> np.ndarray | None:
+    """float16 factor tiles holding exactly the float32 ones (every factor finite and a float16
+    value, as gguf's Q8_0 / Q4_0 / Q5_0 scales are), or None where some factor is not."""
+    with np.errstate(over="ignore"):
+        half = f_tiles.astype(np.float16)
+    if np.isfinite(half).all() and np.array_equal(half.astype(np.float32).view(np.uint32), f_tiles.view(np.uint32)):
+        return half
+    return None
+
+
 def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarray | None = None,
-                      layout: str = LAYOUT_FLOAT, done=None) -> LinearWeight:
+                      layout: str = LAYOUT_FLOAT, done=None, compact: bool = True) -> LinearWeight:
     """A [N, K] block matrix (raw GGUF rows, [N, row bytes] uint8) laid out in tiles.
 
     rows: an optional row order (row i of the result is raw row rows[i]), for checkpoints
@@ -42,7 +56,8 @@ def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarra
     "q8blocks" for one factor per 32 weights when every factor is a float16 value, as gguf's
     Q8_0 / Q4_0 / Q5_0 scales are: the same values in half the bytes). done: called with
     each run of raw rows [r0, r1) once it is packed (and never read again), so a mapped file's
-    pages can be let go as the copy grows. Raises ValueError for a row width that does not hold
+    pages can be let go as the copy grows. compact: on "qtiles", pack 4 / 5-bit q and keep float16
+    factors where exact (False: int8 q and float32 factors, the same bits; for tests). Raises ValueError for a row width that does not hold
     K weights of `fmt`, or an unknown layout.
     """
     if layout not in (LAYOUT_FLOAT, LAYOUT_Q8):
@@ -73,12 +88,13 @@ def pack_block_matrix(raw: np.ndarray, fmt: BlockFormat, k: int, rows: np.ndarra
             f_tiles[t, :, :, : i1 - i0] = factors[i0 - r0 : i1 - r0].transpose(1, 2, 0)
         if done is not None and rows is None:
             done(raw[r0:r1])
-    if q8 and parts == 1 and lay.group == 32:  # float16 factors where that is every S exactly (blockq8.c)
-        half = f_tiles.astype(np.float16)
-        if np.array_equal(half.astype(np.float32).view(np.uint32), f_tiles.view(np.uint32)):
-            f_tiles = half
+    if (q8 and parts == 1 and lay.group == 32) or (compact and not q8):  # float16 factors where exact
+        half = half_factors(f_tiles)
+        f_tiles = f_tiles if half is None else half
     if q8 and fmt in nibbles.PACKED_BITS and (parts == 2 or f_tiles.dtype == np.float16):
         q_tiles = nibbles.pack(q_tiles, fmt)  # 4 / 5 bits a weight, not 8 (kernels/ggml/nibbles.py)
+    if compact and not q8 and fmt in nibbles.PACKED_BITS:
+        q_tiles = nibbles.pack_rows(q_tiles, fmt)
     if q8:  # huge pages: a one-row call streams them faster (kernels/host/resident.py)
         q_tiles, f_tiles = resident_copy(q_tiles), resident_copy(f_tiles)
     return LinearWeight(fmt=fmt, data=q_tiles, scale=f_tiles, layout=layout, out_features=n, in_features=k)
@@ -94,7 +110,8 @@ def block_linear(x: np.ndarray, w: LinearWeight, parallel: bool) -> np.ndarray:
     if w.layout == LAYOUT_Q8:
         out = native.linear_bq8(x, w.data, w.scale, w.out_features, w.bias, parallel, nibbles.zero_of(w.fmt, w.data))
     else:
-        out = native.linear_qtiles(x, w.data, w.scale, w.out_features, w.bias, parallel)
+        out = native.linear_qtiles(x, w.data, w.scale, w.out_features, w.bias, parallel,
+                                   nibbles.row_zero(w.fmt, w.data))
     return out[:, : w.out_features]
 
 
@@ -106,7 +123,8 @@ def block_embed(table: LinearWeight, tokens: np.ndarray) -> np.ndarray:
         tiles, cols = tokens // TILE, tokens % TILE
         q = nibbles.q_columns(table.data, tiles, cols, nibbles.zero_of(table.fmt, table.data))
         return widen(q, np.ascontiguousarray(table.scale[tiles, :, :, cols], dtype=np.float32))
-    return native.gather_qtiles(table.data, table.scale, np.ascontiguousarray(tokens, dtype=np.int64))
+    return native.gather_qtiles(table.data, table.scale, np.ascontiguousarray(tokens, dtype=np.int64),
+                                nibbles.row_zero(table.fmt, table.data))
 
 
 def dense_weights(w: LinearWeight) -> np.ndarray:

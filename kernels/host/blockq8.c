@@ -28,21 +28,6 @@
  * blocks (the partial sums wait in the output, stored and reloaded exactly), threads take whole
  * tiles (pool.c). */
 
-/* A float16 factor as float32, exactly (normal, subnormal, zero, inf and NaN alike: what
- * vcvtph2ps gives). */
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, man = h & 0x3ffu;
-    uint32_t bits;
-    if (e == 0) { /* zero or subnormal: man * 2^-24, exact in float32 */
-        const float v = (float)man * 0x1p-24f;
-        return sign ? -v : v;
-    }
-    bits = sign | (e == 31 ? 0x7f800000u : (e + 112) << 23) | man << 13;
-    float v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
 /* Factor i (an index into the factor tiles) of job j as float32. */
 static inline __attribute__((always_inline)) float fac_at(const job_t *j, size_t i) {
     return j->fac16 ? half_to_float(((const uint16_t *)j->fac)[i]) : j->fac[i];

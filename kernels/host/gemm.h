@@ -47,8 +47,8 @@ typedef struct job {
     const uint32_t *xb;      /* bf16-dot: [Kp / 2, M], each word a row's bf16 pair (x[k], x[k+1]) */
     const float *fac;        /* GGML blocks (blockgemm.c): factor tiles [ntiles, K / group, parts, TILE] */
     long group, parts;       /* GGML blocks: weights a factor group; 1 (S) or 2 (S, D) factors */
-    int qbits, qzero;        /* blockq8.c: q tiles of bytes (8), or nibbles (4) and a fifth-bit plane (5); u = q + qzero */
-    int fac16;               /* blockq8.c: factor tiles held as float16 (exact: the formats whose S is gguf's fp16 d) */
+    int qbits, qzero;        /* blockgemm.c, blockq8.c: q tiles of bytes (8), or nibbles (4) and fifth bits (5); u = q + qzero */
+    int fac16;               /* blockgemm.c, blockq8.c: factor tiles held as float16 (exact: every factor a float16 value) */
     /* the thread pool's part (see the pool below) */
     void (*tile)(const struct job *, long, float *, long);
     long chunk, nchunks;     /* tiles per chunk; chunks */
@@ -97,6 +97,21 @@ static inline __attribute__((always_inline)) float store_value(const job_t *j, f
 
 static inline __attribute__((always_inline)) size_t elem_size(int fmt) {
     return fmt == FMT_F32 ? 4 : fmt == FMT_BF16 ? 2 : 1;
+}
+
+/* A float16 factor as float32, exactly (normal, subnormal, zero, inf and NaN alike: what
+ * vcvtph2ps gives); blockgemm.c and blockq8.c widen float16 factor tiles with it. */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, man = h & 0x3ffu;
+    uint32_t bits;
+    if (e == 0) { /* zero or subnormal: man * 2^-24, exact in float32 */
+        const float v = (float)man * 0x1p-24f;
+        return sign ? -v : v;
+    }
+    bits = sign | (e == 31 ? 0x7f800000u : (e + 112) << 23) | man << 13;
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
 }
 
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))

@@ -148,11 +148,11 @@ def library() -> ctypes.CDLL:
             lib.npud_linear_q8.restype = _L
             lib.npud_linear_bd.argtypes = [_P, _L, _L, _L, _P, _L, _L, _P, _P, _P, _I]
             lib.npud_linear_bd.restype = _L
-            lib.npud_linear_qtiles.argtypes = [_P, _L, _L, _P, _P, _L, _L, _L, _L, _P, _P, _I]
+            lib.npud_linear_qtiles.argtypes = [_P, _L, _L, _P, _P, _L, _L, _I, _I, _I, _L, _L, _P, _P, _I]
             lib.npud_linear_qtiles.restype = _L
             lib.npud_linear_bq8.argtypes = [_P, _L, _L, _P, _P, _L, _L, _I, _I, _I, _L, _L, _P, _P, _I]
             lib.npud_linear_bq8.restype = _L
-            lib.npud_gather_qtiles.argtypes = [_P, _P, _L, _L, _L, _P, _L, _P]
+            lib.npud_gather_qtiles.argtypes = [_P, _P, _L, _L, _L, _I, _I, _I, _P, _L, _P]
             lib.npud_gather_qtiles.restype = None
             lib.npud_round_bf16.argtypes = [_P, _L, _L, _L, _P]
             lib.npud_round_bf16.restype = None
@@ -376,15 +376,25 @@ def linear_bf16_dot(x: np.ndarray, w: np.ndarray, n: int, bias: np.ndarray | Non
     return out
 
 
+QT_ROW_BITS = {64: 8, 32: 4, 40: 5}  # blockgemm.c: bytes of a q tile's k row -> bits a weight
+
+
 def linear_qtiles(x: np.ndarray, q: np.ndarray, f: np.ndarray, n: int, bias: np.ndarray | None,
-                  parallel: bool) -> np.ndarray:
-    """x: [M, K] f32, GGML block weights as q tiles [T, K, TILE] int8 and factor tiles
-    [T, K / g, P, TILE] f32 (blockgemm.c) -> [M, T * TILE] f32. Raises MemoryError as gemm."""
+                  parallel: bool, zero: int = 0) -> np.ndarray:
+    """x: [M, K] f32, GGML block weights as q tiles [T, K, TILE] int8, or packed [T, K, 32 | 40]
+    uint8 (q + zero in 4 / 5 bits: kernels/ggml/nibbles.py), and factor tiles [T, K / g, P, TILE]
+    f32 or f16 (blockgemm.c) -> [M, T * TILE] f32. Raises MemoryError as gemm, ValueError for q
+    tiles of another row width."""
     m, k = x.shape
     tiles = q.shape[0]
     out = np.empty((m, tiles * TILE), np.float32)
-    if _call((_lib or library()).npud_linear_qtiles, (q, f, bias), _addr(x), m, k, _weight_ptr(q), _weight_ptr(f),
-             k // f.shape[1], f.shape[2], tiles, n, _weight_ptr(bias), _addr(out), threads() if parallel else 1) < 0:
+    qbits = QT_ROW_BITS.get(q.shape[2], 0)
+    status = _call((_lib or library()).npud_linear_qtiles, (q, f, bias), _addr(x), m, k, _weight_ptr(q),
+                   _weight_ptr(f), k // f.shape[1], f.shape[2], int(f.dtype == np.float16), qbits, zero, tiles, n,
+                   _weight_ptr(bias), _addr(out), threads() if parallel else 1)
+    if status == -2:
+        raise ValueError(f"q tiles of {q.shape[2]} bytes a k row: expected one of {sorted(QT_ROW_BITS)}")
+    if status < 0:
         raise MemoryError(f"no memory for a transposed copy of a [{m}, {k}] activation")
     return out
 
@@ -411,12 +421,14 @@ def linear_bq8(x: np.ndarray, q: np.ndarray, f: np.ndarray, n: int, bias: np.nda
     return out
 
 
-def gather_qtiles(q: np.ndarray, f: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+def gather_qtiles(q: np.ndarray, f: np.ndarray, tokens: np.ndarray, zero: int = 0) -> np.ndarray:
     """Rows `tokens` [M] (int64, in range) of a block table in linear_qtiles' tiles, widened -> [M, K] f32."""
     k = q.shape[1]
     out = np.empty((tokens.shape[0], k), np.float32)
-    library().npud_gather_qtiles(q.ctypes.data, f.ctypes.data, k, k // f.shape[1], f.shape[2], tokens.ctypes.data,
-                                 tokens.shape[0], out.ctypes.data)
+    qbits = QT_ROW_BITS[q.shape[2]]
+    library().npud_gather_qtiles(q.ctypes.data, f.ctypes.data, k, k // f.shape[1], f.shape[2],
+                                 int(f.dtype == np.float16), qbits, zero, tokens.ctypes.data, tokens.shape[0],
+                                 out.ctypes.data)
     return out
 
 
