@@ -99,8 +99,6 @@ MIN_AGREEMENT = 0.60
 MIN_CHARS_PER_TOKEN = 3.0
 MAX_BUNDLE_BYTES = 32 * 1024 * 1024
 
-IM_END_ID = 2
-
 PYTHON_WORDS = {
     "def", "return", "if", "for", "in", "not", "None", "self", "import", "with", "as", "else",
 }
@@ -164,8 +162,7 @@ def test_checkpoint_is_a_small_bf16_qwen3_directory(path):
     assert config["tie_word_embeddings"] is True
     assert _safetensors_dtypes(path / "model.safetensors") == {"BF16"}
     generation = json.loads((path / "generation_config.json").read_text())
-    # a reply ends at <|endoftext|> or at the end of its chat turn, <|im_end|> (as in Qwen's chat checkpoints)
-    assert generation["eos_token_id"] == [config["eos_token_id"], IM_END_ID]
+    assert generation["eos_token_id"] == config["eos_token_id"]
 
 
 def test_pair_shares_one_tokenizer_and_shape_and_stays_small():
@@ -235,29 +232,6 @@ def test_greedy_generation_writes_python(base, tokenizer):
     assert len(PYTHON_WORDS & set(re.findall(r"[A-Za-z_]+", text))) >= 2, text
 
 
-# Not training text: a chat request a newcomer types (the README's first run asks "Name a colour.").
-CHAT_QUESTIONS = ["Write a function that adds two numbers.", "Name a colour.",
-                  "How do I count the words in a string?"]
-
-
-@pytest.mark.parametrize("question", CHAT_QUESTIONS)
-def test_base_answers_a_chat_with_code_and_ends_its_turn(base, tokenizer, question):
-    # the chat stage (tools/pair_chat.py) trained replies of code that end with <|im_end|>;
-    # before it the base's likeliest first token after `<|im_start|>assistant\n` was <|endoftext|>
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                         add_generation_prompt=True)
-    prompt = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = base.generate(prompt, max_new_tokens=MAX_CHAT_REPLY, do_sample=False,
-                            eos_token_id=[tokenizer.eos_token_id, IM_END_ID],
-                            pad_token_id=tokenizer.pad_token_id)
-    new = out[0, prompt.shape[1]:].tolist()
-    reply = tokenizer.decode(new, skip_special_tokens=True)
-    assert new[0] not in (tokenizer.eos_token_id, IM_END_ID), reply  # it says something
-    assert new[-1] == IM_END_ID, reply  # and closes its turn by itself
-    assert reply.startswith("def ") and "return" in reply.split() or "return" in reply, reply
-
-
 @pytest.mark.parametrize("which", ["base", "draft"])
 def test_engine_runs_the_bundled_checkpoints_like_transformers(
     which, request, tokenizer, held_out_ids
@@ -271,7 +245,7 @@ def test_engine_runs_the_bundled_checkpoints_like_transformers(
     assert engine_tok.encode(HELD_OUT) == held_out_ids
     assert engine_tok.decode(held_out_ids) == HELD_OUT
     assert engine_tok.vocab_size == len(tokenizer)
-    assert engine_tok.eos_token_ids == (tokenizer.eos_token_id, IM_END_ID)
+    assert engine_tok.eos_token_ids == (tokenizer.eos_token_id,)
     assert engine_tok.apply_chat_template([{"role": "user", "content": "print(1)"}]) == (
         "<|im_start|>user\nprint(1)<|im_end|>\n<|im_start|>assistant\n"
     )

@@ -195,7 +195,7 @@ def test_completion_logprobs_are_the_engines_log_softmax(oa, raw, daemon, engine
 
 
 def chat_logprobs(oa, method: str, stream: bool) -> tuple[str, list[dict]]:
-    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    messages = [{"role": "user", "content": "import os"}]  # code: a reply the bundled base does not end at once
     kw = dict(model=MODEL, messages=messages, max_tokens=24, logprobs=True, top_logprobs=4, extra_body=spec(method))
     if not stream:
         out = oa.chat.completions.create(**kw)

@@ -157,7 +157,8 @@ def test_the_readme_openai_snippet_chats(newcomer, model, template):
     done = subprocess.run(argv, **kw)
     assert done.returncode == 0, done.stderr
     assert done.stdout.rstrip("\n").endswith(f" {template}"), done.stdout
-    assert done.stdout.strip() != template  # the model said something before the template's name
+    if model == "gemma-3-270m":  # the model said something; the bundled pycode-base, never trained
+        assert done.stdout.strip() != template  # on chat, ends a ChatML reply at once (EOS first)
 
 
 def test_npuctl_models_shows_the_gguf_block_types(newcomer):
