@@ -187,12 +187,26 @@ def fim_rows(fim: Fim, files: list[tuple[str, str]], weights: np.ndarray, seed: 
     return torch.from_numpy(inputs), torch.from_numpy(targets)
 
 
-def mixed_batch(args, fim: Fim, data, files, weights, step: int):
-    """The plain windows of the step, then its FIM examples: (inputs, targets)."""
+def batch_groups(args, chat) -> list[tuple[str, int]]:
+    """The rows of a step's batch, in order: (kind, count) for plain, FIM and (chat stages) chat."""
+    n_chat = round(args.batch * args.chat_rate) if chat is not None else 0
     n_fim = round(args.batch * args.fim_rate)
-    rows = tp.batch_at(data, args.seed, step, args.batch - n_fim, args.seq_len)
+    groups = [("plain", args.batch - n_fim - n_chat), ("fim", n_fim)]
+    return groups + [("chat", n_chat)] if chat is not None else groups
+
+
+def mixed_batch(args, fim: Fim, data, files, weights, step: int, chat=None):
+    """The plain windows of the step, its FIM examples, then (chat stages) its conversations
+    (tools/pair_chat.py): (inputs, targets)."""
+    (_, n_plain), (_, n_fim), *rest = batch_groups(args, chat)
+    rows = tp.batch_at(data, args.seed, step, n_plain, args.seq_len)
     f_in, f_tg = fim_rows(fim, files, weights, args.seed, step, n_fim, args.seq_len)
-    return torch.cat([rows[:, :-1], f_in]), torch.cat([rows[:, 1:], f_tg])
+    inputs, targets = [rows[:, :-1], f_in], [rows[:, 1:], f_tg]
+    if rest:
+        c_in, c_tg = chat.rows(args.seed, step, rest[0][1], args.seq_len)
+        inputs.append(c_in)
+        targets.append(c_tg)
+    return torch.cat(inputs), torch.cat(targets)
 
 
 # ---------------------------------------------------------------- training
@@ -211,9 +225,10 @@ def resize_vocab(model, vocab: int, source=None) -> None:
     model.tie_weights()
 
 
-def stage_fim(args, which: str) -> None:
+def stage_fim(args, which: str, chat=None) -> None:
     """Continued training of the shipped base (which='base') or redistillation of the shipped
-    draft against the FIM base (which='draft'), on mixed plain/FIM batches."""
+    draft against the FIM base (which='draft'), on mixed plain/FIM batches; with `chat` (a
+    pair_chat.Chat), the chat stages: chat rows too, continuing the FIM checkpoints."""
     work = args.work_dir
     if not (work / "train.npy").exists():
         sys.exit("error: no tokenized corpus in --work-dir; run --stage tokenizer first")
@@ -223,7 +238,7 @@ def stage_fim(args, which: str) -> None:
     files, _ = tp.read_split()
     weights = np.asarray([len(t) for _, t in files], dtype=np.float64)
     weights /= weights.sum()
-    name = f"fim-{which}"
+    name = f"{'chat' if chat is not None else 'fim'}-{which}"
     state_path = work / f"{name}.state.pt"
     out_dir = args.models_dir / f"pycode-{which}"
 
@@ -242,10 +257,14 @@ def stage_fim(args, which: str) -> None:
         model = Qwen3ForCausalLM(state["config"])
     else:
         model = tp.load_model(out_dir)  # the shipped checkpoint this stage continues
-        if model.config.vocab_size != 4096:
+        if chat is not None:
+            if model.config.vocab_size != fim.vocab:
+                sys.exit(f"error: {out_dir} has no FIM tokens; the chat stages continue the FIM checkpoints")
+        elif model.config.vocab_size != 4096:
             sys.exit(f"error: {out_dir} already has {model.config.vocab_size} tokens; "
                      f"this stage continues the 4096-token checkpoint")
-        resize_vocab(model, fim.vocab, teacher.model.embed_tokens.weight if teacher is not None else None)
+        else:
+            resize_vocab(model, fim.vocab, teacher.model.embed_tokens.weight if teacher is not None else None)
         state = None
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -262,7 +281,8 @@ def stage_fim(args, which: str) -> None:
         opt.load_state_dict(state["optimizer"])
         step, tokens_seen, elapsed_before = state["step"], state["tokens"], state["elapsed"]
         log(f"{name}: resumed at step {step} ({tokens_seen} tokens, {elapsed_before:.0f}s)")
-    log(f"{name}: {tp.count_params(model)} parameters, vocab {fim.vocab}, FIM rate {args.fim_rate}")
+    groups = batch_groups(args, chat)
+    log(f"{name}: {tp.count_params(model)} parameters, vocab {fim.vocab}, rows {groups}")
     t0 = time.monotonic()
 
     def save_state() -> None:
@@ -275,14 +295,17 @@ def stage_fim(args, which: str) -> None:
     if step == 0:
         save_state()  # resumes never read the shipped checkpoint again (the export replaces it)
     model.train()
-    window = {"plain": 0.0, "fim": 0.0, "n": 0, "t": t0, "tokens": 0}
-    n_fim = round(args.batch * args.fim_rate)
+
+    def new_window(t: float) -> dict:
+        return {**{kind: 0.0 for kind, _ in groups}, "n": 0, "t": t, "tokens": 0}
+
+    window = new_window(t0)
     while step < args.steps:
         if tp.out_of_budget(name, step, t0, args):
             break
         for group in opt.param_groups:
             group["lr"] = tp.lr_at(step, args)
-        inputs, targets = mixed_batch(args, fim, data, files, weights, step)
+        inputs, targets = mixed_batch(args, fim, data, files, weights, step, chat)
         logits = model(input_ids=inputs).logits.float()
         ce_rows = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE, reduction="none")
         valid = (targets != IGNORE).float()
@@ -301,28 +324,33 @@ def stage_fim(args, which: str) -> None:
         opt.step()
         step += 1
         tokens_seen += int(valid.sum().item())
-        n_plain = args.batch - n_fim
-        window["plain"] += (ce_rows[:n_plain] * valid[:n_plain]).sum().item() / max(1.0, valid[:n_plain].sum().item())
-        window["fim"] += (ce_rows[n_plain:] * valid[n_plain:]).sum().item() / max(1.0, valid[n_plain:].sum().item())
+        row = 0
+        for kind, count in groups:
+            part = slice(row, row + count)
+            window[kind] += (ce_rows[part] * valid[part]).sum().item() / max(1.0, valid[part].sum().item())
+            row += count
         window["n"] += 1
         window["tokens"] += int(valid.sum().item())
         if step % args.log_every == 0 or step == args.steps:
             now = time.monotonic()
             n = window["n"]
-            log(f"{name} step {step}/{args.steps} ce plain {window['plain'] / n:.4f} fim {window['fim'] / n:.4f} "
+            losses = " ".join(f"{kind} {window[kind] / n:.4f}" for kind, _ in groups)
+            log(f"{name} step {step}/{args.steps} ce {losses} "
                 f"lr {tp.lr_at(step - 1, args):.2e} tok/s {window['tokens'] / (now - window['t']):.0f} "
                 f"elapsed {elapsed_before + now - t0:.0f}s")
-            window = {"plain": 0.0, "fim": 0.0, "n": 0, "t": now, "tokens": 0}
+            window = new_window(now)
         if step % args.save_every == 0:
             save_state()
     save_state()
     model.eval()
-    tp.export(model, tok_dir, out_dir)
+    # a chat model ends a reply at its end of turn: <|im_end|> is an end-of-sequence id too
+    tp.export(model, tok_dir, out_dir, [fim.eos, chat.im_end] if chat is not None else None)
     elapsed = elapsed_before + time.monotonic() - t0
     summary = {
         "parameters": tp.count_params(model), "steps": step, "planned_steps": args.steps,
         "tokens": tokens_seen, "train_seconds": round(elapsed, 1), "threads": args.threads,
-        "seed": args.seed, "batch": args.batch, "fim_rate": args.fim_rate, "seq_len": args.seq_len,
+        "seed": args.seed, "batch": args.batch, "fim_rate": args.fim_rate,
+        "chat_rate": args.chat_rate if chat is not None else 0.0, "seq_len": args.seq_len,
         "lr": args.lr, "warmup": args.warmup, "vocab": fim.vocab,
         "command": " ".join([os.path.relpath(sys.argv[0], tp.REPO)] + sys.argv[1:]),
     }

@@ -15,8 +15,12 @@ Stages, each resumable, each reading what the previous one left in ``--work-dir`
                plain windows and half fill-in-the-middle examples -> npud/models/pycode-base
     fim-draft  redistillation of the draft against that base (same vocabulary) -> pycode-draft
     fim-eval   eval, plus FIM on held-out files: middle loss, exact match, valid syntax
+    chat       continued training of the FIM base on plain, FIM and chat rows -> pycode-base
+    chat-draft redistillation of the draft against that base on the same batches -> pycode-draft
+    chat-eval  fim-eval, plus held-out chat: reply loss, whether greedy replies end their turn
 
-The fim stages live in tools/pair_fim.py (its docstring has the example format); after them,
+The fim stages live in tools/pair_fim.py (its docstring has the example format), the chat
+stages in tools/pair_chat.py (its docstring has the conversations' format); after them,
 `tools/train_dflash.py --stage train --init-from <the old pycode-dflash>` redistils the DFlash
 drafter against the new base.
 
@@ -220,8 +224,9 @@ def count_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def export(model, tok_dir: pathlib.Path, out: pathlib.Path) -> None:
-    """Save the model in bf16 with the tokenizer files and a generation config."""
+def export(model, tok_dir: pathlib.Path, out: pathlib.Path, eos_ids: list[int] | None = None) -> None:
+    """Save the model in bf16 with the tokenizer files and a generation config (whose
+    end-of-sequence ids are `eos_ids`, or the model's EOS)."""
     from transformers import GenerationConfig
 
     if out.exists():
@@ -231,7 +236,7 @@ def export(model, tok_dir: pathlib.Path, out: pathlib.Path) -> None:
     model.to(torch.bfloat16).save_pretrained(out)
     model.to(torch.float32)
     eos_id = model.config.eos_token_id
-    generation = GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
+    generation = GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_ids or eos_id, pad_token_id=eos_id)
     generation.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(tok_dir / name, out / name)
@@ -422,7 +427,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--stage", required=True, choices=["tokenizer", "base", "draft", "eval", "fim", "fim-draft", "fim-eval"])
+    p.add_argument("--stage", required=True, choices=["tokenizer", "base", "draft", "eval", "fim", "fim-draft", "fim-eval",
+                                                     "chat", "chat-draft", "chat-eval"])
     p.add_argument("--work-dir", type=pathlib.Path, default=pathlib.Path("/tmp/npud-train"))
     p.add_argument("--models-dir", type=pathlib.Path, default=MODELS_DIR,
                    help="where pycode-base/ and pycode-draft/ are written (default: npud/models)")
@@ -442,6 +448,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--fim-rate", type=float, default=0.5,
                    help="fim stages: the share of each batch that is FIM examples")
+    p.add_argument("--chat-rate", type=float, default=0.375,
+                   help="chat stages: the share of each batch that is conversations")
+    p.add_argument("--chat-eval-examples", type=int, default=100, help="chat-eval: held-out conversations")
+    p.add_argument("--chat-greedy-examples", type=int, default=40,
+                   help="chat-eval: of those, how many the base answers greedily")
     p.add_argument("--fim-eval-examples", type=int, default=100,
                    help="fim-eval: held-out examples of each kind (function body, lines)")
     p.add_argument("--log-every", type=int, default=10)
@@ -454,13 +465,23 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
     if not 0.0 <= args.fim_rate <= 1.0:
         p.error(f"--fim-rate must be within [0, 1], not {args.fim_rate}")
+    if args.stage.startswith("chat") and not 0.0 <= args.chat_rate <= 1.0 - args.fim_rate:
+        p.error(f"--chat-rate must be within [0, 1 - --fim-rate], not {args.chat_rate}")
     if not 0.0 <= args.distill <= 1.0:
         p.error(f"--distill must be within [0, 1], not {args.distill}")
 
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    if args.stage.startswith("fim"):
+    if args.stage.startswith("chat"):
+        import pair_chat
+        import pair_fim
+
+        if args.stage == "chat-eval":
+            pair_chat.stage_chat_eval(args)
+        else:
+            pair_fim.stage_fim(args, "draft" if args.stage == "chat-draft" else "base", pair_chat.train_chat(args))
+    elif args.stage.startswith("fim"):
         import pair_fim
 
         if args.stage == "fim-eval":
