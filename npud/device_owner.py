@@ -212,6 +212,12 @@ class DeviceOwner:
             for job, state in ended:  # the batch goes on without them
                 await self.jobs.finish(job, state)
             yielded = self.queue.should_yield(ticket, batch.priority())
+            if yielded is YieldReason.INTERACTIVE_WAITING:
+                # queued while the ended jobs were finished (an await after the fill): it joins
+                # now if it can, as it would have at the fill, rather than preempt the batch
+                if not await self._fill(batch, served):
+                    return Outcome.FAULTED, "amdxdna_errors", None
+                yielded = self.queue.should_yield(ticket, batch.priority())
             if yielded is not None:
                 return Outcome.PREEMPTED, yielded.value, yielded
             if not batch.running:
