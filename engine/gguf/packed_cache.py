@@ -1,4 +1,4 @@
-"""A GGUF model's prepared weights, kept between starts in the kernel cache and read back whole.
+"""A GGUF model's prepared weights, kept between starts in the kernel cache and mapped whole.
 
 Packing a GGUF file's block matrices into the host kernels' tiles (kernels/ggml/gemm.py) and
 fusing each layer's projections takes gemma-3-270m about a second of CPU and a transient of
