@@ -18,13 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 import platform
-import shutil
-import subprocess
 import tempfile
 import threading
-import time
 import weakref
 from pathlib import Path
 
@@ -51,27 +47,12 @@ def library_path(directory: Path | None = None) -> Path:
 def build(directory: Path | None = None) -> Path:
     """Compile the library into the cache directory unless it is there; returns its path.
     Raises TokenizerError when gcc is missing or fails, OSError when the directory is not writable."""
-    path = library_path(directory)
-    if path.exists():
-        return path
-    cc = os.environ.get("CC", "gcc")
-    if shutil.which(cc) is None:
-        raise TokenizerError(f"the GGUF tokenizer needs a C compiler: {cc!r} was not found (install gcc)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.stem, suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    from kernels.host.cache import BuildError, compile_library
+
     try:
-        res = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
-        if res.returncode != 0:
-            raise TokenizerError(f"{cc} failed to build the GGUF tokenizer:\n{res.stderr[-2000:]}")
-        os.replace(tmp, path)  # atomic: a concurrent start sees no file or the whole one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    for stale in path.parent.glob("npud_tokenizer-*.so"):  # older versions, unused for a day (as native.build)
-        if stale != path and time.time() - stale.stat().st_mtime > 86400:
-            stale.unlink(missing_ok=True)
-    return path
+        return compile_library(library_path(directory), [SOURCE], CFLAGS, "the GGUF tokenizer")
+    except BuildError as exc:
+        raise TokenizerError(str(exc)) from None
 
 
 def library() -> ctypes.CDLL:

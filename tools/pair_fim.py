@@ -266,12 +266,7 @@ def stage_fim(args, which: str, chat=None) -> None:
         else:
             resize_vocab(model, fim.vocab, teacher.model.embed_tokens.weight if teacher is not None else None)
         state = None
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-    )
+    opt = tp.make_optimizer(model, args.lr)
     step, tokens_seen, elapsed_before = 0, 0, 0.0
     if state is not None:
         if state["steps"] != args.steps:

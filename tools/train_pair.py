@@ -267,6 +267,14 @@ def out_of_budget(which: str, step: int, t0: float, args) -> bool:
     return False
 
 
+def make_optimizer(model, lr: float):
+    """AdamW with weight decay on matrices only, not on norm gains."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
 def lr_at(step: int, args) -> float:
     """Linear warmup, then cosine decay to a tenth of the peak at --steps."""
     if step < args.warmup:
@@ -303,13 +311,7 @@ def stage_train(args, which: str) -> None:
             model.model.embed_tokens.weight.copy_(teacher.model.embed_tokens.weight)
             model.model.norm.weight.copy_(teacher.model.norm.weight)
 
-    # weight decay on matrices only, not on norm gains
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-    )
+    opt = make_optimizer(model, args.lr)
 
     step, tokens_seen, elapsed_before = 0, 0, 0.0
     if state_path.exists():

@@ -13,7 +13,46 @@ layers never loads it (about 0.3 s and 40 MB of a start).
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import tempfile
+import time
 from pathlib import Path
+
+
+class BuildError(RuntimeError):
+    """A C library could not be compiled (no gcc, or it failed); the message says which."""
+
+
+def compile_library(path: Path, sources: list[Path], cflags: tuple[str, ...], what: str, libs: tuple[str, ...] = ()) -> Path:
+    """Compile `sources` into the shared object `path` (named by a digest of what goes into it:
+    its stem up to the last "-" is the library's name) unless it is there; returns `path`.
+    The object appears whole or not at all (a concurrent start sees one or the other); versions
+    of the same library not rebuilt for a day are dropped (not at once: two checkouts of
+    different versions sharing the cache would rebuild in turn). `what` names the library in
+    errors. Raises BuildError when the compiler is missing or fails, OSError when the
+    directory is not writable."""
+    if path.exists():
+        return path
+    cc = os.environ.get("CC", "gcc")
+    if shutil.which(cc) is None:
+        raise BuildError(f"building {what} needs a C compiler: {cc!r} was not found (install gcc)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.stem, suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([cc, *cflags, "-o", tmp, *map(str, sources), *libs], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise BuildError(f"{cc} failed to build {what}:\n{res.stderr[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    name = path.stem.rsplit("-", 1)[0]
+    for stale in path.parent.glob(f"{name}-*{path.suffix}"):
+        if stale != path and time.time() - stale.stat().st_mtime > 86400:
+            stale.unlink(missing_ok=True)
+    return path
 
 
 

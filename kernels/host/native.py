@@ -43,11 +43,8 @@ import ctypes
 import hashlib
 import os
 import platform
-import shutil
-import subprocess
 import tempfile
 import threading
-import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -55,7 +52,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from kernels.host.cache import cache_dir
+from kernels.host.cache import BuildError, cache_dir, compile_library  # noqa: F401  (BuildError: native.BuildError)
 
 log = structlog.get_logger(__name__)
 
@@ -86,10 +83,6 @@ _L = ctypes.c_long
 _I = ctypes.c_int
 
 
-class BuildError(RuntimeError):
-    """The C kernels could not be compiled (no gcc, or it failed); the message says which."""
-
-
 def library_path(directory: Path | None = None) -> Path:
     """Where the shared object for this source and these flags lives."""
     sources = b"".join(src.name.encode() + src.read_bytes() for src in SOURCES + HEADERS)
@@ -105,25 +98,7 @@ def build(directory: Path | None = None) -> Path:
     path = library_path(directory)
     if path.exists():
         return path
-    cc = os.environ.get("CC", "gcc")
-    if shutil.which(cc) is None:
-        raise BuildError(f"the host kernels need a C compiler: {cc!r} was not found (install gcc)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.stem, suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        res = subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True)
-        if res.returncode != 0:
-            raise BuildError(f"{cc} failed to build the host kernels:\n{res.stderr[-2000:]}")
-        os.replace(tmp, path)  # atomic: a concurrent start sees the old state or the whole file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    # an upgrade leaves the old version behind: drop versions not rebuilt for a day (not at
-    # once: two checkouts of different versions sharing the cache would rebuild in turn)
-    for stale in path.parent.glob("npud_gemm-*.so"):
-        if stale != path and time.time() - stale.stat().st_mtime > 86400:
-            stale.unlink(missing_ok=True)
+    compile_library(path, list(SOURCES), CFLAGS, "the host kernels", libs=("-lm",))
     log.info("host_kernels_built", path=str(path))
     return path
 
