@@ -267,7 +267,11 @@ class LoadedModel(TokenizerMethods):
         prompt alone fills the context)."""
         ids = self.prompt_ids(request)
         room = fitting_max_tokens(len(ids), request.params.max_tokens, self.max_context)
-        stop_ids = self.fim_tokens.stop_ids if request.suffix is not None else ()
+        if request.suffix is not None:
+            stop_ids = self.fim_tokens.stop_ids
+        else:  # a chat reply ends with its turn, listed among the EOS ids or not
+            eot = self.tokenizer.end_of_turn_id if request.messages is not None else None
+            stop_ids = () if eot is None else (eot,)
         return ModelSession(self, request, ids, max_tokens=room, stop_token_ids=stop_ids)
 
     def make_head(self, spec: SpecParams, sampling: SamplingParams):
@@ -406,7 +410,7 @@ def fitting_max_tokens(num_prompt_tokens: int, max_tokens: int, max_context: int
 class ModelSession:
     """One request's generation; `run_round()` does one bounded unit of engine work (the
     engine's engine.api.Session). `max_tokens` (at most the request's) is what the context has
-    room for; `stop_token_ids` end the run as EOS does (a FIM middle's end tokens)."""
+    room for; `stop_token_ids` end the run as EOS does (a FIM middle's end tokens, a chat turn's end)."""
 
     def __init__(self, served: LoadedModel, req: GenerateRequest, prompt_ids: list[int], max_tokens: int,
                  stop_token_ids: tuple[int, ...] = ()):

