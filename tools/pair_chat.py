@@ -17,8 +17,9 @@ tokens, what the messages say as text), and it ends with the end-of-turn token <
     def f(...):\\n    ...<|im_end|>
 
 Only the reply and its <|im_end|> are trained on (the rest of the row has target IGNORE). The
-exported generation_config.json lists <|endoftext|> and <|im_end|> as end-of-sequence ids, as
-Qwen's chat checkpoints do, so npud ends a reply at the end of the turn. Conversations come from
+exported generation_config.json lists only <|endoftext|> as an end-of-sequence id: npud ends a
+chat reply at its template's end of turn (<|im_end|>) by itself, and a plain completion is not
+cut short by an <|im_end|> the model writes out of place. Conversations come from
 a generator seeded with (seed, step, 2), so a resumed run is the run that was never interrupted.
 """
 

@@ -338,8 +338,9 @@ def stage_fim(args, which: str, chat=None) -> None:
             save_state()
     save_state()
     model.eval()
-    # a chat model ends a reply at its end of turn: <|im_end|> is an end-of-sequence id too
-    tp.export(model, tok_dir, out_dir, [fim.eos, chat.im_end] if chat is not None else None)
+    # <|im_end|> is not an end-of-sequence id: npud ends a chat reply at its template's end of
+    # turn, and a plain completion that met a stray <|im_end|> would stop there
+    tp.export(model, tok_dir, out_dir)
     elapsed = elapsed_before + time.monotonic() - t0
     summary = {
         "parameters": tp.count_params(model), "steps": step, "planned_steps": args.steps,

@@ -224,9 +224,8 @@ def count_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def export(model, tok_dir: pathlib.Path, out: pathlib.Path, eos_ids: list[int] | None = None) -> None:
-    """Save the model in bf16 with the tokenizer files and a generation config (whose
-    end-of-sequence ids are `eos_ids`, or the model's EOS)."""
+def export(model, tok_dir: pathlib.Path, out: pathlib.Path) -> None:
+    """Save the model in bf16 with the tokenizer files and a generation config."""
     from transformers import GenerationConfig
 
     if out.exists():
@@ -236,7 +235,7 @@ def export(model, tok_dir: pathlib.Path, out: pathlib.Path, eos_ids: list[int] |
     model.to(torch.bfloat16).save_pretrained(out)
     model.to(torch.float32)
     eos_id = model.config.eos_token_id
-    generation = GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_ids or eos_id, pad_token_id=eos_id)
+    generation = GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
     generation.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(tok_dir / name, out / name)
