@@ -95,8 +95,9 @@ def _line_starts(text: str) -> list[int]:
     return [0] + [m.end() for m in re.finditer("\n", text)]
 
 
-def pick_middle(text: str, rng: np.random.Generator, kind: str) -> tuple[int, int] | None:
-    """(start, end) character offsets of a middle of the given kind, or None."""
+def pick_middle(text: str, rng: np.random.Generator, kind: str, indent_rate: float = 0.0) -> tuple[int, int] | None:
+    """(start, end) character offsets of a middle of the given kind, or None; a body or lines
+    middle starts after its first line's indentation with probability `indent_rate`."""
     starts = _line_starts(text)
     if kind == "body":
         defs = list(_DEF.finditer(text))
@@ -118,6 +119,7 @@ def pick_middle(text: str, rng: np.random.Generator, kind: str) -> tuple[int, in
         doc = re.match(r'[ \t]*(?:"""|\'\'\')[\s\S]*?(?:"""|\'\'\')[^\n]*\n', text[start:end])
         if doc and rng.random() < 0.5 and start + doc.end() < end:
             start += doc.end()
+        start = _after_indent(text, start, end, rng, indent_rate)
         return (start, end) if end - start <= MAX_MIDDLE_CHARS else None
     if len(starts) < 3:
         return None
@@ -133,8 +135,20 @@ def pick_middle(text: str, rng: np.random.Generator, kind: str) -> tuple[int, in
         start += int(rng.integers(1, line_end - start))
         if rng.random() < 0.5:
             end = line_end + 1 if line_end < len(text) else line_end  # the rest of the line
+    else:
+        start = _after_indent(text, start, end, rng, indent_rate)
     end = min(end, start + MAX_MIDDLE_CHARS)
     return (start, end) if end > start and text[start:end].strip() else None
+
+
+def _after_indent(text: str, start: int, end: int, rng: np.random.Generator, rate: float) -> int:
+    """`start` (a line start), or with probability `rate` the end of that line's indentation: an
+    editor's cursor on a new indented line. llama.vim sends the indentation as `prompt`, so the
+    prefix ends with it, encoded as one token (a newline and all the spaces) that running text
+    never has before a statement (there the last space joins the word: "\n       ", " return").
+    Rate 0 draws nothing, so the fim stage's batches are what they were."""
+    indent = len(text[start:end]) - len(text[start:end].lstrip(" \t"))
+    return start + indent if rate > 0 and 0 < indent < end - start and rng.random() < rate else start
 
 
 def fim_example(fim: Fim, rel: str, text: str, span: tuple[int, int], rng: np.random.Generator,
@@ -166,15 +180,16 @@ KIND_P = (0.35, 0.40, 0.25)
 
 
 def fim_rows(fim: Fim, files: list[tuple[str, str]], weights: np.ndarray, seed: int, step: int,
-             n: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """n FIM examples as (inputs, targets) of `length` positions; padding has target IGNORE."""
+             n: int, length: int, indent_rate: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """n FIM examples as (inputs, targets) of `length` positions; padding has target IGNORE.
+    `indent_rate`: see pick_middle."""
     rng = np.random.default_rng([seed, step, 1])
     inputs = np.full((n, length), fim.eos, dtype=np.int64)
     targets = np.full((n, length), IGNORE, dtype=np.int64)
     row = 0
     while row < n:
         rel, text = files[int(rng.choice(len(files), p=weights))]
-        span = pick_middle(text, rng, KINDS[int(rng.choice(3, p=KIND_P))])
+        span = pick_middle(text, rng, KINDS[int(rng.choice(3, p=KIND_P))], indent_rate)
         if span is None:
             continue
         ids, _, _ = fim_example(fim, rel, text, span, rng, length + 1, bool(rng.random() < 0.25))
@@ -200,7 +215,7 @@ def mixed_batch(args, fim: Fim, data, files, weights, step: int, chat=None):
     (tools/pair_chat.py): (inputs, targets)."""
     (_, n_plain), (_, n_fim), *rest = batch_groups(args, chat)
     rows = tp.batch_at(data, args.seed, step, n_plain, args.seq_len)
-    f_in, f_tg = fim_rows(fim, files, weights, args.seed, step, n_fim, args.seq_len)
+    f_in, f_tg = fim_rows(fim, files, weights, args.seed, step, n_fim, args.seq_len, args.fim_indent_rate)
     inputs, targets = [rows[:, :-1], f_in], [rows[:, 1:], f_tg]
     if rest:
         c_in, c_tg = chat.rows(args.seed, step, rest[0][1], args.seq_len)
@@ -388,6 +403,44 @@ def _parses(text: str) -> bool:
     return True
 
 
+def editor_cases(n: int, seed: int) -> list[tuple[str, str, str]]:
+    """llama.vim's request on the validation files: the cursor after the indentation of a line
+    in an indented block (the editor sends that indentation as `prompt`, the end of the prefix),
+    the middle the rest of the line and up to two more: (prefix, middle, suffix)."""
+    _, val = tp.read_split()
+    rng = np.random.default_rng([seed, 8])
+    out = []
+    while len(out) < n:
+        _, text = val[int(rng.integers(len(val)))]
+        lines = text.splitlines(keepends=True)
+        i = int(rng.integers(len(lines)))
+        indent = len(lines[i]) - len(lines[i].lstrip(" "))
+        if indent == 0 or not lines[i].strip() or lines[i].lstrip()[0] in "#\"')]}":
+            continue
+        start = sum(map(len, lines[:i]))
+        end = start + sum(map(len, lines[i:i + int(rng.integers(1, 4))]))
+        out.append((text[:start + indent], text[start + indent:end], text[end:]))
+    return out
+
+
+@torch.no_grad()
+def editor_eval(model, fim: Fim, n: int, seed: int, limit: int = 64) -> dict:
+    """How often the greedy middle of an editor_cases request ends by itself within `limit`
+    tokens (llama.vim's n_predict), and how often it also is not blank and the file parses."""
+    stops = sorted({fim.eos, fim.pad, fim.file_sep, fim.repo_name, fim.prefix, fim.suffix, fim.middle})
+    ends = good = 0
+    cases = editor_cases(n, seed)
+    for prefix, _, suffix in cases:
+        ids = [fim.prefix, *fim.encode(prefix)[-600:], fim.suffix, *fim.encode(suffix)[:300], fim.middle]
+        out = model.generate(torch.tensor([ids]), max_new_tokens=limit, do_sample=False, eos_token_id=stops,
+                             pad_token_id=fim.eos)[0, len(ids):].tolist()
+        ended = bool(out) and out[-1] in stops
+        middle = fim.tok.decode(out[:-1] if ended else out, skip_special_tokens=False)
+        ends += ended
+        good += ended and bool(middle.strip()) and _parses(prefix + middle + suffix)
+    return {"examples": len(cases), "ends": round(ends / len(cases), 4), "ends_and_parses": round(good / len(cases), 4)}
+
+
 @torch.no_grad()
 def greedy_middle(model, fim: Fim, prompt: list[int], limit: int) -> list[int]:
     stops = {fim.eos, fim.pad, fim.file_sep, fim.repo_name, fim.prefix, fim.suffix, fim.middle}
@@ -443,6 +496,7 @@ def stage_fim_eval(args) -> None:
             "reference_parses": round(st["parses_reference"] / n, 4),
             "draft_agreement": round(st["agree"] / t, 4),
         }
+    fim_result["editor"] = editor_eval(base, fim, args.fim_eval_examples, args.seed)
     result["fim"] = fim_result
     result["fim_samples"] = samples
     (work / "eval.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -449,6 +449,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--fim-rate", type=float, default=0.5,
                    help="fim stages: the share of each batch that is FIM examples")
+    p.add_argument("--fim-indent-rate", type=float, default=0.0,
+                   help="fim/chat stages: how often a body or lines middle starts after its first line's "
+                        "indentation, as llama.vim's requests do (pair_fim.pick_middle; default 0)")
     p.add_argument("--chat-rate", type=float, default=0.375,
                    help="chat stages: the share of each batch that is conversations")
     p.add_argument("--chat-eval-examples", type=int, default=100, help="chat-eval: held-out conversations")
