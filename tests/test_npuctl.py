@@ -348,25 +348,26 @@ def test_complete_on_a_terminal_ends_with_a_summary(daemon):
 @pytest.mark.slow
 def test_interrupting_complete_cancels_the_job(daemon, client):
     # the tiny model's 512-position context lets a completion run about half a second: on a
-    # loaded machine it can end before the signal lands (the CLI then exits 0 with a done job,
-    # which is right). Such a lost race is tried again; any other outcome fails at once.
+    # loaded machine it can end before the signal lands (the CLI then exits 0 and the job ends
+    # done, which is right). Such a lost race is tried again; any other outcome fails at once.
     for _ in range(5):
         before = job_ids(client)
         proc = subprocess.Popen([*NPUCTL, "complete", "def add(a, b):", "--max-tokens", "3000"], cwd=REPO,
                                 env=python_env(daemon.socket), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert proc.stdout.read(1)  # it is streaming
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=60)
         (job,) = job_ids(client) - before
-        if proc.returncode == 0 and client.status(job)["state"] == "done":
-            continue
-        break
-    assert proc.returncode == 130
-    assert err.decode().strip().splitlines()[-1] == "error: interrupted; the completion was cancelled"
-    deadline = time.monotonic() + 30
-    while client.status(job)["state"] not in ("cancelled", "done", "failed") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert client.status(job)["state"] == "cancelled"
+        # the daemon records the job's end just after it streams the result: wait for it
+        deadline = time.monotonic() + 30
+        while client.status(job)["state"] not in ("cancelled", "done", "failed") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not (proc.returncode == 0 and client.status(job)["state"] == "done"):
+            break
+    seen = (proc.returncode, client.status(job), out[-200:], err[-400:])  # for a failure to be read
+    assert proc.returncode == 130, seen
+    assert err.decode().strip().splitlines()[-1] == "error: interrupted; the completion was cancelled", seen
+    assert client.status(job)["state"] == "cancelled", seen
 
 
 @pytest.mark.slow
