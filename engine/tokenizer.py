@@ -13,6 +13,7 @@ reproduced here, and tests compare the output with transformers' own.
 
 from __future__ import annotations
 
+import functools
 import json
 import operator
 import re
@@ -137,9 +138,6 @@ def _normalize_messages(messages: Any) -> list[dict]:
     return out
 
 
-_UNSET = object()
-
-
 class Tokenizer:
     """A checkpoint's tokenizer: encode, decode, chat template, special token ids."""
 
@@ -196,7 +194,6 @@ class Tokenizer:
         # tokenizer): decodable() then need not list the whole vocabulary
         self._missing_ids = None if missing_ids is None else np.array(sorted(missing_ids), dtype=np.int64)
         self._templates: dict[str, jinja2.Template] = {}
-        self._end_of_turn: Any = _UNSET  # end_of_turn_id, found at its first use
         env = _environment()
         for name, text in (chat_templates or {}).items():
             try:
@@ -227,19 +224,14 @@ class Tokenizer:
         except jinja2.TemplateSyntaxError as exc:
             raise TokenizerError(f"chat template {label} has a syntax error at line {exc.lineno}: {exc.message}") from None
         self._templates = {"default": template}
-        self._end_of_turn = _UNSET
+        self.__dict__.pop("end_of_turn_id", None)  # found anew for this template
 
-    @property
+    @functools.cached_property
     def end_of_turn_id(self) -> int | None:
         """The control token the chat template writes right after an assistant's text
         (<|im_end|>, <end_of_turn>, <|eot_id|>, Mistral's </s>): a chat reply ends there, as at
         EOS, even when the checkpoint's EOS list leaves it out (a base model's, say). None when
-        there is no template, or it writes no control token there."""
-        if self._end_of_turn is _UNSET:
-            self._end_of_turn = self._find_end_of_turn()
-        return self._end_of_turn
-
-    def _find_end_of_turn(self) -> int | None:
+        there is no template, or it writes no control token there. Found at the first use."""
         mark = "\ue000npud-reply\ue001"  # private-use text no template rewrites
         try:
             text = self.apply_chat_template([{"role": "user", "content": "Hi"},

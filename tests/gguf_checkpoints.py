@@ -70,6 +70,22 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def add_spm_vocabulary(w, tokens: list[str], scores: list[float], types: list[int], *, unk: bool, pad: bool) -> None:
+    """A SentencePiece ("llama") vocabulary's metadata on GGUFWriter `w`: <s> = 2 (prepended to a
+    raw prompt), </s> = 1, <unk> = 3 and <pad> = 0 when asked."""
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    if unk:
+        w.add_unk_token_id(3)
+    if pad:
+        w.add_pad_token_id(0)
+    w.add_bool("tokenizer.ggml.add_bos_token", True)
+
+
 def write_tiny_gguf(path: Path, arch: str, seed: int = 0, tokenizer: str | None = None, chat_template: str | None = None,
                     name: str | None = None, matrix_types: tuple[str, ...] = TYPES, **meta) -> Path:
     """A random arch ("llama", "qwen2", "qwen3", "gemma3") model; returns `path`.
@@ -93,15 +109,7 @@ def write_tiny_gguf(path: Path, arch: str, seed: int = 0, tokenizer: str | None 
         w.add_bool("tokenizer.ggml.add_bos_token", False)
     else:
         tokens, scores, types = _spm_vocab()
-        w.add_tokenizer_model("llama")
-        w.add_token_list(tokens)
-        w.add_token_scores(scores)
-        w.add_token_types(types)
-        w.add_bos_token_id(2)
-        w.add_eos_token_id(1)
-        w.add_unk_token_id(3)
-        w.add_pad_token_id(0)
-        w.add_bool("tokenizer.ggml.add_bos_token", True)
+        add_spm_vocabulary(w, tokens, scores, types, unk=True, pad=True)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     if name is not None:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from gguf_checkpoints import add_spm_vocabulary
+
 from engine.gguf import open_gguf
 from engine.gguf.tokenizer import gguf_tokenizer
 from engine.tokenizer import Tokenizer
@@ -60,15 +62,7 @@ def write_spm_gguf(path: Path, arch: str, bytes_kind: str, unk: bool, seed: int 
     """A GGUF holding only a SentencePiece vocabulary (no tensors)."""
     tokens, scores, types = _vocabulary(bytes_kind, random.Random(seed))
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(2)
-    w.add_eos_token_id(1)
-    if unk:
-        w.add_unk_token_id(3)
-    w.add_bool("tokenizer.ggml.add_bos_token", True)
+    add_spm_vocabulary(w, tokens, scores, types, unk=unk, pad=False)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

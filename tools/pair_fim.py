@@ -83,6 +83,8 @@ class Fim:
         self.prefix, self.middle, self.suffix, self.pad, self.repo_name, self.file_sep = ids
         self.eos = self.tok.token_to_id(tp.EOS)
         self.vocab = self.tok.get_vocab_size()
+        # what ends a greedy middle: EOS, or a FIM token written where text should be
+        self.stops = sorted({self.eos, self.pad, self.file_sep, self.repo_name, self.prefix, self.suffix, self.middle})
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids if text else []
@@ -427,14 +429,13 @@ def editor_cases(n: int, seed: int) -> list[tuple[str, str, str]]:
 def editor_eval(model, fim: Fim, n: int, seed: int, limit: int = 64) -> dict:
     """How often the greedy middle of an editor_cases request ends by itself within `limit`
     tokens (llama.vim's n_predict), and how often it also is not blank and the file parses."""
-    stops = sorted({fim.eos, fim.pad, fim.file_sep, fim.repo_name, fim.prefix, fim.suffix, fim.middle})
     ends = good = 0
     cases = editor_cases(n, seed)
     for prefix, _, suffix in cases:
         ids = [fim.prefix, *fim.encode(prefix)[-600:], fim.suffix, *fim.encode(suffix)[:300], fim.middle]
-        out = model.generate(torch.tensor([ids]), max_new_tokens=limit, do_sample=False, eos_token_id=stops,
+        out = model.generate(torch.tensor([ids]), max_new_tokens=limit, do_sample=False, eos_token_id=fim.stops,
                              pad_token_id=fim.eos)[0, len(ids):].tolist()
-        ended = bool(out) and out[-1] in stops
+        ended = bool(out) and out[-1] in fim.stops
         middle = fim.tok.decode(out[:-1] if ended else out, skip_special_tokens=False)
         ends += ended
         good += ended and bool(middle.strip()) and _parses(prefix + middle + suffix)
@@ -443,10 +444,9 @@ def editor_eval(model, fim: Fim, n: int, seed: int, limit: int = 64) -> dict:
 
 @torch.no_grad()
 def greedy_middle(model, fim: Fim, prompt: list[int], limit: int) -> list[int]:
-    stops = {fim.eos, fim.pad, fim.file_sep, fim.repo_name, fim.prefix, fim.suffix, fim.middle}
     out = model.generate(torch.tensor([prompt]), max_new_tokens=limit, do_sample=False,
-                         eos_token_id=sorted(stops), pad_token_id=fim.eos)[0, len(prompt):].tolist()
-    return [t for t in out if t not in stops] if out and out[-1] in stops else out
+                         eos_token_id=fim.stops, pad_token_id=fim.eos)[0, len(prompt):].tolist()
+    return [t for t in out if t not in fim.stops] if out and out[-1] in fim.stops else out
 
 
 @torch.no_grad()
