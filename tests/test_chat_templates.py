@@ -214,3 +214,46 @@ def test_a_chat_reply_stops_at_its_end_of_turn_and_a_plain_prompt_runs_past_it(t
     assert result.finish_reason == FinishReason.STOP
     plain = served.start(GenerateRequest(prompt="def add(a, b):", params=params))
     assert im_end not in plain.generation._eos
+
+
+def test_a_drafted_chat_stops_at_its_end_of_turn_beside_a_plain_prompt_that_runs_past_it(tmp_path):
+    """The round loop cuts a chat at <|im_end|> when a draft runs past it (the checkpoint drafts
+    for itself, so every greedy draft is kept and k = 8 lands a round across the chat's 20th
+    token), while a plain prompt in the same batch ("class A:", whose free run writes <|im_end|>
+    at its 9th token) runs past it to max_tokens; alone and batched give the same tokens."""
+    from decoding import plain_tokens
+
+    from engine.api import FinishReason, GenerateRequest, GenerationParams, SpecParams
+    from engine.session import LoadedModel
+    from engine.testing.checkpoints import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path / "m", "qwen3", seed=5)
+    served = LoadedModel.load("tiny", path, draft_dir=path, weight_format="fp32", backend="host")
+    im_end = served.tokenizer.token_id("<|im_end|>")
+    params = GenerationParams(max_tokens=40, spec=SpecParams(method="draft", k=8, fallback_rounds=0))
+    chat = GenerateRequest(messages=({"role": "user", "content": "def add(a, b):"},), params=params)
+    plain = GenerateRequest(prompt="class A:", params=params)
+    free_chat = plain_tokens(served.model, served.prompt_ids(chat), 40)
+    free_plain = plain_tokens(served.model, served.prompt_ids(plain), 40)
+    assert im_end in free_chat and im_end in free_plain[:-1]
+
+    def outcome(session):
+        r = session.result()
+        return list(r.token_ids), r.finish_reason, r.stats["drafted"], r.stats["accepted"]
+
+    alone = []
+    for request in (chat, plain):
+        session = served.start(request)
+        while not session.done:
+            session.run_round()
+        alone.append(outcome(session))
+    sessions = [served.start(chat), served.start(plain)]
+    while live := [s for s in sessions if not s.done]:
+        served.run_batch(live)
+    batched = [outcome(s) for s in sessions]
+
+    assert batched == alone
+    (chat_ids, chat_end, _, chat_accepted), (plain_ids, plain_end, _, _) = alone
+    assert chat_ids == free_chat[:free_chat.index(im_end) + 1] and chat_end == FinishReason.STOP
+    assert chat_accepted > len(chat_ids)  # a kept draft ran past the end of turn
+    assert plain_ids == free_plain and plain_end == FinishReason.LENGTH
