@@ -46,3 +46,23 @@ def test_at_rate_zero_the_cuts_and_the_random_stream_are_the_old_ones():
     for seed in range(100):
         span = pair_fim.pick_middle(TEXT, np.random.default_rng(seed), "body", indent_rate=0.0)
         assert span is None or TEXT[span[0] - 1] == "\n"  # a body starts at a line start
+
+
+def test_keep_loss_holds_plain_and_fim_rows_to_the_kept_model_and_trains_chat_rows():
+    """--keep-from (the chat stage): KL on the rows before the last n_chat, cross-entropy on
+    those, over the valid positions of both together; what a row's other loss says is unused."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    kl, ce = torch.rand(5, 7, generator=gen), torch.rand(5, 7, generator=gen)
+    valid = (torch.rand(5, 7, generator=gen) > 0.3).float()
+    loss = pair_fim.keep_loss(kl, ce, valid, n_chat=2)
+    expected = ((kl[:3] * valid[:3]).sum() + (ce[3:] * valid[3:]).sum()) / valid.sum()
+    assert torch.isclose(loss, expected, rtol=1e-6, atol=0)
+    kl2, ce2 = kl.clone(), ce.clone()
+    kl2[3:] += 9.0  # a chat row's KL and a FIM row's cross-entropy do not count
+    ce2[:3] += 9.0
+    assert torch.equal(pair_fim.keep_loss(kl2, ce2, valid, n_chat=2), loss)
+    kl2[0, valid[0].argmax()] += 1.0  # a valid FIM position's KL does
+    assert pair_fim.keep_loss(kl2, ce2, valid, n_chat=2) > loss
+    assert torch.equal(pair_fim.keep_loss(kl, ce, valid, n_chat=0), (kl * valid).sum() / valid.sum())

@@ -242,6 +242,15 @@ def resize_vocab(model, vocab: int, source=None) -> None:
     model.tie_weights()
 
 
+def keep_loss(kl: torch.Tensor, ce: torch.Tensor, valid: torch.Tensor, n_chat: int) -> torch.Tensor:
+    """The chat stage's loss with --keep-from: per position [rows, length], KL to the kept
+    checkpoint on every row but the last `n_chat` (the plain and FIM rows, which then keep its
+    completions and middles), cross-entropy on those (the chat rows), averaged over the valid
+    positions together."""
+    rows = kl.shape[0] - n_chat
+    return (torch.cat([kl[:rows], ce[rows:]]) * valid).sum() / valid.sum()
+
+
 def stage_fim(args, which: str, chat=None) -> None:
     """Continued training of the shipped base (which='base') or redistillation of the shipped
     draft against the FIM base (which='draft'), on mixed plain/FIM batches; with `chat` (a
@@ -259,7 +268,13 @@ def stage_fim(args, which: str, chat=None) -> None:
     state_path = work / f"{name}.state.pt"
     out_dir = args.models_dir / f"pycode-{which}"
 
-    teacher = None
+    teacher, keep = None, args.keep_from if chat is not None and which == "base" else None
+    if keep is not None:  # chat stage: the plain and FIM rows hold the base to this checkpoint's outputs
+        teacher = tp.load_model(keep)
+        if teacher.config.vocab_size != fim.vocab:
+            sys.exit(f"error: {keep} has no FIM tokens; --keep-from names the FIM base the chat stage keeps")
+        for p in teacher.parameters():
+            p.requires_grad_(False)
     if which == "draft":
         teacher = tp.load_model(args.models_dir / "pycode-base")
         if teacher.config.vocab_size != fim.vocab:
@@ -327,7 +342,10 @@ def stage_fim(args, which: str, chat=None) -> None:
                 teacher_logp = F.log_softmax(teacher(input_ids=inputs).logits.float(), dim=-1)
             kl = F.kl_div(F.log_softmax(logits, dim=-1), teacher_logp, log_target=True,
                           reduction="none").sum(-1)
-            loss = args.distill * (kl * valid).sum() / valid.sum() + (1.0 - args.distill) * ce
+            if keep is not None:
+                loss = keep_loss(kl, ce_rows, valid, groups[-1][1])
+            else:
+                loss = args.distill * (kl * valid).sum() / valid.sum() + (1.0 - args.distill) * ce
         else:
             loss = ce
         opt.zero_grad(set_to_none=True)
@@ -362,6 +380,7 @@ def stage_fim(args, which: str, chat=None) -> None:
     summary = {
         "parameters": tp.count_params(model), "steps": step, "planned_steps": args.steps,
         "tokens": tokens_seen, "train_seconds": round(elapsed, 1), "threads": args.threads,
+        "keep_from": str(keep) if keep is not None else None,
         "seed": args.seed, "batch": args.batch, "fim_rate": args.fim_rate,
         "chat_rate": args.chat_rate if chat is not None else 0.0, "seq_len": args.seq_len,
         "lr": args.lr, "warmup": args.warmup, "vocab": fim.vocab,

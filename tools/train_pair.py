@@ -454,6 +454,10 @@ def main(argv: list[str] | None = None) -> None:
                         "indentation, as llama.vim's requests do (pair_fim.pick_middle; default 0)")
     p.add_argument("--chat-rate", type=float, default=0.375,
                    help="chat stages: the share of each batch that is conversations")
+    p.add_argument("--keep-from", type=pathlib.Path, default=None,
+                   help="chat stage: train the plain and FIM rows on KL to this checkpoint (the shipped FIM "
+                        "base) instead of cross-entropy, so its completions and middles stay as they were "
+                        "while the chat rows teach chat")
     p.add_argument("--chat-eval-examples", type=int, default=100, help="chat-eval: held-out conversations")
     p.add_argument("--chat-greedy-examples", type=int, default=40,
                    help="chat-eval: of those, how many the base answers greedily")
