@@ -66,3 +66,44 @@ def test_keep_loss_holds_plain_and_fim_rows_to_the_kept_model_and_trains_chat_ro
     kl2[0, valid[0].argmax()] += 1.0  # a valid FIM position's KL does
     assert pair_fim.keep_loss(kl2, ce2, valid, n_chat=2) > loss
     assert torch.equal(pair_fim.keep_loss(kl, ce, valid, n_chat=0), (kl * valid).sum() / valid.sum())
+
+
+def test_markup_only_moves_the_two_markup_rows_and_nothing_else():
+    """--markup-only (the chat stage): after AdamW steps with weight decay on a tied Qwen3, only
+    the embedding rows of <|im_start|> and <|im_end|> differ; every other parameter is bit-equal."""
+    import types
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import train_pair
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(config)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = {"<|im_start|>": 5, "<|im_end|>": 9}
+    chat = types.SimpleNamespace(tok=types.SimpleNamespace(token_id=ids.get), im_end=9)
+    restore = pair_fim.markup_only(model, chat)
+    opt = train_pair.make_optimizer(model, 1e-2)
+    for _ in range(3):
+        inputs = torch.randint(0, 64, (2, 12))
+        inputs[:, 3] = 5
+        loss = model(input_ids=inputs, labels=inputs).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        restore()
+    after = model.state_dict()
+    weight = after["model.embed_tokens.weight"]
+    assert restore.rows == [5, 9]
+    assert not torch.equal(weight[5], before["model.embed_tokens.weight"][5])
+    assert not torch.equal(weight[9], before["model.embed_tokens.weight"][9])
+    others = [i for i in range(64) if i not in (5, 9)]
+    assert torch.equal(weight[others], before["model.embed_tokens.weight"][others])
+    for key, value in after.items():
+        if key not in ("model.embed_tokens.weight", "lm_head.weight"):
+            assert torch.equal(value, before[key]), key

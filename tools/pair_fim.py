@@ -251,6 +251,38 @@ def keep_loss(kl: torch.Tensor, ce: torch.Tensor, valid: torch.Tensor, n_chat: i
     return (torch.cat([kl[:rows], ce[rows:]]) * valid).sum() / valid.sum()
 
 
+class _Restore:
+    """Puts back every embedding row but `rows` after an optimizer step (AdamW's weight decay
+    moves a row whose gradient is zero)."""
+
+    def __init__(self, weight: torch.Tensor, rows: list[int]):
+        self.weight, self.rows = weight, rows
+        self.frozen = ~torch.isin(torch.arange(weight.shape[0]), torch.tensor(rows))
+        self.saved = weight.detach()[self.frozen].clone()
+
+    def __call__(self) -> None:
+        with torch.no_grad():
+            self.weight[self.frozen] = self.saved
+
+
+def markup_only(model, chat) -> _Restore:
+    """--markup-only: train nothing but the (tied) embedding rows of the chat template's control
+    tokens <|im_start|> and <|im_end|>, which no plain or FIM input holds. Every hidden state of
+    a plain or FIM prompt then stays what it was, bit for bit, and of its logits only those two
+    tokens' can move: the base's completions and middles are kept unless one of the two becomes
+    the likeliest token. Returns the call that undoes each step's drift of the other rows."""
+    rows = sorted({chat.tok.token_id("<|im_start|>"), chat.im_end})
+    for p in model.parameters():
+        p.requires_grad_(False)
+    weight = model.get_input_embeddings().weight
+    assert weight is model.get_output_embeddings().weight, "the bundled base ties its embedding"
+    weight.requires_grad_(True)
+    mask = torch.zeros(weight.shape[0], 1)
+    mask[rows] = 1.0
+    weight.register_hook(lambda grad: grad * mask)  # so clipping sees only the trained rows
+    return _Restore(weight, rows)
+
+
 def stage_fim(args, which: str, chat=None) -> None:
     """Continued training of the shipped base (which='base') or redistillation of the shipped
     draft against the FIM base (which='draft'), on mixed plain/FIM batches; with `chat` (a
@@ -308,8 +340,10 @@ def stage_fim(args, which: str, chat=None) -> None:
         opt.load_state_dict(state["optimizer"])
         step, tokens_seen, elapsed_before = state["step"], state["tokens"], state["elapsed"]
         log(f"{name}: resumed at step {step} ({tokens_seen} tokens, {elapsed_before:.0f}s)")
+    restore = markup_only(model, chat) if chat is not None and which == "base" and args.markup_only else None
     groups = batch_groups(args, chat)
-    log(f"{name}: {tp.count_params(model)} parameters, vocab {fim.vocab}, rows {groups}")
+    log(f"{name}: {tp.count_params(model)} parameters, vocab {fim.vocab}, rows {groups}"
+        + (f", training only the embedding rows {restore.rows}" if restore is not None else ""))
     t0 = time.monotonic()
 
     def save_state() -> None:
@@ -352,6 +386,8 @@ def stage_fim(args, which: str, chat=None) -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if restore is not None:
+            restore()
         step += 1
         tokens_seen += int(valid.sum().item())
         row = 0
@@ -381,6 +417,7 @@ def stage_fim(args, which: str, chat=None) -> None:
         "parameters": tp.count_params(model), "steps": step, "planned_steps": args.steps,
         "tokens": tokens_seen, "train_seconds": round(elapsed, 1), "threads": args.threads,
         "keep_from": str(keep) if keep is not None else None,
+        "markup_only": restore.rows if restore is not None else None,
         "seed": args.seed, "batch": args.batch, "fim_rate": args.fim_rate,
         "chat_rate": args.chat_rate if chat is not None else 0.0, "seq_len": args.seq_len,
         "lr": args.lr, "warmup": args.warmup, "vocab": fim.vocab,
