@@ -308,3 +308,40 @@ def _run(served, prompt, method):
     while not session.done:
         session.run_round()
     return session.result()
+
+
+# Chat (issue 27): pycode-base's chat stage (tools/train_pair.py --stage chat --markup-only, see
+# npud/models/README.md) trained only the embedding row of <|im_start|>, so a chat's prompt asks
+# the model for a function while every plain and FIM prompt keeps its outputs. Three newcomer
+# questions and eight requests in the trained phrasings, written for this test (2026-12-02)
+# before any candidate model answered them. Measured on the shipped weights: all eleven replies
+# are non-empty and the eight requests' replies start with `def ` (the FIM-only base answered
+# every one with nothing: <|endoftext|> first); none of them ends its turn within 128 tokens, as
+# the base's code completions seldom end either.
+NEWCOMER = ("Name a colour.", "Write a function that adds two numbers.", "hello")
+REQUESTS = (
+    "Write a Python function `is_even`: Return True if n is even.",
+    "Write a function reverse_words(text) in Python. Return the words of text in reverse order.",
+    "Return the largest item of a list.",
+    'Complete this function:\n\ndef count_lines(path):\n    """Return the number of lines in the file at path."""',
+    'def strip_comments(text):\n    """Remove the comments from each line of text."""',
+    "How do I join a list of strings with commas in Python?",
+    "Write a Python function `celsius`: Convert a temperature from Fahrenheit to Celsius.",
+    "Write a function merge(a, b) in Python. Merge two sorted lists into one sorted list.",
+)
+
+
+def test_base_answers_a_chat_with_python():
+    from engine import api
+    from engine.session import LoadedModel
+
+    served = LoadedModel.load("pycode", BASE_DIR, weight_format="bf16")
+    params = api.GenerationParams(max_tokens=24, spec=api.SpecParams(method="none"))
+    for text in NEWCOMER + REQUESTS:
+        session = served.start(api.GenerateRequest(messages=({"role": "user", "content": text},), params=params))
+        while not session.done:
+            session.run_round()
+        result = session.result()
+        assert result.text.strip(), (text, result.token_ids)
+        if text in REQUESTS:
+            assert result.text.startswith("def "), (text, result.text)

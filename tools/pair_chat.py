@@ -16,7 +16,8 @@ tokens, what the messages say as text), and it ends with the end-of-turn token <
     <|im_start|>user\\nWrite a Python function `f`: Return ...<|im_end|>\\n<|im_start|>assistant\\n
     def f(...):\\n    ...<|im_end|>
 
-Only the reply and its <|im_end|> are trained on (the rest of the row has target IGNORE). The
+Only the reply and its <|im_end|> are trained on (the rest of the row has target IGNORE); with
+--markup-only (pair_fim.markup_only, the shipped base) the reply ends with <|endoftext|> instead. The
 exported generation_config.json lists only <|endoftext|> as an end-of-sequence id: npud ends a
 chat reply at its template's end of turn (<|im_end|>) by itself, and a plain completion is not
 cut short by an <|im_end|> the model writes out of place. Conversations come from
@@ -108,6 +109,7 @@ class Chat:
         self.im_end = self.tok.token_id(tp.IM_END)
         self.eos = self.tok.token_id(tp.EOS)
         self.fns = fns
+        self.end = self.im_end  # the token a reply ends with (pair_fim.markup_only: <|endoftext|>)
 
     def messages(self, rng: np.random.Generator) -> tuple[list[dict], str]:
         fn = self.fns[int(rng.integers(len(self.fns)))]
@@ -122,7 +124,7 @@ class Chat:
         after it (rendering the reply into the template instead could merge the prompt's last
         "\n" with the reply's first characters into a token npud never shows the model)."""
         prompt = self.tok.encode_chat(messages, add_generation_prompt=True)
-        return prompt + self.tok.encode_text(reply) + [self.im_end], len(prompt)
+        return prompt + self.tok.encode_text(reply) + [self.end], len(prompt)
 
     def rows(self, seed: int, step: int, n: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """n conversations as (inputs, targets) of `length` positions; only the reply is a target."""

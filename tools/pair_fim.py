@@ -266,12 +266,14 @@ class _Restore:
 
 
 def markup_only(model, chat) -> _Restore:
-    """--markup-only: train nothing but the (tied) embedding rows of the chat template's control
-    tokens <|im_start|> and <|im_end|>, which no plain or FIM input holds. Every hidden state of
-    a plain or FIM prompt then stays what it was, bit for bit, and of its logits only those two
-    tokens' can move: the base's completions and middles are kept unless one of the two becomes
-    the likeliest token. Returns the call that undoes each step's drift of the other rows."""
-    rows = sorted({chat.tok.token_id("<|im_start|>"), chat.im_end})
+    """--markup-only: train nothing but the (tied) embedding row of <|im_start|>, which no plain
+    or FIM input holds, and end each reply with <|endoftext|> (npud stops a chat at either). Every
+    hidden state of a plain or FIM prompt then stays what it was, bit for bit, and of its logits
+    only <|im_start|>'s can move (down: it is never a target): the base's completions and middles
+    are kept. (Training <|im_end|>'s row too made it the likeliest token where a FIM middle's line
+    ends: its output row is tied.) Returns the call that undoes each step's drift of the other rows."""
+    rows = [chat.tok.token_id("<|im_start|>")]
+    chat.end = chat.eos
     for p in model.parameters():
         p.requires_grad_(False)
     weight = model.get_input_embeddings().weight

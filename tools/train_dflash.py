@@ -526,8 +526,10 @@ def stage_eval(args) -> None:
     tokenizer = Tokenizer.from_dir(base_dir)
     small = Model.load(draft_dir, args.weight_format) if draft_dir.exists() else None
     dflash = DFlashDraft.load(args.models_dir / OUT_NAME, model)
-    trained_on = json.loads((args.models_dir / OUT_NAME / "training.json").read_text()).get("base_fingerprint")
-    if trained_on != checkpoint_fingerprint(base_dir):
+    record = json.loads((args.models_dir / OUT_NAME / "training.json").read_text())
+    # also_serves: later bases whose taps and head on the corpus are the trained-on one's (each with why)
+    served = {record.get("base_fingerprint")} | {b["base_fingerprint"] for b in record.get("also_serves", ())}
+    if checkpoint_fingerprint(base_dir) not in served:
         sys.exit(f"error: {OUT_NAME} was trained on another pycode-base; train it again for this one")
     # acceptance as it is: k drafts every round, no break-even fallback
     config = SpecParams(k=args.k, adapt_k=False, fallback_rounds=0)

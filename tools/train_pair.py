@@ -459,8 +459,8 @@ def main(argv: list[str] | None = None) -> None:
                         "base) instead of cross-entropy, so its completions and middles stay as they were "
                         "while the chat rows teach chat")
     p.add_argument("--markup-only", action="store_true",
-                   help="chat stage: train only the embedding rows of <|im_start|> and <|im_end|> "
-                        "(pair_fim.markup_only): plain and FIM outputs keep every other logit")
+                   help="chat stage: train only the embedding row of <|im_start|>, replies ending with "
+                        "<|endoftext|> (pair_fim.markup_only): plain and FIM outputs keep every other logit")
     p.add_argument("--chat-eval-examples", type=int, default=100, help="chat-eval: held-out conversations")
     p.add_argument("--chat-greedy-examples", type=int, default=40,
                    help="chat-eval: of those, how many the base answers greedily")
