@@ -255,9 +255,9 @@ class _Restore:
     """Puts back every embedding row but `rows` after an optimizer step (AdamW's weight decay
     moves a row whose gradient is zero)."""
 
-    def __init__(self, weight: torch.Tensor, rows: list[int]):
+    def __init__(self, weight: torch.Tensor, rows: list[int], trained: torch.Tensor):
         self.weight, self.rows = weight, rows
-        self.frozen = ~torch.isin(torch.arange(weight.shape[0]), torch.tensor(rows))
+        self.frozen = trained[:, 0] == 0
         self.saved = weight.detach()[self.frozen].clone()
 
     def __call__(self) -> None:
@@ -279,10 +279,10 @@ def markup_only(model, chat) -> _Restore:
     weight = model.get_input_embeddings().weight
     assert weight is model.get_output_embeddings().weight, "the bundled base ties its embedding"
     weight.requires_grad_(True)
-    mask = torch.zeros(weight.shape[0], 1)
-    mask[rows] = 1.0
-    weight.register_hook(lambda grad: grad * mask)  # so clipping sees only the trained rows
-    return _Restore(weight, rows)
+    trained = torch.zeros(weight.shape[0], 1)
+    trained[rows] = 1.0
+    weight.register_hook(lambda grad: grad * trained)  # so clipping sees only the trained rows
+    return _Restore(weight, rows, trained)
 
 
 def stage_fim(args, which: str, chat=None) -> None:
@@ -302,17 +302,15 @@ def stage_fim(args, which: str, chat=None) -> None:
     state_path = work / f"{name}.state.pt"
     out_dir = args.models_dir / f"pycode-{which}"
 
-    teacher, keep = None, args.keep_from if chat is not None and which == "base" else None
-    if keep is not None:  # chat stage: the plain and FIM rows hold the base to this checkpoint's outputs
-        teacher = tp.load_model(keep)
+    # the model whose outputs the student learns: the base, for the draft; with --keep-from, the
+    # checkpoint the chat stage holds the plain and FIM rows to
+    keep = args.keep_from if chat is not None and which == "base" else None
+    teacher_dir = args.models_dir / "pycode-base" if which == "draft" else keep
+    teacher = None
+    if teacher_dir is not None:
+        teacher = tp.load_model(teacher_dir)
         if teacher.config.vocab_size != fim.vocab:
-            sys.exit(f"error: {keep} has no FIM tokens; --keep-from names the FIM base the chat stage keeps")
-        for p in teacher.parameters():
-            p.requires_grad_(False)
-    if which == "draft":
-        teacher = tp.load_model(args.models_dir / "pycode-base")
-        if teacher.config.vocab_size != fim.vocab:
-            sys.exit("error: pycode-base has no FIM tokens yet; run --stage fim first")
+            sys.exit(f"error: {teacher_dir} has no FIM tokens yet; run --stage fim first")
         for p in teacher.parameters():
             p.requires_grad_(False)
     torch.manual_seed(args.seed)
