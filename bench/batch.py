@@ -1,4 +1,4 @@
-"""Batched rounds (engine/batch.py): aggregate tok/s and per-sequence step latency at 1, 2, 4, 8 and 16
+"""Batched rounds (npud/engine/batch.py): aggregate tok/s and per-sequence step latency at 1, 2, 4, 8 and 16
 concurrent greedy sequences, beside llama.cpp's llama-batched-bench on the same GGUF.
 
 npud: N sessions of a ~32-token prompt start together; the first run_batch rounds prefill (not timed), then
@@ -44,8 +44,8 @@ def load() -> str:
 
 
 def npud_child(path: str, fmt: str, gen: int, sizes: list[int]) -> dict:
-    from engine.api import GenerateRequest, GenerationParams, SpecParams
-    from engine.session import LoadedModel
+    from npud.engine.api import GenerateRequest, GenerationParams, SpecParams
+    from npud.engine.session import LoadedModel
 
     served = LoadedModel.load("bench", path, weight_format=fmt, backend="host", cache_scopes=0)
     params = GenerationParams(max_tokens=gen, spec=SpecParams(method="none"), use_prefix_cache=False)
@@ -76,7 +76,7 @@ def gemm_child(path: str, fmt: str) -> dict:
     """Median seconds of the backend's linear at M = 1, 8, 16 over a few of the model's weights."""
     import numpy as np
 
-    from engine.model import Model
+    from npud.engine.model import Model
 
     model = Model.load(path, fmt)
     b, w = model.backend, model.weights

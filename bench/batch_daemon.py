@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from clients.client import Client  # noqa: E402
+from npud.clients.client import Client  # noqa: E402
 
 BIN = Path(sys.executable).parent
 MODELS = ROOT / "npud" / "models"
@@ -171,9 +171,9 @@ def kv_bytes_per_position(model: str, gemma: Path | None) -> tuple[float, float]
     sessions run to the end in this process: what max_batch_positions is worth in memory."""
     import gc
 
-    from engine.api import GenerateRequest, GenerationParams, SpecParams
-    from engine.session import LoadedModel
-    from engine.state import KVPlane
+    from npud.engine.api import GenerateRequest, GenerationParams, SpecParams
+    from npud.engine.session import LoadedModel
+    from npud.engine.state import KVPlane
 
     path, fmt = (gemma, "bf16") if model == "gemma-3-270m" else (MODELS / "pycode-base", "bf16")
     served = LoadedModel.load(model, path, weight_format=fmt)
@@ -198,7 +198,7 @@ def overhead(rounds: int) -> None:
 
     sys.path.insert(0, str(ROOT / "tests"))
     import test_npud_support as fakes
-    from clients.client import AsyncClient
+    from npud.clients.client import AsyncClient
 
     async def run(max_batch: int) -> tuple[float, float]:
         d = fakes.short_tempdir()

@@ -27,14 +27,14 @@ from synth import QWEN3_0P5B, ROOT, build_random_checkpoint
 import psutil
 import trio
 
-from clients.client import AsyncClient, Client
+from npud.clients.client import AsyncClient, Client
 
 PROMPT = "def f7(x):\n    return x * 7"  # the tiny test model runs long on it before an end token
 
 
 def checkpoint(name: str) -> Path:
     if name == "tiny":
-        from engine.testing.checkpoints import build_tiny_checkpoint
+        from npud.engine.testing.checkpoints import build_tiny_checkpoint
 
         out = ROOT / "bench" / "out" / "tiny-qwen3"
         if not (out / "config.json").exists():
@@ -60,8 +60,8 @@ class Run:
 
 def direct_session(ckpt: Path, tokens: int):
     """(a function that runs the request once with the engine in this process, load seconds)."""
-    from engine.api import GenerateRequest, GenerationParams, SpecParams
-    from engine.session import LoadedModel
+    from npud.engine.api import GenerateRequest, GenerationParams, SpecParams
+    from npud.engine.session import LoadedModel
 
     started = time.perf_counter()
     served = LoadedModel.load("bench", ckpt, weight_format="bf16")

@@ -31,12 +31,12 @@ import numpy as np
 from isolated import run_isolated
 from synth import QWEN3_0P5B, build_random_checkpoint
 
-from engine.forward import Forward
-from engine.model import Model
-from engine.weights import weight_arrays
-from kernels.base import LinearWeight, WeightFormat
-from kernels.host import native
-from kernels.host.formats import kernel_for
+from npud.engine.forward import Forward
+from npud.engine.model import Model
+from npud.engine.weights import weight_arrays
+from npud.kernels.base import LinearWeight, WeightFormat
+from npud.kernels.host import native
+from npud.kernels.host.formats import kernel_for
 
 LLAMA_TYPE = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "int8-q8": "q8_0", "bf16-bf16": "bf16"}  # the GGUF beside each format
 
@@ -60,9 +60,9 @@ def measure_read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5
         return s.sum()
 
     numba.set_num_threads(threads)
-    from kernels.host.resident import resident_copy
+    from npud.kernels.host.resident import resident_copy
 
-    # in huge pages, as the prepared block weights are (kernels/host/resident.py): with 4 KiB
+    # in huge pages, as the prepared block weights are (npud/kernels/host/resident.py): with 4 KiB
     # pages every page costs a TLB walk, and the roofline would sit below what the GEMMs stream
     a = resident_copy(np.ones((nbytes // 4 // 4096, 4096), np.float32))
     total(a)
@@ -181,7 +181,7 @@ def profile(model: Model, prepare, run, repeats: int) -> dict[str, float]:
         f = Forward(model)
         prepare(f)
         prof = ProfilingBackend(model.backend)
-        model.backend = prof  # the pass (engine/packed.py) calls the model's backend
+        model.backend = prof  # the pass (npud/engine/packed.py) calls the model's backend
         try:
             t = time.perf_counter()
             logits = run(f)

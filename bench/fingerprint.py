@@ -1,11 +1,11 @@
 """What the prefix-cache key costs: whole-file digests of a checkpoint, sha256 beside blake2b.
 
-engine/fingerprint.py reads every byte of a model's config and weight files once, and then
+npud/engine/fingerprint.py reads every byte of a model's config and weight files once, and then
 remembers the digest by stat in the model's cache directory. This prints, side by side in
 one run, for the bundled base's weight file and for a generated file of --size bytes:
 
   read         the file read through the same 1 MiB buffer, no digest (the floor)
-  sha256       engine.fingerprint.DigestMemo.digest with an empty memo (what a first start pays)
+  sha256       npud.engine.fingerprint.DigestMemo.digest with an empty memo (what a first start pays)
   blake2b      the same loop with hashlib.blake2b (the alternative considered)
   remembered   DigestMemo.digest of the unchanged file from a fresh memo read from disk (what
                every later start pays: a stat and a JSON read)
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine import fingerprint
-from engine.fingerprint import MEMO_FILE, DigestMemo
+from npud.engine import fingerprint
+from npud.engine.fingerprint import MEMO_FILE, DigestMemo
 
 BUNDLED = Path(__file__).resolve().parent.parent / "npud" / "models" / "pycode-base" / "model.safetensors"
 CHUNK = 1 << 20

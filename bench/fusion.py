@@ -21,9 +21,9 @@ import numpy as np
 from decode import CATEGORIES, profile, set_threads
 from synth import QWEN3_0P5B, build_random_checkpoint
 
-from engine.forward import Forward
-from engine.model import Model
-from kernels.host import HostBackend
+from npud.engine.forward import Forward
+from npud.engine.model import Model
+from npud.kernels.host import HostBackend
 
 
 class Unfused(HostBackend):

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels.base import WeightFormat
-from kernels.host import native
-from kernels.host.formats import kernel_for
+from npud.kernels.base import WeightFormat
+from npud.kernels.host import native
+from npud.kernels.host.formats import kernel_for
 
 
 def main() -> None:

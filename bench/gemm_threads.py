@@ -25,10 +25,10 @@ import numpy as np
 from decode import measure_read_bandwidth
 from synth import QWEN3_0P5B
 
-from kernels.base import WeightFormat
-from kernels.host import native
-from kernels.host.formats import PARALLEL_MIN_BYTES, kernel_for
-from kernels.host.resident import resident_copy
+from npud.kernels.base import WeightFormat
+from npud.kernels.host import native
+from npud.kernels.host.formats import PARALLEL_MIN_BYTES, kernel_for
+from npud.kernels.host.resident import resident_copy
 
 
 def shapes(config: dict) -> list[tuple[str, int, int]]:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from decode import measure_read_bandwidth, our_decode, our_prefill, our_verify, set_threads  # noqa: E402
 
-from engine.model import Model  # noqa: E402
+from npud.engine.model import Model  # noqa: E402
 
 FORMATS = ("bf16", "gguf-q8")  # "bf16": a GGUF file's exact float path (the format applies to safetensors only)
 ANCHORS = (("llama.cpp", "NPUD_LLAMA_BENCH"), ("ik_llama.cpp", "NPUD_IK_LLAMA_BENCH"))
@@ -109,7 +109,7 @@ def main() -> None:
             print(f"{name}: left out (set ${dict(ANCHORS)[name]} to its llama-bench)")
     anchors = [(n, b) for n, b in anchors if b and Path(b).exists()]
     models = {fmt: Model.load(path, fmt) for fmt in FORMATS}
-    from engine.tokenizer import Tokenizer
+    from npud.engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(path)
     text = (ROOT / "README.md").read_text()

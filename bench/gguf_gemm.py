@@ -1,6 +1,6 @@
 """gemma-3-270m Q4_K_M's gguf-q8 GEMMs alone: time, GMAC/s and GB/s per layer type, row count and threads.
 
-The real model's own prepared weights (kernels/host/blockq8.c's layout): one layer's fused q/k,
+The real model's own prepared weights (npud/kernels/host/blockq8.c's layout): one layer's fused q/k,
 v, o, gate/up and down, and the output layer, each at M rows, fastest of --repeats rounds
 (the machine is shared: the least disturbed round counts), the load average printed beside.
 GB/s counts the prepared weight bytes (q tiles and factor tiles) once per call: at M = 1 that
@@ -24,10 +24,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
-from engine.model import Model  # noqa: E402
-from engine.weights import weight_arrays  # noqa: E402
-from kernels.base import LinearWeight  # noqa: E402
-from kernels.host import native  # noqa: E402
+from npud.engine.model import Model  # noqa: E402
+from npud.engine.weights import weight_arrays  # noqa: E402
+from npud.kernels.base import LinearWeight  # noqa: E402
+from npud.kernels.host import native  # noqa: E402
 
 
 def load() -> str:

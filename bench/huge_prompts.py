@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--posters", type=int, default=3)
     ap.add_argument("--kib", type=int, default=900)
     args = ap.parse_args()
-    from engine.testing.checkpoints import build_tiny_checkpoint
+    from npud.engine.testing.checkpoints import build_tiny_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="npud-huge-", dir="/tmp"))
     try:

@@ -2,7 +2,7 @@
 
 Beside npud's kernels another engine would run in a process that is not the one its users run:
 for a hybrid model npud starts numba's libgomp threads with OMP_WAIT_POLICY=passive
-(kernels/host/recurrent.py) and torch uses the same libgomp, which reads the policy once per
+(npud/kernels/host/recurrent.py) and torch uses the same libgomp, which reads the policy once per
 process; npud's thread pools and its freed model memory are there too. In bench/decode.py transformers' bf16 decode ran at
 6.7-8.7 tok/s in npud's process; alone, 9.4-11.0 in one A/B run (the machine's noise is of
 that order too), so every transformers row now runs alone.

@@ -1,7 +1,7 @@
 """Decode with the host kernels of another git revision beside this checkout's, in one process, in turn.
 
 The model is loaded once per format; each round runs a greedy decode (bench/decode.py's
-our_decode) with library A (`--base`, built from that revision's kernels/host sources) and
+our_decode) with library A (`--base`, built from that revision's npud/kernels/host sources) and
 library B (this checkout's), at every thread count, the order of A and B swapped every round
 so that neither always runs second on a machine whose speed drifts. Printed: decode tok/s
 (median over rounds), the GEMMs' milliseconds a step and each shape's median microseconds a call
@@ -25,8 +25,8 @@ from pathlib import Path
 from decode import our_decode, set_threads
 from synth import QWEN3_0P5B, ROOT, build_random_checkpoint
 
-from engine.model import Model
-from kernels.host import native
+from npud.engine.model import Model
+from npud.kernels.host import native
 
 PROMPT = list(range(1, 17))
 
@@ -36,7 +36,7 @@ def library_of(rev: str, directory: Path):
     the revision must have every source file this checkout builds (native.SOURCES)."""
     sources, headers = native.SOURCES, native.HEADERS
     for src in sources + headers:
-        text = subprocess.run(["git", "show", f"{rev}:kernels/host/{src.name}"], cwd=ROOT, check=True,
+        text = subprocess.run(["git", "show", f"{rev}:npud/kernels/host/{src.name}"], cwd=ROOT, check=True,
                               capture_output=True).stdout
         (directory / src.name).write_bytes(text)
     native.SOURCES = tuple(directory / s.name for s in sources)

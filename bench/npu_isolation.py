@@ -1,6 +1,6 @@
 """What the NPU worker process costs per linear call (one pass here): the backend's `linear` through the pyxrt
 SIMULATOR with its arithmetic switched off (tests/fake_pyxrt.py), inline (device calls in
-this process) against isolation "process" (kernels/xrt_worker.py: pickled frames over pipes),
+this process) against isolation "process" (npud/kernels/xrt_worker.py: pickled frames over pipes),
 alternated in rounds, medians and ranges, the load beside them.
 
 The simulator is not an NPU: the numbers are the host-side cost of the call path (bf16
@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import fake_pyxrt  # noqa: E402
 
-from kernels import xrt  # noqa: E402
-from kernels.base import LinearWeight, WeightFormat  # noqa: E402
-from kernels.select import default_backend  # noqa: E402
-from kernels.xrt_design import DesignTable  # noqa: E402
+from npud.kernels import xrt  # noqa: E402
+from npud.kernels.base import LinearWeight, WeightFormat  # noqa: E402
+from npud.kernels.select import default_backend  # noqa: E402
+from npud.kernels.xrt_design import DesignTable  # noqa: E402
 
 SHAPES = [(1024, 1024, 1), (1024, 1024, 32), (1024, 3072, 32), (3072, 1024, 32)]  # K, N, rows
 

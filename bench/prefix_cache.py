@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 from synth import QWEN3_0P5B, build_random_checkpoint
 
-from engine.forward import Forward
-from engine.model import Model, rows_equal
-from engine.prefix_cache import PrefixCache
-from engine.state import ModelState
+from npud.engine.forward import Forward
+from npud.engine.model import Model, rows_equal
+from npud.engine.prefix_cache import PrefixCache
+from npud.engine.state import ModelState
 
 SUFFIX = 32
 

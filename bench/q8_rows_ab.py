@@ -1,7 +1,7 @@
 """What int8-q16's finer activation rows cost beside int8-q8's (and int8's exact float path): one GEMM, in turn.
 
 Both formats hold the same int8 tiles and run the same integer kernels; int8-q16's rows are
-16-bit blocks held as byte pairs (kernels/host/q8pairs.c), so each block takes two passes of
+16-bit blocks held as byte pairs (npud/kernels/host/q8pairs.c), so each block takes two passes of
 byte products; int8 widens the same weights to float against fp32 activations. Each round times
 the GEMM (default: Qwen3-0.5B's gate/up projection, N 3072, K 1024) in each format, the order
 rotated every round, for each row count and thread count. Printed: median microseconds a call
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels.base import WeightFormat
-from kernels.host import native
-from kernels.host.formats import kernel_for
+from npud.kernels.base import WeightFormat
+from npud.kernels.host import native
+from npud.kernels.host.formats import kernel_for
 
 FORMATS = (WeightFormat.INT8_Q8, WeightFormat.INT8_Q16, WeightFormat.INT8)  # the last: exact, floats
 

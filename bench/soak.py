@@ -45,7 +45,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from clients.client import Client, NpudError  # noqa: E402
+from npud.clients.client import Client, NpudError  # noqa: E402
 from soak_load import (STABLE, TOKEN, Tally, client_worker, fuzz_worker, http_worker, idle_attacker,  # noqa: E402
                        submit_acked)
 
@@ -224,7 +224,7 @@ def main() -> int:
     ap.add_argument("--reload-every", type=float, default=60.0, help="seconds between SIGHUPs (0: none)")
     args = ap.parse_args()
 
-    from engine.testing.checkpoints import build_tiny_checkpoint
+    from npud.engine.testing.checkpoints import build_tiny_checkpoint
 
     out = ROOT / "bench" / "out" / "tiny-qwen3"
     if not (out / "config.json").exists():

@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 
-from clients.client import Client, ConnectionLost, NotRunning, NpudError
+from npud.clients.client import Client, ConnectionLost, NotRunning, NpudError
 from npud.protocol import ErrorCode
 
 STABLE = {c.value for c in ErrorCode} - {ErrorCode.INTERNAL_ERROR.value}

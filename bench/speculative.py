@@ -38,13 +38,13 @@ from synth import (
     build_transformers_checkpoint,
 )
 
-from engine.drafters import PromptLookupHead
-from engine.forward import Forward
-from engine.model import Model
-from engine.sampling import Sampler
-from engine.api import SpecParams
-from engine.speculative import DecodeStats, plain_decode, speculative_decode
-from engine.tokenizer import Tokenizer
+from npud.engine.drafters import PromptLookupHead
+from npud.engine.forward import Forward
+from npud.engine.model import Model
+from npud.engine.sampling import Sampler
+from npud.engine.api import SpecParams
+from npud.engine.speculative import DecodeStats, plain_decode, speculative_decode
+from npud.engine.tokenizer import Tokenizer
 
 CODE = '''def moving_average(values, window):
     total = 0.0
@@ -130,7 +130,7 @@ def main() -> None:
     args = ap.parse_args()
     config = SpecParams(k=7)  # k up to 7 (this bench's choice), fallback after 3 rounds (the default)
 
-    from engine.testing.checkpoints import build_tiny_checkpoint
+    from npud.engine.testing.checkpoints import build_tiny_checkpoint
 
     rows = []
     models = args.models.split(",")
@@ -215,7 +215,7 @@ BUNDLED_METHODS = (
 
 def bundled_table(n: int, reps: int) -> None:
     """plain vs prompt lookup vs draft model vs DFlash on the bundled pair, through sessions."""
-    from engine.session import LoadedModel
+    from npud.engine.session import LoadedModel
 
     root = Path(__file__).resolve().parent.parent / "npud" / "models"
     served = LoadedModel.load("pycode", root / "pycode-base", draft_dir=root / "pycode-draft",
@@ -228,7 +228,7 @@ def random_drafters_table(n: int, reps: int, quick: bool) -> None:
     """The same methods on the random 0.5B Qwen3 (bf16) with a random 2-layer draft model of its
     width and a random 2-layer DFlash: acceptance is what random drafts get (about none), so
     the rows measure what each drafter's rounds cost before the break-even fallback ends them."""
-    from engine.session import LoadedModel
+    from npud.engine.session import LoadedModel
 
     config, name = dict(QWEN3_0P5B), "qwen3-0.5b"
     if quick:
@@ -243,7 +243,7 @@ def random_drafters_table(n: int, reps: int, quick: bool) -> None:
 
 def drafter_table(title: str, served, n: int, reps: int) -> None:
     """plain vs prompt lookup vs draft model vs DFlash on `served`, through sessions."""
-    from engine.api import GenerateRequest, GenerationParams
+    from npud.engine.api import GenerateRequest, GenerationParams
 
     print(f"# {title}\n")
     print("| prompt | method | tok/s | vs plain | accepted / drafted | tokens per round | base passes/token | byte-equal |")

@@ -20,13 +20,13 @@ from pathlib import Path
 
 from synth import GEMMA4_0P4B, OUT, build_transformers_checkpoint
 
-from engine.assistant import Assistant, AssistantHead
-from engine.forward import Forward
-from engine.model import Model
-from engine.sampling import Sampler
-from engine.api import SpecParams
-from engine.speculative import DecodeStats, plain_decode, speculative_decode
-from engine.tokenizer import Tokenizer
+from npud.engine.assistant import Assistant, AssistantHead
+from npud.engine.forward import Forward
+from npud.engine.model import Model
+from npud.engine.sampling import Sampler
+from npud.engine.api import SpecParams
+from npud.engine.speculative import DecodeStats, plain_decode, speculative_decode
+from npud.engine.tokenizer import Tokenizer
 
 # a 4-layer assistant of width 256 for the 0.4B base (backbone 1024): its sliding layers read the
 # base's 1 x 128 sliding plane, its full layer the 1 x 256 full plane (keys as values)

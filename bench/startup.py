@@ -32,7 +32,7 @@ from pathlib import Path
 
 from synth import ROOT
 
-from clients.client import Client, NotRunning
+from npud.clients.client import Client, NotRunning
 from decode import cpu_model
 
 BUNDLED = ROOT / "npud" / "models" / "pycode-base"

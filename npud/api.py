@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
-from engine.api import EngineError, ServedModel
+from npud.engine.api import EngineError, ServedModel
 from npud import __version__
 from npud.config import DaemonConfig
 from npud.jobs import store_api_error

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.api import BUILTIN_CHAT_TEMPLATES, DEFAULT_CACHE_USERS
+from npud.engine.api import BUILTIN_CHAT_TEMPLATES, DEFAULT_CACHE_USERS
 from npud.hfcache import NotCached, looks_like_repo_id, resolve_repo
 from npud.kmsg import PRE_HANG_PATTERNS
 from npud.packaged import PACKAGED, PackagedModelError, packaged_path
 
 DEFAULT_CONFIG_PATH = Path("/etc/npud/npud.toml")
-# kernels.base.WeightFormat's values, and "gguf-q8" (a GGUF file's blocks against q8 activations)
+# npud.kernels.base.WeightFormat's values, and "gguf-q8" (a GGUF file's blocks against q8 activations)
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-q8", "int8-q16", "bf16-bf16", "gguf-q8")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
@@ -206,7 +206,7 @@ class BatchingConfig:
     # does not fit waits; one sequence alone always runs.
     max_batch_positions: int = 32768
     # Prompt rows that sequences still prefilling may take in one round between them, so a long
-    # prompt joining does not stall the running sequences' steps (engine.api run_batch).
+    # prompt joining does not stall the running sequences' steps (npud.engine.api run_batch).
     prefill_budget: int = 64
 
     def __post_init__(self) -> None:
@@ -224,7 +224,7 @@ class DeviceConfig:
     sysfs_class_dir: str = "/sys/class/accel"
     max_resident_bytes: int = 0  # models kept loaded (LRU); 0 = half of the physical memory
     backend: str = "auto"  # auto: the NPU where it can run (device, pyxrt, xrt_design), else the host
-    xrt_design: str = ""  # the NPU GEMM design table (kernels/xrt_design.py); "" = none configured
+    xrt_design: str = ""  # the NPU GEMM design table (npud/kernels/xrt_design.py); "" = none configured
     xrt_timeout_ms: int = 5000  # one GEMM run on the NPU longer than this is a fault
 
     def __post_init__(self) -> None:
@@ -543,7 +543,7 @@ def load_config(path: Path) -> DaemonConfig:
 def check_models(cfg: DaemonConfig) -> list[str]:
     """Problems a --check-config reports, one per model file that would not load: the base
     checkpoint and a draft model are read as a load reads them but for the tensor data
-    (engine.loader.describe_checkpoint: config.json, tokenizer, safetensors headers, or a .gguf's
+    (npud.engine.loader.describe_checkpoint: config.json, tokenizer, safetensors headers, or a .gguf's
     metadata and tensor table); a drafter directory must hold a config.json."""
     problems = []
     for m in cfg.models:
@@ -566,7 +566,7 @@ def check_models(cfg: DaemonConfig) -> list[str]:
 def _describe(where: str, path: str) -> list[str]:
     """A checkpoint read by the engine without its weights: an unsupported architecture, a
     broken config or tokenizer, a missing weight file is reported here, not on the first request."""
-    from engine.loader import describe_checkpoint
+    from npud.engine.loader import describe_checkpoint
 
     if not Path(path).exists():
         return [f"{where} = {path!r}: no such GGUF file"]

@@ -15,8 +15,8 @@ from pathlib import Path
 import structlog
 import trio
 
-from engine.api import ModelLoader
-from engine.loader import load_model
+from npud.engine.api import ModelLoader
+from npud.engine.loader import load_model
 from npud import __version__
 from npud.api import Api
 from npud.config import DaemonConfigError, DaemonConfig, diff_for_reload, load_config

@@ -23,7 +23,7 @@ from typing import TypeVar
 import structlog
 import trio
 
-from engine.api import DeviceFault, EngineError, GenerationResult, ServedModel
+from npud.engine.api import DeviceFault, EngineError, GenerationResult, ServedModel
 from npud.batch import Kind, RunningBatch
 from npud.config import DaemonConfig
 from npud.guards import ErrorCountGuard, ThermalGuard

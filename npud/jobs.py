@@ -18,7 +18,7 @@ from typing import TypeVar
 import structlog
 import trio
 
-from engine.api import Session
+from npud.engine.api import Session
 from npud.config import DaemonConfig
 from npud.jobref import JobRefs, stored_refs
 from npud.jobspec import JobSpec

@@ -1,7 +1,7 @@
 """What a job asks for: the validated generation request of `submit` and `complete`.
 
 The wire params are parsed once, at the socket, into the engine's own request type
-(engine.api.GenerationParams) and the job's prompts; a JobSpec is stored as JSON with the job
+(npud.engine.api.GenerationParams) and the job's prompts; a JobSpec is stored as JSON with the job
 and hands the engine one GenerateRequest per prompt inside a ticket. A `submit` may set some
 prompts' settings apart (`prompt_settings`), so one batch file with varied max_tokens or
 seeds is one job, not one job per distinct setting. Engine errors come back
@@ -14,7 +14,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from engine.api import (
+from npud.engine.api import (
     DEFAULT_MAX_TOKENS,
     MAX_TOP_LOGPROBS,
     SPEC_METHODS,
@@ -27,7 +27,7 @@ from engine.api import (
     SamplingParams,
     SpecParams,
 )
-from engine.loader import check_grammar
+from npud.engine.loader import check_grammar
 from npud.config import LimitsConfig
 from npud.protocol import ApiError, ErrorCode, Params, check_text
 
@@ -59,7 +59,7 @@ class JobSpec:
     and the engine's generation params: `params` for every prompt, unless `prompt_params`
     (one entry per prompt, None for "the job's") gives a prompt its own. A job of one prompt
     may be a fill-in-the-middle request: `suffix` (and `fim_extra`) as
-    engine.api.GenerateRequest's."""
+    npud.engine.api.GenerateRequest's."""
 
     model: str
     prompts: tuple[str, ...] | None  # exactly one of prompts / chats
@@ -118,7 +118,7 @@ class JobSpec:
 
     def engine_request(self, index: int, owner_uid: int) -> GenerateRequest:
         """The engine's request for prompt `index` of a job of `owner_uid`, whose prefix-cache
-        entries are that owner's alone (engine.api.GenerateRequest.cache_scope)."""
+        entries are that owner's alone (npud.engine.api.GenerateRequest.cache_scope)."""
         return GenerateRequest(prompt=None if self.prompts is None else self.prompts[index],
                                messages=None if self.chats is None else self.chats[index],
                                params=self.params_for(index), suffix=self.suffix, fim_extra=self.fim_extra,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
-from engine.api import ServedModel
+from npud.engine.api import ServedModel
 from npud.memtrim import _malloc_trim
 from npud.protocol import ApiError, ErrorCode, Params
 

@@ -1,6 +1,6 @@
 """Per-token logprobs on the wire (docs/protocol.md) and in OpenAI's two reply shapes.
 
-The engine hands a TokenLogprob per generated token (engine.api: the log-softmax of the
+The engine hands a TokenLogprob per generated token (npud.engine.api: the log-softmax of the
 logits row that chose it, with the row's most likely alternatives). The socket's form is
 OpenAI's chat form, `{"token", "bytes", "logprob", "top_logprobs"}`, so the chat reply takes
 it as it is; the completions reply (OpenAI's older shape) is derived from it here.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.api import TokenLogprob
+from npud.engine.api import TokenLogprob
 
 
 def _one(lp: TokenLogprob) -> dict:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import trio
 
-from engine.api import ModelLoader
-from engine.loader import load_model
+from npud.engine.api import ModelLoader
+from npud.engine.loader import load_model
 from npud import __version__, userdirs
 from npud.config import (DEFAULT_CONFIG_PATH, DaemonConfigError, DaemonConfig, ModelEntry, ServerConfig,
                          StoreConfig, check_models, load_config, model_path)

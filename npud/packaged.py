@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.loader import cache_dir as engine_cache_dir
+from npud.engine.loader import cache_dir as engine_cache_dir
 
 
 @dataclass(slots=True, frozen=True)
@@ -35,7 +35,7 @@ class PackagedModelError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """npud's cache directory: the kernel cache's (kernels/host/cache.py's rule, read through engine.loader)."""
+    """npud's cache directory: the kernel cache's (npud/kernels/host/cache.py's rule, read through npud.engine.loader)."""
     return engine_cache_dir()
 
 

@@ -4,7 +4,7 @@ going first, or until it has been idle for its keep-alive (npud/lifecycle.py unl
 Each model is in one ModelState: unloaded, loading, loaded, or failed (its last load failed).
 
 `get` loads a model and is blocking: only the device owner calls it, in a worker thread.
-Models come from a `ModelLoader` (engine.loader.load_model; tests pass a fake engine's).
+Models come from a `ModelLoader` (npud.engine.loader.load_model; tests pass a fake engine's).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 import psutil
 import structlog
 
-from engine.api import DEFAULT_CACHE_USERS, EngineError, LoadProgress, ModelLoader, ServedModel
-from engine.loader import load_model
+from npud.engine.api import DEFAULT_CACHE_USERS, EngineError, LoadProgress, ModelLoader, ServedModel
+from npud.engine.loader import load_model
 from npud.config import ModelEntry
 from npud.protocol import ApiError, ErrorCode
 
@@ -53,7 +53,7 @@ class ModelRegistry:
         # path, no exception text), and in full (the log, npud's own stderr)
         self.load_errors: dict[str, str] = {}
         self.load_details: dict[str, str] = {}
-        self.cache_users = cache_users  # the prefix cache's per-user budget shares (engine.loader.load_model)
+        self.cache_users = cache_users  # the prefix cache's per-user budget shares (npud.engine.loader.load_model)
         self.cache_root = cache_root  # prefix caches persist under cache_root/<model>; None: memory only
         self.backend = backend
         self.xrt_design = xrt_design
@@ -238,7 +238,7 @@ class ModelRegistry:
                 # null until the model is loaded (a job or `npuctl models load` loads it)
                 "context_length": None if served is None else served.max_context,
                 "fim": None if served is None else served.fim,
-                # while loading: {"stage", "done", "total"} of the load (engine.api.LOAD_STAGES)
+                # while loading: {"stage", "done", "total"} of the load (npud.engine.api.LOAD_STAGES)
                 "loading": self.loading_progress(name),
                 "describe": described,
                 "load_error": self.load_errors.get(name),

@@ -7,7 +7,7 @@ login) and the store in $XDG_STATE_HOME/npud (default ~/.local/state/npud). With
 $XDG_RUNTIME_DIR (a cron job, `su` without a login session) the socket goes in /tmp/npud-<uid>,
 made 0700 and refused when it already exists but is not a directory of this user that only
 they can enter: in a directory others can write, whoever made it first could otherwise pose
-as the daemon. clients/client.py finds the socket by the same rule (and the same check).
+as the daemon. npud/clients/client.py finds the socket by the same rule (and the same check).
 """
 
 from __future__ import annotations

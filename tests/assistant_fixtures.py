@@ -7,9 +7,9 @@ import numpy as np
 import torch
 import transformers
 
-from engine.assistant import draft_step
-from engine.config import AttentionKind
-from engine.forward import Forward
+from npud.engine.assistant import draft_step
+from npud.engine.config import AttentionKind
+from npud.engine.forward import Forward
 
 VOCAB = 320
 BASE = dict(
@@ -52,7 +52,7 @@ def _spread(model, gen) -> None:
 
 def build_base(out_dir, seed: int = 0, dtype=torch.float32, **overrides):
     """Save a random Gemma 4 text model (tests/test_hybrid_models.py's shape); returns the directory."""
-    from engine.testing.checkpoints import write_tokenizer
+    from npud.engine.testing.checkpoints import write_tokenizer
 
     config = transformers.Gemma4TextConfig(**{**BASE, **overrides})
     config.initializer_range = 0.15
@@ -87,7 +87,7 @@ def build_assistant(out_dir, seed: int = 0, ordered: bool = False, dtype=torch.f
 
 def last_owner(config, kind: AttentionKind) -> int:
     """The base layer whose plane a `kind` assistant layer reads, found here independently of
-    engine.assistant: the highest-numbered layer of that kind that owns its KV."""
+    npud.engine.assistant: the highest-numbered layer of that kind that owns its KV."""
     return max(s.index for s in config.layers if s.kind is kind and s.kv_owner == s.index)
 
 

@@ -1,7 +1,7 @@
 """The official chat templates of the families npud has built-in templates for, as their model
 repositories publish them in tokenizer_config.json (quoted as test data, the oracle that
 tests/test_chat_templates.py renders with transformers; npud's own templates are
-engine/chat_templates/*.jinja):
+npud/engine/chat_templates/*.jinja):
 
 - GEMMA3: google/gemma-3-270m-it (the same in every Gemma 3 instruction model)
 - QWEN25: Qwen/Qwen2.5-7B-Instruct

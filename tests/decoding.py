@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.forward import Forward
-from engine.sampling import Sampler
-from engine.api import SpecParams
-from engine.speculative import DecodeStats, plain_decode, speculative_decode
+from npud.engine.forward import Forward
+from npud.engine.sampling import Sampler
+from npud.engine.api import SpecParams
+from npud.engine.speculative import DecodeStats, plain_decode, speculative_decode
 
 
 def greedy_run(forward, prompt, n, head=None, k=4):

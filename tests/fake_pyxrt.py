@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-SIMULATOR = True  # kernels/xrt.py names a backend on this module "xrt-simulator"
+SIMULATOR = True  # npud/kernels/xrt.py names a backend on this module "xrt-simulator"
 
 
 class ProtocolViolation(AssertionError):
@@ -420,8 +420,8 @@ xclbin.__init__ = _tracked_init
 
 def install(monkeypatch) -> Sim:
     """Make this simulator the XRT binding (for one test), in this process (`pyxrt` in
-    sys.modules) and in NPU worker processes (kernels.xrt.BINDING); returns its fresh state."""
-    from kernels import xrt
+    sys.modules) and in NPU worker processes (npud.kernels.xrt.BINDING); returns its fresh state."""
+    from npud.kernels import xrt
 
     _XCLBINS.clear()
     monkeypatch.setitem(sys.modules, "pyxrt", sys.modules[__name__])
@@ -431,7 +431,7 @@ def install(monkeypatch) -> Sim:
 
 def insts_words(device: str, payload: int, seed: int = 0) -> np.ndarray:
     """An instruction stream as aiecc writes one: the transaction header, then `payload` words."""
-    from kernels.xrt_design import TXN_GENERATION
+    from npud.kernels.xrt_design import TXN_GENERATION
 
     body = (np.arange(1, payload + 1, dtype=np.uint32) + np.uint32(seed)) * np.uint32(0x01000193)
     columns = 5 if device == "npu1" else 8
@@ -447,12 +447,12 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
     """design.json plus simulated xclbins and instruction files for (K, N) bf16 shapes; returns its path.
 
     The compiled K and N are rounded up to the tile rules (tile_k, tile_n * columns); an N past
-    what one pass can move is split into passes (kernels/xrt_rules.py). `xclbin_bfp16`: whether
+    what one pass can move is split into passes (npud/kernels/xrt_rules.py). `xclbin_bfp16`: whether
     the simulated xclbin quantises as npu2's emulation does (default: as the table says).
     `shared_xclbins`: shapes with the same compiled shape share one xclbin, as the build tool
     writes them."""
-    from kernels.xrt_design import GemmDesign, tile_rule_errors, write_table
-    from kernels.xrt_rules import split_n
+    from npud.kernels.xrt_design import GemmDesign, tile_rule_errors, write_table
+    from npud.kernels.xrt_rules import split_n
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ _K_QUANTS = {"Q4_K": (144, (0, 4)), "Q5_K": (176, (0, 4)), "Q6_K": (210, (208, 2
 
 
 def _gpt2_vocab() -> tuple[list[str], list[str], list[int]]:
-    from engine.testing.checkpoints import _tokenizer_json
+    from npud.engine.testing.checkpoints import _tokenizer_json
 
     model = json.loads(_tokenizer_json(320))["model"]
     tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels.host import native
+from npud.kernels.host import native
 
 
 @pytest.fixture

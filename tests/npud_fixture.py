@@ -42,7 +42,7 @@ def tiny_checkpoint(base: Path) -> Path:
     """The qwen3 tiny checkpoint, built once per test session (building imports torch)."""
     global _checkpoint
     if _checkpoint is None or not (_checkpoint / "config.json").is_file():
-        from engine.testing.checkpoints import build_tiny_checkpoint
+        from npud.engine.testing.checkpoints import build_tiny_checkpoint
 
         _checkpoint = build_tiny_checkpoint(base / "tiny-qwen3", "qwen3", max_position_embeddings=MAX_CONTEXT)
     return _checkpoint
@@ -52,7 +52,7 @@ def fim_checkpoint(base: Path) -> Path:
     """The qwen3 tiny checkpoint with FIM tokens and FIM_CONTEXT positions, built once per session."""
     global _fim_checkpoint
     if _fim_checkpoint is None or not (_fim_checkpoint / "config.json").is_file():
-        from engine.testing.checkpoints import build_tiny_checkpoint
+        from npud.engine.testing.checkpoints import build_tiny_checkpoint
 
         _fim_checkpoint = build_tiny_checkpoint(base / "tiny-fim", "qwen3", fim="qwen",
                                                 max_position_embeddings=FIM_CONTEXT)

@@ -49,9 +49,9 @@ def gemma_gguf_path() -> str:
 @functools.cache
 def gemma_library_backend():
     """gemma-3-270m's vocabulary as a `tokenizers` object, built the way transformers' GGUF
-    conversion builds it (engine/gguf/tokenizer.py's assemble_backend): the reference the
+    conversion builds it (npud/engine/gguf/tokenizer.py's assemble_backend): the reference the
     native tokenizer is compared with. Built once per test session (seconds)."""
-    from engine.gguf import open_gguf
-    from engine.gguf.tokenizer import gguf_tokenizer
+    from npud.engine.gguf import open_gguf
+    from npud.engine.gguf.tokenizer import gguf_tokenizer
 
     return gguf_tokenizer(open_gguf(gemma_gguf_path()), library=True)

@@ -1,4 +1,4 @@
-"""The Gemma 4 assistant drafter (engine/assistant/): loading, the draft forward against
+"""The Gemma 4 assistant drafter (npud/engine/assistant/): loading, the draft forward against
 transformers, and the head in the speculative loop.
 
 Parity: draft_step against transformers' Gemma4AssistantForCausalLM fed the same base states
@@ -31,11 +31,11 @@ import transformers
 
 from assistant_fixtures import VOCAB, build_assistant, build_base, reference_chain, reference_kv
 from decoding import greedy_run
-from engine.assistant import Assistant, AssistantHead, AssistantMismatchError, draft_step, load_assistant_config
-from engine.config import AttentionKind, ConfigError
-from engine.forward import Forward
-from engine.model import Model
-from engine.weights import WeightsError
+from npud.engine.assistant import Assistant, AssistantHead, AssistantMismatchError, draft_step, load_assistant_config
+from npud.engine.config import AttentionKind, ConfigError
+from npud.engine.forward import Forward
+from npud.engine.model import Model
+from npud.engine.weights import WeightsError
 
 PROMPT = [int(t) for t in np.random.default_rng(5).integers(3, VOCAB, 20)]
 TOLERANCE = 1e-4
@@ -180,7 +180,7 @@ def test_a_base_it_was_not_made_for_is_refused(ckpts, base, tmp_path):
 
 
 def test_a_non_gemma4_base_is_refused(ckpts, tmp_path):
-    from engine.testing.checkpoints import build_tiny_checkpoint
+    from npud.engine.testing.checkpoints import build_tiny_checkpoint
 
     qwen = Model.load(build_tiny_checkpoint(tmp_path / "qwen", model_type="qwen3"), "fp32")
     with pytest.raises(AssistantMismatchError, match="Gemma 4 base, not 'qwen3'"):
@@ -297,9 +297,9 @@ def test_every_draft_is_the_chain_recomputed_from_scratch(base, assistants, two_
 
 
 def test_a_head_that_is_not_attached_falls_back_with_a_reason(base, assistants):
-    from engine.sampling import Sampler
-    from engine.api import SpecParams as SpeculativeConfig
-    from engine.speculative import DecodeStats, speculative_decode
+    from npud.engine.sampling import Sampler
+    from npud.engine.api import SpecParams as SpeculativeConfig
+    from npud.engine.speculative import DecodeStats, speculative_decode
 
     f = Forward(base)
     f.prefill(PROMPT[:-1])
@@ -324,7 +324,7 @@ def test_reset_serves_a_second_job(base, assistants):
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int8-q8", "bf16-bf16"])
 def test_the_ordered_head_gathers_the_rows_the_kernels_would(ckpts, base, fmt):
-    from engine.assistant.weights import gather_rows
+    from npud.engine.assistant.weights import gather_rows
 
     a = Assistant.load(ckpts["ordered"], base, fmt)
     assert a.weights.lm_head.layout == "rows"  # kept unprepared: only rows of it are read
@@ -334,9 +334,9 @@ def test_the_ordered_head_gathers_the_rows_the_kernels_would(ckpts, base, fmt):
 
 
 def test_the_break_even_fallback_keeps_plain_decodes_output(base, assistants):
-    from engine.sampling import Sampler
-    from engine.api import SpecParams as SpeculativeConfig
-    from engine.speculative import DecodeStats, FallbackReason, speculative_decode
+    from npud.engine.sampling import Sampler
+    from npud.engine.api import SpecParams as SpeculativeConfig
+    from npud.engine.speculative import DecodeStats, FallbackReason, speculative_decode
 
     f = Forward(base)
     f.prefill(PROMPT[:-1])

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from assistant_fixtures import build_assistant, build_base
-from clients.npuctl import build_parser
-from engine.assistant import AssistantMismatchError
-from engine.api import EngineCode, GenerateRequest, GenerationParams, RequestError, SamplingParams, SpecParams
-from engine.session import LoadedModel
+from npud.clients.npuctl import build_parser
+from npud.engine.assistant import AssistantMismatchError
+from npud.engine.api import EngineCode, GenerateRequest, GenerationParams, RequestError, SamplingParams, SpecParams
+from npud.engine.session import LoadedModel
 from npud.config import LimitsConfig, check_models, load_config
 from npud.jobspec import parse_spec
 from npud.protocol import Params

@@ -15,7 +15,7 @@ import pytest
 import trio
 
 import test_npud_support as fakes
-from clients.client import AsyncClient
+from npud.clients.client import AsyncClient
 from test_npud_support import DaemonProc, make_config, start, write_fake_checkpoint
 
 pytestmark = pytest.mark.hog  # run again under a CPU hog by .ci/run

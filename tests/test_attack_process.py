@@ -104,7 +104,7 @@ def _mount_tmpfs(path: Path, size: str) -> str | None:
 
 
 def test_a_full_disk_refuses_work_clearly_and_every_acknowledged_job_ends_where_clients_see_it(fake_daemon):
-    from clients.client import NpudError
+    from npud.clients.client import NpudError
     from test_npud_support import expected_text
 
     d = fake_daemon(round_sleep_s=0.001)

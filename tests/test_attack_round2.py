@@ -372,7 +372,7 @@ async def test_a_failed_job_stays_failed_across_a_restart(workdir_async, monkeyp
     # before: a job that failed on a full disk stayed `running` in the store; the next start
     # ran it again to `done`, so a client that resubmitted on `failed` got the work twice
     import trio
-    from clients.client import AsyncClient
+    from npud.clients.client import AsyncClient
     from npud import jobs as jobs_module
     from test_attack_store import DiskFull
     from test_npud_support import make_config, start

@@ -20,7 +20,7 @@ import time
 import pytest
 
 import test_npud_support as fakes
-from clients.client import NpudError
+from npud.clients.client import NpudError
 from test_npud_support import DaemonProc, write_fake_checkpoint
 
 pytestmark = pytest.mark.hog  # run again under a CPU hog by .ci/run
@@ -240,7 +240,7 @@ def test_a_huge_prompt_is_tokenized_with_the_gil_released(tmp_path):
     """The daemon tokenizes on its engine thread; while the tokenizer held the GIL, a 0.9 MB
     prompt stopped the event loop for seconds (issue 26: /health p90 4.7 s). Here the other
     thread is this test's: it must keep running while the text is encoded."""
-    from engine.tokenizer import Tokenizer
+    from npud.engine.tokenizer import Tokenizer
     from test_tokenizer import write_checkpoint
 
     tok = Tokenizer.from_dir(write_checkpoint(tmp_path))

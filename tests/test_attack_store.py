@@ -11,7 +11,7 @@ import pytest
 import trio
 
 import test_npud_support as fakes
-from clients.client import AsyncClient, Overloaded
+from npud.clients.client import AsyncClient, Overloaded
 from npud import jobs as jobs_module
 from npud.store import Store, StoreCode, StoreError
 from test_npud_support import make_config, start

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 import test_npud_support as fakes
-from clients.client import AsyncClient, BadRequest, Client
+from npud.clients.client import AsyncClient, BadRequest, Client
 from npud.store import Store
 from test_npud_support import make_config, start
 

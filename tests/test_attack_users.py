@@ -20,7 +20,7 @@ OTHER_UID, NOGROUP = 64011, 65534
 
 AS_OTHER = r"""
 import json, sys
-from clients import client as npc
+from npud.clients import client as npc
 c = npc.Client(sys.argv[1], timeout=30)
 out = {}
 def attempt(name, fn):
@@ -93,7 +93,7 @@ def test_another_users_jobs_look_like_missing_ones_and_nothing_leaks():
 
 AS_OTHER_COMPLETE = r"""
 import json, sys
-from clients import client as npc
+from npud.clients import client as npc
 c = npc.Client(sys.argv[1], timeout=120)
 out = [c.complete(p, max_tokens=1).wait()["stats"].get("num_cached_tokens") for p in json.loads(sys.argv[2])]
 out.append(c.cache_list())
@@ -104,7 +104,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_the_prefix_cache_tells_no_user_about_anothers_prompts(tmp_path):
-    checkpoints = pytest.importorskip("engine.testing.checkpoints", reason="builds the tiny model")
+    checkpoints = pytest.importorskip("npud.engine.testing.checkpoints", reason="builds the tiny model")
     model = checkpoints.build_tiny_checkpoint(tmp_path / "tiny")
     workdir = short_tempdir()
     d = DaemonProc(workdir, [{"name": "tiny", "checkpoint_dir": str(model), "weight_format": "fp32"}],
@@ -140,7 +140,7 @@ def test_the_prefix_cache_tells_no_user_about_anothers_prompts(tmp_path):
 
 AS_OTHER_COUNTERS = r"""
 import json, sys
-from clients import client as npc
+from npud.clients import client as npc
 with npc.Client(sys.argv[1], timeout=60) as c:
     done = c.complete("mine", max_tokens=3).wait()
     print(json.dumps([done["tokens"] if "tokens" in done else len(done["token_ids"]), c.stats(), c.metrics(),

@@ -1,4 +1,4 @@
-"""Batched rounds (engine/batch.py, engine/packed.py): N sessions of mixed kinds run through
+"""Batched rounds (npud/engine/batch.py, npud/engine/packed.py): N sessions of mixed kinds run through
 LoadedModel.run_batch give every session the same events, tokens, finish reason and final
 state bytes as running it alone through run_round, on every architecture the suite builds
 tiny checkpoints for and in every weight format (GGUF blocks included).
@@ -17,11 +17,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from engine.api import EngineError, FinishReason, GenerateRequest, GenerationParams, SamplingParams, SpecParams
-from engine.batch import MAX_PACKED_ROWS, _packs
-from engine.forward import Forward
-from engine.session import LoadedModel
-from engine.testing.checkpoints import build_tiny_checkpoint
+from npud.engine.api import EngineError, FinishReason, GenerateRequest, GenerationParams, SamplingParams, SpecParams
+from npud.engine.batch import MAX_PACKED_ROWS, _packs
+from npud.engine.forward import Forward
+from npud.engine.session import LoadedModel
+from npud.engine.testing.checkpoints import build_tiny_checkpoint
 
 TEXTS = [
     "def add(a, b):\n",
@@ -193,11 +193,11 @@ def spec_model(root):
 
 
 def test_sixteen_sessions_of_every_kind_equal_each_alone(spec_model, monkeypatch):
-    import engine.batch
+    import npud.engine.batch
 
     packed = []  # sequences per packed pass
-    run_packed = engine.batch.run_packed
-    monkeypatch.setattr(engine.batch, "run_packed", lambda model, jobs: packed.append(len(jobs)) or run_packed(model, jobs))
+    run_packed = npud.engine.batch.run_packed
+    monkeypatch.setattr(npud.engine.batch, "run_packed", lambda model, jobs: packed.append(len(jobs)) or run_packed(model, jobs))
     requests = mix(16, methods=("draft", "dflash"))
     alone, rounds = check_same(spec_model, requests, cancel=5)
     assert max(packed) >= 12  # the batched run did pack (alone, every pack holds one)
@@ -307,7 +307,7 @@ def test_a_packed_pass_hands_each_sequence_its_own_rows(spec_model):
     """run_packed over three ragged sequences (one asking every row's logits, one only its last
     row's, one none and with layer taps) against each pass alone: logits, last hidden rows, tap rows and
     planes bit for bit."""
-    from engine.packed import Pass, Rows, run_packed
+    from npud.engine.packed import Pass, Rows, run_packed
 
     model = spec_model.model
     rng = np.random.default_rng(5)

@@ -1,4 +1,4 @@
-"""GGUF block weights against q8 activation rows (the "gguf-q8" format, kernels/host/blockq8.c):
+"""GGUF block weights against q8 activation rows (the "gguf-q8" format, npud/kernels/host/blockq8.c):
 the layout holds gguf's own weights, the kernel computes the chain blockq8.c documents (exact
 integer group sums, then one float step per group in k order), on every ISA path and thread
 count, and a row's bits do not depend on the other rows."""
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from kernel_fixtures import _fma32, isa_and_threads  # noqa: F401  (a fixture)
-from kernels.ggml.backend import BlockHostBackend, check_block_invariance, random_block_rows
-from kernels.ggml.blocks import LAYOUTS, BlockFormat, unpack_matrix, widen
-from kernels.ggml.gemm import LAYOUT_Q8, dense_weights, pack_block_matrix
-from kernels.host import QB, TILE, native
+from npud.kernels.ggml.backend import BlockHostBackend, check_block_invariance, random_block_rows
+from npud.kernels.ggml.blocks import LAYOUTS, BlockFormat, unpack_matrix, widen
+from npud.kernels.ggml.gemm import LAYOUT_Q8, dense_weights, pack_block_matrix
+from npud.kernels.host import QB, TILE, native
 
 K = 512
 
@@ -46,7 +46,7 @@ def test_layout_holds_ggufs_weights_and_the_kernel_computes_the_documented_chain
     q, factors = unpack_matrix(raw, fmt, K)
     w = pack_block_matrix(raw, fmt, K, layout=LAYOUT_Q8)
     packed = {BlockFormat.Q4_0: 1024, BlockFormat.Q5_0: 1280, BlockFormat.Q4_K: 1024, BlockFormat.Q5_K: 1280}
-    # (kernels/ggml/nibbles.py: bytes a tile's group)
+    # (npud/kernels/ggml/nibbles.py: bytes a tile's group)
     shape = (2, K // 32, packed[fmt]) if fmt in packed else (2, K // 4, TILE, 4)
     assert w.layout == LAYOUT_Q8 and w.data.shape == shape and w.data.dtype == np.uint8
     dense = widen(q, factors)
@@ -104,7 +104,7 @@ def test_start_up_check_covers_the_q8_layout_on_every_path():
 
 
 def test_gguf_q8_needs_a_gguf_file(tmp_path):
-    from engine.model import Model
+    from npud.engine.model import Model
 
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="gguf-q8.*GGUF"):
@@ -150,7 +150,7 @@ def test_packed_q_tiles_hold_the_same_integers_in_4_or_5_bits(fmt):
     """Q4_0 / Q5_0 / Q4_K / Q5_K q tiles packed to nibbles (and a fifth-bit plane): every weight's q read back
     from them is gguf's (the row gather and dense_weights read them too), in 1024 / 1280 bytes a
     tile's group of 32 k instead of 2048."""
-    from kernels.ggml import nibbles
+    from npud.kernels.ggml import nibbles
 
     raw = random_block_rows(fmt, 130, K, seed=8)
     q, _ = unpack_matrix(raw, fmt, K)

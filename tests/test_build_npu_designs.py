@@ -9,8 +9,8 @@ import pytest
 
 import fake_pyxrt
 
-from engine.testing.checkpoints import build_tiny_checkpoint
-from kernels.xrt_design import DesignTable, read_insts
+from npud.engine.testing.checkpoints import build_tiny_checkpoint
+from npud.kernels.xrt_design import DesignTable, read_insts
 
 tool = fake_pyxrt.build_tool()
 

@@ -2,7 +2,7 @@
 tracks the base closely enough to be worth speculating with.
 
 transformers is the reference here (it is in the test extras); the engine-side test runs the
-same checkpoints through engine/ once engine/forward.py exists. Every threshold below sits
+same checkpoints through engine/ once npud/engine/forward.py exists. Every threshold below sits
 a margin away from a number measured on the shipped weights (stated beside it), and far
 from what randomly initialised weights give.
 
@@ -236,9 +236,9 @@ def test_greedy_generation_writes_python(base, tokenizer):
 def test_engine_runs_the_bundled_checkpoints_like_transformers(
     which, request, tokenizer, held_out_ids
 ):
-    forward = pytest.importorskip("engine.forward", reason="engine/forward.py has not landed yet")
-    from engine.model import Model
-    from engine.tokenizer import Tokenizer
+    forward = pytest.importorskip("npud.engine.forward", reason="npud/engine/forward.py has not landed yet")
+    from npud.engine.model import Model
+    from npud.engine.tokenizer import Tokenizer
 
     path = BASE_DIR if which == "base" else DRAFT_DIR
     engine_tok = Tokenizer.from_dir(path)
@@ -282,7 +282,7 @@ ACCEPTANCE_FLOOR = 0.35
 
 @pytest.mark.parametrize("method", ["draft", "dflash"])
 def test_drafters_acceptance_on_held_out_code_through_the_loop(method):
-    engine_session = pytest.importorskip("engine.session")
+    engine_session = pytest.importorskip("npud.engine.session")
     served = engine_session.LoadedModel.load(
         "pycode", MODELS_DIR / "pycode-base", draft_dir=MODELS_DIR / "pycode-draft",
         dflash_dir=MODELS_DIR / "pycode-dflash", weight_format="bf16",
@@ -300,7 +300,7 @@ def test_drafters_acceptance_on_held_out_code_through_the_loop(method):
 
 
 def _run(served, prompt, method):
-    from engine import api
+    from npud.engine import api
 
     spec = api.SpecParams(method=method, k=4, fallback_rounds=0)
     params = api.GenerationParams(max_tokens=48, use_prefix_cache=False, spec=spec)
@@ -332,8 +332,8 @@ REQUESTS = (
 
 
 def test_base_answers_a_chat_with_python():
-    from engine import api
-    from engine.session import LoadedModel
+    from npud.engine import api
+    from npud.engine.session import LoadedModel
 
     served = LoadedModel.load("pycode", BASE_DIR, weight_format="bf16")
     params = api.GenerationParams(max_tokens=24, spec=api.SpecParams(method="none"))

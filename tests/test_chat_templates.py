@@ -1,4 +1,4 @@
-"""npud's built-in chat templates (engine/chat_templates) against the official template of each
+"""npud's built-in chat templates (npud/engine/chat_templates) against the official template of each
 family rendered by transformers, compared on token ids, and the rule that picks a model's
 template (its chat_template setting, the checkpoint's own, the built-in its vocabulary names).
 
@@ -19,10 +19,10 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 import chat_template_references as official
-from engine.api import BUILTIN_CHAT_TEMPLATES, ModelError
-from engine.chat_templates import builtin_text
-from engine.session import _install_chat_template
-from engine.tokenizer import Tokenizer, TokenizerError
+from npud.engine.api import BUILTIN_CHAT_TEMPLATES, ModelError
+from npud.engine.chat_templates import builtin_text
+from npud.engine.session import _install_chat_template
+from npud.engine.tokenizer import Tokenizer, TokenizerError
 
 # family -> (official template, bos, eos, the family's special tokens)
 FAMILIES = {
@@ -196,9 +196,9 @@ def test_a_chat_reply_stops_at_its_end_of_turn_and_a_plain_prompt_runs_past_it(t
     with seed 5 its greedy reply to this question writes <|im_end|> at its 20th token."""
     from decoding import plain_tokens
 
-    from engine.api import FinishReason, GenerateRequest, GenerationParams, SpecParams
-    from engine.session import LoadedModel
-    from engine.testing.checkpoints import build_tiny_checkpoint
+    from npud.engine.api import FinishReason, GenerateRequest, GenerationParams, SpecParams
+    from npud.engine.session import LoadedModel
+    from npud.engine.testing.checkpoints import build_tiny_checkpoint
 
     served = LoadedModel.load("tiny", build_tiny_checkpoint(tmp_path / "m", "qwen3", seed=5), weight_format="fp32")
     im_end = served.tokenizer.token_id("<|im_end|>")
@@ -223,9 +223,9 @@ def test_a_drafted_chat_stops_at_its_end_of_turn_beside_a_plain_prompt_that_runs
     at its 9th token) runs past it to max_tokens; alone and batched give the same tokens."""
     from decoding import plain_tokens
 
-    from engine.api import FinishReason, GenerateRequest, GenerationParams, SpecParams
-    from engine.session import LoadedModel
-    from engine.testing.checkpoints import build_tiny_checkpoint
+    from npud.engine.api import FinishReason, GenerateRequest, GenerationParams, SpecParams
+    from npud.engine.session import LoadedModel
+    from npud.engine.testing.checkpoints import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(tmp_path / "m", "qwen3", seed=5)
     served = LoadedModel.load("tiny", path, draft_dir=path, weight_format="fp32", backend="host")

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 import test_npud_support as fakes
-from clients import client as npc
+from npud.clients import client as npc
 from npud.protocol import ErrorCode
 from test_npud_support import make_config, start
 

@@ -1,4 +1,4 @@
-"""engine.config against configs written by transformers itself, and every ConfigError case."""
+"""npud.engine.config against configs written by transformers itself, and every ConfigError case."""
 
 import copy
 import dataclasses
@@ -10,7 +10,7 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.config import (
+from npud.engine.config import (
     AttentionKind,
     ConfigError,
     LayerSpec,

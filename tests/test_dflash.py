@@ -2,7 +2,7 @@
 with the reference (`dflash` package) on random weights, and DFlashHead through the speculative
 loop on the real forward.
 
-MUTANTS. Each was applied to engine/dflash.py, this file run (79 checks), the failing checks
+MUTANTS. Each was applied to npud/engine/dflash.py, this file run (79 checks), the failing checks
 counted, and the file restored (the suite then passes again):
 
     mutant                                          failing  where
@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.config import ConfigError
-from engine.dflash import (
+from npud.engine.config import ConfigError
+from npud.engine.dflash import (
     DFlashDraft,
     DFlashHead,
     TapRows,
@@ -41,15 +41,15 @@ from engine.dflash import (
     load_dflash_weights,
     parse_dflash_config,
 )
-from engine.drafters import Draft, DraftMismatchError
-from engine.api import SamplingParams
-from engine.sampling import Sampler
-from engine.api import SpecParams
-from engine.speculative import DecodeStats, FallbackReason, plain_decode, speculative_decode
-from engine.testing import checkpoints
-from engine.weights import WeightsError
+from npud.engine.drafters import Draft, DraftMismatchError
+from npud.engine.api import SamplingParams
+from npud.engine.sampling import Sampler
+from npud.engine.api import SpecParams
+from npud.engine.speculative import DecodeStats, FallbackReason, plain_decode, speculative_decode
+from npud.engine.testing import checkpoints
+from npud.engine.weights import WeightsError
 
-# the tiny base of engine/testing/checkpoints.py with five layers, so there are layers to tap
+# the tiny base of npud/engine/testing/checkpoints.py with five layers, so there are layers to tap
 BASE_LAYERS = 5
 GEOMETRY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6)
@@ -69,7 +69,7 @@ def _raw_config(layers=2, dflash=None, **top) -> dict:
 
 def write_random_dflash(out: Path, variant=Variant.DFLASH, layers=2, seed=0, bare_codebooks=True, top=None,
                        **dflash) -> Path:
-    """A random draft for the tiny base (engine/testing/checkpoints.py's writer); `top`
+    """A random draft for the tiny base (npud/engine/testing/checkpoints.py's writer); `top`
     overrides top-level config fields (a padded base's vocab_size, say)."""
     extra = dict(dflash)
     if variant is Variant.DFLASH2:
@@ -150,9 +150,9 @@ def test_missing_config_file_is_a_config_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    from engine.testing.checkpoints import build_tiny_checkpoint
+    from npud.engine.testing.checkpoints import build_tiny_checkpoint
 
-    from engine.model import Model
+    from npud.engine.model import Model
 
     root = tmp_path_factory.mktemp("dflash")
     path = build_tiny_checkpoint(root / "base", model_type="qwen3", seed=0, num_hidden_layers=BASE_LAYERS)
@@ -250,7 +250,7 @@ REFERENCE_DRAFTS = {
 def reference(base, tmp_path_factory):
     dflash_model = pytest.importorskip("dflash.model", reason="the reference (pip install --no-deps dflash) is missing")
     import torch
-    from engine.testing.checkpoints import load_reference
+    from npud.engine.testing.checkpoints import load_reference
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("reference")
@@ -280,7 +280,7 @@ def _reference_hidden(reference, name, ids):
 
 
 def _our_taps(model, draft, ids):
-    from engine.forward import Forward
+    from npud.engine.forward import Forward
 
     f = Forward(model)
     sink = TapRows(draft.tap_width)
@@ -316,7 +316,7 @@ def _run(model, head, n=N, k=7, rows=8, prompt=PROMPT, sampling=SamplingParams()
     """speculative_decode (head) or plain_decode (None) on a fresh Forward; the head is attached
     before the prompt runs unless attach is False. k is fixed (as the reference's block is)
     unless adapt_k, and the break-even fallback is off."""
-    from engine.forward import Forward
+    from npud.engine.forward import Forward
 
     f = Forward(model, max_batch_rows=rows)
     if head is not None and attach:
@@ -664,7 +664,7 @@ def test_sampled_run_through_the_loop_keeps_the_sink_committed(loop_setup):
 @pytest.mark.parametrize("fmt", ["bf16-bf16", "int8-q8"])
 def test_a_format_sharing_anothers_data_loads_as_that_one(tmp_path, fmt):
     # bf16-bf16 holds bf16's bits, int8-q8 int8's rows and scales (WeightFormat.storage)
-    from kernels.base import WeightFormat
+    from npud.kernels.base import WeightFormat
 
     path = write_random_dflash(tmp_path / "d", Variant.DFLASH2)
     cfg = load_dflash_config(path)

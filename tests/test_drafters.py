@@ -1,5 +1,5 @@
 """Drafters: prompt lookup, draft model, the hidden-reading toy head; on the toy base of
-test_speculative and, where engine.forward exists, on tiny real checkpoints."""
+test_speculative and, where npud.engine.forward exists, on tiny real checkpoints."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from test_speculative import (
     run_spec,
 )
 
-from engine.config import ConfigError
-from engine.drafters import (
+from npud.engine.config import ConfigError
+from npud.engine.drafters import (
     NO_DRAFT,
     Draft,
     DraftMismatchError,
@@ -29,9 +29,9 @@ from engine.drafters import (
     PromptLookupHead,
     check_same_tokenizer,
 )
-from engine.api import SamplingParams
-from engine.sampling import Sampler
-from engine.speculative import RoundKind
+from npud.engine.api import SamplingParams
+from npud.engine.sampling import Sampler
+from npud.engine.speculative import RoundKind
 
 # --------------------------------------------------------------------------- prompt lookup
 
@@ -317,18 +317,18 @@ def test_head_weights_shapes_are_checked():
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
-    pytest.importorskip("engine.forward", reason="engine/forward.py has not landed")
-    from engine.testing.checkpoints import build_tiny_checkpoint
+    pytest.importorskip("npud.engine.forward", reason="npud/engine/forward.py has not landed")
+    from npud.engine.testing.checkpoints import build_tiny_checkpoint
 
-    from engine.forward import Forward
-    from engine.model import Model
-    from engine.tokenizer import Tokenizer
+    from npud.engine.forward import Forward
+    from npud.engine.model import Model
+    from npud.engine.tokenizer import Tokenizer
 
     root = tmp_path_factory.mktemp("spec")
     base_dir = build_tiny_checkpoint(root / "base", model_type="qwen3", seed=0)
     draft_dir = build_tiny_checkpoint(root / "draft", model_type="qwen3", seed=1, num_hidden_layers=1)
     other_tok = root / "other_tok"
-    from engine.testing.checkpoints import write_tokenizer
+    from npud.engine.testing.checkpoints import write_tokenizer
 
     write_tokenizer(other_tok, vocab_size=300)
 

@@ -1,4 +1,4 @@
-"""engine/api.py: the request types validate where they are declared, and both the engine and
+"""npud/engine/api.py: the request types validate where they are declared, and both the engine and
 the daemon tests' fake engine implement the protocols the daemon calls, member for member."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import inspect
 import pytest
 
 import test_npud_support as fakes
-from engine import api, loader
-from engine.session import LoadedModel, ModelSession
+from npud.engine import api, loader
+from npud.engine.session import LoadedModel, ModelSession
 
 
 def _members(protocol: type) -> dict[str, object]:

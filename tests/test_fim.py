@@ -1,5 +1,5 @@
-"""Fill-in-the-middle prompts (engine/fim.py) and the context clamp of LoadedModel.start, on tiny
-checkpoints whose tokenizers carry the FIM tokens of engine.testing.checkpoints.FIM_TOKENS."""
+"""Fill-in-the-middle prompts (npud/engine/fim.py) and the context clamp of LoadedModel.start, on tiny
+checkpoints whose tokenizers carry the FIM tokens of npud.engine.testing.checkpoints.FIM_TOKENS."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from decoding import plain_tokens
 
-from engine.api import (
+from npud.engine.api import (
     ConfigError,
     FimUnsupported,
     FinishReason,
@@ -16,9 +16,9 @@ from engine.api import (
     PromptTooLong,
     SpecParams,
 )
-from engine.fim import find_fim_tokens, fim_prompt_ids
-from engine.session import LoadedModel, fitting_max_tokens
-from engine.testing.checkpoints import build_tiny_checkpoint
+from npud.engine.fim import find_fim_tokens, fim_prompt_ids
+from npud.engine.session import LoadedModel, fitting_max_tokens
+from npud.engine.testing.checkpoints import build_tiny_checkpoint
 
 # ids after the 320 trained ones, in FIM_TOKENS order
 QWEN = {"prefix": 320, "middle": 321, "suffix": 322, "pad": 323, "repo": 324, "file_sep": 325}
@@ -148,7 +148,7 @@ def test_a_session_past_the_context_is_clamped_and_ends_with_length(models, meth
 
 
 def test_fill_in_the_middle_through_a_real_daemon(tmp_path_factory):
-    from clients.client import Client, FimUnsupported as ClientFimUnsupported, PromptTooLong as ClientPromptTooLong
+    from npud.clients.client import Client, FimUnsupported as ClientFimUnsupported, PromptTooLong as ClientPromptTooLong
     from npud_fixture import FIM_CONTEXT, FIM_MODEL, MODEL, fim_checkpoint, start_daemon, stop_daemon
 
     root = tmp_path_factory.mktemp("fimd")

@@ -1,4 +1,4 @@
-"""The prefix-cache key (engine/fingerprint.py): whole-file digests remembered by stat, and a
+"""The prefix-cache key (npud/engine/fingerprint.py): whole-file digests remembered by stat, and a
 persisted cache that misses after any change to the numbers and hits after a plain restart.
 
 Mutants run (edit, run this file and tests/test_prefix_cache.py, revert) and what fails:
@@ -26,13 +26,13 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from engine import fingerprint
-from engine.fingerprint import MEMO_FILE, DigestMemo, FingerprintError, numerics_key
-from engine.api import GenerateRequest, GenerationParams
-from engine.session import LoadedModel as ServedModel
-from kernels.select import RowwiseBackend, default_backend
-from kernels import base as kernels_base
-from kernels.base import numerics_identity
+from npud.engine import fingerprint
+from npud.engine.fingerprint import MEMO_FILE, DigestMemo, FingerprintError, numerics_key
+from npud.engine.api import GenerateRequest, GenerationParams
+from npud.engine.session import LoadedModel as ServedModel
+from npud.kernels.select import RowwiseBackend, default_backend
+from npud.kernels import base as kernels_base
+from npud.kernels.base import numerics_identity
 
 PROMPT = "def add(a, b):\n    return a + b\nfor i in range(10):\n    total += i * i\nclass Point:\n"
 
@@ -199,7 +199,7 @@ def test_the_npu_backend_names_its_design_not_the_hosts(tmp_path, monkeypatch):
     """XrtBackend answers unknown attributes with the host's: numerics_id must be its own, and
     another build of a design (its xclbin's bytes) is another identity."""
     import fake_pyxrt
-    from kernels import xrt
+    from npud.kernels import xrt
 
     fake_pyxrt.install(monkeypatch)  # the simulated device (tests/fake_pyxrt.py)
     table = fake_pyxrt.write_design_table(tmp_path, [(64, 64)])
@@ -216,7 +216,7 @@ def test_the_npu_backend_names_its_design_not_the_hosts(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from engine.testing.checkpoints import build_tiny_checkpoint
+    from npud.engine.testing.checkpoints import build_tiny_checkpoint
 
     # hidden_size 128: a layer's input RMSNorm weight is 512 bytes in float32
     return build_tiny_checkpoint(tmp_path_factory.mktemp("fp") / "ckpt", model_type="llama", seed=2, hidden_size=128)
@@ -264,10 +264,10 @@ def test_a_persisted_cache_misses_after_any_change_to_the_numbers(checkpoint, tm
     if change == "format":
         fmt = "bf16"
     elif change == "backend":
-        import engine.session
+        import npud.engine.session
 
         rowwise = RowwiseBackend(default_backend())
-        monkeypatch.setattr(engine.session, "select_backend", lambda *a, **kw: (rowwise, "a test's other backend"))
+        monkeypatch.setattr(npud.engine.session, "select_backend", lambda *a, **kw: (rowwise, "a test's other backend"))
     elif change == "edit":
         before = os.stat(ckpt / "model.safetensors")
         _scale_tensor(ckpt / "model.safetensors", "model.layers.0.input_layernorm.weight", 2.0)
@@ -291,8 +291,8 @@ def test_a_persisted_cache_misses_after_any_change_to_the_numbers(checkpoint, tm
 
 
 def test_checkpoint_files_are_config_index_and_every_shard(tmp_path):
-    from engine.weights import WeightsError, checkpoint_files
-    from engine.weights.checkpoint import INDEX_FILE
+    from npud.engine.weights import WeightsError, checkpoint_files
+    from npud.engine.weights.checkpoint import INDEX_FILE
 
     with pytest.raises(WeightsError):
         checkpoint_files(tmp_path)

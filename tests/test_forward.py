@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from decoding import plain_tokens
-from engine.testing.checkpoints import build_tiny_checkpoint, load_reference
-from engine.forward import Forward
-from engine.model import Model, rows_equal
-from engine.weights import open_checkpoint
-from kernels.base import WeightFormat
+from npud.engine.testing.checkpoints import build_tiny_checkpoint, load_reference
+from npud.engine.forward import Forward
+from npud.engine.model import Model, rows_equal
+from npud.engine.weights import open_checkpoint
+from npud.kernels.base import WeightFormat
 
 LONG = [int(t) for t in np.random.default_rng(7).integers(3, 320, 48)]
 PROMPT = LONG[:32]

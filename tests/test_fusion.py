@@ -3,7 +3,7 @@
 The host backend fuses each layer's q/k/v and gate/up into one prepared weight at load (each part
 on a tile boundary, its own weight a view of the fused tiles; GGUF block weights of one type alike), and the forward uses the fused
 add + RMS norm and head norm + RoPE kernels. Every logit must be bit-identical to a model run
-through the primitive interface alone (engine.testing.backends.PrimitivesOnly), for every weight
+through the primitive interface alone (npud.engine.testing.backends.PrimitivesOnly), for every weight
 format, in a step, a verify and a chunked prefill, on widths that are and are not multiples of the
 tile; and the fused model holds no more weight bytes than the unfused one.
 """
@@ -15,15 +15,15 @@ import dataclasses
 import numpy as np
 import pytest
 
-from engine.forward import Forward
-from engine.model import Model, rows_equal
-from engine.testing.backends import PrimitivesOnly
-from engine.testing.checkpoints import build_tiny_checkpoint
-from kernels.base import LinearWeight, WeightFormat
-from kernels.ggml.backend import BlockHostBackend, random_block_weight
-from kernels.ggml.blocks import BlockFormat
-from kernels.host import HostBackend
-from kernels.host.formats import KERNELS
+from npud.engine.forward import Forward
+from npud.engine.model import Model, rows_equal
+from npud.engine.testing.backends import PrimitivesOnly
+from npud.engine.testing.checkpoints import build_tiny_checkpoint
+from npud.kernels.base import LinearWeight, WeightFormat
+from npud.kernels.ggml.backend import BlockHostBackend, random_block_weight
+from npud.kernels.ggml.blocks import BlockFormat
+from npud.kernels.host import HostBackend
+from npud.kernels.host.formats import KERNELS
 
 TOKENS = [int(t) for t in np.random.default_rng(3).integers(3, 320, 40)]
 FORMATS = [f.value for f in WeightFormat]

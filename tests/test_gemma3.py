@@ -17,10 +17,10 @@ import pytest
 import torch
 import transformers
 
-from engine.testing.checkpoints import load_reference, write_tokenizer
-from engine.config import AttentionKind, ConfigError, parse_config
-from engine.forward import Forward
-from engine.model import Model
+from npud.engine.testing.checkpoints import load_reference, write_tokenizer
+from npud.engine.config import AttentionKind, ConfigError, parse_config
+from npud.engine.forward import Forward
+from npud.engine.model import Model
 
 VOCAB = 320
 PROMPT = [(i * 37 + 11) % VOCAB for i in range(32)]

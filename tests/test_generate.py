@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.api import (
+from npud.engine.api import (
     ConfigError,
     FinishReason,
     GenerateRequest,
@@ -15,16 +15,16 @@ from engine.api import (
     SamplingParams,
     SpecParams,
 )
-from engine.loader import load_model
+from npud.engine.loader import load_model
 from decoding import plain_tokens
-from engine.forward import Forward
-from engine.generate import Generation, _longest_stop_prefix_suffix
-from engine.model import Model
-from engine.prefix_cache import PrefixCache
-from engine.session import LoadedModel
-from engine.state import ModelState
-from engine.testing.checkpoints import build_tiny_checkpoint
-from engine.tokenizer import Tokenizer
+from npud.engine.forward import Forward
+from npud.engine.generate import Generation, _longest_stop_prefix_suffix
+from npud.engine.model import Model
+from npud.engine.prefix_cache import PrefixCache
+from npud.engine.session import LoadedModel
+from npud.engine.state import ModelState
+from npud.engine.testing.checkpoints import build_tiny_checkpoint
+from npud.engine.tokenizer import Tokenizer
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
 
@@ -118,7 +118,7 @@ def served(ckpt):
 
 
 def test_a_served_model_gives_each_user_a_share_of_its_prefix_cache(served):
-    # one user's inserts must not evict another's entries (issue 17; engine/prefix_cache.py)
+    # one user's inserts must not evict another's entries (issue 17; npud/engine/prefix_cache.py)
     assert served.prefix_cache.max_scopes == 7
 
 

@@ -20,21 +20,21 @@ import sys
 import numpy as np
 import pytest
 
-from engine.config import ConfigError
-from engine.forward import Forward
-from engine.gguf import open_gguf
-from engine.gguf.describe import describe_gguf
-from engine.model import Model
-from engine.testing.backends import PrimitivesOnly
-from engine.tokenizer import Tokenizer
-from engine.weights import WeightsError, checkpoint_fingerprint
+from npud.engine.config import ConfigError
+from npud.engine.forward import Forward
+from npud.engine.gguf import open_gguf
+from npud.engine.gguf.describe import describe_gguf
+from npud.engine.model import Model
+from npud.engine.testing.backends import PrimitivesOnly
+from npud.engine.tokenizer import Tokenizer
+from npud.engine.weights import WeightsError, checkpoint_fingerprint
 from gguf_checkpoints import TYPES, write_tiny_gguf
 from kernel_fixtures import _fma32, isa_and_threads  # noqa: F401  (a fixture)
-from kernels.base import LinearWeight
-from kernels.ggml.backend import BlockHostBackend, check_block_invariance, random_block_rows
-from kernels.ggml.blocks import LAYOUTS, BlockFormat, unpack_blocks, unpack_matrix, widen
-from kernels.ggml.gemm import dense_weights, pack_block_matrix
-from kernels.host import TILE, native
+from npud.kernels.base import LinearWeight
+from npud.kernels.ggml.backend import BlockHostBackend, check_block_invariance, random_block_rows
+from npud.kernels.ggml.blocks import LAYOUTS, BlockFormat, unpack_blocks, unpack_matrix, widen
+from npud.kernels.ggml.gemm import dense_weights, pack_block_matrix
+from npud.kernels.host import TILE, native
 
 gguf = pytest.importorskip("gguf") if os.environ.get("CI") != "true" else __import__("gguf")
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
@@ -292,8 +292,8 @@ def test_chat_template_and_bos_come_from_the_file(tmp_path):
 
 
 def test_served_gguf_prompt_starts_with_bos_and_describes_itself(files):
-    from engine.api import GenerateRequest
-    from engine.session import LoadedModel
+    from npud.engine.api import GenerateRequest
+    from npud.engine.session import LoadedModel
 
     served = LoadedModel.load("tiny", files["gemma3"], backend="host")
     ids = served.prompt_ids(GenerateRequest(prompt="the value"))
@@ -306,7 +306,7 @@ def test_served_gguf_prompt_starts_with_bos_and_describes_itself(files):
 
 
 def test_llama_files_named_mistral_read_as_mistral(tmp_path):
-    from engine.gguf.config import gguf_config
+    from npud.engine.gguf.config import gguf_config
 
     named = gguf_config(open_gguf(write_tiny_gguf(tmp_path / "m.gguf", "llama", name="Mistral 7B Instruct")))
     plain = gguf_config(open_gguf(write_tiny_gguf(tmp_path / "l.gguf", "llama", name="Llama 3.2 1B")))
@@ -314,7 +314,7 @@ def test_llama_files_named_mistral_read_as_mistral(tmp_path):
 
 
 def test_rope_scaling_metadata(tmp_path):
-    from engine.gguf.config import gguf_config
+    from npud.engine.gguf.config import gguf_config
 
     linear = write_tiny_gguf(tmp_path / "lin.gguf", "qwen2", **{"rope.scaling.type": "linear", "rope.scaling.factor": 4.0})
     rope = gguf_config(open_gguf(linear)).layers[0].rope

@@ -1,4 +1,4 @@
-"""The exact float path's packed forms (kernels/ggml/nibbles.py's pack_rows, blockgemm.c): Q4_0 /
+"""The exact float path's packed forms (npud/kernels/ggml/nibbles.py's pack_rows, blockgemm.c): Q4_0 /
 Q5_0 / Q4_K / Q5_K q tiles in 4 or 5 bits a weight and float16 factor tiles where every factor is a
 float16 value give the bits of the int8 / float32 tiles of the same blocks, and of the numpy
 reference chain, on every kernel path and thread count; gemma-3-270m's prefill logits too."""
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from kernel_fixtures import _fma32, isa_and_threads  # noqa: F401  (a fixture)
-from kernels.ggml import nibbles
-from kernels.ggml.backend import BlockHostBackend, random_block_rows
-from kernels.ggml.blocks import BlockFormat, unpack_matrix, widen
-from kernels.ggml.gemm import dense_weights, pack_block_matrix
-from kernels.host import TILE, native
+from npud.kernels.ggml import nibbles
+from npud.kernels.ggml.backend import BlockHostBackend, random_block_rows
+from npud.kernels.ggml.blocks import BlockFormat, unpack_matrix, widen
+from npud.kernels.ggml.gemm import dense_weights, pack_block_matrix
+from npud.kernels.host import TILE, native
 
 N, K = 133, 768  # three tiles, the last one padded; three of the k chunks the multi-block rows take
 HALF = {BlockFormat.Q8_0, BlockFormat.Q4_0, BlockFormat.Q5_0}  # S is the block's fp16 d
@@ -93,10 +93,10 @@ def test_gemma_prefill_logits_bit_identical_packed_or_not(monkeypatch):
     ones (292 MiB) give the same logits at every position of a 40-token prefill."""
     from real_gemma import gemma_gguf_path
 
-    from engine.forward import Forward
-    from engine.gguf import weights as gguf_weights
-    from engine.gguf.load import load_gguf_model
-    from engine.model import Model, rows_equal
+    from npud.engine.forward import Forward
+    from npud.engine.gguf import weights as gguf_weights
+    from npud.engine.gguf.load import load_gguf_model
+    from npud.engine.model import Model, rows_equal
 
     path = gemma_gguf_path()
     backend = BlockHostBackend(parallel=True)

@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from engine.gguf import open_gguf
-from engine.model import Model
+from npud.engine.gguf import open_gguf
+from npud.engine.model import Model
 from gguf_checkpoints import write_tiny_gguf
 
 pytest.importorskip("gguf") if os.environ.get("CI") != "true" else __import__("gguf")
@@ -56,8 +56,8 @@ def test_a_loaded_model_keeps_no_page_of_the_file(tiny):
 
 
 def test_packing_lets_each_block_tensor_go(tiny):
-    from engine.gguf.config import gguf_config
-    from engine.gguf.weights import BLOCK_TYPES, load_gguf_weights
+    from npud.engine.gguf.config import gguf_config
+    from npud.engine.gguf.weights import BLOCK_TYPES, load_gguf_weights
 
     g = open_gguf(tiny)  # kept open: what is resident after packing is what packing left
     weights = load_gguf_weights(g, gguf_config(g))

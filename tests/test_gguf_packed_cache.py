@@ -1,4 +1,4 @@
-"""The packed-weights cache (engine/gguf/packed_cache.py): a start that finds a GGUF model's
+"""The packed-weights cache (npud/engine/gguf/packed_cache.py): a start that finds a GGUF model's
 prepared weights reads them back instead of packing, and they are the build's bits (every
 array, and the logits of a forward) on both block layouts; a fused projection's parts and a
 tied head are views of one buffer again (no array held twice); entries are keyed by the file's
@@ -16,13 +16,13 @@ import pickle
 import numpy as np
 import pytest
 
-from engine import fingerprint
-from engine.forward import Forward
-from engine.gguf import load as gguf_load
-from engine.gguf import packed_cache as pc
-from engine.model import Model
+from npud.engine import fingerprint
+from npud.engine.forward import Forward
+from npud.engine.gguf import load as gguf_load
+from npud.engine.gguf import packed_cache as pc
+from npud.engine.model import Model
 from gguf_checkpoints import write_tiny_gguf
-from kernels.base import LinearWeight
+from npud.kernels.base import LinearWeight
 
 pytest.importorskip("gguf") if os.environ.get("CI") != "true" else __import__("gguf")
 
@@ -116,7 +116,7 @@ def test_views_stay_views_and_the_tied_head_is_the_embedding(uniform, private_ca
         for part in fused.parts:  # the backend's own views, the ones the fused call's columns come from
             assert np.shares_memory(part.data, fused.weight.data)
     if fmt == "gguf-q8":  # read back into the huge-page arena, as resident_copy placed them
-        from kernels.host.resident import is_arena
+        from npud.kernels.host.resident import is_arena
 
         owner = layer.mlp.gate_up.weight.data
         while isinstance(owner, np.ndarray):
@@ -143,8 +143,8 @@ def test_the_key_covers_every_packing_source_and_the_pack_version(tmp_path, priv
     import inspect
     from pathlib import Path
 
-    from kernels.ggml import blocks, gemm, nibbles
-    from kernels.host.backend import HostBackend
+    from npud.kernels.ggml import blocks, gemm, nibbles
+    from npud.kernels.host.backend import HostBackend
 
     root = Path(pc.__file__).resolve().parents[2]
     for fn in (gemm.pack_block_matrix, gemm.half_factors, nibbles.pack_rows, nibbles.pack, blocks.unpack_matrix):
@@ -222,9 +222,9 @@ def test_the_least_recently_used_entries_go_past_the_limits(tmp_path, monkeypatc
 
 
 def test_a_backend_that_is_not_the_hosts_is_not_cached(tiny, private_cache):
-    from engine.testing.backends import PrimitivesOnly
-    from kernels.ggml.backend import BlockHostBackend
-    from kernels.host.backend import HostBackend
+    from npud.engine.testing.backends import PrimitivesOnly
+    from npud.kernels.ggml.backend import BlockHostBackend
+    from npud.kernels.host.backend import HostBackend
 
     backend = PrimitivesOnly(BlockHostBackend())
     assert not isinstance(backend, HostBackend)

@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 
 from decoding import greedy_run
-from engine.api import SpecParams
-from engine.drafters import PromptLookupHead
-from engine.forward import Forward
-from engine.model import Model, rows_equal
-from engine.pass_costs import PassCosts
-from engine.prefix_cache import PrefixCache
-from engine.sampling import Sampler
-from engine.speculative import DecodeStats, speculative_decode
-from engine.tokenizer import Tokenizer
+from npud.engine.api import SpecParams
+from npud.engine.drafters import PromptLookupHead
+from npud.engine.forward import Forward
+from npud.engine.model import Model, rows_equal
+from npud.engine.pass_costs import PassCosts
+from npud.engine.prefix_cache import PrefixCache
+from npud.engine.sampling import Sampler
+from npud.engine.speculative import DecodeStats, speculative_decode
+from npud.engine.tokenizer import Tokenizer
 from real_gemma import PROMPTS, gemma_gguf_path, need
 
 N_POSITIONS = 64
@@ -95,9 +95,9 @@ def reference(path, prompt_ids, plain):
 
 def test_every_tensor_dequantizes_bit_identical_to_gguf(path):
     gguf = need("gguf", "the dequantization reference")
-    from engine.gguf import open_gguf
-    from engine.gguf.weights import BLOCK_TYPES, _matrix, dense_array
-    from kernels.ggml.gemm import dense_weights
+    from npud.engine.gguf import open_gguf
+    from npud.engine.gguf.weights import BLOCK_TYPES, _matrix, dense_array
+    from npud.kernels.ggml.gemm import dense_weights
 
     reader = gguf.GGUFReader(path)
     ours = open_gguf(path)
@@ -119,7 +119,7 @@ def test_loads_in_block_form_within_1_3x_the_file(path, model):
     weights held are at most 1.3x the file (measured: 1.21x)."""
     import os
 
-    from kernels.ggml.blocks import BlockFormat
+    from npud.kernels.ggml.blocks import BlockFormat
 
     w = model.weights
     assert w.lm_head is w.embed and w.embed.fmt is BlockFormat.Q8_0
@@ -149,7 +149,7 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(path, tokenizer):
     ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     root = Path(__file__).resolve().parents[1]
     texts = [
-        (root / "engine" / "forward.py").read_text()[:3000],
+        (root / "npud" / "engine" / "forward.py").read_text()[:3000],
         (root / "README.md").read_text()[:3000],
         "  leading spaces,\ttabs\t\tand\n\n\nnewlines   naïve café — 東京 🙂 résumé \x00\x7f",
         "<start_of_turn>user\nwrite a haiku<end_of_turn>\n<start_of_turn>model\n<bos><eos><pad>",
@@ -273,11 +273,11 @@ def test_gguf_q8_batched_rows_bit_identical_to_single_steps(q8_model, prompt_ids
 
 
 def test_json_schema_output_validates_and_is_the_same_under_prompt_lookup(model, tokenizer):
-    """Structured output (engine/grammar.py) over gemma's 262k-id SentencePiece vocabulary."""
+    """Structured output (npud/engine/grammar.py) over gemma's 262k-id SentencePiece vocabulary."""
     import json
 
-    from engine.api import FinishReason, GenerateRequest, GenerationParams, Grammar, SpecParams
-    from engine.session import LoadedModel
+    from npud.engine.api import FinishReason, GenerateRequest, GenerationParams, Grammar, SpecParams
+    from npud.engine.session import LoadedModel
 
     jsonschema = need("jsonschema", "validates the structured output")
     served = LoadedModel("gemma", model, tokenizer)

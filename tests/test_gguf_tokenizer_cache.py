@@ -1,4 +1,4 @@
-"""The GGUF tokenizer cache (engine/gguf/tokenizer_cache.py): a hit gives the tokenizer a fresh
+"""The GGUF tokenizer cache (npud/engine/gguf/tokenizer_cache.py): a hit gives the tokenizer a fresh
 build gives (ids, decoding, fingerprint, special tokens, template, decodable ids) on tiny files
 of both tokenizer kinds and on the real gemma-3-270m; entries are keyed by the file's content;
 a corrupt, foreign or stale entry is ignored and replaced; the file is hashed once per process."""
@@ -12,11 +12,11 @@ import os
 import numpy as np
 import pytest
 
-from engine import fingerprint
-from engine.gguf import open_gguf
-from engine.gguf import tokenizer_cache as tc
-from engine.gguf.tokenizer import gguf_tokenizer
-from engine.tokenizer import Tokenizer, TokenizerError
+from npud.engine import fingerprint
+from npud.engine.gguf import open_gguf
+from npud.engine.gguf import tokenizer_cache as tc
+from npud.engine.gguf.tokenizer import gguf_tokenizer
+from npud.engine.tokenizer import Tokenizer, TokenizerError
 from gguf_checkpoints import write_tiny_gguf
 
 pytest.importorskip("gguf") if os.environ.get("CI") != "true" else __import__("gguf")

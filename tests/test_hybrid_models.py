@@ -1,6 +1,6 @@
 """Gemma 4 and Qwen3.5 (text) on the host engine, against transformers and against itself.
 
-Both tiny checkpoints are built here by transformers (engine/testing/checkpoints.py's pattern: a large
+Both tiny checkpoints are built here by transformers (npud/engine/testing/checkpoints.py's pattern: a large
 init std and spread norms, so that greedy choices are decided by clear margins and a wrong
 norm form shows):
 - gemma4_text: 6 layers, sliding/full alternating (window 8 < the 32-token prompt), two KV
@@ -46,16 +46,16 @@ import torch
 import transformers
 
 from assistant_fixtures import BASE as GEMMA4_BASE
-from engine.testing.checkpoints import load_reference, write_tokenizer
+from npud.engine.testing.checkpoints import load_reference, write_tokenizer
 from decoding import greedy_run, plain_tokens
-from engine.config import AttentionKind, ConfigError, parse_config
-from engine.drafters import DraftModelHead, PromptLookupHead
-from engine.forward import Forward
-from engine.model import Model, rows_equal
-from engine.prefix_cache import PrefixCache
-from engine.state import PlaneKind, StateError
-from engine.testing.backends import PrimitivesOnly
-from engine.tokenizer import Tokenizer
+from npud.engine.config import AttentionKind, ConfigError, parse_config
+from npud.engine.drafters import DraftModelHead, PromptLookupHead
+from npud.engine.forward import Forward
+from npud.engine.model import Model, rows_equal
+from npud.engine.prefix_cache import PrefixCache
+from npud.engine.state import PlaneKind, StateError
+from npud.engine.testing.backends import PrimitivesOnly
+from npud.engine.tokenizer import Tokenizer
 
 VOCAB = 320
 LONG = [int(t) for t in np.random.default_rng(11).integers(3, VOCAB, 64)]
@@ -415,7 +415,7 @@ def test_failed_pass_rolls_back_every_plane(models, monkeypatch):
 @pytest.mark.parametrize("where", ["memory", "disk"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefix_cache_restore_then_continue_equals_a_full_prefill(models, arch, where, tmp_path):
-    """engine/prefix_cache.py's documented use, on two widths, shared and recurrent planes;
+    """npud/engine/prefix_cache.py's documented use, on two widths, shared and recurrent planes;
     "disk": the entry is spilled to a file and read back before the restore."""
     model = models[arch]
     prompt = LONG[:27]

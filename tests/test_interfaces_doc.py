@@ -1,4 +1,4 @@
-"""docs/interfaces.md is what tools/gen_interfaces.py writes from engine/api.py, so it cannot go
+"""docs/interfaces.md is what tools/gen_interfaces.py writes from npud/engine/api.py, so it cannot go
 stale: change the boundary, run the tool, commit both."""
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ def _tool():
 
 def test_the_committed_page_is_current():
     tool = _tool()
-    assert (REPO / "docs" / "interfaces.md").read_text() == tool.render((REPO / "engine" / "api.py").read_text()), (
+    assert (REPO / "docs" / "interfaces.md").read_text() == tool.render((REPO / "npud" / "engine" / "api.py").read_text()), (
         "docs/interfaces.md is stale: run python tools/gen_interfaces.py")
 
 
 def test_a_changed_boundary_makes_the_page_stale(tmp_path, monkeypatch):
     tool = _tool()
-    source = (REPO / "engine" / "api.py").read_text()
+    source = (REPO / "npud" / "engine" / "api.py").read_text()
     changed = source.replace("    use_prefix_cache: bool = True\n",
                              "    use_prefix_cache: bool = True\n    min_tokens: int = 0  # a new parameter\n", 1)
     assert changed != source

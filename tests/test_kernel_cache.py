@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.testing.checkpoints import build_tiny_checkpoint
+from npud.engine.testing.checkpoints import build_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = r"""
 import sys
 import numpy as np
-from engine.forward import Forward
-from engine.model import Model
-from kernels.host import recurrent
-from kernels.host.backend import HostBackend
+from npud.engine.forward import Forward
+from npud.engine.model import Model
+from npud.kernels.host import recurrent
+from npud.kernels.host.backend import HostBackend
 
 for fmt in ("bf16", "int8-q8"):
     f = Forward(Model.load(sys.argv[1], fmt))
@@ -70,7 +70,7 @@ def test_engine_starts_after_the_first_add_nothing_to_the_kernel_cache(tmp_path)
 
 def test_the_library_is_named_by_every_source_and_header(tmp_path, monkeypatch):
     # a changed source or header must give a new library file, or a start would load a stale build
-    from kernels.host import native
+    from npud.kernels.host import native
 
     copies = []
     for src in native.SOURCES + native.HEADERS:

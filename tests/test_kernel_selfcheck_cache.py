@@ -1,4 +1,4 @@
-"""The self-check's stored pass (kernels/host/checkcache.py): reused only under the same key
+"""The self-check's stored pass (npud/kernels/host/checkcache.py): reused only under the same key
 (library, ISA path, threads, numerics version, kernel sources, CPU); a damaged or foreign entry
 and NPUD_SELF_CHECK=always run the check again; a start reuses it (a fresh process each)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.host import checkcache, native
+from npud.kernels.host import checkcache, native
 
 ROOT = Path(__file__).resolve().parent.parent
 LIB = Path("npud_gemm-0123456789abcdef.so")
@@ -66,7 +66,7 @@ def test_always_runs_the_check(tmp_path, monkeypatch):
 
 def _start(cache: Path, **env) -> str:
     """A fresh process's default_backend(): its log lines."""
-    code = ("from kernels.select import default_backend; from kernels.host import native; "
+    code = ("from npud.kernels.select import default_backend; from npud.kernels.host import native; "
             "b = default_backend(); print('backend', type(b).__name__, 'bf16hw', native.bf16_dot_hardware())")
     full = {k: v for k, v in os.environ.items() if k not in ("NPUD_SELF_CHECK", "CACHE_DIRECTORY")}
     full |= {"NPUD_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT), **env}
@@ -94,14 +94,14 @@ def test_a_start_reuses_the_pass_of_the_same_build(tmp_path):
 
 
 def test_a_failed_check_is_not_stored(tmp_path, monkeypatch):
-    import kernels.host
-    from kernels import select
+    import npud.kernels.host
+    from npud.kernels import select
 
     shutil.copy(native.library_path(), tmp_path)  # not rebuilt in the new cache directory
     monkeypatch.setenv("NPUD_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("NPUD_SELF_CHECK", raising=False)
     monkeypatch.setattr(select, "_default", None)  # restored afterwards: the process's backend stays
-    monkeypatch.setattr(kernels.host, "check_batch_invariance", lambda host: ["f32 M=3"])
+    monkeypatch.setattr(npud.kernels.host, "check_batch_invariance", lambda host: ["f32 M=3"])
     backend = select.default_backend()
     assert isinstance(backend, select.RowwiseBackend)
     assert not list(tmp_path.glob("self-check-*.json"))

@@ -15,12 +15,12 @@ import torch
 
 from kernel_fixtures import _fma32, isa_and_threads  # noqa: F401  (a fixture)
 
-from kernels.select import RowwiseBackend, select_backend
-from kernels.base import LinearWeight, WeightFormat
-from kernels.host import KERNELS, QB, TILE, HostBackend, check_batch_invariance, native, pack_q8, pack_tiles
-from kernels.host import check
-from kernels.host.formats import pack_bf16_pairs, pair_bf16_columns
-from kernels import xrt
+from npud.kernels.select import RowwiseBackend, select_backend
+from npud.kernels.base import LinearWeight, WeightFormat
+from npud.kernels.host import KERNELS, QB, TILE, HostBackend, check_batch_invariance, native, pack_q8, pack_tiles
+from npud.kernels.host import check
+from npud.kernels.host.formats import pack_bf16_pairs, pair_bf16_columns
+from npud.kernels import xrt
 
 
 @pytest.fixture(scope="module")
@@ -191,10 +191,10 @@ def test_pool_chunks_are_many_per_thread_and_small(k, tiles, chunks, isa_and_thr
 
 
 def test_numbas_openmp_threads_wait_passively_and_nothing_else_inherits_it():
-    # spinning OpenMP threads held the core the GEMM pool's worker needed (kernels/host/recurrent.py);
+    # spinning OpenMP threads held the core the GEMM pool's worker needed (npud/kernels/host/recurrent.py);
     # libgomp shows the policy it read when OMP_DISPLAY_ENV is set. The variable must not stay in
     # the environment: torch in this process and llama.cpp in a child would read it too.
-    code = "import os; from kernels.host import recurrent; recurrent.gated_delta(True); print(os.environ.get('OMP_WAIT_POLICY'))"
+    code = "import os; from npud.kernels.host import recurrent; recurrent.gated_delta(True); print(os.environ.get('OMP_WAIT_POLICY'))"
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {"OMP_DISPLAY_ENV": "TRUE"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert "OMP_WAIT_POLICY = 'PASSIVE'" in out.stderr

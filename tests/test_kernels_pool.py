@@ -1,4 +1,4 @@
-"""The host GEMM pool's bookkeeping (kernels/host/pool.c): that an idle worker sleeps, and the
+"""The host GEMM pool's bookkeeping (npud/kernels/host/pool.c): that an idle worker sleeps, and the
 trace bench/gemm_threads.py reads. The pool's bits and its taking back of a stalled worker's
 chunks are in tests/test_kernels.py."""
 
@@ -12,7 +12,7 @@ import numpy as np
 
 from kernel_fixtures import isa_and_threads  # noqa: F401  (a fixture)
 
-from kernels.host import TILE, native, pack_tiles
+from npud.kernels.host import TILE, native, pack_tiles
 
 
 def _worker_ticks() -> dict[int, int]:

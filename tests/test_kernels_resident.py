@@ -1,4 +1,4 @@
-"""Prepared weights packed into huge-page-backed mappings (kernels/host/resident.py)."""
+"""Prepared weights packed into huge-page-backed mappings (npud/kernels/host/resident.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernels.base import WeightFormat
-from kernels.host import KERNELS, HostBackend, resident
-from kernels.host.resident import ALIGN, BLOCK_BYTES, HUGE_PAGE, resident_copy
+from npud.kernels.base import WeightFormat
+from npud.kernels.host import KERNELS, HostBackend, resident
+from npud.kernels.host.resident import ALIGN, BLOCK_BYTES, HUGE_PAGE, resident_copy
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,7 @@
 """The layers import only downwards: clients -> npud (its protocol) -> engine.api and the
-factory engine.loader -> engine -> kernels; engine.api imports nothing of the engine back. An AST walk over every module's imports (function-level ones included), checked on
+factory engine.loader -> engine -> kernels; engine.api imports nothing of the engine back.
+The layers are npud's subpackages npud.clients, npud.engine and npud.kernels and the daemon (the
+rest of npud); below, a module or path names its layer without the `npud.` in front. An AST walk over every module's imports (function-level ones included), checked on
 the real tree and shown to fail on a fixture tree with each kind of violation planted."""
 
 from __future__ import annotations
@@ -46,22 +48,42 @@ def _imports(path: Path) -> list[tuple[str, int, bool]]:
     return out
 
 
+SUBLAYERS = ("clients", "engine", "kernels")
+
+
+def _short(module: str) -> str:
+    """npud.engine.api -> engine.api: the name of a module in the layer rules below."""
+    head, _, rest = module.partition("npud.")
+    if head == "" and rest.split(".")[0] in SUBLAYERS:
+        return rest
+    return module
+
+
+def _layer_path(rel: Path) -> Path:
+    """npud/engine/api.py -> engine/api.py; a daemon module keeps its npud/."""
+    if len(rel.parts) > 2 and rel.parts[0] == "npud" and rel.parts[1] in SUBLAYERS:
+        return Path(*rel.parts[1:])
+    return rel
+
+
 def _under(module: str, *roots: str) -> bool:
     return any(module == r or module.startswith(r + ".") for r in roots)
 
 
 def violations(root: Path) -> list[str]:
-    """Every import in root's clients/, npud/, engine/ and kernels/ that breaks the layering,
+    """Every import in root's npud/ (npud/clients/, npud/engine/, npud/kernels/, the daemon) that breaks the layering,
     as "path:line: rule"; empty when the tree is clean."""
     found = []
     layers = ("clients", "npud", "engine", "kernels")
-    for path in sorted(p for layer in layers for p in (root / layer).rglob("*.py")):
-        rel = path.relative_to(root)
+    for path in sorted((root / "npud").rglob("*.py")):
+        rel = _layer_path(path.relative_to(root))
         layer = rel.parts[0]
+        assert layer in layers, rel
         for module, line, top in _imports(path):
-            where = f"{rel}:{line}: "
+            module = _short(module)
+            where = f"{path.relative_to(root)}:{line}: "
             if module.startswith("<importlib>"):
-                target = module.removeprefix("<importlib>")
+                target = _short(module.removeprefix("<importlib>"))
                 if layer in ("npud", "clients") and (target == "<dynamic>" or _under(target, "engine", "kernels")):
                     found.append(where + f"{layer} reaches {target} through importlib (import engine.api directly)")
                 continue
@@ -110,47 +132,48 @@ def test_the_tree_keeps_its_layers():
 
 
 def test_npud_reaches_the_engine_only_through_engine_api_and_its_loader():
-    npud = [m for p in (REPO / "npud").rglob("*.py") for m, _, _ in _imports(p) if _under(m, "engine")]
+    daemon = [p for p in (REPO / "npud").rglob("*.py") if _layer_path(p.relative_to(REPO)).parts[0] == "npud"]
+    npud = [_short(m) for p in daemon for m, _, _ in _imports(p) if _under(_short(m), "engine")]
     assert npud and all(_under(m, "engine.api", "engine.loader") for m in npud)
 
 
 CLEAN = {
-    "clients/c.py": "import socket\nfrom npud.protocol import encode\nfrom npud import __version__\n",
-    "npud/n.py": "import trio\nimport importlib\nfrom engine.api import GenerateRequest\n"
+    "npud/clients/c.py": "import socket\nfrom npud.protocol import encode\nfrom npud import __version__\n",
+    "npud/n.py": "import trio\nimport importlib\nfrom npud.engine.api import GenerateRequest\n"
                  "importlib.import_module('pyxrt')\n",
-    "engine/__init__.py": "",
-    "engine/e.py": "import numpy as np\nfrom engine.api import ConfigError\nfrom kernels import base\n",
-    "engine/api.py": "import enum\nfrom dataclasses import dataclass\nfrom kernels import errors\n",
-    "engine/loader.py": "from pathlib import Path\nfrom engine.api import ServedModel\n\n"
-                        "def load_model():\n    from engine.session import LoadedModel\n",
-    "kernels/errors.py": "class DeviceFault(RuntimeError):\n    pass\n",
-    "kernels/k.py": "import numpy as np\nimport structlog\n",
+    "npud/engine/__init__.py": "",
+    "npud/engine/e.py": "import numpy as np\nfrom npud.engine.api import ConfigError\nfrom npud.kernels import base\n",
+    "npud/engine/api.py": "import enum\nfrom dataclasses import dataclass\nfrom npud.kernels import errors\n",
+    "npud/engine/loader.py": "from pathlib import Path\nfrom npud.engine.api import ServedModel\n\n"
+                        "def load_model():\n    from npud.engine.session import LoadedModel\n",
+    "npud/kernels/errors.py": "class DeviceFault(RuntimeError):\n    pass\n",
+    "npud/kernels/k.py": "import numpy as np\nimport structlog\n",
 }
 
 PLANTED = [
-    ("clients/c.py", "from engine.api import GenerateRequest\n", "clients import only npud.protocol"),
-    ("clients/c.py", "from npud.jobs import JobManager\n", "clients import only npud.protocol"),
-    ("npud/n.py", "from engine.session import LoadedModel\n", "only through engine.api"),
-    ("npud/n.py", "import engine.generate\n", "only through engine.api"),
-    ("npud/n.py", "def f():\n    from engine import session\n", "only through engine.api"),
-    ("npud/n.py", "importlib.import_module('engine.session')\n", "through importlib"),
+    ("npud/clients/c.py", "from npud.engine.api import GenerateRequest\n", "clients import only npud.protocol"),
+    ("npud/clients/c.py", "from npud.jobs import JobManager\n", "clients import only npud.protocol"),
+    ("npud/n.py", "from npud.engine.session import LoadedModel\n", "only through engine.api"),
+    ("npud/n.py", "import npud.engine.generate\n", "only through engine.api"),
+    ("npud/n.py", "def f():\n    from npud.engine import session\n", "only through engine.api"),
+    ("npud/n.py", "importlib.import_module('npud.engine.session')\n", "through importlib"),
     ("npud/n.py", "importlib.import_module(name)\n", "through importlib"),
     ("npud/n.py", "import numpy\n", "never touches a tensor"),
-    ("engine/e.py", "import trio\n", "engine never imports trio"),
-    ("engine/e.py", "def f():\n    import sqlite3\n", "engine never imports sqlite3"),
-    ("engine/e.py", "from socket import socketpair\n", "engine never imports socket"),
-    ("engine/e.py", "from npud.protocol import ApiError\n", "engine never imports npud"),
-    ("kernels/k.py", "import trio\n", "kernels never imports trio"),
-    ("kernels/k.py", "from engine.config import ModelConfig\n", "below the engine"),
-    ("engine/api.py", "import numpy as np\n", "standard library only"),
-    ("engine/api.py", "from engine.session import LoadedModel\n", "standard library only"),
-    ("engine/api.py", "def load_model():\n    from engine.session import LoadedModel\n", "standard library only"),
-    ("engine/loader.py", "from engine.session import LoadedModel\n", "standard library only"),
-    ("engine/loader.py", "def f():\n    import numpy\n", "standard library only"),
-    ("npud/n.py", "from engine.loader import load_model\nfrom engine.forward import Forward\n", "only through engine.api"),
-    ("engine/api.py", "def g():\n    import numpy\n", "standard library only"),
-    ("engine/api.py", "from kernels import base\n", "standard library only"),
-    ("kernels/errors.py", "import numpy as np\n", "kernels.errors is standard library only"),
+    ("npud/engine/e.py", "import trio\n", "engine never imports trio"),
+    ("npud/engine/e.py", "def f():\n    import sqlite3\n", "engine never imports sqlite3"),
+    ("npud/engine/e.py", "from socket import socketpair\n", "engine never imports socket"),
+    ("npud/engine/e.py", "from npud.protocol import ApiError\n", "engine never imports npud"),
+    ("npud/kernels/k.py", "import trio\n", "kernels never imports trio"),
+    ("npud/kernels/k.py", "from npud.engine.config import ModelConfig\n", "below the engine"),
+    ("npud/engine/api.py", "import numpy as np\n", "standard library only"),
+    ("npud/engine/api.py", "from npud.engine.session import LoadedModel\n", "standard library only"),
+    ("npud/engine/api.py", "def load_model():\n    from npud.engine.session import LoadedModel\n", "standard library only"),
+    ("npud/engine/loader.py", "from npud.engine.session import LoadedModel\n", "standard library only"),
+    ("npud/engine/loader.py", "def f():\n    import numpy\n", "standard library only"),
+    ("npud/n.py", "from npud.engine.loader import load_model\nfrom npud.engine.forward import Forward\n", "only through engine.api"),
+    ("npud/engine/api.py", "def g():\n    import numpy\n", "standard library only"),
+    ("npud/engine/api.py", "from npud.kernels import base\n", "standard library only"),
+    ("npud/kernels/errors.py", "import numpy as np\n", "kernels.errors is standard library only"),
 ]
 
 
@@ -177,16 +200,18 @@ def test_importing_the_daemon_loads_no_engine_beyond_its_api_and_no_numpy():
     # at run time, transitively: what the AST walk checks one import at a time (kernels.errors
     # is engine.api's re-exported DeviceFault, standard library only)
     code = ("import sys, npud.main, npud.daemon, npud.config\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('engine', 'kernels', 'numpy', 'numba')))")
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'numba')\n"
+            "             or m.split('.')[:2] in (['npud', 'engine'], ['npud', 'kernels'])))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120, check=True)
-    assert out.stdout.split() == ["['engine',", "'engine.api',", "'engine.loader',", "'kernels',", "'kernels.errors']"]
+    assert out.stdout.split() == ["['npud.engine',", "'npud.engine.api',", "'npud.engine.loader',", "'npud.kernels',",
+                                  "'npud.kernels.errors']"]
 
 
 def test_engine_api_is_in_no_import_circle():
     """engine.api imports nothing of the engine (not even lazily): the factory that imports the
     engine proper lives in engine.loader, which nothing in the engine imports."""
-    api = [m for m, _, _ in _imports(REPO / "engine" / "api.py") if _under(m, "engine")]
+    api = [m for m, _, _ in _imports(REPO / "npud" / "engine" / "api.py") if _under(_short(m), "engine")]
     assert api == []
-    inside = [p for p in (REPO / "engine").rglob("*.py")
-              if any(_under(m, "engine.loader") for m, _, _ in _imports(p))]
+    inside = [p for p in (REPO / "npud" / "engine").rglob("*.py")
+              if any(_under(_short(m), "engine.loader") for m, _, _ in _imports(p))]
     assert inside == []

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.api import GenerateRequest, GenerationParams, SamplingParams, SpecParams
-from engine.forward import Forward
-from engine.session import LoadedModel
+from npud.engine.api import GenerateRequest, GenerationParams, SamplingParams, SpecParams
+from npud.engine.forward import Forward
+from npud.engine.session import LoadedModel
 
 MODELS = Path(__file__).resolve().parent.parent / "npud" / "models"
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"

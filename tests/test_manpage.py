@@ -1,5 +1,5 @@
 """docs/man/npuctl.1 is what tools/gen_manpage.py writes from npuctl's parser
-(clients/manpage.py), so it cannot go stale: change an option, run the tool, commit both."""
+(npud/clients/manpage.py), so it cannot go stale: change an option, run the tool, commit both."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from clients.npuctl import EXIT_CODES_HELP, build_parser
+from npud.clients.npuctl import EXIT_CODES_HELP, build_parser
 from npud import __version__
 from npud_fixture import REPO
 
@@ -30,7 +30,7 @@ def test_a_new_option_makes_the_page_stale(tmp_path, monkeypatch):
     parser = build_parser()
     subs = next(a for a in parser._actions if a.dest == "command")
     subs.choices["jobs"].add_argument("--owner", metavar="USER", help="only the jobs of USER")
-    from clients.manpage import render
+    from npud.clients.manpage import render
 
     page = render(parser, __version__, EXIT_CODES_HELP)
     assert ".TP\n\\fB\\-\\-owner\\fR \\fIUSER\\fR\nonly the jobs of USER\n" in page

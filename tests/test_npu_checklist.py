@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import fake_pyxrt
-from kernels import xrt
+from npud.kernels import xrt
 
 
 def _tool():
@@ -71,7 +71,7 @@ def test_a_table_for_the_other_generation_fails_its_step(machine, capsys):
 
 
 def test_a_run_that_outlives_its_wait_is_kept_until_it_ends(machine, capsys):
-    from kernels.select import default_backend
+    from npud.kernels.select import default_backend
 
     tmp_path, table, control = machine
     control.write_text(json.dumps({"mode": "timeout"}))

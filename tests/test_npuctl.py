@@ -25,16 +25,16 @@ from pathlib import Path
 
 import pytest
 
-from clients.batchfile import InputError, plan_jobs, read_lines
-from clients.client import Client
-from clients.npuctl import EXIT_CODES_HELP, build_parser, when
-from clients.npuctl_show import TICKET_HEADERS, ticket_row
-from clients.termout import Progress, ProgressBar
+from npud.clients.batchfile import InputError, plan_jobs, read_lines
+from npud.clients.client import Client
+from npud.clients.npuctl import EXIT_CODES_HELP, build_parser, when
+from npud.clients.npuctl_show import TICKET_HEADERS, ticket_row
+from npud.clients.termout import Progress, ProgressBar
 from npud_fixture import MODEL, REPO, nobody_can_connect, python_env, relay_as_nobody, start_daemon, stop_daemon
 
 pytestmark = pytest.mark.slow  # a real daemon on a real (tiny) model
 
-NPUCTL = [sys.executable, "-m", "clients.npuctl"]
+NPUCTL = [sys.executable, "-m", "npud.clients.npuctl"]
 
 
 @pytest.fixture(scope="module")
@@ -832,7 +832,7 @@ def test_the_progress_bar_keeps_its_width():
 
 
 def test_result_lines_say_the_break_even_and_the_fallbacks():
-    from clients.npuctl_show import _break_even
+    from npud.clients.npuctl_show import _break_even
 
     assert _break_even({}) == "" and _break_even({"break_even_acceptance": None, "fallbacks": []}) == ""
     fell = {"break_even_acceptance": 0.234, "fallbacks": [{"round": 3}, {"round": 9}]}

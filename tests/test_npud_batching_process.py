@@ -14,7 +14,7 @@ from test_npud_support import DaemonProc, short_tempdir, wait_for
 
 pytestmark = pytest.mark.slow  # daemon processes and model loads: tens of seconds
 
-pytest.importorskip("engine.session", reason="the engine's session API is needed to serve the tiny model")
+pytest.importorskip("npud.engine.session", reason="the engine's session API is needed to serve the tiny model")
 httpx = pytest.importorskip("httpx2")
 
 from test_npud_process import PROMPTS, check_results, reference, tiny_model, wait_state  # noqa: E402,F401

@@ -38,7 +38,7 @@ def test_defaults_are_valid_and_frozen():
     ({"errors": {"patterns": ["amdxdna ("]}}, "errors.patterns[0]"),
     ({"errors": {"pre_hang_patterns": ["("]}}, "errors.pre_hang_patterns[0]"),
     ({"logging": {"level": "loud"}}, "logging.level"),
-    ({"engine": {"module": "engine.session"}}, "engine"),  # gone: models come from engine.loader.load_model
+    ({"engine": {"module": "npud.engine.session"}}, "engine"),  # gone: models come from npud.engine.loader.load_model
     ({"models": [{"name": "a"}]}, "models[0].checkpoint_dir"),
     ({"models": [{"name": "bad name", "checkpoint_dir": "x"}]}, "models.name"),
     ({"models": [{"name": "a", "checkpoint_dir": "x", "weight_format": "fp8"}]}, "models[a].weight_format"),

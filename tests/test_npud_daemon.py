@@ -14,9 +14,9 @@ import trio
 
 import test_npud_support as fakes
 from test_npud_support import make_config, start
-from clients.client import (AsyncClient, BadRequest, DeviceQuarantined, FimUnsupported, ModelError, NotFound,
+from npud.clients.client import (AsyncClient, BadRequest, DeviceQuarantined, FimUnsupported, ModelError, NotFound,
                             Overloaded, PromptTooLong, ShuttingDown, StoreFull, Unsupported)
-from engine.api import RequestError
+from npud.engine.api import RequestError
 from npud import jobs as jobs_module
 from npud.daemon import Daemon
 from npud.tickets import Quarantine

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from clients import client as npc
-from clients.termout import Progress
+from npud.clients import client as npc
+from npud.clients.termout import Progress
 from npud import main as npud_main
 from npud import userdirs
 from npud.config import DaemonConfigError, parse_config
@@ -325,7 +325,7 @@ def test_npuctl_submit_wait_says_loading_model(workdir):
     daemon = DaemonProc(workdir, [{"name": "slow", "checkpoint_dir": str(slow)}], fake_engine=True)
     try:
         daemon.start()
-        run = subprocess.run([sys.executable, "-m", "clients.npuctl", "submit", "--wait", "--max-tokens", "3", "-"],
+        run = subprocess.run([sys.executable, "-m", "npud.clients.npuctl", "submit", "--wait", "--max-tokens", "3", "-"],
                              input='{"prompt": "a"}\n', capture_output=True, text=True, timeout=60, cwd=REPO,
                              env=python_env(daemon.socket))
         assert run.returncode == 0, run.stderr

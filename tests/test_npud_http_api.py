@@ -59,7 +59,7 @@ def oa(daemon):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from engine.tokenizer import Tokenizer
+    from npud.engine.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(MODELS / "pycode-base")
 
@@ -151,7 +151,7 @@ def test_the_socket_methods_tokenize_as_http_does(daemon, raw):
 
 @pytest.fixture(scope="module")
 def engine_model():
-    from engine.session import LoadedModel
+    from npud.engine.session import LoadedModel
 
     return LoadedModel.load("pycode", MODELS / "pycode-base", weight_format="fp32", backend="host")
 
@@ -160,7 +160,7 @@ def reference_rows(served, prompt_ids: list[int], token_ids: list[int]) -> list:
     """The float64 log-softmax of the engine's logits row before each generated token."""
     import numpy as np
 
-    from engine.forward import Forward
+    from npud.engine.forward import Forward
 
     f = Forward(served.model)
     f.prefill(prompt_ids[:-1])
@@ -337,7 +337,7 @@ def test_npuctl_submit_takes_a_response_format_per_line(daemon, tmp_path):
              {"prompt": "def f():\n    return ", "max_tokens": 20, "grammar": {"regex": "[a-z]+\\(\\d\\)"}}]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    run = subprocess.run([sys.executable, "-m", "clients.npuctl", "submit", str(src), "--wait"], cwd=REPO,
+    run = subprocess.run([sys.executable, "-m", "npud.clients.npuctl", "submit", str(src), "--wait"], cwd=REPO,
                          env=python_env(daemon.socket), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     first, second, third = [json.loads(line) for line in run.stdout.splitlines()]

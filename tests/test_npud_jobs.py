@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.api import EngineCode, EngineError, GenerateRequest, ModelError, PromptTooLong
+from npud.engine.api import EngineCode, EngineError, GenerateRequest, ModelError, PromptTooLong
 from npud.config import LimitsConfig
 from npud.jobspec import ENGINE_CODES, JobSpec, api_error, parse_spec
 from npud.protocol import ApiError, Params

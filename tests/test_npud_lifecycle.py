@@ -43,7 +43,7 @@ def daemon():
 
 
 def npuctl(daemon, *args: str, socket_path: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "clients.npuctl", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "npud.clients.npuctl", *args], cwd=REPO, capture_output=True, text=True,
                           env=python_env(socket_path or daemon.socket), timeout=120)
 
 
@@ -159,7 +159,7 @@ def test_a_load_in_progress_shows_as_loading():
     checkpoint = write_fake_checkpoint(workdir / "fake", load_sleep_s=1.5)
     d = start_or_clean(DaemonProc(workdir, [{"name": "fake", "checkpoint_dir": str(checkpoint)}], fake_engine=True))
     try:
-        loading = subprocess.Popen([sys.executable, "-m", "clients.npuctl", "load", "fake"], cwd=REPO,
+        loading = subprocess.Popen([sys.executable, "-m", "npud.clients.npuctl", "load", "fake"], cwd=REPO,
                                    env=python_env(d.socket), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         seen = set()
         wait_for(lambda: seen.add(models(d)["fake"]["state"]) or "loading" in seen, 30, what="the loading state")

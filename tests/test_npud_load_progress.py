@@ -2,7 +2,7 @@
 process loading the bundled base through the real engine, whose load is held half-way through
 its weights until the test lets it go, so what a waiting client sees does not depend on timing.
 
-The hold: the daemon runs under a launcher that wraps engine.progress.report; at "weights"
+The hold: the daemon runs under a launcher that wraps npud.engine.progress.report; at "weights"
 3 of 6 it waits while the file `hold` exists in the daemon's directory. While it waits, the
 load is in a known place: `models` says so, `npuctl models` prints it, and a client's stream
 has had every report up to there.
@@ -24,8 +24,8 @@ import pytest
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx2")  # openai's HTTP client library
 
-from clients import client as npc  # noqa: E402
-from engine.api import LoadProgress  # noqa: E402
+from npud.clients import client as npc  # noqa: E402
+from npud.engine.api import LoadProgress  # noqa: E402
 from npud.registry import ProgressRelay  # noqa: E402
 from npud_fixture import python_env, start_or_clean, stop_daemon  # noqa: E402
 from test_npud_support import REPO, DaemonProc, short_tempdir  # noqa: E402
@@ -38,7 +38,7 @@ HELD_AT = 3  # the layer after which the held load waits (of pycode-base's 6)
 
 LAUNCHER = f"""
 import os, sys, time
-import engine.progress as progress
+import npud.engine.progress as progress
 import npud.main
 
 real = progress.report
@@ -101,7 +101,7 @@ def test_a_client_waiting_on_the_load_sees_its_progress_before_the_tokens(daemon
     entry = wait_held(daemon)
     assert entry["state"] == "loading"
     # npuctl models says how far the load is
-    shown = subprocess.run([sys.executable, "-m", "clients.npuctl", "models"], capture_output=True, text=True,
+    shown = subprocess.run([sys.executable, "-m", "npud.clients.npuctl", "models"], capture_output=True, text=True,
                            timeout=60, cwd=REPO, env=python_env(daemon.socket))
     assert shown.returncode == 0, shown.stderr
     assert "loading (weights, 50%)" in shown.stdout

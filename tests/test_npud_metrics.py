@@ -27,7 +27,7 @@ import trio
 from prometheus_client import parser  # the test extra: a real reader of the text format
 
 import test_npud_support as fakes
-from clients.client import AsyncClient, BadRequest
+from npud.clients.client import AsyncClient, BadRequest
 from npud.config import DaemonConfigError, MetricsConfig, parse_config
 from npud.metrics import WAIT_SAMPLES, Metrics, quantile, render_prometheus, write_atomically
 from npud.tickets import Outcome, Priority, TicketQueue
@@ -497,7 +497,7 @@ async def test_npuctl_stats_shows_the_metrics(nursery, workdir):
     def npuctl(*args):
         env = {k: v for k, v in os.environ.items() if not k.startswith("NPUD_")}
         env["PYTHONPATH"] = str(fakes.REPO)
-        return subprocess.run([sys.executable, "-m", "clients.npuctl", "--socket", cfg.server.socket_path, *args],
+        return subprocess.run([sys.executable, "-m", "npud.clients.npuctl", "--socket", cfg.server.socket_path, *args],
                               capture_output=True, text=True, env=env, timeout=60)
 
     run = await trio.to_thread.run_sync(npuctl, "stats")
@@ -521,12 +521,12 @@ async def test_npuctl_stats_shows_the_metrics(nursery, workdir):
 
 @pytest.mark.slow
 def test_speculation_and_prefix_cache_counts_come_from_the_engine(tmp_path_factory):
-    pytest.importorskip("torch", reason="engine/testing/checkpoints.py builds the tiny model with torch")
-    from engine.testing.checkpoints import build_tiny_checkpoint
+    pytest.importorskip("torch", reason="npud/engine/testing/checkpoints.py builds the tiny model with torch")
+    from npud.engine.testing.checkpoints import build_tiny_checkpoint
 
     model = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
     # one prompt at a time: two copies of a prompt that start in one batched round both look the
-    # cache up before either has offered its blocks (engine/batch.py), so neither would restore
+    # cache up before either has offered its blocks (npud/engine/batch.py), so neither would restore
     d = DaemonProc(short_tempdir(), [{"name": "tiny", "checkpoint_dir": str(model), "weight_format": "fp32"}],
                    batching={"max_batch": 1})
     # long enough for several 32-token cache blocks, repetitive enough for n-gram drafts

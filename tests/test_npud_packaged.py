@@ -98,8 +98,8 @@ def test_without_the_package_npud_names_the_extra(monkeypatch, tmp_path, capsys)
 ])
 def test_one_cache_directory_rule_for_the_daemon_and_the_kernels(monkeypatch, env, want):
     """npud/packaged.py's models and the kernel cache (compiled kernels, GGUF tokenizers, packed
-    weights) resolve the same directory under every setting: one rule, read through engine.loader."""
-    from kernels.host.cache import cache_dir as kernels_cache_dir
+    weights) resolve the same directory under every setting: one rule, read through npud.engine.loader."""
+    from npud.kernels.host.cache import cache_dir as kernels_cache_dir
 
     for var in ("NPUD_CACHE_DIR", "CACHE_DIRECTORY", "XDG_CACHE_HOME"):
         monkeypatch.delenv(var, raising=False)

@@ -19,7 +19,7 @@ import sys
 import pytest
 import trio
 
-from clients import client as npc
+from npud.clients import client as npc
 from npud import main as npud_main
 from npud import server as server_module
 from npud.config import ModelEntry, parse_config
@@ -83,9 +83,9 @@ def test_a_load_error_is_listed_in_words_and_forgotten_when_the_entry_changes(tm
 
 
 def test_load_errors_in_words_by_kind():
-    from engine.api import ConfigError, ModelError
+    from npud.engine.api import ConfigError, ModelError
     from npud.registry import load_error
-    from engine.tokenizer import TokenizerError  # the engine's subclasses, matched by name (npud imports only engine.api)
+    from npud.engine.tokenizer import TokenizerError  # the engine's subclasses, matched by name (npud imports only npud.engine.api)
     assert load_error(ConfigError("/x/config.json: model_type 'x'")) == "its config.json is not one npud can run"
     assert load_error(TokenizerError("/x/tokenizer.json: bad")) == "its tokenizer does not load"
     assert load_error(FileNotFoundError(2, "No such file", "/x/model.safetensors")) == "a file of it is missing"

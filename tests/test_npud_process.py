@@ -18,10 +18,10 @@ from test_npud_support import KMSG_ERROR, DaemonProc, short_tempdir, wait_for
 
 pytestmark = pytest.mark.slow  # daemon processes and a model load each: tens of seconds in all
 
-checkpoints = pytest.importorskip("engine.testing.checkpoints", reason="engine/testing/checkpoints.py builds the tiny model")
-pytest.importorskip("engine.session", reason="the engine's session API is needed to serve the tiny model")
+checkpoints = pytest.importorskip("npud.engine.testing.checkpoints", reason="npud/engine/testing/checkpoints.py builds the tiny model")
+pytest.importorskip("npud.engine.session", reason="the engine's session API is needed to serve the tiny model")
 
-from clients.client import DeviceQuarantined  # noqa: E402
+from npud.clients.client import DeviceQuarantined  # noqa: E402
 
 PROMPTS = [f"def f{i}(x):\n    return x * {i}" for i in range(64)]
 LONG_TOKENS = 400  # ~0.1 s of decode per prompt on the tiny model
@@ -37,8 +37,8 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def reference(tiny_model):
     """prompt, max_tokens -> the text the engine produces for it, driven directly."""
-    from engine.api import GenerateRequest, GenerationParams
-    from engine.session import LoadedModel
+    from npud.engine.api import GenerateRequest, GenerationParams
+    from npud.engine.session import LoadedModel
 
     served = LoadedModel.load("tiny", tiny_model, weight_format="fp32")
     memo: dict = {}
@@ -460,7 +460,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_completion(daemon):
 def test_two_hundred_concurrent_clients(daemon):
     import trio
 
-    from clients.client import AsyncClient
+    from npud.clients.client import AsyncClient
 
     n_clients = 200
 
@@ -502,7 +502,7 @@ def test_two_hundred_concurrent_clients(daemon):
 
 _AS_USER = r"""
 import json, sys
-from clients import client as npc
+from npud.clients import client as npc
 out = {}
 def attempt(name, fn):
     try:
@@ -577,7 +577,7 @@ def _run_as(uid: int, gid: int, extra_groups: list[int], argv: list[str]):
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
     for python in (sys.executable, "/usr/bin/python3"):
         try:
-            probe = subprocess.run([python, "-c", "import clients.client"], user=uid, group=gid,
+            probe = subprocess.run([python, "-c", "import npud.clients.client"], user=uid, group=gid,
                                    extra_groups=extra_groups, env=env, capture_output=True, cwd="/")
         except PermissionError:  # the interpreter is under a directory that user cannot enter
             continue

@@ -1,6 +1,6 @@
-"""A fake engine behind engine.api's protocols, for daemon tests that must not depend on model
+"""A fake engine behind npud.engine.api's protocols, for daemon tests that must not depend on model
 speed: deterministic tokens, a configurable number of tokens per round and sleep per round.
-`load_model` is its engine.api.ModelLoader (daemons in this process get it as `loader`;
+`load_model` is its npud.engine.api.ModelLoader (daemons in this process get it as `loader`;
 daemon processes started by DaemonProc(fake_engine=True) run npud.main with it); its knobs live
 in `fake.json` in the model's checkpoint dir. Also the harness that runs real daemon
 processes. No tests here.
@@ -14,7 +14,7 @@ import time
 import zlib
 from pathlib import Path
 
-from engine.api import (
+from npud.engine.api import (
     DEFAULT_PREFILL_BUDGET,
     DeviceFault,
     EngineError,
@@ -53,7 +53,7 @@ BATCHES: list[list[str]] = []  # the prompts of each run_batch call, for in-proc
 
 
 class FakeSession:
-    """An engine.api.Session: tokens_per_round tokens a round, each " w<id>"."""
+    """An npud.engine.api.Session: tokens_per_round tokens a round, each " w<id>"."""
 
     def __init__(self, model: FakeServedModel, req: GenerateRequest) -> None:
         self.model = model
@@ -111,7 +111,7 @@ class FakeSession:
 
 
 class FakeServedModel:
-    """An engine.api.ServedModel without a prefix cache. Knobs from fake.json:
+    """An npud.engine.api.ServedModel without a prefix cache. Knobs from fake.json:
     tokens_per_round, round_sleep_s, max_context, fim (a request with a suffix runs), nbytes,
     fault_file (a round raises
     DeviceFault, as a failed NPU run does, once for each time that file is created;
@@ -176,7 +176,7 @@ class FakeServedModel:
         return 0
 
     def run_batch(self, sessions, *, prefill_budget: int = DEFAULT_PREFILL_BUDGET):
-        """engine.api.ServedModel.run_batch: one round of each session in turn (a round sleeps
+        """npud.engine.api.ServedModel.run_batch: one round of each session in turn (a round sleeps
         round_sleep_s once for the batch, as a shared weight stream would); an EngineError ends
         only its session's round, DeviceFault voids the round."""
         if len({id(s) for s in sessions}) != len(sessions) or any(s.model is not self or s.done for s in sessions):
@@ -204,7 +204,7 @@ def load_model(name: str, checkpoint_dir, *, draft_dir=None, dflash_dir=None, we
                cache_dir=None, backend: str = "auto", xrt_design=None, assistant_dir=None,
                xrt_timeout_ms=None, cache_users: int = 7, context_length=None, threads=None,
                chat_template=None, progress=None) -> FakeServedModel:
-    """The fake engine's engine.api.ModelLoader: knobs from <checkpoint_dir>/fake.json
+    """The fake engine's npud.engine.api.ModelLoader: knobs from <checkpoint_dir>/fake.json
     (and load_sleep_s, how long the load takes, told to `progress` as four "weights" steps;
     a context_length caps max_context).
 
@@ -362,7 +362,7 @@ class DaemonProc:
         return self
 
     def client(self, timeout: float = 60.0):
-        from clients.client import Client
+        from npud.clients.client import Client
 
         return Client(self.socket, timeout=timeout)
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from clients.client import NotFound
+from npud.clients.client import NotFound
 from npud import config as config_module
 from npud.config import LoggingConfig, load_config
 from npud.logsetup import setup_logging

@@ -1,4 +1,4 @@
-"""The Neovim plugin (clients/nvim) driven through headless Neovim against a real npud on a
+"""The Neovim plugin (npud/clients/nvim) driven through headless Neovim against a real npud on a
 tiny model; each test checks the buffer's text (and the notifications) afterwards.
 
 The expected text of a completion or an edit is what the client library gets from the same
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from clients.client import Client
+from npud.clients.client import Client
 from npud_fixture import FIM_CONTEXT, FIM_MODEL, MODEL, REPO, python_env, start_daemon, stop_daemon
 
-PLUGIN = REPO / "clients" / "nvim"
+PLUGIN = REPO / "npud" / "clients" / "nvim"
 NVIM = shutil.which("nvim")
 
 

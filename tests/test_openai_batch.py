@@ -1,11 +1,11 @@
-"""clients/openai_batch.py: OpenAI Batch request lines into npud lines, results into Batch
+"""npud/clients/openai_batch.py: OpenAI Batch request lines into npud lines, results into Batch
 output lines (the daemon round trip is in test_npuctl.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from clients.openai_batch import Endpoint, from_openai_line, is_openai_line, openai_record
+from npud.clients.openai_batch import Endpoint, from_openai_line, is_openai_line, openai_record
 
 
 def test_a_completion_request_becomes_an_npud_line():

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import structlog
 
-from engine.drafters import HeadWeights, HiddenStateHead, PromptLookupHead
-from engine.forward import Forward
-from engine.api import GenerateRequest, GenerationParams, RequestError, SamplingParams, SpecParams
-from engine.generate import Generation
-from engine.sampling import Sampler
-from engine.session import LoadedModel as ServedModel
-from engine.tokenizer import Tokenizer
+from npud.engine.drafters import HeadWeights, HiddenStateHead, PromptLookupHead
+from npud.engine.forward import Forward
+from npud.engine.api import GenerateRequest, GenerationParams, RequestError, SamplingParams, SpecParams
+from npud.engine.generate import Generation
+from npud.engine.sampling import Sampler
+from npud.engine.session import LoadedModel as ServedModel
+from npud.engine.tokenizer import Tokenizer
 
 TOKENS = 320  # ids the tokenizer decodes
 ROWS = 640  # the checkpoint's vocab_size
@@ -47,7 +47,7 @@ def _pad_lm_head(directory) -> None:
 @pytest.fixture(scope="module")
 def padded(tmp_path_factory):
     """(base dir, draft-model dir, {variant: DFlash dir}), all of vocab_size 640, tokenizer 320."""
-    from engine.testing.checkpoints import build_tiny_checkpoint
+    from npud.engine.testing.checkpoints import build_tiny_checkpoint
     from test_dflash import Variant, write_random_dflash
 
     root = tmp_path_factory.mktemp("padded")
@@ -177,7 +177,7 @@ def test_sampled_runs_never_emit_a_padded_id(served, method):
 
 def test_a_prompt_id_past_the_embedding_is_a_bad_request(tmp_path):
     """The other way round: a tokenizer with more ids (320) than the embedding has rows (300)."""
-    from engine.testing.checkpoints import build_tiny_checkpoint, write_tokenizer
+    from npud.engine.testing.checkpoints import build_tiny_checkpoint, write_tokenizer
 
     path = build_tiny_checkpoint(tmp_path / "short", seed=1, vocab_size=300, num_hidden_layers=1)
     write_tokenizer(path, vocab_size=TOKENS)

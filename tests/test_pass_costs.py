@@ -1,4 +1,4 @@
-"""The break-even rule's cost model (engine/pass_costs.py): calibrated once and cached, it decides
+"""The break-even rule's cost model (npud/engine/pass_costs.py): calibrated once and cached, it decides
 the fallback from the tokens alone, so the same prompt makes the same speculation choices with
 the CPU busy as without (prompt lookup, draft model, DFlash).
 
@@ -26,17 +26,17 @@ import sys
 
 import pytest
 
-from engine.api import SpecParams
-from engine.dflash import DFlashDraft, DFlashHead
-from engine.drafters import Draft, DraftModelHead, PromptLookupHead
-from engine.forward import Forward
-from engine.model import Model
-from engine import pass_costs
-from engine.pass_costs import FREE, DraftCosts, PassCosts, calibration_key, entry_path, load_or_calibrate
-from engine.sampling import Sampler
-from engine.speculative import FREE_REPROBE_AFTER, DecodeStats, RoundKind, plain_decode, speculative_decode
-from engine.testing.checkpoints import build_tiny_checkpoint
-from kernels.base import WeightFormat
+from npud.engine.api import SpecParams
+from npud.engine.dflash import DFlashDraft, DFlashHead
+from npud.engine.drafters import Draft, DraftModelHead, PromptLookupHead
+from npud.engine.forward import Forward
+from npud.engine.model import Model
+from npud.engine import pass_costs
+from npud.engine.pass_costs import FREE, DraftCosts, PassCosts, calibration_key, entry_path, load_or_calibrate
+from npud.engine.sampling import Sampler
+from npud.engine.speculative import FREE_REPROBE_AFTER, DecodeStats, RoundKind, plain_decode, speculative_decode
+from npud.engine.testing.checkpoints import build_tiny_checkpoint
+from npud.kernels.base import WeightFormat
 from test_dflash import BASE_LAYERS, write_random_dflash
 from test_drafters import FakeTokenizer
 from test_speculative import N, OracleHead, ToyBase, run_spec
@@ -248,7 +248,7 @@ def test_a_damaged_or_foreign_entry_is_measured_again(tiny, damage):
 
 
 def test_calibration_runs_on_the_models_threads(tiny, monkeypatch):
-    from kernels.host import native
+    from npud.kernels.host import native
 
     model, cache = tiny
     seen = []

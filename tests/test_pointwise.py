@@ -1,4 +1,4 @@
-"""The C per-row kernels (kernels/host/pointwise.c): RMS norm, RoPE, SiLU- and GELU-and-multiply, and the fused
+"""The C per-row kernels (npud/kernels/host/pointwise.c): RMS norm, RoPE, SiLU- and GELU-and-multiply, and the fused
 residual add + RMS norm and head norm + RoPE.
 
 Row i of an M-row call has the bits of a one-row call on every kernel path and thread count; the
@@ -15,8 +15,8 @@ import pytest
 
 from kernel_fixtures import isa_and_threads  # noqa: F401  (a fixture)
 
-from kernels.host import HostBackend, native, pointwise
-from kernels.host.check import check_rowwise_invariance
+from npud.kernels.host import HostBackend, native, pointwise
+from npud.kernels.host.check import check_rowwise_invariance
 
 ROWS = [*range(1, 17), 37, 512]  # decode, verify, a prefill chunk, a prefill
 

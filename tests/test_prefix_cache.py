@@ -1,4 +1,4 @@
-"""The prefix cache (engine/prefix_cache.py, engine/prefix_store.py) over hand-built states.
+"""The prefix cache (npud/engine/prefix_cache.py, npud/engine/prefix_store.py) over hand-built states.
 
 States here are a deterministic function of the token ids (`state_after`), so the state a
 hit serves can be compared with the one a model that saw only those tokens would hold. The
@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from engine import prefix_store as store
-from engine.prefix_cache import MatchSource, PrefixCache, PrefixCacheError
-from engine.state import KVPlane, ModelState, PlaneKind, RecurrentPlane, SharedPlane, StateError
+from npud.engine import prefix_store as store
+from npud.engine.prefix_cache import MatchSource, PrefixCache, PrefixCacheError
+from npud.engine.state import KVPlane, ModelState, PlaneKind, RecurrentPlane, SharedPlane, StateError
 
 B = 16  # block size in these tests
 FP = "fingerprint-of-the-test-model"
@@ -348,7 +348,7 @@ _CHILD = """
 import hashlib, json, sys
 sys.path.insert(0, {tests!r})
 from test_prefix_cache import P, FP, B, make_state
-from engine.prefix_cache import PrefixCache
+from npud.engine.prefix_cache import PrefixCache
 cache = PrefixCache(FP, make_state({recurrent}), state_dir={dir!r}, block_size=B, max_bytes={max_bytes})
 out = {{"pins": cache.pins(), "entries": cache.stats().entries}}
 for name, prompt in {prompts!r}.items():
@@ -469,7 +469,7 @@ def test_garbage_in_the_tensor_data_is_dropped_when_read(tmp_path):
 
 
 def test_files_under_another_key_are_dropped_with_one_line(tmp_path):
-    # another key: the same model computed with other numerics (engine/fingerprint.py)
+    # another key: the same model computed with other numerics (npud/engine/fingerprint.py)
     _one_file(tmp_path / "a", fingerprint="other-numerics")
     old = PrefixCache("other-numerics", make_state(), state_dir=tmp_path / "a", block_size=B)
     old.insert(P[100:132], state_after(P[100:132]).snapshot())
@@ -575,13 +575,13 @@ def test_the_cache_imports_no_daemon_machinery():
     import ast
 
     root = Path(__file__).parent.parent
-    for module in ("engine/prefix_cache.py", "engine/prefix_store.py", "engine/state.py"):
+    for module in ("npud/engine/prefix_cache.py", "npud/engine/prefix_store.py", "npud/engine/state.py"):
         tree = ast.parse((root / module).read_text())
         names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert not {n.split(".")[0] for n in names} & {"trio", "socket", "sqlite3"}, (module, names)
     # nor does anything it imports pull in trio or sqlite (structlog itself imports socket)
-    code = "import sys, engine.prefix_cache; print(sorted(m for m in ('trio', 'sqlite3') if m in sys.modules))"
+    code = "import sys, npud.engine.prefix_cache; print(sorted(m for m in ('trio', 'sqlite3') if m in sys.modules))"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=60)
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr
 

@@ -28,7 +28,7 @@ from test_npud_support import REPO, short_tempdir, wait_for
 
 THROWAWAY_UID, NOGROUP = 64013, 65534
 SYSTEM_PYTHON = "/usr/bin/python3"
-SCRIPTS = {"npud": "npud.main", "npuctl": "clients.npuctl"}
+SCRIPTS = {"npud": "npud.main", "npuctl": "npud.clients.npuctl"}
 
 
 def first_run() -> tuple[list[str], str]:
@@ -89,9 +89,9 @@ def newcomer():
         prefix = ["setpriv", f"--reuid={THROWAWAY_UID}", f"--regid={NOGROUP}", "--clear-groups", "--"]
         for d in (home, run_dir):
             d.mkdir(mode=0o700)
-        # the kernels tools/demo.sh builds into ~/.cache/npud (`python -m kernels.host`), as the
+        # the kernels tools/demo.sh builds into ~/.cache/npud (`python -m npud.kernels.host`), as the
         # runner's cache has them (the packaged model is not copied: npud assembles it here)
-        from kernels.host.cache import cache_dir
+        from npud.kernels.host.cache import cache_dir
         if cache_dir().is_dir():
             shutil.copytree(cache_dir(), home / ".cache" / "npud", ignore=shutil.ignore_patterns("models", "*.partial"))
         for d in (home, run_dir):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.config import ConfigError
-from engine.api import SamplingParams
-from engine.sampling import Sampler
+from npud.engine.config import ConfigError
+from npud.engine.api import SamplingParams
+from npud.engine.sampling import Sampler
 
 LOGITS = np.log(np.array([0.05, 0.40, 0.10, 0.30, 0.15])).astype(np.float32)
 P = np.array([0.05, 0.40, 0.10, 0.30, 0.15])

@@ -1,4 +1,4 @@
-"""npuctl's shell completion (clients/shell_completion.py), run in real shells: bash through
+"""npuctl's shell completion (npud/clients/shell_completion.py), run in real shells: bash through
 its programmable-completion variables (COMP_WORDS, COMP_CWORD, COMPREPLY), zsh through a
 pseudo-terminal (zsh/zpty) that presses Tab after a command line and records what the
 completion system offers."""
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from clients.npuctl import build_parser
-from clients.shell_completion import bash_script, zsh_script
+from npud.clients.npuctl import build_parser
+from npud.clients.shell_completion import bash_script, zsh_script
 from npud_fixture import REPO, python_env
 
 COMMANDS = ["submit", "complete", "jobs", "status", "result", "cancel", "tickets", "device", "cache", "models", "load", "unload",
@@ -23,7 +23,7 @@ def bash_complete(line: str, cwd, script: str | None = None) -> list[str]:
     """What bash offers for `line` (the cursor at its end), with the script npuctl prints
     (or `script`)."""
     words = line.split(" ")  # a trailing space is an empty word being completed
-    source = "source <(python -m clients.npuctl completion bash)" if script is None else "source ./npuctl.bash"
+    source = "source <(python -m npud.clients.npuctl completion bash)" if script is None else "source ./npuctl.bash"
     if script is not None:
         (cwd / "npuctl.bash").write_text(script)
     array = " ".join("'" + w + "'" for w in words)
@@ -116,7 +116,7 @@ def zsh_dir(tmp_path_factory):
     if shutil.which("zsh") is None:
         pytest.skip("zsh is not installed (apt-get install -y zsh)")
     base = tmp_path_factory.mktemp("zsh")
-    run = subprocess.run([sys.executable, "-m", "clients.npuctl", "completion", "zsh"], cwd=REPO,
+    run = subprocess.run([sys.executable, "-m", "npud.clients.npuctl", "completion", "zsh"], cwd=REPO,
                          env=python_env(None), capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     (base / "functions").mkdir()

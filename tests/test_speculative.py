@@ -37,12 +37,12 @@ import math
 import numpy as np
 import pytest
 
-from engine.config import ConfigError
-from engine.drafters import NO_DRAFT, Draft
-from engine.api import SamplingParams
-from engine.sampling import Sampler
-from engine.api import SpecParams
-from engine.speculative import DecodeStats, FallbackReason, LoopEnd, RoundKind, plain_decode, speculative_decode
+from npud.engine.config import ConfigError
+from npud.engine.drafters import NO_DRAFT, Draft
+from npud.engine.api import SamplingParams
+from npud.engine.sampling import Sampler
+from npud.engine.api import SpecParams
+from npud.engine.speculative import DecodeStats, FallbackReason, LoopEnd, RoundKind, plain_decode, speculative_decode
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 N = 24
@@ -597,15 +597,15 @@ def test_plain_sampling_has_the_base_distribution_and_the_check_can_fail():
 
 @pytest.fixture(scope="module")
 def real_checkpoint(tmp_path_factory):
-    pytest.importorskip("engine.forward", reason="engine/forward.py has not landed")
-    from engine.testing.checkpoints import build_tiny_checkpoint
+    pytest.importorskip("npud.engine.forward", reason="npud/engine/forward.py has not landed")
+    from npud.engine.testing.checkpoints import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("spec") / "qwen3", model_type="qwen3")
 
 
 @pytest.fixture(scope="module")
 def real_model(real_checkpoint):
-    from engine.model import Model
+    from npud.engine.model import Model
 
     return Model.load(real_checkpoint, "fp32")
 
@@ -614,7 +614,7 @@ REAL_PROMPT = [11, 57, 200, 3, 98, 140, 7, 77, 31]
 
 
 def _real(model, head, n=N, k=4, rows=8, adapt_k=False):
-    from engine.forward import Forward
+    from npud.engine.forward import Forward
 
     f = Forward(model, max_batch_rows=rows)
     f.prefill(REAL_PROMPT[:-1])
@@ -658,7 +658,7 @@ def test_real_forward_equals_plain_decode(real_model, real_reference, quality, k
 def test_real_forward_equals_plain_decode_in_every_weight_format(real_checkpoint, fmt):
     # the verify's rows must be the one-row bits in each format's arithmetic too (bf16-bf16's
     # bf16 activations and int8-q8's quantized blocks included): greedy output byte-equal
-    from engine.model import Model
+    from npud.engine.model import Model
 
     model = Model.load(real_checkpoint, fmt)
     reference = _real(model, None, n=N + 16)[0]
@@ -669,7 +669,7 @@ def test_real_forward_equals_plain_decode_in_every_weight_format(real_checkpoint
 
 
 def test_real_forward_two_pass_head_gets_the_final_normed_row_of_each_token(real_model, real_reference):
-    from engine.forward import Forward
+    from npud.engine.forward import Forward
 
     head = OracleHead(real_reference, "half", two_pass=True, vocab=real_model.config.vocab_size, prompt_len=len(REAL_PROMPT))
     out, f, _ = _real(real_model, head, k=4)

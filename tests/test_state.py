@@ -28,15 +28,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.config import AttentionKind, LayerSpec, ModelConfig, RopeSpec
-from engine.forward import Forward
-from engine.model import Model, rows_equal
-from engine.prefix_cache import MatchSource, PrefixCache
-from engine.state import (
+from npud.engine.config import AttentionKind, LayerSpec, ModelConfig, RopeSpec
+from npud.engine.forward import Forward
+from npud.engine.model import Model, rows_equal
+from npud.engine.prefix_cache import MatchSource, PrefixCache
+from npud.engine.state import (
     KVPlane, ModelState, PlaneKind, PlaneSnapshot, RecurrentPlane, SharedPlane, StateError, StateSnapshot,
 )
-from engine.weights import AttentionWeights, LayerWeights, MlpWeights, ModelWeights
-from kernels.base import LinearWeight, WeightFormat
+from npud.engine.weights import AttentionWeights, LayerWeights, MlpWeights, ModelWeights
+from npud.kernels.base import LinearWeight, WeightFormat
 
 F32 = np.float32
 WIDE, NARROW = (2, 16), (2, 8)  # (KV heads, head_dim): widths 32 and 16
@@ -380,7 +380,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    from engine.testing.checkpoints import build_tiny_checkpoint
+    from npud.engine.testing.checkpoints import build_tiny_checkpoint
 
     return Model.load(build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3", "qwen3"), "fp32")
 

@@ -1,4 +1,4 @@
-"""Structured output in the engine (engine/grammar.py through the Sampler): JSON schemas,
+"""Structured output in the engine (npud/engine/grammar.py through the Sampler): JSON schemas,
 regexes and Lark grammars on the bundled model (gemma-3-270m's is in test_gguf_real.py, beside
 its loaded model), greedy output byte-identical
 with and without speculation (prompt lookup's drafts accepted and rejected in the same run),
@@ -14,9 +14,9 @@ import pytest
 
 jsonschema = pytest.importorskip("jsonschema")
 
-from engine.api import (FinishReason, GenerateRequest, GenerationParams, Grammar, RequestError,  # noqa: E402
+from npud.engine.api import (FinishReason, GenerateRequest, GenerationParams, Grammar, RequestError,  # noqa: E402
                         SamplingParams, SpecParams)
-from engine.session import LoadedModel  # noqa: E402
+from npud.engine.session import LoadedModel  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent.parent / "npud" / "models"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "ok": {"type": "boolean"}},

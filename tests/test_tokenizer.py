@@ -1,4 +1,4 @@
-"""engine.tokenizer against transformers' own rendering and decoding, on a tiny trained tokenizer."""
+"""npud.engine.tokenizer against transformers' own rendering and decoding, on a tiny trained tokenizer."""
 
 import hashlib
 import json
@@ -11,7 +11,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
+from npud.engine.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
             "<|end_header_id|>", "<|eot_id|>"]
@@ -407,8 +407,8 @@ def _tokenizers_for_plain_ids(tmp_path):
         if os.environ.get("CI") == "true":
             raise
         return out
-    from engine.gguf import open_gguf
-    from engine.gguf.tokenizer import gguf_tokenizer
+    from npud.engine.gguf import open_gguf
+    from npud.engine.gguf.tokenizer import gguf_tokenizer
 
     for arch, kind in (("gemma3", "llama"), ("llama", "llama"), ("qwen2", "gpt2")):
         path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, tokenizer=kind)

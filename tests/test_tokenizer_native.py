@@ -1,5 +1,5 @@
-"""The C tokenizer of GGUF SentencePiece vocabularies (engine/tokenizer_native.py) against the
-`tokenizers` object the same file builds (engine/gguf/tokenizer.py's assemble_backend, the way
+"""The C tokenizer of GGUF SentencePiece vocabularies (npud/engine/tokenizer_native.py) against the
+`tokenizers` object the same file builds (npud/engine/gguf/tokenizer.py's assemble_backend, the way
 transformers' GGUF conversion builds it; tests/test_gguf_real.py compares the native one with
 transformers directly): id for id and text for text on random texts (characters outside the
 vocabulary, emoji, CJK, whitespace runs, control-token spellings whole and cut, empty and long
@@ -22,10 +22,10 @@ import pytest
 
 from gguf_checkpoints import add_spm_vocabulary
 
-from engine.gguf import open_gguf
-from engine.gguf.tokenizer import gguf_tokenizer
-from engine.tokenizer import Tokenizer
-from engine.tokenizer_native import NativeBackend
+from npud.engine.gguf import open_gguf
+from npud.engine.gguf.tokenizer import gguf_tokenizer
+from npud.engine.tokenizer import Tokenizer
+from npud.engine.tokenizer_native import NativeBackend
 
 gguf = pytest.importorskip("gguf") if os.environ.get("CI") != "true" else __import__("gguf")
 
@@ -137,7 +137,7 @@ def test_gemma_3_270m_gives_the_librarys_ids_and_text(tmp_path):
     from real_gemma import PROMPTS, gemma_gguf_path, gemma_library_backend
 
     library = gemma_library_backend()
-    from engine.gguf import tokenizer_cache as tc
+    from npud.engine.gguf import tokenizer_cache as tc
 
     tc.load_gguf_tokenizer(gemma_gguf_path(), tmp_path)
     native, status = tc.load_gguf_tokenizer(gemma_gguf_path(), tmp_path)  # as a warm start reads it
@@ -148,7 +148,7 @@ def test_gemma_3_270m_gives_the_librarys_ids_and_text(tmp_path):
                 "中文字日本語한국어🙂👍🏽☃\u0301\u200b\ufeff\x00\x7f")
     spellings = list(native.control_tokens[:40]) + ["<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>", "<unk>"]
     root = Path(__file__).resolve().parents[1]
-    texts = PROMPTS + ["", " ", "\n\n\n", "   x", (root / "engine" / "forward.py").read_text()[:20000]]
+    texts = PROMPTS + ["", " ", "\n\n\n", "   x", (root / "npud" / "engine" / "forward.py").read_text()[:20000]]
     texts += [random_text(rng, alphabet, spellings) for _ in range(300)]
     assert_same(native, library, texts, rng)
     # bytes of a character cut apart: each alone, and in runs that are not UTF-8
@@ -178,7 +178,7 @@ def test_a_long_text_is_encoded_with_the_gil_released(tmp_path):
 def test_a_gguf_sentencepiece_vocabulary_never_imports_tokenizers(tmp_path):
     """Built (a miss) and read back (a hit), in fresh processes: the library is not loaded."""
     path = write_spm_gguf(tmp_path / "v.gguf", "gemma3", "all", True)
-    code = ("import sys; from engine.gguf.tokenizer_cache import load_gguf_tokenizer; "
+    code = ("import sys; from npud.engine.gguf.tokenizer_cache import load_gguf_tokenizer; "
             "t, status = load_gguf_tokenizer(sys.argv[1]); print(status, t.encode('a b<ctl>'), 'tokenizers' in sys.modules)")
     env = {**os.environ, "NPUD_CACHE_DIR": str(tmp_path / "cache")}
     outs = [subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,

@@ -1,4 +1,4 @@
-"""engine.weights on checkpoints saved by transformers, and on broken files of every kind."""
+"""npud.engine.weights on checkpoints saved by transformers, and on broken files of every kind."""
 
 import json
 import pickle
@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers
 
-from engine.config import load_config
-from engine.weights import (
+from npud.engine.config import load_config
+from npud.engine.weights import (
     ModelWeights,
     WeightsError,
     checkpoint_fingerprint,
@@ -20,7 +20,7 @@ from engine.weights import (
     quantize_int8_rows,
     read_safetensors_header,
 )
-from kernels.base import WeightFormat
+from npud.kernels.base import WeightFormat
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
@@ -480,7 +480,7 @@ def test_conversion_in_row_blocks_equals_whole_tensor(tmp_path, monkeypatch, fmt
     save_model(tmp_path, "llama", dtype=dtype)
     cfg = load_config(tmp_path)
     whole = load_weights(cfg, tmp_path, fmt)
-    monkeypatch.setattr("engine.weights.convert._CHUNK_ELEMENTS", 200)  # 3 rows of 64 per block, a partial last block
+    monkeypatch.setattr("npud.engine.weights.convert._CHUNK_ELEMENTS", 200)  # 3 rows of 64 per block, a partial last block
     blocks = load_weights(cfg, tmp_path, fmt)
     for (name, a), (_, b) in zip(linears(whole), linears(blocks), strict=True):
         assert np.array_equal(a.data, b.data), name

@@ -13,11 +13,11 @@ import pytest
 import structlog
 
 import fake_pyxrt
-from kernels import xrt
-from kernels.select import default_backend, select_backend
-from kernels.base import DeviceFault, LinearWeight, WeightFormat, fuse_linears
-from kernels.xrt_check import bf16_round, tolerance
-from kernels.xrt_design import DesignError, DesignTable, read_insts
+from npud.kernels import xrt
+from npud.kernels.select import default_backend, select_backend
+from npud.kernels.base import DeviceFault, LinearWeight, WeightFormat, fuse_linears
+from npud.kernels.xrt_check import bf16_round, tolerance
+from npud.kernels.xrt_design import DesignError, DesignTable, read_insts
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ import pytest
 import structlog
 
 import fake_pyxrt
-from kernels import xrt
-from kernels.select import default_backend
-from kernels.xrt_check import bf16_round, tolerance
+from npud.kernels import xrt
+from npud.kernels.select import default_backend
+from npud.kernels.xrt_check import bf16_round, tolerance
 from test_xrt import bf16_weight, bits, load
 
 

@@ -16,11 +16,11 @@ import trio
 
 import fake_pyxrt
 import test_npud_support as fakes
-from clients.client import AsyncClient, DeviceQuarantined
-from engine.testing.checkpoints import build_tiny_checkpoint
-from engine.api import DeviceFault, GenerateRequest, GenerationParams, SpecParams
-from engine.loader import load_model
-from kernels import xrt, xrt_worker
+from npud.clients.client import AsyncClient, DeviceQuarantined
+from npud.engine.testing.checkpoints import build_tiny_checkpoint
+from npud.engine.api import DeviceFault, GenerateRequest, GenerationParams, SpecParams
+from npud.engine.loader import load_model
+from npud.kernels import xrt, xrt_worker
 from npud.config import parse_config
 from npud.daemon import Daemon
 

@@ -1,4 +1,4 @@
-"""The NPU worker process (kernels/xrt_worker.py) on the pyxrt SIMULATOR: the same results as
+"""The NPU worker process (npud/kernels/xrt_worker.py) on the pyxrt SIMULATOR: the same results as
 inline; an abort, a segfault or a hang in the driver stack faults the run and leaves this
 process alive; the worker's GIL-holding waits do not stall this process. Failures are armed
 through the simulator's control file (FAKE_PYXRT_CONTROL), read by the worker."""
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import fake_pyxrt
-from kernels import xrt, xrt_worker
-from kernels.base import DeviceFault
-from kernels.select import default_backend
-from kernels.xrt_check import bf16_round
+from npud.kernels import xrt, xrt_worker
+from npud.kernels.base import DeviceFault
+from npud.kernels.select import default_backend
+from npud.kernels.xrt_check import bf16_round
 from test_xrt import bf16_weight, bits
 
 

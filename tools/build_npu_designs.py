@@ -10,7 +10,7 @@ bf16 shape with the npu1 (Phoenix, Hawk Point) or npu2 (Strix, Krackan) tiling, 
 with the example's Makefile (IRON -> MLIR -> aiecc.py with Peano -> xclbin + the binary
 instruction stream) and writes DIR/design.json.
 
-A layer wider than one pass can move (the output layer: kernels/xrt_rules.py) is planned as
+A layer wider than one pass can move (the output layer: npud/kernels/xrt_rules.py) is planned as
 several passes of one design; layers whose padded shapes are equal share one build (one
 xclbin, one hardware context). A shape the rules refuse, or whose build fails, stays on the
 host: the tool says why, builds the others, and always writes design.json (with what did
@@ -37,9 +37,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from kernels.base import LinearWeight, WeightFormat
-from kernels.xrt_design import N_AIE_ROWS, SERVED_FORMATS, GemmDesign, tile_rule_errors, write_table
-from kernels.xrt_rules import split_n
+from npud.kernels.base import LinearWeight, WeightFormat
+from npud.kernels.xrt_design import N_AIE_ROWS, SERVED_FORMATS, GemmDesign, tile_rule_errors, write_table
+from npud.kernels.xrt_rules import split_n
 
 EXAMPLE = "programming_examples/basic/matrix_multiplication/whole_array"
 EXIT_MISSING = 3
@@ -59,9 +59,9 @@ def gemm_shapes(checkpoint_dirs: list[str | Path], weight_format: str = "bf16",
 
     The embedding table is a GEMM only as the LM head (tied). Raises the engine's
     ConfigError / WeightsError for a checkpoint that does not load."""
-    from engine.config import load_config
-    from engine.dflash import load_dflash_config, load_dflash_weights
-    from engine.weights import load_weights
+    from npud.engine.config import load_config
+    from npud.engine.dflash import load_dflash_config, load_dflash_weights
+    from npud.engine.weights import load_weights
 
     fmt = WeightFormat.parse(weight_format)
     found: dict[tuple[int, int, str], list[str]] = {}

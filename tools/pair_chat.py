@@ -10,7 +10,7 @@ A conversation is made from one function of a training file that has a docstring
 asks for it (its docstring's first line in one of a few phrasings, or its signature and
 docstring, sometimes after a system message) and the assistant answers with the function's
 code. It is rendered by the bundled model's own chat template and encoded exactly as npud
-encodes a chat (engine.tokenizer.Tokenizer.encode_chat: the template's markup as control
+encodes a chat (npud.engine.tokenizer.Tokenizer.encode_chat: the template's markup as control
 tokens, what the messages say as text), and it ends with the end-of-turn token <|im_end|>:
 
     <|im_start|>user\\nWrite a Python function `f`: Return ...<|im_end|>\\n<|im_start|>assistant\\n
@@ -103,7 +103,7 @@ class Chat:
     """Conversations from a list of functions, encoded by npud's tokenizer of a checkpoint."""
 
     def __init__(self, checkpoint: pathlib.Path, fns: list[dict]):
-        from engine.tokenizer import Tokenizer
+        from npud.engine.tokenizer import Tokenizer
 
         self.tok = Tokenizer.from_dir(checkpoint)
         self.im_end = self.tok.token_id(tp.IM_END)

@@ -11,7 +11,7 @@ embedding rows (tied with the LM head) start at the mean of the old rows.
 
 A batch is half plain next-token windows (train_pair.batch_at, the base's own batches) and
 half FIM examples cut from the training files: prefix, suffix and middle are encoded one by
-one and joined as ids, in PSM order, exactly as engine/fim.py builds an /infill prompt,
+one and joined as ids, in PSM order, exactly as npud/engine/fim.py builds an /infill prompt,
 including, for a quarter of them, an `input_extra`-style chunk of the same file after
 <|file_sep|>:
 

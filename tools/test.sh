@@ -8,5 +8,5 @@ cd "$(dirname "$0")/.."
 # the DFlash reference for tests/test_dflash.py, without its benchmark-only pins (pyproject.toml)
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps dflash==0.1.0
 # the host GEMMs: compiled once with gcc into the kernel cache (~/.cache/npud), reused by every start
-.venv/bin/python -m kernels.host
+.venv/bin/python -m npud.kernels.host
 exec .venv/bin/python -m pytest "$@"

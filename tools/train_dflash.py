@@ -4,13 +4,13 @@ The draft reads the frozen base's layer taps (the outputs of a few of its layers
 position), fuses them into one context row per position, and drafts a block of tokens in one
 pass: [last token, mask, ..., mask] through two Qwen3-style layers whose attention sees the
 context rows and the whole block, then the base's own LM head. The checkpoint is written in
-the published DFlash layout (config.json with dflash_config, safetensors), so engine/dflash/
+the published DFlash layout (config.json with dflash_config, safetensors), so npud/engine/dflash/
 and the reference `dflash` package both load it.
 
 Stages, reading the corpus that ``tools/train_pair.py --stage tokenizer`` left in --work-dir:
 
     train  draft training on the base's taps -> npud/models/pycode-dflash (+ training.json)
-    eval   acceptance through engine.speculative on held-out stdlib files: DFlash against prompt
+    eval   acceptance through npud.engine.speculative on held-out stdlib files: DFlash against prompt
            lookup and the small draft model (npud/models/pycode-draft) -> work/dflash_eval.json
 
 How it trains: for each window of the corpus the base runs once (no gradient) and gives the
@@ -268,8 +268,8 @@ class BaseRunner:
 
 
 def stage_train(args) -> None:
-    from engine.dflash import build_target_layer_ids
-    from engine.weights import checkpoint_fingerprint
+    from npud.engine.dflash import build_target_layer_ids
+    from npud.engine.weights import checkpoint_fingerprint
 
     work = args.work_dir
     if not (work / "train.npy").exists():
@@ -442,11 +442,11 @@ def export(draft: Draft, out: pathlib.Path) -> None:
 
 @torch.no_grad()
 def check_export(draft: Draft, base, out: pathlib.Path, data: np.ndarray, args, ids) -> None:
-    """The shipped checkpoint through engine/dflash/ drafts what the training module drafts
+    """The shipped checkpoint through npud/engine/dflash/ drafts what the training module drafts
     with the same (bf16-rounded) weights: the two implementations agree on the architecture."""
-    from engine.dflash import DFlashDraft, TapRows
-    from engine.forward import Forward
-    from engine.model import Model
+    from npud.engine.dflash import DFlashDraft, TapRows
+    from npud.engine.forward import Forward
+    from npud.engine.model import Model
 
     rounded = Draft(draft.config, len(ids))
     rounded.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in draft.state_dict().items()})
@@ -466,7 +466,7 @@ def check_export(draft: Draft, base, out: pathlib.Path, data: np.ndarray, args, 
     err = float(np.abs(ours - theirs).max() / np.abs(theirs).max())
     log(f"dflash: engine vs training module on the shipped weights: max relative difference {err:.2e}")
     if err > 1e-3:
-        sys.exit(f"error: engine/dflash/ and the training module disagree (relative difference {err:.2e})")
+        sys.exit(f"error: npud/engine/dflash/ and the training module disagree (relative difference {err:.2e})")
 
 
 # ---------------------------------------------------------------- evaluation through the engine's loop
@@ -511,15 +511,15 @@ def eval_prompts(tokenizer, per_task: int, seed: int) -> dict[str, list[list[int
 
 
 def stage_eval(args) -> None:
-    from engine.dflash import DFlashDraft, DFlashHead
-    from engine.drafters import DraftModelHead, PromptLookupHead
-    from engine.forward import Forward
-    from engine.model import Model
-    from engine.sampling import Sampler
-    from engine.api import SpecParams
-    from engine.speculative import DecodeStats, plain_decode, speculative_decode
-    from engine.tokenizer import Tokenizer
-    from engine.weights import checkpoint_fingerprint
+    from npud.engine.dflash import DFlashDraft, DFlashHead
+    from npud.engine.drafters import DraftModelHead, PromptLookupHead
+    from npud.engine.forward import Forward
+    from npud.engine.model import Model
+    from npud.engine.sampling import Sampler
+    from npud.engine.api import SpecParams
+    from npud.engine.speculative import DecodeStats, plain_decode, speculative_decode
+    from npud.engine.tokenizer import Tokenizer
+    from npud.engine.weights import checkpoint_fingerprint
 
     base_dir, draft_dir = args.models_dir / "pycode-base", args.models_dir / "pycode-draft"
     model = Model.load(base_dir, args.weight_format)

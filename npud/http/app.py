@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
-from engine.api import DEFAULT_MAX_TOKENS
+from npud.engine.api import DEFAULT_MAX_TOKENS
 from npud import __version__
 from npud.api import token_ids
 from npud.http import errors, sse

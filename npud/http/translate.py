@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from engine.api import MAX_TOP_LOGPROBS
+from npud.engine.api import MAX_TOP_LOGPROBS
 from npud.logprobs import chat_logprobs, completion_logprobs
 from npud.protocol import ApiError, ErrorCode, Params
 from npud.tickets import Priority

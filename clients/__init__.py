@@ -1,1 +1,0 @@
-"""Clients of npud: the client library (clients.client) and the tools built on it."""

@@ -1,6 +1,0 @@
-"""GGUF checkpoints (llama.cpp's single-file format): metadata -> config, tensors -> weights,
-vocabulary -> tokenizer. A `.gguf` path is accepted wherever a checkpoint directory is."""
-
-from engine.gguf.reader import GgufFile, is_gguf, open_gguf
-
-__all__ = ["GgufFile", "is_gguf", "open_gguf"]

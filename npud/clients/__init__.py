@@ -1,0 +1,1 @@
+"""Clients of npud: the client library (npud.clients.client) and the tools built on it."""

@@ -1,0 +1,133 @@
+"""Batched rounds: one round of several sessions, their base passes packed into shared weight streams.
+
+A session's rounds are a generator (`Work`) that yields the base passes it needs
+(npud.engine.packed.Pass; the driver sends each one's logits back) and, at the end of a round, the
+events the round released. `run_round` advances every session to its next pass, packs the
+passes of all sessions into one pass over the model (npud.engine.packed.run_packed: rows
+concatenated, each session's contiguous and in order; GEMMs once over all rows; attention and
+recurrent state per session), hands each session its own logits, and repeats until every
+session has reached the end of its round. A session that needs two passes in a round (a
+two-pass speculative round) takes part in two packs. A session alone goes through the same
+driver (ModelSession.run_round), so there is one code path.
+
+Prompt chunks (prefill passes) are limited per round by a row budget across the sessions:
+a chunk that does not fit waits for the next round (its session's round ends there, with no
+events), except that the first chunk of a round always runs, so a prompt alone always moves.
+
+A pack never holds more than MAX_PACKED_ROWS rows: the host's start-up self-check
+(npud/kernels/host/check.py) proves a row's bits independent of M for M = 1..CHECK_ROWS only.
+Passes are never split (a pass has at most a prefill chunk's 64 rows), so a round with more
+rows runs several packs of whole passes: each weight is streamed once per pack, the same cost
+as cutting every GEMM at 64 rows, while attention and recurrent state stay per whole pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+
+import numpy as np
+
+from npud.engine.api import DeviceFault, EngineError, TokenEvent
+from npud.engine.packed import Pass, PassError, run_packed
+from npud.kernels.host.check import CHECK_ROWS
+
+MAX_PACKED_ROWS = CHECK_ROWS
+
+Rounds = Generator["Pass | list[TokenEvent]", "np.ndarray | None", None]
+
+
+class Work:
+    """One session's rounds as the driver runs them: its forward (the base sequence it runs
+    on), its generator, and the pass it waits on (kept over a round boundary when the prefill
+    budget deferred it)."""
+
+    def __init__(self, forward, rounds: Rounds):
+        self.forward = forward
+        self.rounds = rounds
+        self.waiting: Pass | None = None
+        self.finished = False
+
+    def advance(self, sent: np.ndarray | None = None, error: BaseException | None = None):
+        """Send `sent` (or throw `error`) in; returns the next Pass or round end, or None when
+        the rounds are over."""
+        try:
+            item = self.rounds.throw(error) if error is not None else self.rounds.send(sent)
+        except StopIteration:
+            self.finished = True
+            return None
+        self.waiting = item if isinstance(item, Pass) else None
+        return item
+
+    def drain(self) -> None:
+        """Run the rounds' tail after the generation has finished (no more passes come)."""
+        while not self.finished:
+            if isinstance(self.advance(), Pass):
+                raise RuntimeError("a finished generation asked for a base pass")
+
+
+_OPEN = object()  # a session still inside its round
+
+
+def run_round(model, works: Sequence[Work], prefill_budget: int | None = None
+              ) -> list[list[TokenEvent] | None | EngineError]:
+    """One round of each of `works` (distinct sessions on `model`), passes packed.
+
+    Returns per work the events its round released, None when its rounds were already over, or
+    the EngineError that ended its round (the others go on). `prefill_budget`: prompt rows all
+    sessions may prefill this round (None: no limit). Raises DeviceFault, and any error that is
+    not an EngineError, as the sequential form would."""
+    results: list = [_OPEN] * len(works)
+
+    def advance(i: int, sent=None, error=None) -> None:
+        try:
+            item = works[i].advance(sent, error)
+        except DeviceFault:
+            raise
+        except EngineError as exc:
+            works[i].waiting = None
+            results[i] = exc
+            return
+        if not isinstance(item, Pass):
+            results[i] = item  # the round's events, or None: over
+
+    for i, w in enumerate(works):
+        if w.finished:
+            results[i] = None
+        elif w.waiting is None:
+            advance(i)
+    granted = 0  # prompt rows this round
+    while True:
+        ready = []
+        for i, w in enumerate(works):
+            if results[i] is not _OPEN:
+                continue
+            p = w.waiting
+            if p.prefill:
+                if prefill_budget is not None and granted > 0 and granted + p.num_rows > prefill_budget:
+                    results[i] = []  # the chunk waits for the next round
+                    continue
+                granted += p.num_rows
+            ready.append(i)
+        if not ready:
+            return results
+        for pack in _packs(ready, [works[i].waiting.num_rows for i in ready]):
+            out = run_packed(model, [(works[i].forward, works[i].waiting) for i in pack])
+            for i, logits in zip(pack, out):
+                if isinstance(logits, PassError):
+                    advance(i, error=logits)
+                else:
+                    advance(i, sent=logits)
+
+
+def _packs(ready: list[int], rows: list[int]) -> list[list[int]]:
+    """`ready` in order, cut into packs of at most MAX_PACKED_ROWS rows (a pass is never cut)."""
+    packs, current, held = [], [], 0
+    for i, n in zip(ready, rows):
+        if current and held + n > MAX_PACKED_ROWS:
+            packs.append(current)
+            current, held = [], 0
+        current.append(i)
+        held += n
+    if current:
+        packs.append(current)
+    return packs

@@ -1,0 +1,279 @@
+"""The forward body over packed rows: one or more sequences' passes in one weight stream.
+
+Every pass (npud.engine.forward.Forward's step, verify batch, prefill chunk) runs here, alone or
+packed with the passes of other sequences (npud/engine/batch.py), so a sequence's rows take the
+same path either way. The rows of all sequences are concatenated, each sequence's rows
+contiguous and in order:
+
+- every GEMM (the backend's `linear`) runs once over all rows; embeddings, norms, RoPE and
+  the activations are per row, each row at its own position. The host kernels make a row's
+  bits independent of the rows beside it and of M (npud/kernels/host/check.py proves it at start-up
+  for M = 1..CHECK_ROWS; npud/engine/batch.py never packs more rows than that);
+- attention runs per sequence over that sequence's own planes (ragged lengths, sliding windows,
+  a KV-shared layer reading its owner's plane), and a gated delta net (GDN) layer carries each
+  sequence's recurrent state over that sequence's rows only;
+- the LM head runs once, over the rows whose logits some sequence asked for.
+
+A sequence whose pass cannot start (its start is not the positions it holds, it would pass the
+model's position limit) gets its error back and takes no rows; the others run.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from npud.engine.api import RequestError
+from npud.engine.config import AttentionKind
+from npud.engine.state import PlaneKind
+from npud.kernels.base import add_rms_norm, norm_rope
+
+
+class Rows(enum.Enum):
+    """Which rows of a pass the caller wants logits for."""
+
+    ALL = "all"
+    LAST = "last"
+    NONE = "none"
+
+
+@dataclass(slots=True, frozen=True)
+class Pass:
+    """A base pass a decode loop asks its driver for: `tokens` from `start_pos` (== the positions
+    the sequence holds), logits of `logits` rows sent back ([M, V], [1, V] or [0, V]). A
+    `prefill` pass is a prompt chunk: it counts against a batched round's prefill budget, and a
+    recurrent plane keeps no state per row of it (a prefill is never cut inside)."""
+
+    tokens: tuple[int, ...]
+    start_pos: int
+    logits: Rows = Rows.ALL
+    prefill: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.tokens)
+
+
+class PassError(RequestError):
+    """A pass that cannot start on its sequence (the others in the pack go on)."""
+
+
+def check_pass(forward, p: Pass) -> PassError | None:
+    """Why `p` cannot run on `forward`'s state, or None."""
+    held = forward.positions_held
+    m = p.num_rows
+    if p.start_pos != held:
+        return PassError(f"pass starts at position {p.start_pos}, but {held} positions are held")
+    if m == 0:
+        return PassError("a pass needs at least one token")
+    limit = forward.config.max_position_embeddings
+    if held + m > limit:
+        return PassError(f"positions {held}..{held + m - 1} exceed max_position_embeddings {limit}")
+    return None
+
+
+def run_packed(model, jobs: Sequence[tuple[object, Pass]]) -> list[np.ndarray | PassError]:
+    """Run each (forward, pass) of `jobs` (distinct forwards of `model`) in one packed pass.
+
+    Returns, per job, its logits (the rows its pass asked for) or the PassError that kept it
+    out. Any other failure rolls every sequence back to where its pass started, and raises."""
+    out: list[np.ndarray | PassError] = [check_pass(f, p) for f, p in jobs]
+    live = [(i, f, p) for i, (f, p) in enumerate(jobs) if out[i] is None]
+    if live:
+        logits = _Packed(model, [(f, p) for _, f, p in live]).run()
+        for (i, _, _), rows in zip(live, logits):
+            out[i] = rows
+    return out
+
+
+class _Packed:
+    """One packed pass: the sequences (forward, pass), their row ranges and positions."""
+
+    def __init__(self, model, seqs: list[tuple[object, Pass]]):
+        self.model, self.backend, self.config = model, model.backend, model.config
+        self.seqs = seqs
+        bounds = np.cumsum([0] + [p.num_rows for _, p in seqs])
+        self.slices = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        self.positions = np.concatenate([np.arange(p.start_pos, p.start_pos + p.num_rows, dtype=np.int64)
+                                         for _, p in seqs])
+        self.token_ids = np.asarray([t for _, p in seqs for t in p.tokens], dtype=np.int64)
+        self.tap_layers = frozenset(i for f, _ in seqs for i in f._tap_layers)
+
+    def run(self) -> list[np.ndarray]:
+        b, w, cfg = self.backend, self.model.weights, self.config
+        x = b.embed(w.embed, self.token_ids)  # [M, D], M: the rows of every sequence
+        if cfg.embed_scale is not None:
+            x = x * np.float32(cfg.embed_scale)
+        per_layer = self._per_layer_inputs(x) if cfg.per_layer_input_size else None
+        for f, p in self.seqs:
+            f.state.begin_pass()
+        taps = {}
+        delta = None  # a layer's output is x + delta: the add waits for the next norm, which does it too
+        try:
+            for spec, lw in zip(cfg.layers, w.layers):
+                x, delta = self._layer(spec, lw, x, delta, per_layer)
+                if spec.index in self.tap_layers:
+                    if delta is not None:
+                        x, delta = x + delta, None  # the bits add_rms_norm's sum would have
+                    taps[spec.index] = x
+        except BaseException:
+            for f, p in self.seqs:
+                _roll_back(f.state, p.start_pos)  # a failed pass leaves nothing half-appended
+            raise
+        if delta is None:
+            final = b.rms_norm(x, w.final_norm, cfg.rms_norm_eps)
+        else:
+            final = add_rms_norm(b, x, delta, w.final_norm, cfg.rms_norm_eps)[1]
+        wanted = []  # the rows of `final` whose logits are asked for, and each sequence's share
+        for (f, p), rows in zip(self.seqs, self.slices):
+            f._last_hidden = final[rows]
+            if f._tap_sink is not None:
+                f._tap_sink.append(np.concatenate([taps[i][rows] for i in f._tap_layers], axis=1))
+            if p.logits is Rows.ALL:
+                wanted.append(np.arange(rows.start, rows.stop))
+            elif p.logits is Rows.LAST:
+                wanted.append(np.arange(rows.stop - 1, rows.stop))
+            else:
+                wanted.append(np.arange(0))
+        picked = np.concatenate(wanted)
+        if len(picked) == 0:
+            return [np.empty((0, cfg.vocab_size), np.float32) for _ in self.seqs]
+        rows = final if len(picked) == final.shape[0] else final[picked]
+        logits = b.linear(rows, w.lm_head)  # [rows asked for, V], one weight stream
+        if cfg.final_logit_softcapping is not None:
+            logits = b.softcap(logits, cfg.final_logit_softcapping)
+        bounds = np.cumsum([0] + [len(a) for a in wanted])
+        return [logits[a:z] for a, z in zip(bounds[:-1], bounds[1:])]
+
+    def _per_layer_inputs(self, x: np.ndarray) -> np.ndarray:
+        """Gemma4 PLE: every row's per-layer inputs [M, layers, P] from its token id and embedding x."""
+        b, w, cfg = self.backend, self.model.weights, self.config
+        m, n, p = x.shape[0], cfg.num_layers, cfg.per_layer_input_size
+        identity = b.embed(w.embed_per_layer, self.token_ids) * np.float32(p**0.5)  # [M, layers * P]
+        context = b.linear(x, w.per_layer_model_projection) * np.float32(cfg.hidden_size**-0.5)
+        context = b.rms_norm(context.reshape(m, n, p), w.per_layer_projection_norm, cfg.rms_norm_eps)
+        return (context + identity.reshape(m, n, p)) * np.float32(2**-0.5)
+
+    def _layer(self, spec, lw, x: np.ndarray, delta: np.ndarray | None,
+               per_layer: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """One decoder layer over all rows. Its input is x + delta [M, D] (delta None: x);
+        returns its output as such a pair, the MLP's output left for the next norm to add where
+        nothing comes between (npud.kernels.base.add_rms_norm: the add and the norm in one call)."""
+        b, cfg = self.backend, self.config
+        eps = cfg.rms_norm_eps
+        if delta is None:
+            h = b.rms_norm(x, lw.input_norm, eps)
+        else:
+            x, h = add_rms_norm(b, x, delta, lw.input_norm, eps)
+        if spec.kind is AttentionKind.LINEAR:
+            mixed = self._linear_attention(spec, lw.linear_attn, h)
+        else:
+            mixed = self._attention(spec, lw.attn, h)
+        if cfg.sandwich_norms:
+            # gemma4: the attention and MLP outputs are normed before they join the residual
+            x = x + b.rms_norm(mixed, lw.post_attention_norm, eps)
+            h = b.rms_norm(x, lw.pre_feedforward_norm, eps)
+            x = x + b.rms_norm(self._mlp(lw.mlp, h), lw.post_feedforward_norm, eps)
+        else:
+            x, h = add_rms_norm(b, x, mixed, lw.post_attention_norm, eps)
+            if per_layer is None and lw.layer_scalar is None:
+                return x, self._mlp(lw.mlp, h)
+            x = x + self._mlp(lw.mlp, h)
+        if per_layer is not None:
+            gated = self._act_mul(b.linear(x, lw.per_layer_gate), per_layer[:, spec.index, :])
+            x = x + b.rms_norm(b.linear(gated, lw.per_layer_projection), lw.post_per_layer_norm, eps)
+        if lw.layer_scalar is not None:
+            x = x * lw.layer_scalar[0]
+        return x, None
+
+    def _act_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        if self.config.hidden_act == "silu":
+            return self.backend.silu_mul(gate, up)
+        return self.backend.gelu_tanh_mul(gate, up)
+
+    def _mlp(self, mw, h: np.ndarray) -> np.ndarray:
+        b = self.backend
+        if mw.gate_up is not None:  # one GEMM call; the activation reads the halves where they lie
+            gate, up = mw.gate_up.split(b.linear(h, mw.gate_up.weight))
+        else:
+            gate, up = b.linear(h, mw.gate), b.linear(h, mw.up)
+        return b.linear(self._act_mul(gate, up), mw.down)
+
+    def _norm_rope(self, x: np.ndarray, norm: np.ndarray | None, inv_freq: np.ndarray) -> np.ndarray:
+        if norm is None:
+            return self.backend.rope(x, self.positions, inv_freq)
+        return norm_rope(self.backend, x, norm, self.positions, inv_freq, self.config.rms_norm_eps)
+
+    def _attention(self, spec, aw, h: np.ndarray) -> np.ndarray:
+        b = self.backend
+        m = h.shape[0]
+        inv_freq = self.model.inv_freq[spec.index]
+        if aw.qkv is not None:  # one GEMM call for q, k, v (and the output gate), then column views
+            q, k, v, *gate = aw.qkv.split(b.linear(h, aw.qkv.weight))
+        else:
+            q, k, v, gate = b.linear(h, aw.q), None, None, ()
+        q = self._norm_rope(q.reshape(m, spec.num_heads, spec.head_dim), aw.q_norm, inv_freq)
+        if spec.owns_kv:
+            if k is None:
+                k = b.linear(h, aw.k)
+                # k_eq_v: the values are the raw key projection, before the key's norm and RoPE
+                v = k if aw.v is None else b.linear(h, aw.v)
+            k = k.reshape(m, spec.num_kv_heads, spec.head_dim)
+            v = v.reshape(m, spec.num_kv_heads, spec.head_dim)
+            if aw.v_norm is not None:
+                v = b.rms_norm(v, aw.v_norm, self.config.rms_norm_eps)
+            k = self._norm_rope(k, aw.k_norm, inv_freq)
+            for (f, _), rows in zip(self.seqs, self.slices):
+                f.state.planes[spec.index].append(k[rows], v[rows])
+        # each sequence attends over its own plane; a KV-shared layer reads the rows its owner
+        # appended, this pass's included
+        outs = []
+        for (f, _), rows in zip(self.seqs, self.slices):
+            plane = f.state.planes[spec.kv_owner]
+            if plane.kind is not PlaneKind.KV:
+                raise ValueError(f"layer {spec.index} reads KV from layer {spec.kv_owner}, which holds none")
+            outs.append(b.attention(q[rows], plane.keys(), plane.values(), self.positions[rows], spec.window,
+                                    spec.scale))
+        out = (outs[0] if len(outs) == 1 else np.concatenate(outs)).reshape(m, spec.num_heads * spec.head_dim)
+        if aw.gate is not None:  # qwen3_5's output gate
+            out = b.sigmoid_mul(out, gate[0] if gate else b.linear(h, aw.gate))
+        return b.linear(out, aw.o)
+
+    def _linear_attention(self, spec, gw, h: np.ndarray) -> np.ndarray:
+        """A gated delta net layer (qwen3_5): the projections over all rows, the convolution and
+        the delta rule per sequence, each carrying its own state row by row."""
+        b = self.backend
+        g = spec.linear
+        m = h.shape[0]
+        in_qkv = b.linear(h, gw.in_qkv)  # [M, C]
+        log_decay_all, beta_all = b.gdn_gates(b.linear(h, gw.in_a), b.linear(h, gw.in_b), gw.a_log, gw.dt_bias)
+        outs = []
+        for (f, p), rows in zip(self.seqs, self.slices):
+            plane = f.state.planes[spec.index]
+            n = rows.stop - rows.start
+            mixed, conv_after = b.causal_conv1d_silu(in_qkv[rows], plane.arrays["conv"], gw.conv)  # [n, C]
+            q = mixed[:, : g.key_dim].reshape(n, g.num_key_heads, g.key_head_dim)
+            k = mixed[:, g.key_dim : 2 * g.key_dim].reshape(n, g.num_key_heads, g.key_head_dim)
+            v = mixed[:, 2 * g.key_dim :].reshape(n, g.num_value_heads, g.value_head_dim)
+            q = b.l2_norm(q, 1e-6) * np.float32(g.key_head_dim**-0.5)
+            k = b.l2_norm(k, 1e-6)
+            out, ssm_after = b.gated_delta_rule(q, k, v, log_decay_all[rows], beta_all[rows], plane.arrays["ssm"])
+            for i in range(n):
+                plane.advance({"conv": conv_after[i], "ssm": ssm_after[i]}, record=not p.prefill)
+            outs.append(out)
+        out = outs[0] if len(outs) == 1 else np.concatenate(outs)
+        z = b.linear(h, gw.in_z)
+        rows = m * g.num_value_heads
+        out = b.gated_rms_norm(out.reshape(rows, g.value_head_dim), z.reshape(rows, g.value_head_dim), gw.norm,
+                               self.config.rms_norm_eps)
+        return b.linear(out.reshape(m, g.value_dim), gw.out)
+
+
+def _roll_back(state, start_pos: int) -> None:
+    """Cut every plane the failed pass grew back to start_pos (the planes disagree here)."""
+    for plane in state.planes:
+        if plane.positions_held is not None and plane.positions_held > start_pos:
+            plane.keep_positions(start_pos)

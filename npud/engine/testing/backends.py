@@ -1,0 +1,21 @@
+"""A backend seen through the primitive interface alone, for tests and benchmarks that compare a
+backend's fused operations (npud.kernels.base: fuse_linears, add_rms_norm, norm_rope) with the
+composition of primitives the engine falls back to."""
+
+from __future__ import annotations
+
+FUSED_OPERATIONS = frozenset({"fuse_linears", "add_rms_norm", "norm_rope"})
+
+
+class PrimitivesOnly:
+    """Delegates to `inner`, hiding its fused operations: the engine then keeps each linear
+    apart and composes the per-row ones from primitives."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = inner.name
+
+    def __getattr__(self, attr):
+        if attr in FUSED_OPERATIONS or attr == "inner":
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)

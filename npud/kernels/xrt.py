@@ -1,0 +1,257 @@
+"""The NPU backend: GEMMs on an AMD Ryzen AI NPU through XRT (pyxrt), the rest on the host.
+
+The device runs precompiled GEMM designs, one per (K, N) of the model's linears, listed in
+a design table (npud/kernels/xrt_design.py). Every device call goes through a DeviceSession
+(npud/kernels/xrt_device.py: contexts, buffers, the call protocol), which runs in a worker
+process of its own (npud/kernels/xrt_worker.py, isolation "process", the default) so that a
+hang, an abort or a segfault in the driver stack faults a run instead of npud, and pyxrt's
+GIL-holding waits never stall the daemon; isolation "inline" runs it in this process (the
+protocol tests, which watch each call).
+
+A call runs the design's compiled M rows; a batch of more rows is cut into chunks of M,
+the last one zero-padded; a layer wider than one pass runs as the design's n_passes passes.
+Every row is computed by the same program whatever the batch, which is what batch
+invariance needs; the start-up check (npud/kernels/xrt_check.py) confirms it bit for bit on the
+device, and compares with the host GEMM within the design's tolerance policy. A run that
+does not end in ERT_CMD_STATE_COMPLETED within the configured timeout, any exception from
+XRT, or a worker that dies or hangs, raises NpuRunError (a DeviceFault): an aborted run
+leaves zeros in C, which must never reach the logits.
+
+Shapes without a design, and weight formats other than bf16, run on the host kernels; each
+such shape is logged once with the reason. pyxrt ships with XRT and is not on the package
+index: it is imported when the backend is built, never at import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import structlog
+
+from npud.kernels.base import LinearWeight
+from npud.kernels.xrt_design import DesignError, DesignTable, GemmDesign
+from npud.kernels.xrt_device import DeviceSession, NpuRunError, XrtUnavailable, bf16_bits
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_TIMEOUT_MS = 5000
+BINDING = "pyxrt"  # the module that is XRT's Python binding (tests name their simulator)
+ISOLATIONS = ("process", "inline")
+_bf16_bits = bf16_bits  # the name tests/test_kernels.py checks
+
+
+def probe(accel_dir: str | Path = "/dev/accel") -> tuple[bool, str]:
+    """Whether an amdxdna NPU and the XRT binding are usable here, and why (not)."""
+    nodes = sorted(Path(accel_dir).glob("accel*")) if Path(accel_dir).is_dir() else []
+    if not nodes:
+        return False, f"no NPU device node under {accel_dir}"
+    # found, not imported: with isolation "process" XRT's libraries load in the worker only
+    if importlib.util.find_spec(BINDING) is None:
+        return False, f"{nodes[0]} exists but the XRT Python binding (pyxrt) is not importable: no module {BINDING!r}"
+    return True, f"{nodes[0]} with pyxrt"
+
+
+def _binding():
+    try:
+        return importlib.import_module(BINDING)
+    except ImportError as e:
+        raise XrtUnavailable(f"the XRT Python binding (pyxrt) is not importable: {e}") from e
+
+
+class _Runner:
+    """One design as the backend and the start-up check use it: weights in, passes run."""
+
+    def __init__(self, device, design: GemmDesign):
+        self.device, self.design = device, design
+
+    def upload_weight(self, w: LinearWeight) -> int:
+        return self.device.upload(self.design.key, w.data)
+
+    def run(self, x: np.ndarray, handle: int, timeout_ms: int, step: int | None = None) -> np.ndarray:
+        """x: [rows, K] fp32 -> [rows, N] fp32: chunks of `step` rows (M by default), one pass per
+        N slice each. Raises NpuRunError."""
+        return self.device.run(handle, bf16_bits(x), int(timeout_ms), step)
+
+
+class XrtBackend:
+    """GEMMs with a design on the NPU (compiled-M-row passes), everything else on `host`.
+
+    `check` is run on each design when its first weight is prepared (npud/kernels/xrt_check.py);
+    `strict` (backend "xrt") turns a failed check into XrtUnavailable instead of a move to
+    the host.
+    """
+
+    name = "xrt"
+
+    def __init__(self, table: DesignTable, host, *, device_index: int = 0,
+                 timeout_ms: int = DEFAULT_TIMEOUT_MS, strict: bool = False, check=None,
+                 isolation: str = "process", context_budget: int | None = None):
+        if isolation not in ISOLATIONS:
+            raise ValueError(f"isolation {isolation!r}: expected one of {list(ISOLATIONS)}")
+        self.isolation = isolation
+        if isolation == "inline":
+            self.device = DeviceSession(_binding(), table.device, device_index, context_budget)
+            simulator = self.device.simulator
+        else:
+            from npud.kernels.xrt_worker import WorkerDevice
+
+            self.device = WorkerDevice(BINDING, table.device, device_index=device_index,
+                                       context_budget=context_budget)
+            simulator = self.device.simulator
+        if simulator:  # tests/fake_pyxrt.py: never NPU evidence
+            self.name = "xrt-simulator"
+        self.table = table
+        self.host = host
+        self.timeout_ms = int(timeout_ms)
+        self.strict = strict
+        self._runners: dict[tuple, _Runner] = {}
+        self._rowwise: set[tuple] = set()  # designs whose rows depend on their place in a pass
+        self._weights: dict[int, tuple[_Runner, int]] = {}  # id(prepared data) -> (runner, weight handle)
+        self.placement: dict[tuple[int, int, str], str] = {}  # shape -> "npu", "npu-rowwise" or why host
+        self.policies: dict[tuple[int, int, str], str] = {}  # shape on the NPU -> its tolerance policy
+        if check is None:
+            from npud.kernels.xrt_check import check_design
+            check = check_design
+        self._check = check
+        try:
+            self._read_table()
+        except BaseException:
+            self.device.close()  # no worker outlives a backend that was never built
+            raise
+
+    def _read_table(self) -> None:
+        table = self.table
+        try:
+            self.table_identity = table.identity()  # of the files as loaded now
+        except OSError as exc:
+            raise XrtUnavailable(f"cannot read the design files of {table.path}: {exc}") from exc
+        for key, design in sorted(table.designs.items()):  # every xclbin is read now, used or not
+            why = self.device.kernel_errors(design)
+            if why is not None and self.strict:
+                raise XrtUnavailable(why)
+            if why is not None:
+                self._to_host(key, f"the design does not load: {why}")
+
+    def prepare_linear(self, w: LinearWeight) -> LinearWeight:
+        """The host's layout of `w` (embeddings and host fallbacks read it); with a design for
+        its shape, also its B buffer on the device. Raises XrtUnavailable (strict) or NpuRunError."""
+        host_copy = self.host.prepare_linear(w)
+        if w.layout != "rows":
+            return host_copy
+        n, k = w.out_features, w.in_features  # a block-quantised format keeps these too
+        key = (int(k), int(n), w.fmt.value)
+        runner = self._runner(key)
+        if runner is not None:
+            try:
+                handle = runner.upload_weight(w)
+            except NpuRunError:
+                raise
+            except Exception as exc:  # XRT's "failed to allocate BO": most often the memlock limit
+                raise XrtUnavailable(f"cannot place a [{n}, {k}] weight in NPU memory: {exc} (is the memlock "
+                                     "limit unlimited? docs/npu.md)") from exc
+            self._weights[id(host_copy.data)] = (runner, handle)
+        return host_copy
+
+    def _runner(self, key: tuple[int, int, str]) -> _Runner | None:
+        if key in self._runners:
+            return self._runners[key]
+        if key in self.placement:  # decided before: host, and said so once
+            return None
+        design, why = self.table.lookup(*key)
+        if design is None:
+            return self._to_host(key, why)
+        try:
+            self.device.open_design(design)
+            runner = _Runner(self.device, design)
+            failures, rowwise = self._check(runner, self.host, self.timeout_ms)
+        except NpuRunError:
+            raise  # the device itself failed (a dead or hung worker): a fault, not a design to skip
+        except Exception as exc:  # XrtUnavailable, or XRT refusing the xclbin (RuntimeError from C++)
+            if self.strict:
+                raise XrtUnavailable(f"NPU GEMM K={key[0]} N={key[1]}: {exc}") from exc
+            return self._to_host(key, f"the design does not load: {exc}")
+        if failures:
+            if self.strict:
+                raise XrtUnavailable(f"NPU GEMM K={key[0]} N={key[1]} failed the start-up check: {failures[0]}")
+            log.warning("kernel_self_check_failed", backend="xrt", K=key[0], N=key[1], failures=failures,
+                        fallback="host")
+            return self._to_host(key, f"failed the start-up check ({failures[0]})")
+        if rowwise:
+            log.warning("kernel_self_check_failed", backend="xrt", K=key[0], N=key[1], failures=rowwise,
+                        fallback="rowwise")
+            self._rowwise.add(key)
+        else:
+            log.info("kernel_self_check_passed", backend="xrt", K=key[0], N=key[1], M=design.M,
+                     passes=design.n_passes, tolerance=tolerance_policy(design))
+        self.policies[key] = tolerance_policy(design)
+        self.placement[key] = "npu-rowwise" if rowwise else "npu"
+        self._runners[key] = runner
+        return runner
+
+    def _to_host(self, key: tuple[int, int, str], why: str) -> None:
+        self.placement[key] = why
+        log.info("npu_shape_on_host", K=key[0], N=key[1], weight_format=key[2], reason=why)
+        return None
+
+    def linear(self, x: np.ndarray, w: LinearWeight) -> np.ndarray:
+        # x: [M, K] -> [M, N]; each chunk of the design's M rows is one device pass over W
+        entry = self._weights.get(id(w.data))
+        if entry is None:
+            return self.host.linear(x, w)
+        runner, handle = entry
+        step = 1 if runner.design.key in self._rowwise else runner.design.M
+        out = runner.run(x, handle, self.timeout_ms, step)  # one call to the device for the whole linear
+        if w.bias is not None:
+            out += w.bias
+        return out
+
+    def fuse_linears(self, parts) -> None:
+        """Keeps every linear apart: a design is compiled for one layer's (K, N), and a fused shape has
+        none. Defined here because __getattr__ would answer with the host's fusion."""
+        return None
+
+    def numerics_id(self) -> str:
+        """What this backend's numbers depend on besides the weights: the design table's identity
+        (its program files and tiles), which shapes run where, and the activation path. Defined
+        here because __getattr__ would answer with the host's."""
+        placement = json.dumps(self.describe_placement(), sort_keys=True)
+        return (f"{self.name}/designs={self.table_identity}/placement={placement}"
+                "/activations=bf16/accumulate=fp32")
+
+    def describe_placement(self) -> dict:
+        """Where each GEMM shape runs: {"K x N fmt": "npu" | "npu-rowwise" | why host}."""
+        return {f"{k}x{n} {fmt}": where for (k, n, fmt), where in sorted(self.placement.items())}
+
+    def describe_tolerance(self) -> dict:
+        """The start-up check's tolerance policy of each shape on the NPU: {"K x N fmt": policy}."""
+        return {f"{k}x{n} {fmt}": policy for (k, n, fmt), policy in sorted(self.policies.items())}
+
+    def close(self) -> None:
+        """Let the device go (the worker ends; runs still in flight are never destroyed)."""
+        self.device.close()
+
+    def __getattr__(self, attr):
+        # rms_norm, rope, attention, silu_mul, embed, argmax: the host kernels
+        if attr.startswith("_") or attr == "host":  # not set yet: a failed __init__
+            raise AttributeError(attr)
+        return getattr(self.host, attr)
+
+
+def load_backend(design_table: str | Path, host, *, timeout_ms: int = DEFAULT_TIMEOUT_MS,
+                 strict: bool = False, isolation: str = "process", context_budget: int | None = None) -> XrtBackend:
+    """The NPU backend for a design table; raises XrtUnavailable with what is wrong."""
+    try:
+        table = DesignTable.load(design_table)
+    except DesignError as e:
+        raise XrtUnavailable(str(e)) from None
+    return XrtBackend(table, host, timeout_ms=timeout_ms, strict=strict, isolation=isolation,
+                      context_budget=context_budget)
+
+
+def tolerance_policy(design: GemmDesign) -> str:
+    """The start-up check's tolerance for `design` (npud/kernels/xrt_check.py says what each means)."""
+    return "bfp16-blocks" if design.bfp16_emulation else "bf16-exact-products"

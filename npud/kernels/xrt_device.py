@@ -1,0 +1,311 @@
+"""Everything that touches pyxrt: the device, its hardware contexts, each design's kernel and
+buffers, the runs. It runs in the NPU worker process (npud/kernels/xrt_worker.py) or, for the
+protocol tests, inline; the backend (npud/kernels/xrt.py) sees only the methods of DeviceSession.
+
+Each design is called the way mlir-aie's `aie.utils.xrt` calls an aiecc-built kernel:
+`kernel(3, instr_bo, num_instr_words, A_bo, B_bo, C_bo)`, the instruction buffer in the
+kernel's group 1 (cacheable), A, B, C in groups 3, 4, 5 (host_only). pyxrt's
+`kernel.__call__` silently skips an argument it cannot set, so the call passes exactly these
+six and the xclbin is checked to declare at least as many (aiecc declares opcode, instr,
+ninstr and bo0..bo4: eight).
+
+Hardware contexts are few: 6 per device on npu1 (Phoenix, Hawk Point), 16 on npu4/5/6
+(amdxdna's npu*_regs.c hwctx_limit), shared with every other process. ContextPlan opens one
+per xclbin (designs of one xclbin share it) and, at the budget, closes the least recently
+used one that has no run in flight; its designs reopen on their next call. The buffers stay.
+
+A run that does not complete in time is not destroyed: destroying an xrt::run in flight
+aborts the process (xrt_kernel.cpp), and pyxrt binds no abort. It is kept in `in_flight` and
+polled before every later call until its state is final; its design's context is retired
+(never used again in this session), and the call raises NpuRunError.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from npud.kernels.errors import DeviceFault
+from npud.kernels.xrt_design import DesignError, GemmDesign, read_insts
+
+OPCODE = 3  # the opcode aiecc-built kernels expect for "run the instruction stream"
+GROUP_INSTR, GROUP_A, GROUP_B, GROUP_C = 1, 3, 4, 5  # kernel argument indices, for group_id()
+NUM_CALL_ARGS = 6  # opcode, instr, ninstr, A, B, C
+# amdxdna's hwctx_limit per device generation (npu1_regs.c: 6; npu4/5/6_regs.c: 16); the
+# design table's device names the generation (npu2 in mlir-aie is npu4..6 in the driver)
+CONTEXT_BUDGET = {"npu1": 6, "npu2": 16}
+# XRT's ert_cmd_state values (ert.h) after which a run is over and may be destroyed
+FINAL_STATES = ("ERT_CMD_STATE_COMPLETED", "ERT_CMD_STATE_ERROR", "ERT_CMD_STATE_ABORT",
+                "ERT_CMD_STATE_TIMEOUT", "ERT_CMD_STATE_NORESPONSE", "ERT_CMD_STATE_SKERROR",
+                "ERT_CMD_STATE_SKCRASHED")
+_HOLDING_RUNS: list = []  # sessions with a run in flight: referenced here until it is over, never collected
+
+
+class XrtUnavailable(ValueError):
+    """The NPU path cannot run here; the message says what is missing (a configuration
+    error from the daemon's point of view: the model was asked for a backend it cannot have)."""
+
+
+class NpuRunError(DeviceFault):
+    """A GEMM run on the NPU failed: its state (or the XRT exception) is in the message."""
+
+    def __init__(self, message: str, state: str | None = None):
+        super().__init__(message)
+        self.state = state
+
+
+def state_name(state) -> str:
+    return getattr(state, "name", None) or str(state)
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, round to nearest even (NaN kept a NaN)."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
+def kernel_errors(xrt, design: GemmDesign) -> str | None:
+    """Why the design's xclbin cannot serve it (no kernel of that name, too few arguments), or None."""
+    try:
+        kernels = {k.get_name(): k for k in xrt.xclbin(str(design.xclbin)).get_kernels()}
+    except Exception as exc:  # XRT refuses a file that is no xclbin (RuntimeError from C++)
+        return f"{design.xclbin} does not open as an xclbin: {exc}"
+    if design.kernel not in kernels:
+        return f"{design.xclbin} has no kernel {design.kernel!r} (it has {sorted(kernels)})"
+    declared = kernels[design.kernel].get_num_args()
+    if declared < NUM_CALL_ARGS:
+        return (f"kernel {design.kernel} of {design.xclbin} declares {declared} arguments; "
+                "a GEMM design takes opcode, instr, ninstr, A, B, C")
+    return None
+
+
+@dataclass(slots=True)
+class _Context:
+    xclbin: str
+    context: object
+    kernels: dict  # kernel name -> xrt.kernel
+    retired: bool = False  # a run of it timed out: never used again
+
+
+class ContextPlan:
+    """One hardware context per xclbin, at most `budget` open, least recently used closed first."""
+
+    def __init__(self, xrt, device, budget: int):
+        self.xrt, self.device, self.budget = xrt, device, int(budget)
+        self.open: OrderedDict[str, _Context] = OrderedDict()  # xclbin path -> context, oldest first
+        self.registered: dict[str, object] = {}  # xclbin path -> its xrt.xclbin (registered once)
+        self.retired: list[_Context] = []  # kept referenced: a run of theirs may still be in flight
+        self.opened = 0  # contexts created, for the tests and the log
+
+    def kernel(self, design: GemmDesign, busy: set[str]):
+        """The design's kernel in an open context of its xclbin (opening one, closing the least
+        recently used idle one at the budget). `busy`: xclbins with a run in flight. Raises
+        NpuRunError when the budget is taken by busy contexts, XRT's error when it refuses."""
+        path = str(design.xclbin)
+        ctx = self.open.get(path)
+        if ctx is None:
+            while len(self.open) >= self.budget:
+                victim = next((p for p in self.open if p not in busy), None)
+                if victim is None:
+                    raise NpuRunError(f"all {self.budget} hardware contexts have a run in flight")
+                del self.open[victim]  # its runs are over: the context and its kernels go
+            xb = self.registered.get(path)
+            if xb is None:
+                xb = self.xrt.xclbin(path)
+                self.device.register_xclbin(xb)
+                self.registered[path] = xb
+            ctx = _Context(path, self.xrt.hw_context(self.device, xb.get_uuid()), {})
+            self.opened += 1
+            self.open[path] = ctx
+        self.open.move_to_end(path)
+        if design.kernel not in ctx.kernels:
+            ctx.kernels[design.kernel] = self.xrt.kernel(ctx.context, design.kernel)
+        return ctx.kernels[design.kernel]
+
+    def retire(self, design: GemmDesign) -> None:
+        ctx = self.open.pop(str(design.xclbin), None)
+        if ctx is not None:
+            ctx.retired = True
+            self.retired.append(ctx)
+
+
+class _Design:
+    """One loaded design: its instruction buffer, A and C buffers, and the B buffers of its weights."""
+
+    def __init__(self, session: "DeviceSession", design: GemmDesign):
+        self.design = design
+        kernel = session.plan.kernel(design, session.busy())
+        try:
+            insts = read_insts(design.insts, design.insts_format, session.generation)
+        except DesignError as e:
+            raise XrtUnavailable(str(e)) from None
+        self.num_insts = int(insts.size)  # words, as aie.utils.xrt passes it
+        sync = session.xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE
+        self.bo_insts = session.buffer(kernel, insts.nbytes, GROUP_INSTR, session.xrt.bo.cacheable)
+        self.bo_insts.write(insts.view(np.uint8), 0)
+        self.bo_insts.sync(sync)
+        d = design
+        self.bo_a = session.buffer(kernel, d.M * d.compiled_K * 2, GROUP_A)
+        self.bo_c = session.buffer(kernel, d.M * d.compiled_N * 4, GROUP_C)
+        self.retired: str | None = None
+
+
+class DeviceSession:
+    """The NPU as the backend uses it: open designs, upload weights, run passes. Every method
+    raises NpuRunError (a DeviceFault) for a failure of the device, XrtUnavailable for a design
+    that cannot serve."""
+
+    def __init__(self, xrt, generation: str, device_index: int = 0, context_budget: int | None = None):
+        self.xrt = xrt
+        self.generation = generation
+        self.device = xrt.device(device_index)
+        budget = CONTEXT_BUDGET[generation] if context_budget is None else context_budget
+        self.plan = ContextPlan(xrt, self.device, budget)
+        self.designs: dict[tuple, _Design] = {}
+        self.weights: dict[int, tuple[tuple, list]] = {}  # handle -> (design key, B bo per pass)
+        self.in_flight: list[tuple[object, str]] = []  # (run, xclbin) of runs that timed out
+        self.passes = 0  # kernel runs started
+        self._next_handle = 1
+
+    @property
+    def simulator(self) -> bool:
+        return bool(getattr(self.xrt, "SIMULATOR", False))
+
+    def busy(self) -> set[str]:
+        return {xclbin for _, xclbin in self.in_flight}
+
+    def buffer(self, kernel, nbytes: int, group: int, flags=None):
+        flags = self.xrt.bo.host_only if flags is None else flags
+        return self.xrt.bo(self.device, int(nbytes), flags, kernel.group_id(group))
+
+    def kernel_errors(self, design: GemmDesign) -> str | None:
+        return kernel_errors(self.xrt, design)
+
+    def open_design(self, design: GemmDesign) -> None:
+        """Load `design` (its context, kernel, instruction stream, A and C buffers). Raises
+        XrtUnavailable, or XRT's exception when it refuses the xclbin."""
+        self.poll()
+        if design.key not in self.designs:
+            why = kernel_errors(self.xrt, design)
+            if why is not None:
+                raise XrtUnavailable(why)
+            self.designs[design.key] = _Design(self, design)
+
+    def upload(self, key: tuple, bits: np.ndarray) -> int:
+        """A weight [N, K] (bf16 bits) as the design reads it, one B buffer per pass: [cN, cK]
+        when column-major, else [cK, cN], zero-padded. Returns its handle."""
+        self.poll()
+        entry = self.designs[key]
+        d = entry.design
+        kernel = self.plan.kernel(d, self.busy())
+        bos = []
+        for p in range(d.n_passes):
+            part = bits[p * d.compiled_N : (p + 1) * d.compiled_N]
+            if d.b_col_major:
+                b = np.zeros((d.compiled_N, d.compiled_K), np.uint16)
+                b[: part.shape[0], : d.K] = part
+            else:
+                b = np.zeros((d.compiled_K, d.compiled_N), np.uint16)
+                b[: d.K, : part.shape[0]] = part.T
+            bo = self.buffer(kernel, b.nbytes, GROUP_B)
+            bo.write(b.view(np.uint8).ravel(), 0)
+            bo.sync(self.xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
+            bos.append(bo)
+        handle, self._next_handle = self._next_handle, self._next_handle + 1
+        self.weights[handle] = (key, bos)
+        return handle
+
+    def forget(self, handle: int) -> None:
+        self.weights.pop(handle, None)
+
+    def run(self, handle: int, a_bits: np.ndarray, timeout_ms: int, step: int | None = None) -> np.ndarray:
+        """a_bits: [rows, K] bf16 bits -> [rows, N] fp32: chunks of `step` rows (the design's M by
+        default; 1 for a design whose rows depend on their place), one pass over each N slice
+        per chunk. One call for a whole linear: the worker is asked once. Raises NpuRunError."""
+        self.poll()
+        key, bos = self.weights[handle]
+        entry = self.designs[key]
+        d = entry.design
+        if entry.retired is not None:
+            raise NpuRunError(f"GEMM K={d.K} N={d.N}: its context was retired ({entry.retired})", "retired")
+        step = d.M if step is None else min(int(step), d.M)
+        out = np.empty((a_bits.shape[0], d.N), np.float32)
+        for r0 in range(0, a_bits.shape[0], step):
+            out[r0 : r0 + step] = self._chunk(entry, bos, a_bits[r0 : r0 + step], timeout_ms)
+        return out
+
+    def _chunk(self, entry: _Design, bos: list, a_bits: np.ndarray, timeout_ms: int) -> np.ndarray:
+        d, xrt = entry.design, self.xrt
+        rows = a_bits.shape[0]
+        a = np.zeros((d.M, d.compiled_K), np.uint16)  # padding rows and columns are zeros
+        a[:rows, : d.K] = a_bits
+        out = np.empty((rows, d.N), np.float32)
+        ok = xrt.ert_cmd_state.ERT_CMD_STATE_COMPLETED
+        try:
+            kernel = self.plan.kernel(d, self.busy())
+            entry.bo_a.write(a.view(np.uint8).ravel(), 0)
+            entry.bo_a.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
+            for p, bo_b in enumerate(bos):
+                self.passes += 1
+                run = kernel(OPCODE, entry.bo_insts, entry.num_insts, entry.bo_a, bo_b, entry.bo_c)
+                state = run.wait(int(timeout_ms))
+                if state != ok:
+                    name = state_name(state)
+                    # wait() answers TIMEOUT when it stopped waiting, not when the command ended
+                    if name not in FINAL_STATES or name == "ERT_CMD_STATE_TIMEOUT":
+                        self._keep(run, entry, name)  # still in flight: destroying it would abort
+                    raise NpuRunError(f"GEMM K={d.K} N={d.N} on the NPU ended in {name} "
+                                      f"(timeout {timeout_ms} ms)", name)
+                entry.bo_c.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE)
+                raw = entry.bo_c.read(d.M * d.compiled_N * 4, 0)
+                c = np.frombuffer(bytes(raw), np.float32).reshape(d.M, d.compiled_N)
+                n0 = p * d.compiled_N
+                width = min(d.compiled_N, d.N - n0)
+                out[:, n0 : n0 + width] = c[:rows, :width]
+        except NpuRunError:
+            raise
+        except Exception as exc:  # pyxrt raises RuntimeError (and others) from C++ for driver errors
+            raise NpuRunError(f"GEMM K={d.K} N={d.N} on the NPU raised {type(exc).__name__}: {exc}") from exc
+        return out
+
+    def stats(self) -> dict:
+        """{"passes": runs started, "contexts_opened": contexts created, "in_flight": runs kept} (after a poll)."""
+        self.poll()
+        return {"passes": self.passes, "contexts_opened": self.plan.opened, "in_flight": len(self.in_flight)}
+
+    def _keep(self, run, entry: _Design, state: str) -> None:
+        self.in_flight.append((run, str(entry.design.xclbin)))
+        if self not in _HOLDING_RUNS:  # a backend dropped meanwhile must not take the run with it
+            _HOLDING_RUNS.append(self)
+        entry.retired = f"a run ended in {state} and may still be running"
+        for other in self.designs.values():
+            if other.design.xclbin == entry.design.xclbin:
+                other.retired = entry.retired
+        self.plan.retire(entry.design)
+
+    def poll(self) -> int:
+        """Drop the kept runs whose state is now final; returns how many are still in flight."""
+        still = []
+        for run, xclbin in self.in_flight:
+            try:
+                name = state_name(run.state())
+            except Exception:  # the driver gave up on it: keep it, it is never destroyed here
+                name = None
+            if name is None or name not in FINAL_STATES:  # state() TIMEOUT: the driver ended it
+                still.append((run, xclbin))
+        self.in_flight = still
+        if not still and self in _HOLDING_RUNS:
+            _HOLDING_RUNS.remove(self)
+        busy = self.busy()
+        self.plan.retired = [c for c in self.plan.retired if c.xclbin in busy]  # the others close now
+        return len(still)
+
+    def close(self) -> None:
+        """Let go of everything but the runs still in flight (kept referenced until they end)."""
+        if self.poll():
+            return
+        self.weights.clear()
+        self.designs.clear()

@@ -1,0 +1,238 @@
+"""The NPU worker: a process of its own that holds pyxrt, so that nothing the driver stack does
+can stop or kill npud.
+
+pyxrt keeps the GIL in wait, call, sync, read and write, so an NPU run in a thread of npud
+would stall its event loop (socket, HTTP, watchdog) for the run's length, up to the timeout
+on a hang; a std::abort (an xrt::run destroyed in flight) or a segfault in the driver stack
+would end npud. Here the device calls run in `python -m npud.kernels.xrt_worker`, which the
+backend talks to over two pipes, one pickled frame per call and per answer; the backend
+waits on the pipe (no GIL held), and:
+
+- the worker dies (abort, segfault, killed): the call raises NpuRunError naming the signal;
+- the worker does not answer within the run's timeout plus REPLY_GRACE_S: it is killed and
+  the call raises NpuRunError;
+- after either, every later call raises NpuRunError at once (the device is lost to this
+  backend; the daemon quarantines it and serves on the host).
+
+The frames: 8 bytes of little-endian length, then a pickle of (method, args) one way and
+("ok", value) or ("err", kind, message, state) the other. The worker's stdout carries the
+frames only (anything printed goes to stderr).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import time
+import weakref
+
+from npud.kernels.xrt_device import DeviceSession, NpuRunError, XrtUnavailable
+
+REPLY_GRACE_S = 5.0  # beyond a run's own timeout, for the pipe and the worker's bookkeeping
+SETUP_TIMEOUT_S = 300.0  # opening a design, uploading a weight: no run involved
+_HEADER = struct.Struct("<Q")
+
+
+class WorkerError(RuntimeError):
+    """XRT refused something in the worker (its exception's type and text are in the message)."""
+
+
+def _write_frame(fd: int, obj, deadline: float | None) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(_HEADER.pack(len(data)) + data)
+    while view:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [fd], [], left)[1]:
+                raise TimeoutError
+        view = view[os.write(fd, view):]
+
+
+def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
+    chunks, have = [], 0
+    while have < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+        chunk = os.read(fd, min(n - have, 1 << 20))
+        if not chunk:
+            return None  # the other end closed
+        chunks.append(chunk)
+        have += len(chunk)
+    return b"".join(chunks)
+
+
+def _read_frame(fd: int, deadline: float | None):
+    head = _read_exact(fd, _HEADER.size, deadline)
+    if head is None:
+        return None
+    body = _read_exact(fd, _HEADER.unpack(head)[0], deadline)
+    return None if body is None else pickle.loads(body)
+
+
+class WorkerDevice:
+    """DeviceSession's methods, answered by the worker process. Raises XrtUnavailable when the
+    worker cannot start or the binding does not import there."""
+
+    def __init__(self, binding: str, generation: str, *, device_index: int = 0, context_budget: int | None = None):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the same modules as here
+        self.proc = subprocess.Popen([sys.executable, "-m", "npud.kernels.xrt_worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env, close_fds=True)
+        self._to, self._from = self.proc.stdin.fileno(), self.proc.stdout.fileno()
+        self.lost: str | None = None
+        # a backend dropped without close(): the worker reads the end of its pipe and exits
+        self._finalizer = weakref.finalize(self, _end, self.proc)
+        try:
+            self.simulator = self._call("init", (binding, generation, device_index, context_budget),
+                                        SETUP_TIMEOUT_S)
+        except NpuRunError as exc:
+            raise XrtUnavailable(f"the NPU worker did not start: {exc}") from None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _call(self, method: str, args: tuple, timeout_s: float):
+        if self.lost is not None:
+            raise NpuRunError(f"the NPU worker is gone ({self.lost})", "worker_lost")
+        deadline = time.monotonic() + timeout_s
+        try:
+            _write_frame(self._to, (method, args), deadline)
+            reply = _read_frame(self._from, deadline)
+        except TimeoutError:
+            self._lose(f"no answer to {method} in {timeout_s:g} s; killed")
+            raise NpuRunError(f"the NPU worker hung in {method} and was killed", "worker_hung") from None
+        except (BrokenPipeError, ConnectionResetError):
+            reply = None
+        if reply is None:
+            self._lose(self._death())
+            raise NpuRunError(f"the NPU worker died in {method}: {self.lost}", "worker_died")
+        if reply[0] == "ok":
+            return reply[1]
+        _, kind, message, state = reply
+        if kind == "XrtUnavailable":
+            raise XrtUnavailable(message)
+        if kind == "NpuRunError":
+            raise NpuRunError(message, state)
+        raise WorkerError(message)
+
+    def _death(self) -> str:
+        try:
+            code = self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            return "its pipe closed"
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exited with status {code}"
+
+    def _lose(self, why: str) -> None:
+        """Kill the worker (a hung driver call may keep it in the kernel a while: not waited for
+        long) and refuse every later call."""
+        self.lost = why
+        if self.proc.poll() is None:
+            self.proc.kill()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # in an uninterruptible driver call: reaped by close()
+                pass
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+
+    def kernel_errors(self, design) -> str | None:
+        return self._call("kernel_errors", (design,), SETUP_TIMEOUT_S)
+
+    def open_design(self, design) -> None:
+        self._call("open_design", (design,), SETUP_TIMEOUT_S)
+
+    def upload(self, key, bits) -> int:
+        return self._call("upload", (key, bits), SETUP_TIMEOUT_S)
+
+    def forget(self, handle: int) -> None:
+        self._call("forget", (handle,), SETUP_TIMEOUT_S)
+
+    def run(self, handle: int, a_bits, timeout_ms: int, step: int | None = None):
+        chunks = -(-a_bits.shape[0] // step) if step else a_bits.shape[0]  # each may take the timeout
+        return self._call("run", (handle, a_bits, timeout_ms, step),
+                          chunks * timeout_ms / 1000 + REPLY_GRACE_S)
+
+    def stats(self) -> dict:
+        return self._call("stats", (), SETUP_TIMEOUT_S)
+
+    def close(self) -> None:
+        """End the worker: it lets go of everything but runs still in flight, then exits
+        without destroying them."""
+        if self.lost is None:
+            try:
+                self._call("close", (), SETUP_TIMEOUT_S)
+                self.lost = "closed"
+            except (NpuRunError, WorkerError):
+                pass
+        self._finalizer()  # the pipes close; the worker exits (killed only if it does not)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    for stream in (proc.stdin, proc.stdout):
+        try:
+            stream.close()
+        except OSError:
+            pass
+    for _ in range(2):
+        try:
+            proc.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:  # a worker stuck in the driver: killed, then left to init
+            proc.kill()
+
+
+def _serve(frames_in: int, frames_out: int) -> None:
+    session: DeviceSession | None = None
+    while True:
+        frame = _read_frame(frames_in, None)
+        if frame is None:
+            break
+        method, args = frame
+        try:
+            if method == "init":
+                binding, generation, device_index, budget = args
+                try:
+                    xrt = __import__(binding)
+                except ImportError as e:
+                    raise XrtUnavailable(f"the XRT Python binding ({binding}) is not importable: {e}") from e
+                session = DeviceSession(xrt, generation, device_index, budget)
+                value = session.simulator
+            elif method == "close":
+                value = None
+            else:
+                value = getattr(session, method)(*args)
+            reply = ("ok", value)
+        except (XrtUnavailable, NpuRunError) as exc:
+            reply = ("err", type(exc).__name__, str(exc), getattr(exc, "state", None))
+        except Exception as exc:  # XRT's RuntimeError and the like: the backend decides
+            reply = ("err", "other", f"{type(exc).__name__}: {exc}", None)
+        _write_frame(frames_out, reply, None)
+        if method == "close":
+            break
+    if session is not None:
+        session.close()
+        if session.in_flight:
+            os._exit(0)  # never destroy a run in flight: that would abort
+
+
+def main() -> None:
+    frames_out = os.dup(1)
+    os.dup2(2, 1)  # a print in the binding must not corrupt the frames
+    _serve(0, frames_out)
+
+
+if __name__ == "__main__":
+    main()
