@@ -67,7 +67,7 @@ SOURCES = ("npud/engine/gguf/packed_cache.py", "npud/engine/gguf/load.py", "npud
            "npud/engine/weights/layout.py", "npud/engine/weights/__init__.py", "npud/kernels/base.py",
            "npud/kernels/ggml/gemm.py", "npud/kernels/ggml/blocks.py", "npud/kernels/ggml/nibbles.py", "npud/kernels/ggml/backend.py", "npud/kernels/host/backend.py",
            "npud/kernels/host/formats.py", "npud/kernels/host/resident.py")
-_ALLOWED = ("engine.", "kernels.")  # the only modules an entry's classes may come from
+_ALLOWED = ("npud.engine.", "npud.kernels.")  # the only modules an entry's classes may come from
 
 
 def default_root() -> Path:
