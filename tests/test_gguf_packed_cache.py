@@ -146,7 +146,7 @@ def test_the_key_covers_every_packing_source_and_the_pack_version(tmp_path, priv
     from npud.kernels.ggml import blocks, gemm, nibbles
     from npud.kernels.host.backend import HostBackend
 
-    root = Path(pc.__file__).resolve().parents[2]
+    root = Path(pc.__file__).resolve().parents[3]
     for fn in (gemm.pack_block_matrix, gemm.half_factors, nibbles.pack_rows, nibbles.pack, blocks.unpack_matrix):
         assert Path(inspect.getsourcefile(fn)).resolve().relative_to(root).as_posix() in pc.SOURCES, fn
     a = write_tiny_gguf(tmp_path / "a.gguf", "gemma3", seed=1)
