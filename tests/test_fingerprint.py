@@ -138,7 +138,7 @@ def test_a_bad_memo_is_ignored_and_rewritten(tmp_path, fresh_process, settled):
     path = _write(tmp_path / "model.safetensors", b"a" * 64)
     with capture_logs() as logs:
         memo = DigestMemo(memo_path)
-    assert [e["event"] for e in logs] == ["digest_memo_ignored"]
+    assert [e["event"] for e in logs] == ["cache_entry_rejected"] and logs[0]["cache"] == "digest-memo"
     assert memo.digest(path) == hashlib.sha256(b"a" * 64).hexdigest()
     memo.save()
     assert json.loads(memo_path.read_text())["hash"] == "sha256"

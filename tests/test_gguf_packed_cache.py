@@ -2,16 +2,17 @@
 prepared weights reads them back instead of packing, and they are the build's bits (every
 array, and the logits of a forward) on both block layouts; a fused projection's parts and a
 tied head are views of one buffer again (no array held twice); entries are keyed by the file's
-content; a damaged, truncated or foreign entry is ignored, removed and rebuilt; a tree naming
-a type outside the engine is refused; the oldest entries go past the limits."""
+content; a damaged, truncated or foreign entry is rejected, removed and rebuilt; an entry holds
+data, never code: a pickle planted in one runs nothing, and a tree of the wrong kinds is
+rejected, removed and rebuilt; the oldest entries go past the limits."""
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 import pickle
+import pickletools
 
 import numpy as np
 import pytest
@@ -191,33 +192,132 @@ def test_an_unusable_entry_is_ignored_and_rebuilt(tiny, private_cache, spoil):
     assert pc.load(entry.stem, private_cache) is not None
 
 
-def test_a_tree_naming_a_type_outside_the_engine_is_refused(tmp_path):
-    class Evil:
-        def __reduce__(self):
-            return (os.system, ("true",))
+def small_weights(fill: int, n: int = 1000):
+    """A ModelWeights of one tied table and no layers: the smallest tree an entry holds."""
+    from npud.engine.weights import ModelWeights
+    from npud.kernels.base import WeightFormat
 
-    weights = {"head": LinearWeight.__name__, "evil": Evil()}
-    root = tmp_path / "root"
-    pc.store(weights, "k" * 64, root)
-    (entry,) = entries(root)
+    table = LinearWeight(WeightFormat.FP32, np.full((1, n), fill, np.float32))
+    return ModelWeights(embed=table, layers=[], final_norm=np.ones(n, np.float32), lm_head=table, fingerprint="small")
+
+
+def rewrite_header(entry, change):
     first, _, rest = entry.read_bytes().partition(b"\n")
-    assert b"system" in rest
-    with pytest.raises(pickle.UnpicklingError):
-        pc._Reader(io.BytesIO(rest[: json.loads(first)["tree_bytes"]]), [], []).load()
-    assert pc.load("k" * 64, root) is None and not entry.exists()
+    header = json.loads(first)
+    change(header)
+    entry.write_bytes(json.dumps(header).encode() + b"\n" + rest)
+
+
+def planted_pickle(command: str) -> bytes:
+    """A protocol-4 pickle that calls os.system(command) through a dotted name inside an npud
+    module (npud.kernels.host.cache's `os.system`): what passed the old reader's module-prefix check."""
+    def text(s: str) -> bytes:
+        return b"\x8c" + bytes([len(s.encode())]) + s.encode()  # SHORT_BINUNICODE
+
+    return b"\x80\x04" + text("npud.kernels.host.cache") + text("os.system") + b"\x93" + text(command) + b"\x85R."
+
+
+class _Gadget:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def test_a_pickle_planted_as_an_entry_runs_nothing(tiny, private_cache, tmp_path):
+    """What issue 39 did from outside: a pickle whose class resolves to os.system, in an entry
+    whose header and sums are valid. The reader builds its objects itself: nothing runs, the
+    entry is rejected and removed, and the next load rebuilds it."""
+    want = logits(Model.load(tiny, "bf16"))
+    marker = tmp_path / "ran"
+    planted = planted_pickle(f"touch {marker}")
+    assert [op.name for op, _, _ in pickletools.genops(planted)][3] == "STACK_GLOBAL"
+    # where the old format held its pickle: after the header line, before the buffers
+    (entry,) = entries(private_cache)
+    raw = entry.read_bytes()
+    head, _, _ = raw.partition(b"\n")
+    header = json.loads(head)
+    start = -(-(len(head) + 1 + header.get("tree_bytes", 0)) // pc.ALIGN) * pc.ALIGN  # the first buffer's offset
+    header.pop("tree", None)
+    header["tree_bytes"] = len(planted)
+    line = json.dumps(header).encode()
+    line += b" " * (start - len(planted) - len(line) - 1)  # the buffers stay where the sums expect them
+    entry.write_bytes(line + b"\n" + planted + raw[start:])
+    loaded = pc.load(entry.stem, private_cache)
+    assert not marker.exists()
+    assert loaded is None and not entry.exists()
+    # and in the tree's own place in the header
+    Model.load(tiny, "bf16")
+    (entry,) = entries(private_cache)
+    rewrite_header(entry, lambda h: h.__setitem__("tree", planted.decode("latin-1")))
+    assert pc.load(entry.stem, private_cache) is None and not entry.exists()
+    assert not marker.exists()
+    again = Model.load(tiny, "bf16")
+    for x, y in zip(want, logits(again)):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+
+
+def _wrong_root(h):
+    h["tree"] = h["tree"]["fields"]["embed"]  # a LinearWeight where the root is a ModelWeights
+
+
+def _unknown_kind(h):
+    h["tree"]["fields"]["layers"][0]["kind"] = "Popen"
+
+
+def _wrong_field_type(h):
+    h["tree"]["fields"]["final_norm"] = "not an array"
+
+
+def _missing_field(h):
+    del h["tree"]["fields"]["layers"][0]["fields"]["mlp"]
+
+
+def _object_dtype(h):
+    h["arrays"][0][2] = "|O"
+
+
+def _array_past_its_buffer(h):
+    h["arrays"][0][1] = 1 << 40
+
+
+def _dangling_reference(h):
+    h["tree"]["fields"]["lm_head"] = {"ref": 10**6}
+
+
+@pytest.mark.parametrize("spoil", [_wrong_root, _unknown_kind, _wrong_field_type, _missing_field, _object_dtype,
+                                   _array_past_its_buffer, _dangling_reference])
+def test_an_entry_of_the_wrong_kinds_is_rejected_removed_and_rebuilt(tiny, private_cache, spoil, capsys):
+    want = logits(Model.load(tiny, "bf16"))
+    (entry,) = entries(private_cache)
+    rewrite_header(entry, spoil)  # header and sums as valid as the writer made them
+    capsys.readouterr()
+    assert pc.load(entry.stem, private_cache) is None
+    assert not entry.exists()
+    log = capsys.readouterr().out
+    assert log.count("cache_entry_rejected") == 1 and str(entry) in log
+    again = Model.load(tiny, "bf16")  # a load that succeeds, through a rebuild
+    assert entries(private_cache) == [entry]
+    for x, y in zip(want, logits(again)):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+
+
+def test_a_tree_of_anything_but_the_weights_kinds_is_not_stored(tmp_path):
+    root = tmp_path / "root"
+    pc.store({"w": np.zeros(4, np.uint8)}, "k" * 64, root)
+    pc.store(_Gadget(), "j" * 64, root)
+    assert entries(root) == []
 
 
 def test_the_least_recently_used_entries_go_past_the_limits(tmp_path, monkeypatch):
     root = tmp_path / "root"
     monkeypatch.setattr(pc, "MAX_ENTRIES", 3)
     for i in range(4):
-        pc.store({"w": np.full(1000, i, np.uint8)}, f"{i:064d}", root)
+        pc.store(small_weights(i), f"{i:064d}", root)
         os.utime(root / f"{i:064d}{pc.SUFFIX}", ns=(i * 10**9, i * 10**9))
     assert [p.stem[-1] for p in entries(root)] == ["1", "2", "3"]
-    assert pc.load(f"{1:064d}", root)["w"][0] == 1  # a read makes an entry the newest
+    assert pc.load(f"{1:064d}", root).embed.data[0, 0] == 1  # a read makes an entry the newest
     size = (root / f"{1:064d}{pc.SUFFIX}").stat().st_size
     monkeypatch.setattr(pc, "MAX_BYTES", 2 * size)
-    pc.store({"w": np.full(1000, 9, np.uint8)}, f"{9:064d}", root)
+    pc.store(small_weights(9), f"{9:064d}", root)
     assert [p.stem[-1] for p in entries(root)] == ["1", "9"]
 
 

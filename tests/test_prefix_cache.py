@@ -421,7 +421,7 @@ def _one_file(tmp_path, recurrent=False, fingerprint=FP, **state_kw) -> Path:
 def _reopen_expecting_drop(tmp_path, path, reason):
     with capture_logs() as logs:
         cache = cache_with(tmp_path)  # never raises
-    dropped = [e for e in logs if e["event"] == "prefix_cache_file_dropped"]
+    dropped = [e for e in logs if e["event"] == "cache_entry_rejected"]
     assert len(dropped) == 1 and dropped[0]["path"] == str(path), logs
     assert reason in dropped[0]["reason"], dropped[0]["reason"]
     assert not path.exists()
@@ -464,7 +464,7 @@ def test_garbage_in_the_tensor_data_is_dropped_when_read(tmp_path):
     assert cache.stats().entries == 1
     with capture_logs() as logs:
         assert cache.lookup(P[:40]) is None
-    assert [e["event"] for e in logs] == ["prefix_cache_file_dropped"] and "digest" in logs[0]["reason"]
+    assert [e["event"] for e in logs] == ["cache_entry_rejected"] and "digest" in logs[0]["reason"]
     assert not path.exists() and cache.stats().entries == 0 and cache.stats().misses == 1
 
 

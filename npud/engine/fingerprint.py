@@ -31,6 +31,7 @@ from pathlib import Path
 
 import structlog
 
+from npud.engine.cache_entry import reject
 from npud.engine.prefix_store import write_atomic
 from npud.kernels import base as kernels_base
 from npud.kernels.base import WeightFormat, numerics_identity
@@ -85,7 +86,7 @@ class DigestMemo:
                     raise ValueError(f"not a version {MEMO_VERSION} {HASH} memo")
                 self._saved = raw["files"]
             except (OSError, ValueError, AttributeError) as exc:
-                log.warning("digest_memo_ignored", path=str(self.path), reason=str(exc))
+                reject(self.path, "digest-memo", str(exc))
 
     def digest(self, path: str | Path) -> str:
         """The hex digest of the file's whole content, read only when the memo does not know

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import structlog
 
+from npud.engine.cache_entry import reject
+
 log = structlog.get_logger(__name__)
 
 FORMAT = 2  # of the cache entry and of what the key covers
@@ -95,7 +97,7 @@ def read_entry(key: str, max_rows: int, directory: Path | None = None) -> list[f
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        log.warning("pass_costs_entry_rejected", key=key[:24], reason="unreadable", error=str(e))
+        reject(path, "pass-costs", f"unreadable: {e}")
         return None
     seconds = raw.get("table") if isinstance(raw, dict) else None
     reason = None
@@ -109,7 +111,7 @@ def read_entry(key: str, max_rows: int, directory: Path | None = None) -> list[f
             or any(b < a for a, b in zip(seconds, seconds[1:])):
         reason = "seconds"
     if reason is not None:
-        log.warning("pass_costs_entry_rejected", key=key[:24], reason=reason)
+        reject(path, "pass-costs", reason)
         return None
     return seconds
 

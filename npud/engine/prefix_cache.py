@@ -43,6 +43,7 @@ import numpy as np
 import structlog
 
 from npud.engine import prefix_dir, prefix_store as store
+from npud.engine.cache_entry import reject
 from npud.engine.prefix_dir import Entry
 from npud.engine.forward import drive
 from npud.engine.packed import Pass
@@ -461,7 +462,7 @@ class PrefixCache:
             snap = store.read_entry_snapshot(entry.path, fingerprint=self.fingerprint, tokens=entry.tokens.tolist())
             self._template.check_snapshot(snap)
         except (store.BadFile, StateError, OSError) as exc:
-            log.warning("prefix_cache_file_dropped", path=str(entry.path), reason=str(exc))
+            reject(entry.path, "prefix", str(exc))
             self._counts["files_dropped"] += 1
             pinned = bool(entry.pins)
             self._remove(entry)

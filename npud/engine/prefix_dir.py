@@ -14,6 +14,7 @@ import numpy as np
 import structlog
 
 from npud.engine import prefix_store as store
+from npud.engine.cache_entry import reject
 from npud.engine.state import PlaneKind, StateSnapshot
 
 log = structlog.get_logger(__name__)
@@ -55,9 +56,8 @@ def rebuild(cache) -> None:
             stale.append(path)
             continue
         except (store.BadFile, OSError) as exc:
-            log.warning("prefix_cache_file_dropped", path=str(path), reason=str(exc))
+            reject(path, "prefix", str(exc))
             cache._counts["files_dropped"] += 1
-            store.unlink(path)
             continue
         found.append((path.stat().st_mtime_ns, entry))
     if stale:

@@ -8,9 +8,10 @@ some 60 MiB above the packed weights. A start with an entry maps the packed arra
 the GGUF file's tensor pages (only its header, for the config).
 
 An entry is one file, `<cache_dir()>/packed/<key>.npw`: a header line (JSON: the format, the
-key, and per buffer its kind, size and a 64-bit word sum), a pickled tree of the weights
-dataclasses in which every array is a reference (buffer, byte offset, dtype, shape,
-strides), then the buffers, each on a 4 KiB boundary. Arrays that were views of one buffer
+key, per buffer its kind, size and a 64-bit word sum, each array as (buffer, byte offset,
+dtype, shape, strides), and the weights tree as data, npud/engine/weights/tree.py's nodes),
+then the buffers, each on a 4 KiB boundary. Nothing in an entry is code: the reader builds
+the weights dataclasses itself from a closed list of kinds and checks every field's type. Arrays that were views of one buffer
 (each part of a fused projection, a tied head) are views of one buffer again: no array is
 held twice. A buffer of the huge-page arena (npud/kernels/host/resident.py, "gguf-q8") is read
 back into that arena (the kernels stream the same kind of memory as after a build), every
@@ -22,9 +23,10 @@ The key is a sha256 over the GGUF file's whole content (npud/engine/fingerprint.
 persisted beside the tokenizers' entries: an unchanged file is not read again), the layout,
 the backend's class and numerics identity, numpy's version, PACK_VERSION and the source of
 the modules that decide the packing, so a change to any of them makes a new entry. An entry
-that is truncated, whose word sums do not match (a torn or zeroed page), or that does not
-unpickle into the engine's own types is ignored and rebuilt. The sums catch damage, not
-tampering: the cache directory is trusted as the compiled kernels beside it are. At most
+that is truncated, whose word sums do not match (a torn or zeroed page), or whose tree is not
+a weights tree (npud/engine/weights/tree.py) is rejected (`cache_entry_rejected`), removed and
+rebuilt. The sums catch damage, not tampering; tampering needs the cache directory, which
+npud uses only when it owns it (docs/operations.md, "The kernel cache"). At most
 MAX_ENTRIES entries and MAX_BYTES are kept, the least recently used go first (the newest
 stays whatever its size).
 """
@@ -32,11 +34,9 @@ stays whatever its size).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import mmap
 import os
-import pickle
 from pathlib import Path
 
 import numpy as np
@@ -47,15 +47,18 @@ try:
 except ImportError:  # numpy < 2
     from numpy import byte_bounds
 
+from npud.engine.cache_entry import reject
 from npud.engine.fingerprint import FingerprintError, directory_memo
 from npud.engine.prefix_store import unlink, write_atomic
+from npud.engine.weights import tree as weights_tree
 
 log = structlog.get_logger(__name__)
 
 FORMAT = "npud-packed-weights"
 # bump when what an entry holds changes in a way the sources below do not show (2: the exact
-# path's q tiles packed in 4 / 5 bits and its factor tiles in float16 where exact)
-PACK_VERSION = 2
+# path's q tiles packed in 4 / 5 bits and its factor tiles in float16 where exact; 3: the tree
+# as data, npud/engine/weights/tree.py, instead of a pickle)
+PACK_VERSION = 3
 SUBDIR = "packed"
 SUFFIX = ".npw"
 MAX_ENTRIES = 32
@@ -66,8 +69,7 @@ _ROOT = Path(__file__).resolve().parents[3]  # the checkout (or site-packages) t
 SOURCES = ("npud/engine/gguf/packed_cache.py", "npud/engine/gguf/load.py", "npud/engine/model.py", "npud/engine/gguf/weights.py",
            "npud/engine/weights/layout.py", "npud/engine/weights/__init__.py", "npud/kernels/base.py",
            "npud/kernels/ggml/gemm.py", "npud/kernels/ggml/blocks.py", "npud/kernels/ggml/nibbles.py", "npud/kernels/ggml/backend.py", "npud/kernels/host/backend.py",
-           "npud/kernels/host/formats.py", "npud/kernels/host/resident.py")
-_ALLOWED = ("npud.engine.", "npud.kernels.")  # the only modules an entry's classes may come from
+           "npud/kernels/host/formats.py", "npud/kernels/host/resident.py", "npud/engine/weights/tree.py")
 
 
 def default_root() -> Path:
@@ -122,23 +124,6 @@ def _owner(a: np.ndarray) -> tuple[str, object]:
     return "array", a
 
 
-class _Writer(pickle.Pickler):
-    """Pickles a tree with each array as ("a", its index in `arrays`)."""
-
-    def __init__(self, file):
-        super().__init__(file, protocol=5)
-        self.arrays: list[np.ndarray] = []
-        self._index: dict[int, int] = {}  # id(array) -> index
-
-    def persistent_id(self, obj):
-        if not isinstance(obj, np.ndarray):
-            return None
-        if id(obj) not in self._index:
-            self._index[id(obj)] = len(self.arrays)
-            self.arrays.append(obj)
-        return ("a", self._index[id(obj)])
-
-
 def _layout(arrays: list[np.ndarray]) -> tuple[list[tuple[str, np.ndarray]], list[list]]:
     """The buffers to write, (kind, bytes), and each array as [buffer, offset, dtype, shape,
     strides]. An owner's whole memory is one buffer; an arena mapping gives one buffer per run
@@ -187,18 +172,16 @@ def _word_sum(raw: np.ndarray) -> int:
 def store(weights, key: str, root: Path | None = None) -> None:
     """Write `weights` (a prepared weights tree) as the entry `key`; a refusal of the disk is logged."""
     root = Path(root) if root is not None else default_root()
-    tree = io.BytesIO()
-    writer = _Writer(tree)
     try:
-        writer.dump(weights)
-        buffers, table = _layout(writer.arrays)
-    except (TypeError, ValueError, pickle.PicklingError) as exc:  # a tree this module cannot keep: built each start
+        doc, arrays = weights_tree.encode(weights)
+        buffers, table = _layout(arrays)
+    except (TypeError, ValueError) as exc:  # a tree this module cannot keep: built each start
         log.warning("packed_weights_not_stored", reason=str(exc))
         return
     views = [data for _, data in buffers]
-    header = {"format": FORMAT, "key": key, "tree_bytes": tree.tell(), "arrays": table,
+    header = {"format": FORMAT, "key": key, "tree": doc, "arrays": table,
               "buffers": [{"kind": kind, "bytes": int(v.size), "sum": _word_sum(v)} for (kind, _), v in zip(buffers, views)]}
-    head = json.dumps(header, sort_keys=True).encode() + b"\n" + tree.getvalue()
+    head = json.dumps(header, sort_keys=True, allow_nan=False).encode() + b"\n"
     parts, at = [head], len(head)
     for v in views:
         pad = -at % ALIGN
@@ -217,26 +200,9 @@ def store(weights, key: str, root: Path | None = None) -> None:
 # -- reading ------------------------------------------------------------------------------
 
 
-class _Reader(pickle.Unpickler):
-    def __init__(self, file, buffers: list[np.ndarray], table: list[list]):
-        super().__init__(file)
-        self._buffers, self._table = buffers, table
-
-    def persistent_load(self, pid):
-        tag, n = pid
-        if tag != "a":
-            raise pickle.UnpicklingError("unknown reference")
-        i, offset, dtype, shape, strides = self._table[n]
-        return np.ndarray(tuple(shape), np.dtype(dtype), buffer=self._buffers[i], offset=offset, strides=tuple(strides))
-
-    def find_class(self, module, name):
-        if module.startswith(_ALLOWED) or (module == "builtins" and name in ("tuple", "list", "dict", "frozenset", "set", "slice")):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not an engine type")
-
-
 def load(key: str, root: Path | None = None):
-    """The weights tree of entry `key`, or None when there is none or it is unusable (logged)."""
+    """The ModelWeights of entry `key`, or None when there is none or it is unusable (then the
+    entry is rejected: logged once and removed, so the caller's build replaces it)."""
     root = Path(root) if root is not None else default_root()
     entry = root / f"{key}{SUFFIX}"
     try:
@@ -244,18 +210,17 @@ def load(key: str, root: Path | None = None):
     except FileNotFoundError:
         return None
     except OSError as exc:
-        log.warning("packed_weights_entry_ignored", entry=str(entry), reason=exc.strerror or str(exc))
+        reject(entry, "packed", f"cannot open: {exc.strerror or exc}")
         return None
     try:
         with f:
             weights, why = _read(f, key)
     except OSError as exc:
         weights, why = None, f"cannot read: {exc.strerror or exc}"
-    except (KeyError, TypeError, ValueError, IndexError):  # a header of the right key but not of this shape
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError):  # a header of the right key but not of this shape
         weights, why = None, "a malformed header"
     if weights is None:
-        log.warning("packed_weights_entry_ignored", entry=str(entry), reason=why)
-        unlink(entry)
+        reject(entry, "packed", why)
         return None
     try:
         os.utime(entry)  # the eviction order: least recently used first
@@ -273,11 +238,12 @@ def _read(f, key: str):
         return None, "not a packed weights entry"
     if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("key") != key:
         return None, "not this model's packed weights entry"
-    tree = f.read(header["tree_bytes"])
-    at = len(first) + len(tree)
+    at = len(first)
     size = os.fstat(f.fileno()).st_size
     buffers = []
     for b in header["buffers"]:
+        if type(b["bytes"]) is not int or b["bytes"] < 0 or b["kind"] not in ("array", "arena"):
+            return None, "a malformed header"
         at += -at % ALIGN
         if at + b["bytes"] > size:
             return None, "truncated"
@@ -289,9 +255,24 @@ def _read(f, key: str):
         buffers.append(buf)
         at += b["bytes"]
     try:
-        return _Reader(io.BytesIO(tree), buffers, header["arrays"]).load(), ""
-    except Exception as exc:  # a tree that passed its sums but names types this engine no longer has
-        return None, f"unusable: {type(exc).__name__}"
+        arrays = [_array(buffers, *spec) for spec in header["arrays"]]
+        return weights_tree.decode(header["tree"], arrays), ""
+    except weights_tree.TreeError as exc:
+        return None, f"not a weights tree: {exc}"
+
+
+def _array(buffers: list[np.ndarray], buffer: int, offset: int, dtype: str, shape: list, strides: list) -> np.ndarray:
+    """One array of an entry's table over its buffer. Raises TreeError for an index, a dtype or
+    an extent the buffer does not have (numpy checks the extent against the buffer's size)."""
+    if type(buffer) is not int or not 0 <= buffer < len(buffers):
+        raise weights_tree.TreeError(f"buffer {buffer!r} is not in the entry")
+    kind = np.dtype(dtype)
+    if kind.kind not in weights_tree.DTYPE_KINDS or kind.hasobject:
+        raise weights_tree.TreeError(f"an array of {dtype!r}")
+    try:
+        return np.ndarray(tuple(shape), kind, buffer=buffers[buffer], offset=offset, strides=tuple(strides))
+    except (TypeError, ValueError) as exc:
+        raise weights_tree.TreeError(f"an array outside its buffer: {exc}") from None
 
 
 def _map(f, at: int, size: int) -> np.ndarray:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import structlog
 
+from npud.engine.cache_entry import reject
 from npud.engine.fingerprint import MEMO_FILE, FingerprintError, directory_memo
 from npud.engine.gguf.tokenizer import (BUILDER_VERSION, assemble_backend, decode_native, decode_recipe, finish_backend,
                                    gguf_tokenizer_parts, native_backend, tokenizer_from_parts)
@@ -90,7 +91,7 @@ def _load(path, root) -> tuple[Tokenizer, str]:
         if tokenizer is not None:
             _touch(entry)
             return tokenizer, "hit"
-        log.warning("tokenizer_cache_entry_ignored", entry=str(entry), reason=why)
+        reject(entry, "tokenizer", why)
         status = "rebuilt"
     try:
         g = open_gguf(path)
