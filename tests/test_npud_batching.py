@@ -90,7 +90,7 @@ async def test_interactive_requests_join_the_running_batch_and_get_the_text_they
 
         async with trio.open_nursery() as clients:
             for prompt, n in (("now", 5), ("later", 9)):
-                npud.clients.start_soon(complete, prompt, n)
+                clients.start_soon(complete, prompt, n)
         assert done["now"]["text"] == fakes.expected_text("now", 5)
         assert done["later"]["text"] == fakes.expected_text("later", 9)
         assert (await c.status(batch))["state"] == "running"  # they rode its ticket: no preemption
