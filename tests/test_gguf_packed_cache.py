@@ -22,6 +22,7 @@ from npud.engine.forward import Forward
 from npud.engine.gguf import load as gguf_load
 from npud.engine.gguf import packed_cache as pc
 from npud.engine.model import Model
+from npud.engine.weights import ModelWeights
 from gguf_checkpoints import write_tiny_gguf
 from npud.kernels.base import LinearWeight
 
@@ -202,10 +203,16 @@ def small_weights(fill: int, n: int = 1000):
 
 
 def rewrite_header(entry, change):
-    first, _, rest = entry.read_bytes().partition(b"\n")
+    """The entry with `change` applied to its header and its buffers as they were: each buffer
+    keeps its place relative to the first, which starts on the first boundary after the line."""
+    raw = entry.read_bytes()
+    first, _, _ = raw.partition(b"\n")
+    start = -(-(len(first) + 1) // pc.ALIGN) * pc.ALIGN
     header = json.loads(first)
     change(header)
-    entry.write_bytes(json.dumps(header).encode() + b"\n" + rest)
+    line = json.dumps(header).encode()
+    line += b" " * (-(len(line) + 1) % pc.ALIGN)
+    entry.write_bytes(line + b"\n" + raw[start:])
 
 
 def planted_pickle(command: str) -> bytes:
@@ -283,9 +290,15 @@ def _dangling_reference(h):
     h["tree"]["fields"]["lm_head"] = {"ref": 10**6}
 
 
-@pytest.mark.parametrize("spoil", [_wrong_root, _unknown_kind, _wrong_field_type, _missing_field, _object_dtype,
-                                   _array_past_its_buffer, _dangling_reference])
-def test_an_entry_of_the_wrong_kinds_is_rejected_removed_and_rebuilt(tiny, private_cache, spoil, capsys):
+def _nothing(h):
+    pass
+
+
+@pytest.mark.parametrize("spoil, reason", [(_wrong_root, "the root is a LinearWeight"), (_unknown_kind, "no known kind"),
+                                           (_wrong_field_type, "final_norm: a str"), (_missing_field, "with fields"),
+                                           (_object_dtype, "an array of '|O'"), (_array_past_its_buffer, "outside its buffer"),
+                                           (_dangling_reference, "reference 1000000")])
+def test_an_entry_of_the_wrong_kinds_is_rejected_removed_and_rebuilt(tiny, private_cache, spoil, reason, capsys):
     want = logits(Model.load(tiny, "bf16"))
     (entry,) = entries(private_cache)
     rewrite_header(entry, spoil)  # header and sums as valid as the writer made them
@@ -293,11 +306,19 @@ def test_an_entry_of_the_wrong_kinds_is_rejected_removed_and_rebuilt(tiny, priva
     assert pc.load(entry.stem, private_cache) is None
     assert not entry.exists()
     log = capsys.readouterr().out
-    assert log.count("cache_entry_rejected") == 1 and str(entry) in log
+    assert log.count("cache_entry_rejected") == 1 and str(entry) in log and reason in log, log
     again = Model.load(tiny, "bf16")  # a load that succeeds, through a rebuild
     assert entries(private_cache) == [entry]
     for x, y in zip(want, logits(again)):
         assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+
+
+def test_a_rewritten_header_alone_leaves_an_entry_that_loads(tiny, private_cache):
+    # the check on rewrite_header: the spoils above are all that make those entries bad
+    Model.load(tiny, "bf16")
+    (entry,) = entries(private_cache)
+    rewrite_header(entry, _nothing)
+    assert isinstance(pc.load(entry.stem, private_cache), ModelWeights)
 
 
 def test_a_tree_of_anything_but_the_weights_kinds_is_not_stored(tmp_path):
