@@ -55,3 +55,13 @@ def gemma_library_backend():
     from npud.engine.gguf.tokenizer import gguf_tokenizer
 
     return gguf_tokenizer(open_gguf(gemma_gguf_path()), library=True)
+
+
+@functools.cache
+def gemma_transformers_tokenizer():
+    """transformers' tokenizer of the same file (`AutoTokenizer.from_pretrained(dir,
+    gguf_file=name)`): the outside reference, built by code npud does not share. Built once per
+    test session (about 25 s)."""
+    transformers = need("transformers", "the reference tokenizer")
+    path = gemma_gguf_path()
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))

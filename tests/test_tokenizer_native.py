@@ -6,7 +6,10 @@ vocabulary, emoji, CJK, whitespace runs, control-token spellings whole and cut, 
 texts), on tiny synthetic vocabularies of both kinds (gemma and Metaspace) with and without
 an unknown token and byte tokens, with a repeated spelling, and on the real gemma-3-270m;
 streaming decode agrees; a long text is encoded with the GIL released; and the gemma path
-never imports `tokenizers`."""
+never imports `tokenizers`. Where a literal U+2581 meets spaces, tabs and newlines, both backends
+are compared with transformers' tokenizer of the same file instead (an outside reference: the
+two backends share the recipe they are built from), on gemma-3-270m and on a tiny gemma
+vocabulary whose all-space tokens are stored with spaces, as llama.cpp writes gemma's."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from gguf_checkpoints import add_spm_vocabulary
+from real_gemma import need
 
 from npud.engine.gguf import open_gguf
 from npud.engine.gguf.tokenizer import gguf_tokenizer
@@ -185,3 +189,84 @@ def test_a_gguf_sentencepiece_vocabulary_never_imports_tokenizers(tmp_path):
                            check=True).stdout.strip().split("\n")[-1] for _ in range(2)]
     assert outs[0].startswith("miss ") and outs[1] == "hit " + outs[0][len("miss "):]
     assert outs[1].endswith("False")
+
+
+U = "\u2581"
+# SentencePiece writes a space as U+2581 before its merges run, so a literal U+2581 is a space
+# to them; these put literal ones against spaces, tabs, newlines and words (issue 39). Past 31
+# (gemma's longest whitespace token) sentencepiece itself cuts a run greedily, 31 first, and
+# transformers by the merges (40: 16 + 24): these follow transformers, as npud does for spaces.
+SPACES_AND_U2581 = [
+    U, U * 2, U * 3, U * 8, U * 31, U * 40, U * 20 + " " * 20, " " * 40,
+    " " + U, U + " ", " " + U * 2 + " ", U + " " + U, "a " + U * 2 + " b", "x " + U * 3, U + " " + U * 2 + " " + U * 3,
+    "  " + U * 2 + "x  ", "   " + U + "hello" + U * 2 + "  ", U * 2 + "hello" + U * 2 + "world",
+    "\t" + U * 2 + "\n" + U + " " + U + "\t", U * 3 + "\n\n   " + U * 2 + "\t\t" + U, "\r\n" + U * 2 + " \r\n",
+    "a" + " " * 5 + U * 5 + " " * 5 + "b", "def f():\n" + U * 4 + "return 1\n" + " " * 4 + U * 4 + "pass",
+    "<start_of_turn>" + U * 2 + " user\n" + U,
+]
+
+
+def assert_transformers_ids(ref, tokenizers: list[Tokenizer], texts: list[str]) -> None:
+    """Each tokenizer gives transformers' ids (with and without BOS) and decodes them to
+    transformers' text, which is the text with each U+2581 a space."""
+    for text in texts:
+        want = ref(text, add_special_tokens=False).input_ids
+        assert ref.decode(want) == text.replace(U, " "), text
+        for tok in tokenizers:
+            assert tok.encode(text) == want, (text, tok._backend)
+            assert tok.encode(text, True) == ref(text).input_ids, text
+            assert tok.decode(want) == ref.decode(want), want
+
+
+def test_gemma_3_270m_gives_transformers_ids_where_u2581_meets_spaces():
+    """The two texts reported from outside, with their ids from transformers' tokenizer of the
+    same file (sentencepiece gives the same): a literal run of U+2581 is as many spaces, merged
+    with the spaces beside it into one whitespace token."""
+    from real_gemma import gemma_gguf_path, gemma_library_backend, gemma_transformers_tokenizer
+
+    ref = gemma_transformers_tokenizer()
+    native, library = gguf_tokenizer(open_gguf(gemma_gguf_path())), gemma_library_backend()
+    assert type(native._backend) is NativeBackend and hasattr(library._backend, "library")
+    for tok in (native, library):
+        assert tok.encode("x " + U * 3) == [236781, 140]  # "x", four spaces
+        assert tok.encode(U + " " + U * 2 + " " + U * 3) == [144]  # eight spaces
+        assert tok.decode([236781, 140]) == "x    " and tok.decode([144]) == " " * 8
+    assert_transformers_ids(ref, [native, library], SPACES_AND_U2581)
+
+
+def write_gemma_spaces_gguf(path: Path) -> tuple[Path, list[str]]:
+    """A gemma3 vocabulary shaped like gemma-3-270m's where spaces are: its all-space tokens
+    (2 to 8 spaces) and newline and tab runs user-defined, the all-space ones stored with
+    spaces as llama.cpp writes them; "\u2581" and words with and without it; byte tokens.
+    Returns the path and the tokens."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [3, 3, 3, 2] + [6] * 256
+    blank = ["\n", "\n\n", "\t", "\t\t"] + [" " * n for n in range(2, 9)]
+    words = [U + "hello", "hello", "hell", "hel", "he", "ll", "lo", U + "h", U + "x", "x" + U, U,
+             "x", "a", "b", "h", "e", "l", "o"]
+    tokens += blank + words
+    types += [4] * len(blank) + [1] * len(words)
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    add_spm_vocabulary(w, tokens, [0.0] * len(tokens), types, unk=True, pad=True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, tokens
+
+
+def test_tiny_gemma_vocabulary_gives_transformers_ids_where_u2581_meets_spaces(tmp_path):
+    """As on gemma-3-270m, without it: both backends against transformers' tokenizer of the
+    same tiny file, on the texts above and random ones of spaces, U+2581, tabs, newlines and
+    letters."""
+    transformers = need("transformers", "the reference tokenizer")
+    path, tokens = write_gemma_spaces_gguf(tmp_path / "spaces.gguf")
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    native, library = gguf_tokenizer(open_gguf(path)), gguf_tokenizer(open_gguf(path), library=True)
+    for tok in (native, library):
+        assert tok.encode("x " + U * 3) == [tokens.index("x"), tokens.index(" " * 4)]
+        assert tok.encode(U + " " + U * 2 + " " + U * 3) == [tokens.index(" " * 8)]
+    rng = random.Random(39)
+    alphabet = [" ", " ", U, U, U, "\t", "\n", "x", "a", "hello", "\r"]
+    texts = SPACES_AND_U2581 + ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 24))) for _ in range(300)]
+    assert_transformers_ids(ref, [native, library], texts)

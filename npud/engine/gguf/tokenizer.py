@@ -11,7 +11,8 @@ Described the way transformers' GGUF conversion builds it as a `tokenizers` obje
   the byte alphabet, and the pre-tokenizer split of `tokenizer.ggml.pre` where it is one of
   the known ones.
 Control tokens (type 3) become special added tokens, user-defined ones (type 4) plain added
-tokens, so both are matched whole. A BOS is added in front when add_bos_token is set.
+tokens, so both are matched whole. A BOS is added in front when add_bos_token is set. Gemma's
+all-space tokens are user-defined but not added: merges reach them once spaces are "▁" (below).
 
 What runs it: for `llama` files the C tokenizer of npud/engine/tokenizer_native.py, over the
 arrays native_arrays makes (it gives the ids and text the `tokenizers` object assemble_backend
@@ -92,6 +93,7 @@ def gguf_recipe(g: GgufFile) -> dict:
     if kind is None or not tokens:
         raise TokenizerError(f"{g.path}: the file has no tokenizer (tokenizer.ggml.model / tokens)")
     types = _meta(g, "tokenizer.ggml.token_type", list, []) or []
+    file_tokens = tokens  # as the file spells them, before gemma's all-space tokens are respelled
     arch = g.architecture
     unk_id = _meta(g, "tokenizer.ggml.unknown_token_id", int)
     gemma, split, unk = False, None, None
@@ -134,7 +136,11 @@ def gguf_recipe(g: GgufFile) -> dict:
         raise TokenizerError(f"{g.path}: a merge names {exc.args[0]!r}, which is not in the vocabulary") from None
     control = [t for t, ty in zip(tokens, types) if ty == _CONTROL and (byte_level is None or set(t) <= byte_level)]
     known = vocab.keys() | set(control)  # what the backend knows once the control tokens are added
-    user = [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in known]
+    # Added whole as the file spells them, so gemma's all-space tokens ("  ", respelled "▁▁") are
+    # not: added as "▁▁" they would be cut out of the raw text, where a "▁" is a literal one
+    # ("x ▁▁▁" gave "x", "▁", "▁▁▁" where SentencePiece, which makes each space a "▁" first,
+    # gives "x", "▁▁▁▁"). The merges reach them instead, as in transformers' GGUF conversion.
+    user = [t for t, ty in zip(file_tokens, types) if ty == _USER_DEFINED and t in known]
     add_bos = _meta(g, "tokenizer.ggml.add_bos_token", bool, kind == "llama")
     return {"kind": kind, "tokens": model_tokens, "merges": merge_ids, "gemma": gemma, "split": split, "unk": unk,
             "control": control, "user": user, "add_bos": add_bos}
@@ -188,7 +194,7 @@ def assemble_backend(recipe: dict):
 
 # Bump when gguf_recipe, assemble_backend, native_arrays or the encodings change what they
 # make: cached tokenizers (npud/engine/gguf/tokenizer_cache.py) made by another version are rebuilt.
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3  # 3: gemma's all-space tokens are no longer added tokens
 _SMALL = ("kind", "gemma", "split", "unk", "control", "user", "add_bos")
 
 
