@@ -64,6 +64,7 @@ SUFFIX = ".npw"
 MAX_ENTRIES = 32
 MAX_BYTES = 2 << 30  # entries are about the size of their model's packed weights (gemma-3-270m: 292-352 MiB)
 ALIGN = 4096
+MAX_HEADER = 64 << 20  # the header line's bound (gemma-3-270m's: 87 KB; it grows with the layer count)
 _ROOT = Path(__file__).resolve().parents[3]  # the checkout (or site-packages) that holds npud/
 # the modules whose code decides the arrays an entry holds
 SOURCES = ("npud/engine/gguf/packed_cache.py", "npud/engine/gguf/load.py", "npud/engine/model.py", "npud/engine/gguf/weights.py",
@@ -231,7 +232,9 @@ def load(key: str, root: Path | None = None):
 
 def _read(f, key: str):
     """(weights, "") or (None, why the entry cannot be used)."""
-    first = f.readline(1 << 20)
+    first = _header_line(f.fileno())
+    if first is None:
+        return None, "no header line"
     try:
         header = json.loads(first)
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -273,6 +276,22 @@ def _array(buffers: list[np.ndarray], buffer: int, offset: int, dtype: str, shap
         return np.ndarray(tuple(shape), kind, buffer=buffers[buffer], offset=offset, strides=tuple(strides))
     except (TypeError, ValueError) as exc:
         raise weights_tree.TreeError(f"an array outside its buffer: {exc}") from None
+
+
+def _header_line(fd: int) -> bytes | None:
+    """The entry's first line, newline included, read in blocks (a line of an unbuffered file
+    is read a byte a call); None when there is no newline in the first MAX_HEADER bytes."""
+    blocks, at = [], 0
+    while at < MAX_HEADER:
+        block = os.pread(fd, 1 << 16, at)
+        end = block.find(b"\n")
+        if end >= 0:
+            return b"".join(blocks) + block[:end + 1]
+        if not block:
+            return None
+        blocks.append(block)
+        at += len(block)
+    return None
 
 
 def _map(f, at: int, size: int) -> np.ndarray:
