@@ -156,7 +156,10 @@ class SpecParams:
     """Speculative decoding: `method` (one of SPEC_METHODS) drafts up to k tokens a round (None:
     the method's default, DEFAULT_LOOKUP_K for prompt lookup and DEFAULT_SPEC_K for the others).
     adapt_k: after a round with a reject the next drafts number take + 1 (what the head just
-    got right, and one more), after a fully accepted round twice as many, never more than k.
+    got right, and one more), after a fully accepted round twice as many, never more than k;
+    where the base has calibrated pass costs and the head a cost for its drafts, never more
+    than the plan either: the draft count with the most tokens per plain step at the
+    acceptance seen so far (npud/engine/break_even.py's best_k).
     Fall back to plain steps once `fallback_rounds` consecutive rounds, taken together, were
     below break-even (0 never falls back); speculate again after `reprobe_after` plain tokens
     (None: stay on plain decode for the rest of the job, except with prompt lookup, whose drafts

@@ -5,7 +5,7 @@ npud/engine/pass_costs.py when the base and the head have one, else by the clock
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from npud.engine.api import SpecParams
 from npud.engine.decode_stats import DecodeStats, Fallback, FallbackReason
@@ -89,3 +89,44 @@ class BreakEven:
             cost_ratio=None,
             step_seconds=self.stats.step_seconds,
         )
+
+
+class Acceptance:
+    """The chance that a draft is accepted, given the one before it was: drafts are checked in
+    order and the first reject ends a round, so a round of `take` accepts out of `drafted` saw
+    `take` successes and, when take < drafted, one failure. Starts from one of each (0.5)."""
+
+    def __init__(self) -> None:
+        self.successes, self.failures = 1, 1
+
+    def observe(self, take: int, drafted: int) -> None:
+        self.successes += take
+        self.failures += 1 if take < drafted else 0
+
+    @property
+    def rate(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+
+def best_k(pass_rows: Callable[[int], float], draft_cost: Callable[[int], float], acceptance: float,
+           k_max: int, two_pass: bool) -> int:
+    """The number of drafts, 1..k_max, whose round yields the most tokens per plain step when each
+    draft is accepted with chance `acceptance` given the one before it (npud/engine/speculative.py's
+    rounds): expected tokens 1 + a + a^2 + ... + a^k (t1 and the accepted run);
+    cost, in plain steps, pass_rows(k + 1) + draft_cost(k) for a one-pass round (t1 and the k
+    drafts in one batch), 1 + draft_cost(k) + a * pass_rows(k) for a two-pass round (a step, then
+    the batch only when d1 is kept). With the exact path's steep row costs this is a few drafts
+    even for a copying stream; with cheap rows (gguf-q8) it grows with the acceptance."""
+    best, best_rate = 1, 0.0
+    expected, run = 1.0, 1.0
+    for k in range(1, k_max + 1):
+        run *= acceptance
+        expected += run
+        if two_pass:
+            cost = 1.0 + draft_cost(k) + acceptance * pass_rows(k)
+        else:
+            cost = pass_rows(k + 1) + draft_cost(k)
+        rate = expected / cost
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best

@@ -101,6 +101,10 @@ class PromptLookupHead:
     def draft_cost(self) -> float:
         return 0.0
 
+    def planned_cost(self, k: int) -> float:
+        """What drafting k tokens costs in base steps: nothing beside a pass."""
+        return 0.0
+
     def draft(self, context: Sequence[int], k: int) -> Draft:
         self._extend(context)
         seq, size = self._seq, len(self._seq)
@@ -213,6 +217,11 @@ class DraftModelHead:
     def draft_cost(self) -> float | None:
         """The last draft's passes in base steps, None without a calibration."""
         return None if self.costs is None else sum(self.costs.rows(r) for r in self.last_passes)
+
+    def planned_cost(self, k: int) -> float | None:
+        """What drafting k tokens costs in base steps (k one-row passes of the draft model once it
+        holds the context), None without a calibration."""
+        return None if self.costs is None else k * self.costs.rows(1)
 
     def draft(self, context: Sequence[int], k: int) -> Draft:
         self.last_passes = []

@@ -42,7 +42,7 @@ from typing import Protocol
 import numpy as np
 
 from npud.engine.api import DEFAULT_SPEC_K, SpecParams, is_int
-from npud.engine.break_even import BreakEven
+from npud.engine.break_even import Acceptance, BreakEven, best_k
 from npud.engine.decode_stats import (  # re-exported: callers import the run's stats types from here too
     DecodeStats,
     Fallback,
@@ -128,6 +128,11 @@ def speculative_loop(
     # drafts asked for at most: the request's k, else the head's default (prompt lookup's is larger)
     k_max = config.k if config.k is not None else getattr(head, "default_k", DEFAULT_SPEC_K)
     k_next = k_max  # drafts asked for next round, before the batch and budget limits
+    # with a cost model, adapt_k also plans k from the calibrated row costs and the acceptance
+    # seen so far (break_even.best_k): the most tokens per plain step, never more than k_max
+    planned = getattr(head, "planned_cost", None)
+    plan = config.adapt_k and breakeven.costs is not None and callable(planned) and planned(1) is not None
+    acceptance = Acceptance()
 
     started = clock()
     t1 = sampler.choose((yield from passes.step(prompt[-1], len(prompt) - 1, counted=False)))
@@ -139,6 +144,8 @@ def speculative_loop(
         left = max_new_tokens - stats.emitted - 1  # tokens the run may emit after t1
         passes.round_rows.clear()
         # t1 takes a batch row in the one-pass round; in the two-pass round it runs alone
+        if plan and speculating:
+            k_next = min(k_next, best_k(breakeven.costs.rows, planned, acceptance.rate, k_max, two_pass))
         k = min(k_next, base.max_batch_rows() - (0 if two_pass else 1), left) if speculating else 0
         done = yield from (_two_pass_round(run, t1, pos, k) if two_pass else _one_pass_round(run, t1, pos, k))
         t1 = done.next_t1
@@ -152,6 +159,7 @@ def speculative_loop(
             stats.accepted += done.take
             if config.adapt_k:
                 k_next = min(k_max, 2 * k_next) if done.take == done.drafted else done.take + 1
+                acceptance.observe(done.take, done.drafted)
             fallback = breakeven.judge(done.seconds, done.take + 1, done.drafted, done.take, passes.round_rows)
         if done.problem is not None:
             fallback = breakeven.head_error(done.problem)

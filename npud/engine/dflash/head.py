@@ -82,6 +82,10 @@ class DFlashHead:
         """The last draft (fold, block, pick) in base steps, None without a calibration."""
         return None if self.costs is None else self.costs.rows(self._last_drafted)
 
+    def planned_cost(self, k: int) -> float | None:
+        """What a block of k drafts costs in base steps, None without a calibration."""
+        return None if self.costs is None else self.costs.rows(k)
+
     def draft(self, context: Sequence[int], k: int) -> Draft:
         """Up to min(k, block_size - 1) tokens after context (which ends with t1, not yet run).
         Refused (empty, with error()) unless the sink ends at t1's position."""
