@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import platform
-import tempfile
 import threading
 import weakref
 from pathlib import Path
@@ -59,13 +58,15 @@ def build(directory: Path | None = None) -> Path:
 
 def library() -> ctypes.CDLL:
     """The loaded library (built on first use, checked against its manifest before)."""
+    from npud.kernels.host.cache import private_dir
+
     global _lib
     with _lock:
         if _lib is None:
             try:
                 path = build()
-            except OSError:  # an unwritable cache directory: build into a private one
-                path = build(Path(tempfile.mkdtemp(prefix="npud-tokenizer-")))
+            except OSError:  # an unwritable cache directory: build into this process's own
+                path = build(private_dir())
             lib = ctypes.CDLL(str(path))
             lib.spm_new.argtypes = [_I, _P, _P, _I, _P, _I, _P, _I, ctypes.c_int]
             lib.spm_new.restype = _P

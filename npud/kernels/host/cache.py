@@ -1,13 +1,11 @@
-"""Where compiled host kernels live between starts: one cache directory per user or service.
+"""Compiled libraries kept between starts, and numba's cache, in npud's cache directory.
 
-The first of NPUD_CACHE_DIR, systemd's CACHE_DIRECTORY (set by `CacheDirectory=npud`),
-$XDG_CACHE_HOME/npud and ~/.cache/npud (a relative XDG_CACHE_HOME is ignored, as the XDG
-base directory spec says). The daemon's other caches (npud/packaged.py) take this rule
-through npud.engine.loader.cache_dir, so there is one. numba's cache goes into its `numba` subdirectory
-unless NUMBA_CACHE_DIR says otherwise: `use_for_numba()` must run before any numba kernel is
-decorated (npud/kernels/host/recurrent.py, the only numba module, calls it first), because numba
-picks the directory then. numba itself is imported only there: a model without recurrent
-layers never loads it (about 0.3 s and 40 MB of a start).
+The directory, and whether it may be trusted, is npud/kernels/cachedir.py's (cache_dir() is
+re-exported here for the modules that import it from here). numba's cache goes into its `numba`
+subdirectory unless NUMBA_CACHE_DIR names another that passes the same check: `use_for_numba()`
+must run before any numba kernel is decorated (npud/kernels/host/recurrent.py, the only numba
+module, calls it first), because numba picks the directory then. numba itself is imported only
+there: a model without recurrent layers never loads it (about 0.3 s and 40 MB of a start).
 
 A compiled library is dlopened, so its bytes are checked before: compile_library() records
 the sha256 and size of what it built in a manifest beside it (`<library>.json`, written
@@ -28,6 +26,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from npud.kernels.cachedir import cache_dir, check_tree, private_dir  # noqa: F401  (cache_dir, private_dir: re-exported)
 
 MANIFEST_FORMAT = "npud-compiled-library"
 
@@ -142,17 +142,6 @@ def compile_library(path: Path, sources: list[Path], cflags: tuple[str, ...], wh
     return Library(path, digest, built=True)
 
 
-def cache_dir() -> Path:
-    """The kernel cache directory (not created here)."""
-    for var in ("NPUD_CACHE_DIR", "CACHE_DIRECTORY"):
-        value = os.environ.get(var, "")
-        if value:
-            # systemd may list several directories separated by ':'; the first is ours
-            return Path(value.split(":")[0])
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "npud"
-
-
 def numba_cache_dir() -> Path:
     """numba's cache directory, as numba will use it."""
     import numba
@@ -161,11 +150,23 @@ def numba_cache_dir() -> Path:
 
 
 def use_for_numba() -> None:
-    """Point numba's cache at cache_dir()/numba unless NUMBA_CACHE_DIR chose one (imports numba)."""
+    """Point numba's cache at cache_dir()/numba unless NUMBA_CACHE_DIR chose one that passes the
+    cache's check (imports numba). A NUMBA_CACHE_DIR inside a refused cache, or one that fails
+    the check itself, is replaced (logged as `cache_dir_refused`): numba's index files are pickles."""
     import numba
 
-    if not numba.config.CACHE_DIR:
-        numba.config.CACHE_DIR = str(cache_dir() / "numba")
+    from npud.kernels.cachedir import cache_state, configured_cache_dir
+
+    chosen = numba.config.CACHE_DIR
+    if chosen:
+        state = cache_state()
+        real = Path(os.path.realpath(chosen))
+        inside = real.is_relative_to(os.path.realpath(configured_cache_dir()))
+        why = state.refused if inside else check_tree(Path(chosen))
+        if why is None:
+            return
+        _log().warning("cache_dir_refused", dir=chosen, reason=why, instead=str(cache_dir() / "numba"))
+    numba.config.CACHE_DIR = str(cache_dir() / "numba")
 
 
 def _log():

@@ -44,7 +44,6 @@ import ctypes
 import hashlib
 import os
 import platform
-import tempfile
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -53,7 +52,8 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from npud.kernels.host.cache import BuildError, Library, cache_dir, compile_library  # noqa: F401  (BuildError: native.BuildError)
+from npud.kernels.host.cache import (BuildError, Library, cache_dir, compile_library,  # noqa: F401  (BuildError: native.BuildError)
+                                     private_dir)
 
 log = structlog.get_logger(__name__)
 
@@ -115,9 +115,9 @@ def library() -> ctypes.CDLL:
         if _lib is None:
             try:
                 built = _build(None)
-            except OSError as e:  # an unwritable cache directory: build into a private one
+            except OSError as e:  # an unwritable cache directory: build into this process's own
                 log.warning("kernel_cache_unwritable", dir=str(cache_dir()), error=str(e))
-                built = _build(Path(tempfile.mkdtemp(prefix="npud-kernels-")))
+                built = _build(private_dir())
             lib = ctypes.CDLL(str(built.path))
             lib.npud_isa_best.restype = _I
             lib.npud_set_isa.argtypes = [_I]
