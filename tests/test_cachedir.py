@@ -9,8 +9,11 @@ child that loaded it leaves the file behind, and a crash fails the test instead 
 
 Mutants these tests kill (run by hand, see the branch's report): the owner check skipped
 (test_a_cache_that_is_not_ours_is_refused_and_never_loaded[foreign-owner],
-test_the_rule[_foreign_owner]); the tree not walked below the root
-(test_a_cache_that_is_not_ours_is_refused_and_never_loaded[foreign-subdir, writable-file]).
+test_the_rule[_foreign_owner], test_the_daemon_names_a_refused_cache_and_serves_without_it); the
+tree not walked below the root
+(test_a_cache_that_is_not_ours_is_refused_and_never_loaded[foreign-subdir, writable-file]); a
+refused cache used anyway instead of the private directory (every refusal test); per-user
+directories made with the umask's mode (test_a_per_user_cache_is_made_0700_and_npuds_files_in_it_0600).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -222,3 +226,36 @@ def test_numba_cache_inside_a_refused_cache_is_not_used(tmp_path, monkeypatch):
     cache.use_for_numba()
     assert numba.config.CACHE_DIR == str(own)
 
+
+@needs_root
+def test_the_daemon_names_a_refused_cache_and_serves_without_it(tmp_path):
+    from npud_fixture import python_env
+    from test_npud_support import DaemonProc, short_tempdir, write_fake_checkpoint
+
+    workdir = short_tempdir()
+    cache = workdir / "cache"
+    cache.mkdir()
+    why = _foreign_owner(cache)
+    checkpoint = write_fake_checkpoint(workdir / "fake", tokens_per_round=2)
+    d = DaemonProc(workdir, [{"name": "fake", "checkpoint_dir": str(checkpoint)}], fake_engine=True)
+    stderr = workdir / "stderr"
+    try:
+        d.start(env={"NPUD_CACHE_DIR": str(cache)}, stderr_path=stderr)
+        with d.client() as c:
+            assert c.complete("hello", max_tokens=2).wait()["text"]  # it serves
+            status = c.device_status()
+        assert status["cache"]["dir"] == str(cache) and status["cache"]["trusted"] is False
+        assert status["cache"]["reason"].startswith(why)
+        (event,) = d.events("cache_dir_refused")
+        assert event["dir"] == str(cache) and event["reason"].startswith(why) and event["level"] == "warning"
+        assert f"npud: warning: not using the cache directory {cache}: {why}" in stderr.read_text()
+        run = subprocess.run([sys.executable, "-m", "npud.clients.npuctl", "device"], capture_output=True, text=True,
+                             env=python_env(d.socket), cwd=ROOT, timeout=60)
+        assert run.returncode == 0, run.stderr
+        (line,) = [line for line in run.stdout.splitlines() if line.startswith("cache:")]
+        assert f"not used ({why}" in line
+        assert d.terminate(timeout=30) == 0
+        assert not Path(event["instead"]).exists()  # its private directory goes with it
+    finally:
+        d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
