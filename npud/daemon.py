@@ -16,7 +16,7 @@ import structlog
 import trio
 
 from npud.engine.api import ModelLoader
-from npud.engine.loader import load_model
+from npud.engine.loader import cache_status, load_model
 from npud import __version__
 from npud.api import Api
 from npud.config import DaemonConfigError, DaemonConfig, diff_for_reload, load_config
@@ -49,6 +49,8 @@ class Daemon:
         self.overrides = overrides
         self.started_mono = time.monotonic()
         self.device = discover(cfg.device)
+        # checked (and a refusal logged) now, not when the first model needs a kernel
+        self.cache = cache_status()
         self.store = Store.open(cfg.store.state_dir)
         self.queue = TicketQueue(cfg.scheduler.quantum_tokens, cfg.scheduler.quantum_ms,
                                  first_id=self.store.max_ticket_id() + 1)
@@ -70,7 +72,8 @@ class Daemon:
                        device=self.device, thermal=self.thermal, errors=self.errors,
                        snapshot=self.metrics_snapshot, connections=lambda: self.server.connections,
                        started_mono=self.started_mono,
-                       gemm_site=self.gemm_site, other_holders=lambda: self.other_holders)
+                       gemm_site=self.gemm_site, other_holders=lambda: self.other_holders,
+                       cache=self.cache.to_wire())
         self.server = Server(cfg, self.api)
         self.http = HttpServer(cfg, self.api, self.server)
         self._stop = trio.Event()
@@ -84,7 +87,8 @@ class Daemon:
         site, site_why = self.gemm_site()
         log.info("daemon_starting", version=__version__, device=self.device.kind, device_reason=self.device.reason,
                  fw_version=self.device.fw_version, gemms=site, gemms_reason=site_why,
-                 models=list(self.registry.names), store=str(self.store.path))
+                 models=list(self.registry.names), store=str(self.store.path), cache=str(self.cache.configured),
+                 cache_trusted=self.cache.trusted)
         self.check_other_holders()
         watchdog_s = watchdog_interval()
         try:

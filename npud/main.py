@@ -174,6 +174,10 @@ def main(argv: list[str] | None = None, *, loader: ModelLoader = load_model) -> 
     async def serve() -> None:
         daemon = Daemon(cfg, config_path=config_path, overrides=overrides, loader=loader)
         daemon.announce = lambda line: print(f"npud: error: {line}", file=sys.stderr, flush=True)
+        if not daemon.cache.trusted:  # the log has it too (cache_dir_refused)
+            print(f"npud: warning: not using the cache directory {daemon.cache.configured}: {daemon.cache.refused}; "
+                  "running without a cache (libraries are compiled at each start, nothing is kept)",
+                  file=sys.stderr, flush=True)
         started.append(daemon)
         async with trio.open_nursery() as nursery:
             await nursery.start(functools.partial(daemon.run, handle_signals=True))

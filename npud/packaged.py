@@ -6,7 +6,9 @@ package index (the extra `npud[gemma]`). Its package joins the chunks into one f
 the file's sha256; npud has it do that once, into `models/` under npud's cache directory
 (NPUD_CACHE_DIR, systemd's CACHE_DIRECTORY, $XDG_CACHE_HOME/npud or ~/.cache/npud, the rule of
 the kernel cache), through a temporary name renamed into place, so a file there is whole and
-checked and later starts only stat it.
+checked and later starts only stat it. A cache directory that npud refuses (not its own, or
+writable by others: npud/kernels/cachedir.py) holds no packaged model: the model does not load,
+and the message says why.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from npud.engine.loader import cache_dir as engine_cache_dir
+from npud.engine.loader import cache_status
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,11 +34,6 @@ PACKAGED = {
 
 class PackagedModelError(RuntimeError):
     """A packaged model's package is not installed, or its file cannot be assembled; the message says what to do."""
-
-
-def cache_dir() -> Path:
-    """npud's cache directory: the kernel cache's (npud/kernels/host/cache.py's rule, read through npud.engine.loader)."""
-    return engine_cache_dir()
 
 
 def _assembler(name: str, spec: Packaged):
@@ -59,7 +56,11 @@ def packaged_path(name: str, *, assemble: bool = True) -> Path | None:
     if spec is None:
         return None
     package = _assembler(name, spec)
-    target = cache_dir() / "models" / spec.file_name
+    cache = cache_status()  # npud/kernels/cachedir.py's rule, read through npud.engine.loader
+    if not cache.trusted:
+        raise PackagedModelError(f"{name} is kept in npud's cache directory, which npud does not use: {cache.refused}; "
+                                 "set NPUD_CACHE_DIR to a directory of your own that only you can write")
+    target = cache.path / "models" / spec.file_name
     if target.is_file() or not assemble:
         return target
     partial = target.with_name(f".{spec.file_name}.{os.getpid()}.partial")

@@ -13,8 +13,9 @@ as the daemon. npud/clients/client.py finds the socket by the same rule (and the
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
+
+from npud.engine.loader import directory_unsafe_reason
 
 SOCKET_NAME = "npud.sock"
 
@@ -56,18 +57,10 @@ def socket_path() -> Path:
 
 def unsafe_reason(directory: Path) -> str | None:
     """Why `directory` cannot hold this user's socket (None when it can): it must be a real
-    directory (not a symbolic link), owned by this user, closed to group and others."""
-    try:
-        st = os.lstat(directory)
-    except OSError as exc:
-        return f"cannot be read ({exc.strerror})"
-    if not stat.S_ISDIR(st.st_mode):
-        return "is not a directory"
-    if st.st_uid != os.getuid():
-        return f"belongs to uid {st.st_uid}"
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        return f"has mode {oct(stat.S_IMODE(st.st_mode))} (it must be 0700)"
-    return None
+    directory (not a symbolic link), owned by this user, closed to group and others. The rule
+    of npud's cache directory (npud/kernels/cachedir.py), which only asks that nobody else may
+    write there, with the socket's stricter mode."""
+    return directory_unsafe_reason(directory, closed_to_others=True)
 
 
 def state_dir() -> Path:

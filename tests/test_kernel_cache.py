@@ -3,11 +3,22 @@
 Each start runs in its own process with NPUD_CACHE_DIR pointing at one fresh directory: the
 first compiles the C GEMMs and the numba kernels into it; the later ones must only read it
 (no new file, none rewritten), which is what makes a warm start fast and the cache bounded.
+
+A compiled library is checked against the manifest written at its build before it is loaded
+(npud/kernels/host/cache.py): a truncated, emptied or bit-flipped one, or one without a
+manifest, is logged once, rebuilt and loaded, in a child process (so that loading a damaged
+one would fail the test with its signal instead of killing pytest).
+
+Mutant this file kills (run by hand, see the branch's report): the digest not compared
+(test_a_damaged_library_is_rebuilt_and_loads[bit-flipped]).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -85,3 +96,76 @@ def test_the_library_is_named_by_every_source_and_header(tmp_path, monkeypatch):
         copy.write_bytes(copy.read_bytes() + b"\n")
         names.add(native.library_path(tmp_path).name)
     assert len(names) == len(copies) + 1
+
+
+TOKENIZER_CHILD = """
+from npud.engine import tokenizer_native
+print("bound", tokenizer_native.library().spm_encode_bound(10))
+"""
+
+
+def _truncate(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+def _flip(data: bytes) -> bytes:
+    """9 bytes inverted, spread over the file (the report's damage): the same size."""
+    out = bytearray(data)
+    for i in range(9):
+        out[64 + i * (len(data) - 128) // 9] ^= 0xFF
+    return bytes(out)
+
+
+def _empty(data: bytes) -> bytes:
+    return b""
+
+
+@pytest.mark.parametrize("damage, reason", [(_truncate, "bytes, the manifest says"), (_flip, "sha256"),
+                                            (_empty, "0 bytes, the manifest says"), (None, "no manifest")],
+                         ids=["truncated", "bit-flipped", "emptied", "no-manifest"])
+def test_a_damaged_library_is_rebuilt_and_loads(tmp_path, damage, reason):
+    from npud.engine import tokenizer_native
+
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if k != "CACHE_DIRECTORY"}
+    env |= {"NPUD_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    first = subprocess.run([sys.executable, "-c", TOKENIZER_CHILD], capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr
+    library = tokenizer_native.library_path(cache)
+    manifest = library.with_name(library.name + ".json")
+    if damage is None:
+        manifest.unlink(missing_ok=True)
+    else:
+        library.write_bytes(damage(library.read_bytes()))
+    res = subprocess.run([sys.executable, "-c", TOKENIZER_CHILD], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, f"exit {res.returncode}: {res.stderr}"
+    out = res.stdout + res.stderr
+    assert out.count("cache_entry_rejected") == 1 and str(library) in out and reason in out, out
+    assert int(out.split("bound ", 1)[1].split()[0]) > 0  # the rebuilt library was loaded, and works
+    data = library.read_bytes()
+    assert json.loads(manifest.read_text())["sha256"] == hashlib.sha256(data).hexdigest()
+    again = subprocess.run([sys.executable, "-c", TOKENIZER_CHILD], capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0 and "cache_entry_rejected" not in again.stdout + again.stderr  # rebuilt for good
+
+
+@pytest.mark.slow
+def test_a_truncated_host_kernel_library_is_rebuilt_and_loads(tmp_path):
+    """The report's bus error: the GEMM library cut short (compiles it twice: about a minute)."""
+    from npud.kernels.host import native
+
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if k != "CACHE_DIRECTORY"}
+    env |= {"NPUD_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    native.library()  # built (or checked) in this process's cache: copied, not compiled again here
+    cache.mkdir()
+    source = native.library_path()
+    for path in (source, source.with_name(source.name + ".json")):
+        if path.exists():
+            shutil.copy(path, cache)
+    library = cache / source.name
+    library.write_bytes(library.read_bytes()[:100_000])
+    res = subprocess.run([sys.executable, "-m", "npud.kernels.host"], capture_output=True, text=True, env=env,
+                         timeout=900)
+    assert res.returncode == 0, f"exit {res.returncode}: {res.stderr}"
+    out = res.stdout + res.stderr
+    assert out.count("cache_entry_rejected") == 1 and "host_kernels_built" in out and str(library) in out

@@ -1,9 +1,14 @@
 """The self-check's stored pass (npud/kernels/host/checkcache.py): reused only under the same key
-(library, ISA path, threads, numerics version, kernel sources, CPU); a damaged or foreign entry
-and NPUD_SELF_CHECK=always run the check again; a start reuses it (a fresh process each)."""
+(the library's bytes, ISA path, threads, numerics version, kernel sources, CPU); a damaged or
+foreign entry, NPUD_SELF_CHECK=always and a library whose bytes changed run the check again; a
+start reuses it (a fresh process each).
+
+Mutant this file kills (run by hand): the key over the library's name instead of its bytes
+(test_a_library_changed_after_its_check_is_checked_again)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -16,13 +21,24 @@ import pytest
 from npud.kernels.host import checkcache, native
 
 ROOT = Path(__file__).resolve().parent.parent
-LIB = Path("npud_gemm-0123456789abcdef.so")
+LIB = "0123456789abcdef" * 4  # a library's sha256
+
+
+def seed(cache: Path) -> Path:
+    """`cache` holding this process's compiled library and its manifest, so that a start there
+    does not build it again; returns the library's path there."""
+    native.library()  # built (or checked) in this process's cache
+    source = native.library_path()
+    for path in (source, source.with_name(source.name + ".json")):
+        if path.exists():
+            shutil.copy(path, cache)
+    return cache / source.name
 
 
 def test_the_key_covers_each_input():
     base = checkcache.check_key(LIB, "avx512", 2, 5)
     assert base == checkcache.check_key(LIB, "avx512", 2, 5)
-    others = [checkcache.check_key(Path("npud_gemm-fedcba9876543210.so"), "avx512", 2, 5),
+    others = [checkcache.check_key("fedcba9876543210" * 4, "avx512", 2, 5),
               checkcache.check_key(LIB, "avx2", 2, 5), checkcache.check_key(LIB, "avx512", 1, 5),
               checkcache.check_key(LIB, "avx512", 2, 6)]
     assert len({base, *others}) == 5
@@ -78,7 +94,7 @@ def _start(cache: Path, **env) -> str:
 def test_a_start_reuses_the_pass_of_the_same_build(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
-    shutil.copy(native.library_path(), cache)  # the compiled library, so the test does not rebuild it
+    seed(cache)  # the compiled library, so the test does not rebuild it
     first = _start(cache, NPUD_HOST_THREADS="2")
     assert "kernel_self_check_passed" in first and "kernel_self_check_reused" not in first
     (entry,) = cache.glob("self-check-*.json")
@@ -93,11 +109,30 @@ def test_a_start_reuses_the_pass_of_the_same_build(tmp_path):
     assert "kernel_self_check_reused" in _start(cache, NPUD_HOST_THREADS="2")
 
 
+def test_a_library_changed_after_its_check_is_checked_again(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    library = seed(cache)
+    assert "kernel_self_check_passed" in _start(cache, NPUD_HOST_THREADS="2")
+    assert "kernel_self_check_reused" in _start(cache, NPUD_HOST_THREADS="2")
+    # the same sources built again into other bytes (another compiler, say), under the same
+    # name and with a manifest of their own, so they load: they are not the bytes that were checked
+    data = library.read_bytes() + b"\0" * 64  # past the ELF's last section: it still loads
+    library.write_bytes(data)
+    manifest = library.with_name(library.name + ".json")
+    fields = json.loads(manifest.read_text()) if manifest.exists() else {}
+    fields.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    manifest.write_text(json.dumps(fields))
+    out = _start(cache, NPUD_HOST_THREADS="2")
+    assert "kernel_self_check_passed" in out and "kernel_self_check_reused" not in out
+    assert "cache_entry_rejected" not in out  # loaded as it is: the check, not a rebuild, caught it
+
+
 def test_a_failed_check_is_not_stored(tmp_path, monkeypatch):
     import npud.kernels.host
     from npud.kernels import select
 
-    shutil.copy(native.library_path(), tmp_path)  # not rebuilt in the new cache directory
+    seed(tmp_path)  # not rebuilt in the new cache directory
     monkeypatch.setenv("NPUD_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("NPUD_SELF_CHECK", raising=False)
     monkeypatch.setattr(select, "_default", None)  # restored afterwards: the process's backend stays

@@ -98,13 +98,16 @@ def test_without_the_package_npud_names_the_extra(monkeypatch, tmp_path, capsys)
 ])
 def test_one_cache_directory_rule_for_the_daemon_and_the_kernels(monkeypatch, env, want):
     """npud/packaged.py's models and the kernel cache (compiled kernels, GGUF tokenizers, packed
-    weights) resolve the same directory under every setting: one rule, read through npud.engine.loader."""
-    from npud.kernels.host.cache import cache_dir as kernels_cache_dir
+    weights) resolve the same directory under every setting: one rule (npud/kernels/cachedir.py),
+    which the daemon reads through npud.engine.loader and the kernels re-export."""
+    from npud.engine import loader
+    from npud.kernels import cachedir
+    from npud.kernels.host import cache
 
     for var in ("NPUD_CACHE_DIR", "CACHE_DIRECTORY", "XDG_CACHE_HOME"):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
-    expected = Path(want).expanduser()
-    assert packaged.cache_dir() == expected
-    assert kernels_cache_dir() == expected
+    assert cachedir.configured_cache_dir() == Path(want).expanduser()  # (not made: no cache_dir() here)
+    assert cache.cache_dir is cachedir.cache_dir
+    assert packaged.cache_status is loader.cache_status

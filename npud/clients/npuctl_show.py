@@ -207,6 +207,12 @@ def _quarantine(q: dict | None) -> str:
             f"{q.get('reason')}")
 
 
+def _cache(c: dict) -> str:
+    if c.get("trusted"):
+        return str(c.get("dir"))
+    return f"not used ({c.get('reason')}); running without a cache"
+
+
 def cmd_device(args: argparse.Namespace) -> int:
     with connect(args) as c:
         if args.action == "clear":
@@ -228,6 +234,7 @@ def cmd_device(args: argparse.Namespace) -> int:
     gemms = d.get("gemms") or {}
     power = thermal.get("npu_power_w")
     holders = d.get("other_holders") or []
+    cache = d.get("cache") or {}
     print_fields(sys.stdout, [
         ("backend", d.get("kind")), ("reason", d.get("reason")),
         ("gemms", f"{gemms.get('site')} ({gemms.get('reason')})" if gemms else None),
@@ -238,6 +245,7 @@ def cmd_device(args: argparse.Namespace) -> int:
          + (f", {errors['pre_hang_count']} pre-hang warning(s)" if errors.get("pre_hang_count") else "")),
         ("also open by", ", ".join(f"{h['comm']} (pid {h['pid']})" for h in holders) if holders else None),
         ("quarantine", _quarantine(d.get("quarantine"))),
+        ("cache", _cache(cache) if cache else None),
     ])
     for line in errors.get("pre_hang_lines") or ():
         sys.stdout.write(f"  pre-hang: {line}\n")

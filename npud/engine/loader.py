@@ -61,11 +61,27 @@ def describe_checkpoint(path: str | Path) -> dict:
 
 
 def cache_dir() -> Path:
-    """npud's cache directory (compiled kernels, tokenizers and packed weights built from GGUF
-    files, packaged models): npud/kernels/host/cache.py's rule, the one place it is written."""
-    from npud.kernels.host.cache import cache_dir as kernels_cache_dir  # os and pathlib only
+    """npud's cache directory in use (compiled kernels, tokenizers and packed weights built from
+    GGUF files, packaged models): npud/kernels/cachedir.py's rule, the one place it is written."""
+    return cache_status().path
 
-    return kernels_cache_dir()
+
+def cache_status():
+    """npud's cache directory and whether it passed its trust check (npud.kernels.cachedir's
+    CacheState: `configured`, `path` in use, `trusted`, `refused` (why not), `to_wire()`)."""
+    import npud.kernels.cachedir as cachedir  # standard library only
+
+    return cachedir.cache_state()
+
+
+def directory_unsafe_reason(directory: Path, *, closed_to_others: bool = False) -> str | None:
+    """Why `directory` is not this user's own (None when it is): npud/kernels/cachedir.py's rule
+    (owned by this user, writable by nobody else; with `closed_to_others`, not even readable),
+    which the cache and the socket's fallback directory share."""
+    import npud.kernels.cachedir as cachedir  # standard library only
+
+    forbidden = cachedir.NOT_OTHERS_AT_ALL if closed_to_others else cachedir.NOT_OTHERS_WRITABLE
+    return cachedir.unsafe_reason(directory, forbidden)
 
 
 def check_grammar(grammar: Grammar) -> None:

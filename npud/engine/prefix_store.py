@@ -158,10 +158,12 @@ def read_entry_snapshot(path: Path, *, fingerprint: str, tokens: list[int]) -> S
 
 
 def write_atomic(path: Path, parts) -> None:
-    """Write `parts` (bytes-like) to `path` so that a crash leaves the old file or the new one."""
+    """Write `parts` (bytes-like) to `path` so that a crash leaves the old file or the new one.
+    The file is the writer's alone (0600, whatever the umask): caches and snapshots hold
+    weights, prompts' states and tokenizers that no other user needs to read."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        with tmp.open("wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             for part in parts:
                 f.write(part)
             f.flush()

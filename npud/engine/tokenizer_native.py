@@ -11,7 +11,8 @@ in memory. ctypes releases the GIL for every call, so a long prompt is encoded w
 daemon's other threads run.
 
 The library is compiled with gcc once per machine into the kernel cache (npud/kernels/host/cache.py),
-named by a digest of its source and flags, as the host kernels are (npud/kernels/host/native.py).
+named by a digest of its source and flags, and checked against the manifest written at build
+before it is loaded, as the host kernels are (npud/kernels/host/native.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import platform
-import tempfile
 import threading
 import weakref
 from pathlib import Path
@@ -45,25 +45,28 @@ def library_path(directory: Path | None = None) -> Path:
 
 
 def build(directory: Path | None = None) -> Path:
-    """Compile the library into the cache directory unless it is there; returns its path.
-    Raises TokenizerError when gcc is missing or fails, OSError when the directory is not writable."""
+    """Compile the library into the cache directory unless a library that matches its manifest
+    is there; returns its path. Raises TokenizerError when gcc is missing or fails, OSError when
+    the directory is not writable."""
     from npud.kernels.host.cache import BuildError, compile_library
 
     try:
-        return compile_library(library_path(directory), [SOURCE], CFLAGS, "the GGUF tokenizer")
+        return compile_library(library_path(directory), [SOURCE], CFLAGS, "the GGUF tokenizer").path
     except BuildError as exc:
         raise TokenizerError(str(exc)) from None
 
 
 def library() -> ctypes.CDLL:
-    """The loaded library (built on first use)."""
+    """The loaded library (built on first use, checked against its manifest before)."""
+    from npud.kernels.host.cache import private_dir
+
     global _lib
     with _lock:
         if _lib is None:
             try:
                 path = build()
-            except OSError:  # an unwritable cache directory: build into a private one
-                path = build(Path(tempfile.mkdtemp(prefix="npud-tokenizer-")))
+            except OSError:  # an unwritable cache directory: build into this process's own
+                path = build(private_dir())
             lib = ctypes.CDLL(str(path))
             lib.spm_new.argtypes = [_I, _P, _P, _I, _P, _I, _P, _I, ctypes.c_int]
             lib.spm_new.restype = _P

@@ -59,8 +59,8 @@ def default_backend() -> Backend:
 
             # HostBackend plus GGUF's block formats; the self-check covers both kinds of weight
             host = BlockHostBackend()
-            # a pass on this very build, ISA path, thread count and CPU is reused (checkcache.py says why)
-            key = checkcache.check_key(native.library_path(), native.isa(), num_threads(), base.NUMERICS_VERSION)
+            # a pass on these very library bytes, ISA path, thread count and CPU is reused (checkcache.py says why)
+            key = checkcache.check_key(native.library_sha256(), native.isa(), num_threads(), base.NUMERICS_VERSION)
             stored = checkcache.read_pass(key)
             if stored is not None:
                 native.bf16_dot_hardware(stored["bf16_dot_hardware"])

@@ -37,6 +37,7 @@ def load_gguf_prepared(path, q8: bool, backend, prepare) -> tuple[ModelConfig, M
     stored there (a host backend's; any other backend's are prepared at each start). A cache that cannot be read or written costs only the build (logged).
     Raises ConfigError or WeightsError."""
     from npud.engine.gguf import packed_cache
+    from npud.kernels.cachedir import cache_state
     from npud.kernels.ggml.gemm import LAYOUT_FLOAT, LAYOUT_Q8
 
     started = time.perf_counter()
@@ -45,7 +46,9 @@ def load_gguf_prepared(path, q8: bool, backend, prepare) -> tuple[ModelConfig, M
     info = describe_file(g, cfg)
     root = packed_cache.default_root()
     key = None
-    if packed_cache.cacheable(backend):
+    # a refused cache directory (npud/kernels/cachedir.py) keeps no packed weights: its stand-in is
+    # this process's private directory, and writing a model's packed weights there gains nothing
+    if packed_cache.cacheable(backend) and cache_state().trusted:
         try:
             key = packed_cache.entry_key(path, LAYOUT_Q8 if q8 else LAYOUT_FLOAT, backend, root)
         except OSError as exc:  # FingerprintError too

@@ -26,7 +26,7 @@ the modules that decide the packing, so a change to any of them makes a new entr
 that is truncated, whose word sums do not match (a torn or zeroed page), or whose tree is not
 a weights tree (npud/engine/weights/tree.py) is rejected (`cache_entry_rejected`), removed and
 rebuilt. The sums catch damage, not tampering; tampering needs the cache directory, which
-npud uses only when it owns it (docs/operations.md, "The kernel cache"). At most
+npud uses only when it owns it (docs/operations.md, "Who may write the cache"). At most
 MAX_ENTRIES entries and MAX_BYTES are kept, the least recently used go first (the newest
 stays whatever its size).
 """

@@ -4,11 +4,12 @@ What the self-check (npud/kernels/select.py, check.py) proves: on this CPU, the 
 kernels, on the ISA path and thread split they take here, give every row of an M-row call the
 bits of the one-row call, and the bf16-dot instruction agrees with its emulation (or is turned
 off). Every input of that is fixed: the check's own inputs are seeded, the code is the library
-(named by the digest of its sources and flags) and the Python kernel modules, the path is the
-ISA chosen and the thread count, and the hardware is the CPU (model, flags, microcode). So a
-pass is stored under a key over all of them, and a start whose key matches reuses it instead
-of spending its 0.1-0.3 s again: a new library, an edited kernel or check, another ISA path,
-thread count, CPU or microcode, or another version of this file's format runs the check again.
+(the sha256 of its bytes as loaded, not its name: the same sources built by another compiler
+are other code) and the Python kernel modules, the path is the ISA chosen and the thread
+count, and the hardware is the CPU (model, flags, microcode). So a pass is stored under a key
+over all of them, and a start whose key matches reuses it instead of spending its 0.1-0.3 s
+again: a library of other bytes, an edited kernel or check, another ISA path, thread count,
+CPU or microcode, or another version of this file's format runs the check again.
 A failure is never stored (the machine checks again at every start, and logs it each time);
 `NPUD_SELF_CHECK=always` runs it at every start regardless. What reuse gives up: a run-to-run
 fault of the hardware or a thread-scheduling effect that only some runs would show. The check
@@ -28,7 +29,7 @@ from npud.kernels.host.cache import cache_dir
 
 log = structlog.get_logger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: keyed by the library's bytes, not its name
 _KERNELS = Path(__file__).resolve().parent.parent  # kernels/: the Python side of every kernel and check
 
 
@@ -43,9 +44,10 @@ def _cpu() -> str:
     return "\n".join(line for line in first.splitlines() if line.split(":", 1)[0].strip() in keep)
 
 
-def check_key(library: Path, isa: str, threads: int, numerics_version: int) -> str:
-    """The sha256 the pass is stored under (see the module docstring for what it covers)."""
-    h = hashlib.sha256(f"{FORMAT}\0{library.name}\0{isa}\0{threads}\0{numerics_version}\0".encode())
+def check_key(library_sha256: str, isa: str, threads: int, numerics_version: int) -> str:
+    """The sha256 the pass is stored under (see the module docstring for what it covers);
+    `library_sha256` is the digest of the loaded library's bytes (native.library_sha256())."""
+    h = hashlib.sha256(f"{FORMAT}\0{library_sha256}\0{isa}\0{threads}\0{numerics_version}\0".encode())
     for path in sorted(_KERNELS.rglob("*.py")):
         h.update(path.relative_to(_KERNELS).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     h.update(_cpu().encode())
@@ -77,8 +79,10 @@ def write_pass(key: str, bf16_dot_hardware: bool, directory: Path | None = None)
     body = json.dumps({"format": FORMAT, "key": key, "bf16_dot_hardware": bool(bf16_dot_hardware)})
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(body)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(body)
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("self_check_cache_write_failed", path=str(path), error=exc.strerror or str(exc))

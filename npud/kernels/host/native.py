@@ -34,7 +34,8 @@ how) are in the library too; their wrappers are in pointwise.py, which shares at
 Build: on first use, or ahead of time with `python -m npud.kernels.host` (tools/test.sh and
 tools/demo.sh do so after installing). The shared object is named by a digest of the sources
 and flags, in cache_dir(); a build writes a temporary file and renames it, so concurrent
-starts are safe.
+starts are safe. Before it is loaded its bytes are checked against the manifest written at
+build (npud/kernels/host/cache.py), and rebuilt when they do not match.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ import ctypes
 import hashlib
 import os
 import platform
-import tempfile
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -52,7 +52,8 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from npud.kernels.host.cache import BuildError, cache_dir, compile_library  # noqa: F401  (BuildError: native.BuildError)
+from npud.kernels.host.cache import (BuildError, Library, cache_dir, compile_library,  # noqa: F401  (BuildError: native.BuildError)
+                                     private_dir)
 
 log = structlog.get_logger(__name__)
 
@@ -75,6 +76,7 @@ _lock = threading.Lock()
 _call_lock = threading.Lock()  # a call and the bookkeeping of what a stalled worker still reads
 _held: list = []  # arrays of finished calls a stalled worker may still read (pool.c)
 _lib: ctypes.CDLL | None = None
+_lib_sha256 = ""  # of the loaded library's bytes: the self-check's pass is stored under it
 _threads = 0
 _isa_in_use = ""
 
@@ -91,29 +93,32 @@ def library_path(directory: Path | None = None) -> Path:
 
 
 def build(directory: Path | None = None) -> Path:
-    """Compile SOURCES into the cache directory unless it is there; returns the shared object's path.
+    """Compile SOURCES into the cache directory unless a library that matches its manifest is
+    there; returns the shared object's path.
 
-    Raises BuildError when gcc is missing or fails.
+    Raises BuildError when gcc is missing or fails, OSError when the directory is not writable.
     """
-    path = library_path(directory)
-    if path.exists():
-        return path
-    compile_library(path, list(SOURCES), CFLAGS, "the host kernels", libs=("-lm",))
-    log.info("host_kernels_built", path=str(path))
-    return path
+    return _build(directory).path
+
+
+def _build(directory: Path | None) -> Library:
+    built = compile_library(library_path(directory), list(SOURCES), CFLAGS, "the host kernels", libs=("-lm",))
+    if built.built:
+        log.info("host_kernels_built", path=str(built.path))
+    return built
 
 
 def library() -> ctypes.CDLL:
-    """The loaded kernel library (built on first use)."""
-    global _lib, _isa_in_use
+    """The loaded kernel library (built on first use, checked against its manifest before)."""
+    global _lib, _isa_in_use, _lib_sha256
     with _lock:
         if _lib is None:
             try:
-                path = build()
-            except OSError as e:  # an unwritable cache directory: build into a private one
+                built = _build(None)
+            except OSError as e:  # an unwritable cache directory: build into this process's own
                 log.warning("kernel_cache_unwritable", dir=str(cache_dir()), error=str(e))
-                path = build(Path(tempfile.mkdtemp(prefix="npud-kernels-")))
-            lib = ctypes.CDLL(str(path))
+                built = _build(private_dir())
+            lib = ctypes.CDLL(str(built.path))
             lib.npud_isa_best.restype = _I
             lib.npud_set_isa.argtypes = [_I]
             lib.npud_set_isa.restype = _I
@@ -151,8 +156,15 @@ def library() -> ctypes.CDLL:
             lib.npud_attention_exp.restype = None
             wanted = os.environ.get("NPUD_HOST_ISA", "")  # tests and benchmarks: force a slower path
             _isa_in_use = ISA_NAMES[lib.npud_set_isa(ISA_NAMES.index(wanted) if wanted in ISA_NAMES else -1)]
+            _lib_sha256 = built.sha256
             _lib = lib
         return _lib
+
+
+def library_sha256() -> str:
+    """The sha256 of the loaded library's bytes (loaded on first use)."""
+    library()
+    return _lib_sha256
 
 
 def best_isa() -> str:
