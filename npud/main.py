@@ -33,7 +33,10 @@ EXIT_BAD_CONFIG = 2
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="npud", description="Serve local LLMs on an AMD Ryzen AI NPU (or the CPU).")
     p.add_argument("--config", type=Path,
-                   help=f"TOML configuration file (default $NPUD_CONFIG, else {DEFAULT_CONFIG_PATH})")
+                   help=f"TOML configuration file (default $NPUD_CONFIG, else {DEFAULT_CONFIG_PATH}). Started by "
+                        "hand (root too), npud keeps the socket and the store in your XDG directories "
+                        "($XDG_RUNTIME_DIR/npud, ~/.local/state/npud) unless the file names others; "
+                        "/run/npud and /var/lib/npud are the system service's")
     p.add_argument("--model", action="append", metavar="PATH",
                    help="serve this checkpoint: a directory, a .gguf file, or a Hugging Face repo id (org/name) "
                         "in the local Hugging Face cache. Without --config and $NPUD_CONFIG no file is read and npud "
@@ -68,11 +71,12 @@ def _overrides(args: argparse.Namespace, models: tuple[ModelEntry, ...] = ()):
 
 
 def per_user(cfg: DaemonConfig) -> DaemonConfig:
-    """A daemon that runs as a user other than root, and not as a systemd system service (which
-    gives it /run/npud and /var/lib/npud), keeps a socket and a store left at the system's
-    defaults in that user's XDG directories instead (npud/userdirs.py): `npud --config
-    ~/.config/npud/npud.toml` works as a user. Paths the file (or --socket, --state-dir) set stay."""
-    if os.geteuid() == 0 or os.environ.get("RUNTIME_DIRECTORY") or os.environ.get("STATE_DIRECTORY"):
+    """A daemon that does not run as a systemd service (whose RuntimeDirectory= and
+    StateDirectory= give it /run/npud and /var/lib/npud) keeps a socket and a store left at the
+    system's defaults in its user's XDG directories instead (npud/userdirs.py), root's as anyone's:
+    `npud --config FILE` started by hand never takes over the system daemon's socket or writes
+    into its store. Paths the file sets to anything else (and --socket, --state-dir) stay."""
+    if os.environ.get("RUNTIME_DIRECTORY") or os.environ.get("STATE_DIRECTORY"):
         return cfg
     if cfg.server.socket_path == ServerConfig().socket_path:
         cfg = cfg.replace(server=dataclasses.replace(cfg.server, socket_path=str(userdirs.socket_path())))
