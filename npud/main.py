@@ -23,7 +23,7 @@ from npud import __version__, userdirs
 from npud.config import (DEFAULT_CONFIG_PATH, WEIGHT_FORMATS, DaemonConfigError, DaemonConfig, ModelEntry,
                          ServerConfig, StoreConfig, check_models, load_config, model_path)
 from npud.packaged import PACKAGED
-from npud.logsetup import setup_logging
+from npud.logsetup import plain_lines_fit, setup_logging
 from npud.peers import raise_nofile_limit
 from npud.store import StoreError
 
@@ -225,16 +225,20 @@ def main(argv: list[str] | None = None, *, loader: ModelLoader = load_model) -> 
     from npud.daemon import Daemon  # after logging is set up: loggers are bound at import
 
     started: list = []
+    plain = plain_lines_fit(cfg.logging)
 
     async def serve() -> None:
         daemon = Daemon(cfg, config_path=config_path, overrides=overrides, loader=loader)
-        daemon.announce = lambda line: print(f"npud: error: {line}", file=sys.stderr, flush=True)
+        if plain:  # else the log's own JSON lines say it (model_load_failed)
+            daemon.announce = lambda line: print(f"npud: error: {line}", file=sys.stderr, flush=True)
         started.append(daemon)
         async with trio.open_nursery() as nursery:
             await nursery.start(functools.partial(daemon.run, handle_signals=True))
-            # the log has it too (daemon_ready); this line is for whoever started npud by hand
-            print(f"npud: listening on {cfg.server.socket_path} (models: {', '.join(daemon.registry.names) or 'none'}; "
-                  f"state in {cfg.store.state_dir})", file=sys.stderr, flush=True)
+            # the log has it too (daemon_ready); this line is for whoever started npud by hand, and is
+            # left out where it would sit among JSON log lines (the journal, `2>&1 | jq`)
+            if plain:
+                print(f"npud: listening on {cfg.server.socket_path} (models: {', '.join(daemon.registry.names) or 'none'}; "
+                      f"state in {cfg.store.state_dir})", file=sys.stderr, flush=True)
 
     try:
         trio.run(serve)
