@@ -49,7 +49,7 @@ usage_error, not_running, not_a_socket, permission_denied, connection_lost,
 interrupted). A job that failed while --wait followed it is reported in its results
 instead. Tables and progress bars are drawn
 only on a terminal; otherwise every row or event is one plain line (tables as
-tab-separated columns without a header). --json prints the daemon's replies as JSON.
+tab-separated columns, the column names on the first line). --json prints the daemon's replies as JSON.
 """
 
 SUBMIT_INPUT_HELP = """\
