@@ -29,6 +29,7 @@ from npud.http.translate import (
     npud_reply,
     rename,
     usage,
+    RENAMES,
 )
 from npud.jobref import JobRefs
 from npud.jobs import store_api_error
@@ -270,13 +271,13 @@ class App:
     async def infill(self, peer: "Peer", request: HttpRequest, responder: Responder) -> None:
         await self._run(peer, infill_request(parse_body(request.body)), responder)
 
-    def spec(self, job: HttpJob) -> JobSpec:
+    def spec(self, job: HttpJob, renames: tuple[tuple[str, str], ...] = RENAMES) -> JobSpec:
         """The job spec of a request's params (complete's), checked as the socket checks them;
-        raises ApiError naming the body field."""
+        raises ApiError naming the body field (`renames`: complete's param prefixes and the body's)."""
         try:
             return self.api.single_spec(job.params)
         except ApiError as exc:
-            raise rename(exc) from None
+            raise rename(exc, renames) from None
 
     async def run(self, peer: "Peer", spec: JobSpec, priority: Priority, emit: "Emit") -> dict:
         """Run `spec` as a one-prompt job of `peer` (the path of every generating endpoint, OpenAI's

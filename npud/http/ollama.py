@@ -29,6 +29,7 @@ from npud.http import errors
 from npud.http.app import HttpRequest, Responder, parse_body
 from npud.http.ollama_translate import (
     OLLAMA_API_VERSION,
+    RENAMES,
     OllamaJob,
     Timing,
     chat_request,
@@ -265,7 +266,7 @@ class OllamaRoutes:
             await self._load(job, responder)
             return
         timing = Timing(time.monotonic())
-        spec = self.app.spec(job.job)
+        spec = self.app.spec(job.job, RENAMES)
         if job.num_ctx is not None:
             spec = await self._fit_context(peer, spec, job.num_ctx)
         stream = NdjsonStream(responder, job.kind, job.model, timing) if job.stream else None

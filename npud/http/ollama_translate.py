@@ -39,6 +39,12 @@ NEUTRAL_OPTIONS = {
 HINT_OPTIONS = ("numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all", "vocab_only",
                 "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep", "repeat_last_n",
                 "mirostat_tau", "mirostat_eta", "penalize_newline")
+# complete's params as an Ollama body names them (the longest prefix first)
+RENAMES = (("params.sampling.", "body.options."), ("params.max_tokens", "body.options.num_predict"),
+           ("params.stop", "body.options.stop"), ("params.response_format.json_schema.schema", "body.format"),
+           ("params.response_format", "body.format"),
+           ("params.spec", "body.npud.spec"), ("params.use_prefix_cache", "body.npud.use_prefix_cache"),
+           ("params.logprobs", "body.top_logprobs"), ("params.", "body."))
 # request fields that steer image generation or cloud features npud has none of; absent or null only
 IMAGE_FIELDS = ("width", "height", "steps")
 

@@ -44,9 +44,9 @@ class HttpJob:
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
 
 
-def rename(exc: ApiError) -> ApiError:
+def rename(exc: ApiError, renames: tuple[tuple[str, str], ...] = RENAMES) -> ApiError:
     """`exc` with a param name of complete's replaced by the body field it came from."""
-    for old, new in RENAMES:
+    for old, new in renames:
         if exc.message.startswith(old):
             return ApiError(exc.code, new + exc.message[len(old):])
     return exc
