@@ -231,8 +231,10 @@ class JobManager:
             self.active[job_id] = job
             sub = self.subscribe(job) if subscribe else None
             job.ticket = self.queue.enqueue(job_id, priority, caller.uid)
-        log.info("job_accepted", job=job_id, owner_uid=caller.uid, priority=priority.label, model=spec.model,
-                 num_prompts=spec.num_prompts)
+        # job_ref: the reference an HTTP reply names the job by (npud.job, cmpl-REF), so a reply
+        # can be found in the log
+        log.info("job_accepted", job=job_id, job_ref=self.refs.ref(job_id), owner_uid=caller.uid,
+                 priority=priority.label, model=spec.model, num_prompts=spec.num_prompts, interactive=interactive)
         return job, sub
 
     async def status(self, caller: Caller, job_id: int) -> dict:
@@ -428,8 +430,12 @@ class JobManager:
         for sub in list(job.subscribers):
             self.unsubscribe(job, sub)
         event = {JobState.DONE: "job_done", JobState.FAILED: "job_failed"}.get(state, "job_cancelled")
-        log.info(event, job=job.id, tokens=job.tokens, tickets=job.num_tickets,
+        # the console format's one line per request (npud/logsetup.py) is this event
+        running_s = None if job.started_at is None else job.finished_at - job.started_at
+        log.info(event, job=job.id, job_ref=self.refs.ref(job.id), model=job.spec.model, owner_uid=job.owner_uid,
+                 num_prompts=job.spec.num_prompts, tokens=job.tokens, tickets=job.num_tickets,
                  elapsed_ms=round((job.finished_at - job.created_at) * 1000, 1),
+                 tokens_per_s=round(job.tokens / running_s, 1) if running_s else None,
                  error=None if job.error is None else job.error.code)
 
     async def _write_state(self, job: Job, ticket: Ticket | None = None) -> bool:

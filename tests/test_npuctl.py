@@ -402,9 +402,13 @@ def test_cancel_a_job_that_submit_is_waiting_for(daemon, client, tmp_path):
 # -- tables and --json ------------------------------------------------------------------------------
 
 def test_tables_are_tab_separated_without_a_terminal(daemon, client, done_job):
+    """Piped, a table is tab-separated lines, its column names first (issue 42: `npuctl jobs | ...`
+    had no names to tell the columns by)."""
     run = npuctl("tickets", "--job", str(done_job), socket_path=daemon.socket)
     assert run.returncode == 0, run.stderr
-    rows = [ln.split("\t") for ln in run.stdout.splitlines()]
+    header, *lines = run.stdout.splitlines()
+    assert header.split("\t") == [h.upper() for h in TICKET_HEADERS]
+    rows = [ln.split("\t") for ln in lines]
     tickets = client.tickets(job=done_job)["tickets"]
     assert [int(r[0]) for r in rows] == [t["ticket"] for t in tickets] and rows
     for row in rows:
@@ -413,13 +417,17 @@ def test_tables_are_tab_separated_without_a_terminal(daemon, client, done_job):
         assert row[2] == __import__("pwd").getpwuid(os.geteuid()).pw_name
         assert row[8] == "done" and row[10] == "0->0"
     run = npuctl("jobs", socket_path=daemon.socket)
-    rows = [ln.split("\t") for ln in run.stdout.splitlines()]
+    header, *lines = run.stdout.splitlines()
+    assert header.split("\t")[:7] == ["JOB", "USER", "STATE", "PRIORITY", "MODEL", "PROMPTS", "TOKENS"]
+    rows = [ln.split("\t") for ln in lines]
     assert [int(r[0]) for r in rows] == [j["job"] for j in client.jobs()["jobs"]]
     run = npuctl("models", socket_path=daemon.socket)
-    cols = run.stdout.split("\t")
+    header, line = run.stdout.splitlines()
+    cols = line.split("\t")
+    assert header.split("\t")[:2] == ["MODEL", "STATE"]
     assert cols[:2] == ["tiny (default)", "loaded"] and cols[3] == "until evicted" and cols[4] == "fp32"
     run = npuctl("tickets", "--since", "2099-01-01", socket_path=daemon.socket)
-    assert run.returncode == 0 and run.stdout == ""
+    assert run.returncode == 0 and run.stdout == "\t".join(h.upper() for h in TICKET_HEADERS) + "\n"
 
 
 def test_tables_have_headers_on_a_terminal(daemon, done_job):
@@ -572,7 +580,7 @@ def test_unknown_job(daemon):
     for args in (["status", "999999"], ["result", "999999"], ["cancel", "999999"], ["tickets", "--job", "999999"]):
         run = npuctl(*args, socket_path=daemon.socket)
         if args[0] == "tickets":  # a filter that matches nothing is not an error
-            assert run.returncode == 0 and run.stdout == ""
+            assert run.returncode == 0 and run.stdout == "\t".join(h.upper() for h in TICKET_HEADERS) + "\n"
             continue
         assert run.returncode == 1, args
         assert run.stderr == "error: no job 999999\n"

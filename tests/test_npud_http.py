@@ -183,6 +183,23 @@ def test_npud_extension_speculation_and_priority(oa, client):
     assert info.value.code == "bad_request" and "draft" in info.value.message
 
 
+def test_structured_output_cut_short_is_flagged(oa):
+    """A json_schema reply that max_tokens cuts is a prefix of a valid document, and the reply
+    says so in npud.grammar_complete besides finish_reason "length" (issue 42: it was invalid JSON
+    with no flag); a whole one says true, a request without a grammar null."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    messages = [{"role": "user", "content": "Say hi"}]
+    cut = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, response_format=fmt)
+    assert cut.choices[0].finish_reason == "length" and cut.model_extra["npud"]["grammar_complete"] is False
+    whole = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, response_format=fmt)
+    assert whole.choices[0].finish_reason == "stop" and whole.model_extra["npud"]["grammar_complete"] is True
+    assert set(json.loads(whole.choices[0].message.content)) == {"ok", "n"}
+    free = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert free.model_extra["npud"]["grammar_complete"] is None
+
+
 def test_models_and_health(oa, raw):
     models = oa.models.list()
     assert [m.id for m in models.data] == [MODEL, FIM_MODEL]

@@ -110,7 +110,7 @@ def test_replies_carry_usage_and_the_npud_object():
     text = completion_reply("completion", "m", RESULT)
     assert text["id"] == "cmpl-9" and text["object"] == "text_completion" and text["model"] == "m"
     assert text["choices"] == [{"index": 0, "text": "hi", "finish_reason": "length", "logprobs": None}]
-    assert text["npud"] == {"job": 9, "max_tokens_clamped_to": None, "chat_template": None,
+    assert text["npud"] == {"job": 9, "max_tokens_clamped_to": None, "chat_template": None, "grammar_complete": None,
                             "stats": {"drafted": 4, "accepted": 2}}
     chat = completion_reply("chat", "m", {**RESULT, "stats": {**RESULT["stats"], "chat_template": "builtin:gemma"}})
     assert chat["npud"]["chat_template"] == "builtin:gemma"  # which template wrote the prompt

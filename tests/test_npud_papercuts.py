@@ -80,3 +80,41 @@ def test_a_gguf_model_reports_its_block_types_not_the_setting():
     assert [m["weight_format"] for m in registry.describe()] == ["gguf", "int8"]
     registry.get("g")
     assert [m["weight_format"] for m in registry.describe()] == ["gguf: Q8_0 3", "int8"]
+
+
+# -- issue 42: the command line a newcomer from llama-server or Ollama tries ------------------------
+
+def _entries(argv: list[str]):
+    from npud import main as npud_main
+
+    return npud_main.model_entries(npud_main._parser().parse_args(argv))
+
+
+def test_weight_format_and_threads_are_set_per_model_on_the_command_line(tmp_path):
+    """`--weight-format` and `--threads` set the --model before them; before any --model, every
+    --model's (item 7). Speed needed a TOML file before."""
+    a, b = tmp_path / "a.gguf", tmp_path / "b"
+    a.write_bytes(b"GGUF")
+    b.mkdir()
+    first, second = _entries(["--threads", "1", "--model", str(a), "--weight-format", "gguf-q8",
+                              "--model", str(b), "--threads", "2"])
+    assert (first.name, first.weight_format, first.threads) == ("a", "gguf-q8", 1)
+    assert (second.name, second.weight_format, second.threads) == ("b", "bf16", 2)
+    (only,) = _entries(["--model", str(b), "--weight-format", "int8"])
+    assert (only.weight_format, only.threads) == ("int8", 0)
+    done = subprocess.run([sys.executable, "-m", "npud", "--model", str(b), "--weight-format", "gguf-q8",
+                           "--check-config"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 2 and "gguf-q8" in done.stderr and "is for .gguf files" in done.stderr
+    sample = (REPO / "systemd" / "npud.toml").read_text()
+    assert "weight_format\n# does not apply" not in sample and "does not apply" not in sample.split("[[models]]")[1]
+    assert 'weight_format = "gguf-q8"' in sample and "--weight-format gguf-q8" in sample
+
+
+def test_an_unknown_model_name_says_which_short_names_npud_knows():
+    """`npud --model llama3.2`, as an Ollama user types it (item 10): the packaged short names
+    and that npud never downloads, not a bare "no such file"."""
+    done = subprocess.run([sys.executable, "-m", "npud", "--model", "llama3.2", "--check-config"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 2
+    assert "gemma-3-270m" in done.stderr and "never downloads" in done.stderr, done.stderr

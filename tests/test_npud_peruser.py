@@ -3,7 +3,7 @@ the system defaults in the XDG directories; the user who runs npud administers i
 does not load at start is said in npud's own output, listed with its error (in words: no path, no exception text), and when nothing is
 left to serve npud exits non-zero.
 
-Mutants these tests kill (run by hand, see the branch's report): per_user applied to root or
+Mutants these tests kill (run by hand, see the branch's report): per_user keeping root on the system paths, or applied
 under systemd's StateDirectory; an explicit socket_path replaced; is_admin without the daemon's
 own uid; the exit when only some models fail; the load error kept after the entry changed.
 """
@@ -47,8 +47,29 @@ def test_a_users_config_keeps_default_paths_in_the_xdg_directories(monkeypatch, 
     monkeypatch.setenv("STATE_DIRECTORY", "/var/lib/npud")  # the system unit, as User=npud
     assert npud_main.per_user(defaults) == defaults
     monkeypatch.delenv("STATE_DIRECTORY")
-    monkeypatch.setattr(npud_main.os, "geteuid", lambda: 0)
-    assert npud_main.per_user(defaults) == defaults
+    monkeypatch.setattr(npud_main.os, "geteuid", lambda: 0)  # root by hand is a user like any other
+    assert npud_main.per_user(defaults).server.socket_path == str(tmp_path / "run" / "npud" / "npud.sock")
+
+
+def test_npud_config_by_hand_as_root_keeps_off_the_system_paths(tmp_path):
+    """Issue 42, item 3: `npud --config FILE` started by hand, as root too, with the example
+    file's system paths in it, listens and stores in the XDG directories; only systemd's
+    service (RUNTIME_DIRECTORY / STATE_DIRECTORY) gets /run/npud and /var/lib/npud."""
+    config = tmp_path / "npud.toml"
+    config.write_text('[server]\nsocket_path = "/run/npud/npud.sock"\n[store]\nstate_dir = "/var/lib/npud"\n')
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    env = {**python_env(None), "XDG_RUNTIME_DIR": str(run_dir), "XDG_STATE_HOME": str(tmp_path / "state")}
+    for var in ("RUNTIME_DIRECTORY", "STATE_DIRECTORY", "NPUD_CONFIG"):
+        env.pop(var, None)
+    done = subprocess.run([sys.executable, "-m", "npud", "--config", str(config), "--check-config"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"socket {run_dir}/npud/npud.sock, state {tmp_path}/state/npud" in done.stdout, done.stdout
+    done = subprocess.run([sys.executable, "-m", "npud", "--config", str(config), "--check-config"],
+                          env={**env, "RUNTIME_DIRECTORY": "/run/npud", "STATE_DIRECTORY": "/var/lib/npud"},
+                          capture_output=True, text=True, timeout=120)
+    assert "socket /run/npud/npud.sock, state /var/lib/npud" in done.stdout, done.stdout  # the system service
 
 
 def test_the_user_running_npud_is_its_admin(monkeypatch):

@@ -106,13 +106,17 @@ class FakeSession:
         if not self.done:
             raise RuntimeError("result before the session is done")
         clamped = self.max_tokens if self.max_tokens < self.req.params.max_tokens else None
+        stats = {"rounds": len(self.ids), "drafted": 0, "accepted": 0}
+        if self.req.messages is not None and self.model.chat_template is not None:
+            stats["chat_template"] = self.model.chat_template  # as a real engine names the template of a chat
         return GenerationResult(self.text, tuple(self.ids), self.model.count_prompt_tokens(self.req),
-                                self.finish_reason, {"rounds": len(self.ids), "drafted": 0, "accepted": 0}, clamped)
+                                self.finish_reason, stats, clamped)
 
 
 class FakeServedModel:
     """An npud.engine.api.ServedModel without a prefix cache. Knobs from fake.json:
     tokens_per_round, round_sleep_s, max_context, fim (a request with a suffix runs), nbytes,
+    chat_template (the name a chat's stats give its template; None: no such stat),
     fault_file (a round raises
     DeviceFault, as a failed NPU run does, once for each time that file is created;
     fault_prompt and fault_at_token say where)."""
@@ -127,6 +131,7 @@ class FakeServedModel:
         self.fault_file = knobs.get("fault_file")
         self.fault_prompt = knobs.get("fault_prompt")  # only the prompt with this text faults (None: any)
         self.fault_at_token = int(knobs.get("fault_at_token", 0))  # after this many of its tokens
+        self.chat_template = knobs.get("chat_template")
 
     def describe(self) -> dict:
         return {"name": self.name, "fake": True, "tokens_per_round": self.tokens_per_round}

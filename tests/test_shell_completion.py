@@ -15,7 +15,7 @@ from npud.clients.npuctl import build_parser
 from npud.clients.shell_completion import bash_script, zsh_script
 from npud_fixture import REPO, python_env
 
-COMMANDS = ["submit", "complete", "jobs", "status", "result", "cancel", "tickets", "device", "cache", "models", "load", "unload",
+COMMANDS = ["submit", "complete", "chat", "jobs", "status", "result", "cancel", "tickets", "device", "cache", "models", "load", "unload",
             "stats", "completion"]
 
 
@@ -48,7 +48,7 @@ def files(tmp_path):
 
 @pytest.mark.parametrize("line, expected", [
     ("npuctl ", sorted(COMMANDS)),
-    ("npuctl c", ["cache", "cancel", "complete", "completion"]),
+    ("npuctl c", ["cache", "cancel", "chat", "complete", "completion"]),
     ("npuctl ca", ["cache", "cancel"]),
     ("npuctl cache ", ["drop", "ls", "pin"]),
     ("npuctl cache ls --", ["--help", "--json", "--model", "--socket"]),

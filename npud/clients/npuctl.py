@@ -24,6 +24,7 @@ from npud.clients.npuctl_common import (EXIT_DAEMON, EXIT_INTERRUPTED, EXIT_OK, 
                                    Interrupted, UsageError)
 from npud.clients.npuctl_show import (cmd_cache, cmd_cancel, cmd_device, cmd_jobs, cmd_load, cmd_models, cmd_unload, cmd_result, cmd_stats,
                                  cmd_status, cmd_tickets)
+from npud.clients.npuctl_chat import cmd_chat
 from npud.clients.npuctl_submit import cmd_complete, cmd_submit
 from npud.clients.shell_completion import bash_script, zsh_script
 from npud import __version__
@@ -48,7 +49,7 @@ usage_error, not_running, not_a_socket, permission_denied, connection_lost,
 interrupted). A job that failed while --wait followed it is reported in its results
 instead. Tables and progress bars are drawn
 only on a terminal; otherwise every row or event is one plain line (tables as
-tab-separated columns without a header). --json prints the daemon's replies as JSON.
+tab-separated columns, the column names on the first line). --json prints the daemon's replies as JSON.
 """
 
 SUBMIT_INPUT_HELP = """\
@@ -208,6 +209,21 @@ def build_parser() -> Parser:
     p.add_argument("prompt", metavar="PROMPT", help="the prompt text; - reads it from stdin")
     p.add_argument("--system", metavar="TEXT",
                    help="send a chat (system TEXT, user PROMPT) through the model's chat template")
+
+    p = add("chat", cmd_chat, "chat with a model in the terminal",
+            "Chat with MODEL (default: the daemon's default model) as `ollama run` does: type a message, "
+            "the reply streams as it is generated, and each turn sends the whole conversation through the "
+            "model's chat template (named once, after the first reply). Lines are edited with readline and "
+            "kept in $XDG_STATE_HOME/npud/chat_history. /system TEXT sets the system message, /reset forgets "
+            "the conversation, /save FILE writes it as JSON, /help lists the commands, /bye or Ctrl-D leaves; "
+            "a line of three double quotes begins and ends a message of several lines. Ctrl-C stops a reply "
+            "(its job is cancelled) and the session goes on. A reply runs until the model ends its turn, at "
+            "most --max-tokens (default: the daemon's limits.max_tokens). Without a terminal, each line of "
+            "stdin is one message.",
+            parents=(gen,), epilog="example:\n  npuctl chat gemma-3-270m\n  >>> Name a colour.\n")
+    p.add_argument("chat_model", metavar="MODEL", nargs="?", help="a model name from `npuctl models`")
+    p.add_argument("--system", metavar="TEXT", help="the conversation's system message")
+    p.add_argument("--verbose", action="store_true", help="after each reply, its tokens, finish and tok/s on stderr")
 
     p = add("jobs", cmd_jobs, "list jobs",
             "List jobs, newest first: yours, or everyone's with --all-users (admin). Columns: job, user, state, "

@@ -11,7 +11,7 @@ from typing import Any, TextIO
 
 from npud.clients.batchfile import InputError, JobPlan, Line, output_record, plan_jobs, read_lines
 from npud.clients.openai_batch import Endpoint, openai_record
-from npud.clients.client import Client, NpudError
+from npud.clients.client import Client, ConnectionLost, NotRunning, NpudError, ShuttingDown
 from npud.clients.npuctl_common import (EXIT_OK, Failed, Interrupted, UsageError, connect, emit_json, generation_settings,
                                    is_tty, open_output)
 from npud.clients.termout import Progress, ProgressBar, fmt_rate, load_stage
@@ -85,6 +85,10 @@ class PlainReporter:
         self.out.write(f"loading model {model}\n")
         self.out.flush()
 
+    def waiting(self, message: str) -> None:
+        self.out.write(message + "\n")
+        self.out.flush()
+
     def update(self) -> None:
         pass
 
@@ -102,6 +106,9 @@ class BarReporter:
     def loading(self, model: str) -> None:
         self.bar.update(force=True)  # the bar's state says "loading model ..."
 
+    def waiting(self, message: str) -> None:
+        self.bar.update(force=True)  # the bar's state says npud is away
+
     def update(self) -> None:
         self.bar.update()
 
@@ -116,6 +123,9 @@ class QuietReporter:
     def loading(self, model: str) -> None:
         pass
 
+    def waiting(self, message: str) -> None:
+        pass
+
     def update(self) -> None:
         pass
 
@@ -123,14 +133,59 @@ class QuietReporter:
         pass
 
 
-def _follow(c: Client, aux: Client, plans: list[JobPlan], statuses: list[dict], progress: Progress,
+ENDED = ("done", "failed", "cancelled")
+RECONNECT_TIMEOUT_S = 300.0  # how long --wait waits for a stopped npud to come back
+RECONNECT_INTERVAL_S = 0.5
+
+
+class Connections:
+    """--wait's two connections to npud (one streams a job, the other reads results beside it),
+    made again when npud stops: a restart keeps every job in its store and runs on from the
+    prompts without a result, so the wait goes on instead of calling the rest cancelled."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.stream = Client(path)
+        self.aux = Client(path)
+
+    def close(self) -> None:
+        self.stream.close()
+        self.aux.close()
+
+    def reconnect(self, jobs: list[int], progress: Progress, reporter: Any) -> None:
+        """Wait for npud to listen again (RECONNECT_TIMEOUT_S at most); raises NotRunning saying
+        that the jobs are kept when it does not come back."""
+        self.close()
+        progress.state = "npud stopped: waiting for it to come back"
+        reporter.waiting(f"npud stopped; job(s) {' '.join(map(str, jobs))} are kept in its store and run on when "
+                         f"it starts again: waiting up to {RECONNECT_TIMEOUT_S:.0f} s (Ctrl-C stops waiting, "
+                         "not the jobs)")
+        deadline = time.monotonic() + RECONNECT_TIMEOUT_S
+        while True:
+            time.sleep(RECONNECT_INTERVAL_S)
+            try:
+                self.stream = Client(self.path)
+                self.aux = Client(self.path)
+                reporter.waiting("npud is back; following the job(s) again")
+                return
+            except NotRunning:
+                if time.monotonic() > deadline:
+                    raise NotRunning(f"npud did not come back within {RECONNECT_TIMEOUT_S:.0f} s; job(s) "
+                                     f"{' '.join(map(str, jobs))} are kept in its store and run when it starts "
+                                     "again (`npuctl result JOB` reads them then)") from None
+
+
+def _follow(conns: Connections, plans: list[JobPlan], statuses: list[dict], progress: Progress,
             reporter: Any) -> list[dict]:
     """Stream each job to its end, feeding the progress; returns the final job statuses.
 
     Jobs are followed one after another; a prompt that finished while another job was being
-    followed (or before the stream began) is reported when its job's turn comes.
+    followed (or before the stream began) is reported when its job's turn comes. A stream that
+    ends before its job did (npud stopped: its drain ends every follower) or a connection that
+    drops is followed again once npud is back.
     """
     finals = []
+    jobs = [s["job"] for s in statuses]
     for plan, status in zip(plans, statuses):
         job = status["job"]
         reported: set[int] = set()
@@ -147,34 +202,47 @@ def _follow(c: Client, aux: Client, plans: list[JobPlan], statuses: list[dict], 
 
         progress.job = job
         progress.state = status["state"]
-        stream = c.stream(job)
-        for ev in stream:
-            d = ev.data
-            if ev.name == "token":
-                progress.on_tokens(job, d.get("prompt", 0), len(d.get("token_ids") or ()))
-            elif ev.name == "ticket":
-                progress.state = d.get("outcome") or ("running" if d.get("state") == "granted" else d.get("state"))
-            elif ev.name == "model_loading":  # a cold start: the wait is the load, not generation
-                progress.state = f"loading model {d.get('model')}"
-                reporter.loading(str(d.get("model")))
-            elif ev.name == "model_load_progress":
-                progress.state = f"loading model {d.get('model')} ({load_stage(d)})"
-            elif ev.name == "model_loaded":
-                progress.load_s += float(d.get("load_ms") or 0) / 1000
-                progress.state = "running"
-            elif ev.name == "progress" and "prompt" in d:  # a prompt finished
-                report(aux.result(job, prompts=[d["prompt"]])["results"])
-            elif ev.name == "progress":  # the counts when the stream began
-                progress.state = d.get("state", progress.state)
-                if d.get("done_prompts"):
-                    report(aux.result(job)["results"])
-            reporter.update()
-        final = stream.result
+        while True:
+            try:
+                final = _stream_job(conns, job, progress, reporter, report)
+            except (ConnectionLost, NotRunning, ShuttingDown):
+                final = None
+            if final is not None and final.get("state") in ENDED:
+                break
+            conns.reconnect(jobs, progress, reporter)
         progress.state = final.get("state", "done")
         if len(reported) < final.get("done_prompts", 0):
-            report(aux.result(job)["results"])
+            report(conns.aux.result(job)["results"])
         finals.append(final)
     return finals
+
+
+def _stream_job(conns: Connections, job: int, progress: Progress, reporter: Any, report) -> dict:
+    """Follow one job's events until its stream ends; returns the status the stream ends with
+    (an unfinished one when npud stopped)."""
+    stream = conns.stream.stream(job)
+    for ev in stream:
+        d = ev.data
+        if ev.name == "token":
+            progress.on_tokens(job, d.get("prompt", 0), len(d.get("token_ids") or ()))
+        elif ev.name == "ticket":
+            progress.state = d.get("outcome") or ("running" if d.get("state") == "granted" else d.get("state"))
+        elif ev.name == "model_loading":  # a cold start: the wait is the load, not generation
+            progress.state = f"loading model {d.get('model')}"
+            reporter.loading(str(d.get("model")))
+        elif ev.name == "model_load_progress":
+            progress.state = f"loading model {d.get('model')} ({load_stage(d)})"
+        elif ev.name == "model_loaded":
+            progress.load_s += float(d.get("load_ms") or 0) / 1000
+            progress.state = "running"
+        elif ev.name == "progress" and "prompt" in d:  # a prompt finished
+            report(conns.aux.result(job, prompts=[d["prompt"]])["results"])
+        elif ev.name == "progress":  # the counts when the stream began
+            progress.state = d.get("state", progress.state)
+            if d.get("done_prompts"):
+                report(conns.aux.result(job)["results"])
+        reporter.update()
+    return stream.result
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -241,14 +309,16 @@ def _wait(args: argparse.Namespace, c: Client, plans: list[JobPlan], statuses: l
     else:
         reporter = PlainReporter(sys.stderr, progress)
     jobs = [s["job"] for s in statuses]
+    conns = Connections(c.path)
     try:
-        with Client(c.path) as aux:
-            finals = _follow(c, aux, plans, statuses, progress, reporter)
-            results = {job: {r["prompt"]: r for r in aux.result(job)["results"]} for job in jobs}
+        finals = _follow(conns, plans, statuses, progress, reporter)
+        results = {job: {r["prompt"]: r for r in conns.aux.result(job)["results"]} for job in jobs}
     except KeyboardInterrupt:
         reporter.close()
         raise Interrupted(f"interrupted; the job(s) keep running: {' '.join(map(str, jobs))} "
                           f"(`npuctl result JOB` reads them later, `npuctl cancel JOB` stops them)") from None
+    finally:
+        conns.close()
     reporter.close()
     name = "<stdin>" if args.file == "-" else args.file
     problems = []

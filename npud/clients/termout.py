@@ -63,10 +63,12 @@ def cell(value: Any) -> str:
 
 
 def print_table(out: TextIO, headers: Sequence[str], rows: Sequence[Sequence[Any]], *, tty: bool) -> None:
-    """An aligned table with a header on a terminal; otherwise one tab-separated line per row
-    (same columns, no header), so `cut -f` and `awk -F'\\t'` work."""
+    """An aligned table with a header on a terminal; otherwise the same columns as tab-separated
+    lines, the column names first (as `ps` and `ollama list` print them piped), so `cut -f`,
+    `awk -F'\\t' 'NR > 1'` and a reader that wants the names all work."""
     cells = [[cell(v) for v in row] for row in rows]
     if not tty:
+        out.write("\t".join(h.upper() for h in headers) + "\n")
         for row in cells:
             out.write("\t".join(row) + "\n")
         return

@@ -130,6 +130,13 @@ class Generation:
             self._release_tail(self._pending + self._decoder.flush())
         yield self._take_events()
 
+    @property
+    def ended_at_eos(self) -> bool:
+        """Whether the run ended with an end-of-sequence id (not max_tokens, a stop string, a
+        cancel or a dead end). Under a grammar that means the grammar was complete: it allows EOS
+        nowhere else."""
+        return self.finish_reason == FinishReason.STOP and not self._stopped_by_string
+
     def _on_token(self, token: int) -> bool:
         self._logprob, dead_end = self._take_record(token)
         if dead_end:  # the grammar allowed nothing here: the run ends before this token

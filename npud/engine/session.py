@@ -491,6 +491,8 @@ class ModelSession:
         stats["time_to_first_token_s"] = self._first_token_s
         if self.request.messages is not None:  # which template wrote the prompt
             stats["chat_template"] = self.served.chat_template
+        if self.request.params.grammar is not None:  # false: max_tokens (or a stop string) cut the output short
+            stats["grammar_complete"] = g.ended_at_eos
         return GenerationResult(
             text=g.text,
             token_ids=tuple(g.token_ids),

@@ -29,16 +29,19 @@ from npud.http.translate import (
     npud_reply,
     rename,
     usage,
+    RENAMES,
 )
 from npud.jobref import JobRefs
 from npud.jobs import store_api_error
+from npud.jobspec import JobSpec
 from npud.metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from npud.metrics import render_prometheus
 from npud.protocol import ApiError, ErrorCode, Params
 from npud.store import StoreError
+from npud.tickets import Priority
 
 if TYPE_CHECKING:
-    from npud.api import Api
+    from npud.api import Api, Emit
     from npud.server import Peer
 
 log = structlog.get_logger(__name__)
@@ -65,7 +68,7 @@ class Responder:
 
     async def send_json(self, status: int, payload: dict) -> None: ...
     async def send_text(self, status: int, content_type: str, body: bytes) -> None: ...
-    async def start_stream(self) -> None: ...
+    async def start_stream(self, content_type: str = "text/event-stream") -> None: ...
     async def send_event(self, data: bytes) -> None: ...
     async def end_stream(self) -> None: ...
 
@@ -159,6 +162,8 @@ class Stream:
 
 class App:
     def __init__(self, api: "Api") -> None:
+        from npud.http.ollama import OllamaRoutes  # beside the OpenAI routes, on the same job path
+
         self.api = api
         self.routes: dict[str, dict[str, Callable[["Peer", HttpRequest, Responder], Awaitable[None]]]] = {
             "/health": {"GET": self.health}, "/v1/models": {"GET": self.models},
@@ -166,9 +171,13 @@ class App:
             "/infill": {"POST": self.infill}, "/tokenize": {"POST": self.tokenize},
             "/detokenize": {"POST": self.detokenize}, "/props": {"GET": self.props}, "/metrics": {"GET": self.metrics},
         }
+        self.ollama = OllamaRoutes(self)
+        self.routes.update(self.ollama.routes)
 
     async def __call__(self, peer: "Peer", request: HttpRequest, responder: Responder) -> None:
-        """Answer one request; every expected error becomes OpenAI's JSON with its status."""
+        """Answer one request; every expected error becomes OpenAI's JSON with its status (Ollama's
+        shape under /api/)."""
+        send = self.ollama.send_error if self.ollama.owns(request.path) else send_error
         try:
             methods = self.routes.get(request.path)
             if methods is None:
@@ -179,15 +188,15 @@ class App:
                 raise ApiError(errors.METHOD_NOT_ALLOWED, f"{request.path} takes {' or '.join(methods)}")
             await handler(peer, request, responder)
         except StoreError as exc:
-            await send_error(responder, store_api_error(exc))
+            await send(responder, store_api_error(exc))
         except ApiError as exc:
-            await send_error(responder, exc)
+            await send(responder, exc)
         except ClientGone:
             raise
         except Exception:  # the traceback goes to the log, never to the client
             log.exception("internal_error", method=request.method, path=request.path[:128])
-            await send_error(responder, ApiError(ErrorCode.INTERNAL_ERROR,
-                                                 "the request failed in the daemon; its log has the details"))
+            await send(responder, ApiError(ErrorCode.INTERNAL_ERROR,
+                                           "the request failed in the daemon; its log has the details"))
 
     async def health(self, peer: "Peer", request: HttpRequest, responder: Responder) -> None:
         api = self.api
@@ -262,17 +271,26 @@ class App:
     async def infill(self, peer: "Peer", request: HttpRequest, responder: Responder) -> None:
         await self._run(peer, infill_request(parse_body(request.body)), responder)
 
+    def spec(self, job: HttpJob, renames: tuple[tuple[str, str], ...] = RENAMES) -> JobSpec:
+        """The job spec of a request's params (complete's), checked as the socket checks them;
+        raises ApiError naming the body field (`renames`: complete's param prefixes and the body's)."""
+        try:
+            return self.api.single_spec(job.params)
+        except ApiError as exc:
+            raise rename(exc, renames) from None
+
+    async def run(self, peer: "Peer", spec: JobSpec, priority: Priority, emit: "Emit") -> dict:
+        """Run `spec` as a one-prompt job of `peer` (the path of every generating endpoint, OpenAI's
+        and Ollama's): its events go to `emit`; returns its result, the job named by reference."""
+        result = await self.api.run_single(peer, spec, priority, emit)
+        # a reply names its job by reference: ids count every user's jobs (npud/jobref.py)
+        return {**result, "job": self.api.job_manager.refs.ref(result["job"])}
+
     async def _run(self, peer: "Peer", job: HttpJob, responder: Responder) -> None:
         """Run the request as a one-prompt job and answer with its result (or stream it)."""
-        try:
-            spec = self.api.single_spec(job.params)
-        except ApiError as exc:
-            raise rename(exc) from None
-        refs = self.api.job_manager.refs
-        stream = Stream(responder, job.kind, spec.model, refs) if job.stream else None
-        result = await self.api.run_single(peer, spec, job.priority, stream.emit if stream else _ignore)
-        # a reply names its job by reference: ids count every user's jobs (npud/jobref.py)
-        result = {**result, "job": refs.ref(result["job"])}
+        spec = self.spec(job)
+        stream = Stream(responder, job.kind, spec.model, self.api.job_manager.refs) if job.stream else None
+        result = await self.run(peer, spec, job.priority, stream.emit if stream else ignore_events)
         if stream is not None:
             await stream.finish(result, job.include_usage)
         elif job.kind == "infill":
@@ -281,5 +299,5 @@ class App:
             await responder.send_json(200, completion_reply(job.kind, spec.model, result))
 
 
-async def _ignore(name: str, data: dict) -> None:
+async def ignore_events(name: str, data: dict) -> None:
     """A non-streaming reply waits for the result; the events are not needed."""

@@ -84,10 +84,10 @@ class H11Responder:
     async def send_continue(self) -> None:
         await self._send(h11.InformationalResponse(status_code=100, headers=[]))
 
-    async def start_stream(self) -> None:
+    async def start_stream(self, content_type: str = "text/event-stream") -> None:
         self.status, self.started = 200, True
         await self._send(h11.Response(status_code=200, reason=b"OK", headers=[
-            ("content-type", "text/event-stream"), ("cache-control", "no-cache")]))
+            ("content-type", content_type), ("cache-control", "no-cache")]))
 
     async def send_event(self, data: bytes) -> None:
         if not self.head_only:

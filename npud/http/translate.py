@@ -44,9 +44,9 @@ class HttpJob:
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
 
 
-def rename(exc: ApiError) -> ApiError:
+def rename(exc: ApiError, renames: tuple[tuple[str, str], ...] = RENAMES) -> ApiError:
     """`exc` with a param name of complete's replaced by the body field it came from."""
-    for old, new in RENAMES:
+    for old, new in renames:
         if exc.message.startswith(old):
             return ApiError(exc.code, new + exc.message[len(old):])
     return exc
@@ -196,10 +196,14 @@ def usage(result: dict) -> dict:
 def npud_reply(result: dict) -> dict:
     """The `npud` object of a reply: the job's reference, the number of new tokens the context had room for
     when that was below max_tokens (else null), the chat template that wrote a chat's prompt
-    ("builtin:gemma", "checkpoint", "file:NAME"; null for a plain prompt), and the engine's
-    counters (speculative rounds, drafted and accepted tokens, prefix-cache hits)."""
+    ("builtin:gemma", "checkpoint", "file:NAME"; null for a plain prompt), whether structured
+    output is whole (true: the text parses under its grammar; false: max_tokens or a stop string
+    cut it short; null without a response_format or grammar), and the engine's counters
+    (speculative rounds, drafted and accepted tokens, prefix-cache hits)."""
+    stats = result.get("stats") or {}
     return {"job": result["job"], "max_tokens_clamped_to": result.get("max_tokens_clamped_to"),
-            "chat_template": (result.get("stats") or {}).get("chat_template"), "stats": result["stats"]}
+            "chat_template": stats.get("chat_template"), "grammar_complete": stats.get("grammar_complete"),
+            "stats": result["stats"]}
 
 
 def reply_id(kind: str, job: str | None) -> str:
