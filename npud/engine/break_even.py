@@ -92,38 +92,63 @@ class BreakEven:
 
 
 class Acceptance:
-    """The chance that a draft is accepted, given the one before it was: drafts are checked in
-    order and the first reject ends a round, so a round of `take` accepts out of `drafted` saw
-    `take` successes and, when take < drafted, one failure. Starts from one of each (0.5)."""
+    """How likely draft i of a round is kept, from the rounds seen: drafts are checked in order
+    and the first reject ends a round, so a round of `take` accepts out of `drafted` checked
+    drafts 1..take + 1 (1..drafted when all were kept) and kept 1..take.
+
+    Per position i, the chance that draft i is kept given 1..i-1 were: (kept_i + 2 * pooled) /
+    (checked_i + 2), pooled being every check's rate with one success and one failure added
+    (0.5 before any round). Not one rate for every position: prompt lookup's drafts are copied
+    runs, mostly all kept or lost at the first, which a single rate would price as decaying."""
 
     def __init__(self) -> None:
         self.successes, self.failures = 1, 1
+        self.rounds = 0  # rounds observed
+        self.checked: list[int] = []  # [i - 1]: rounds that checked draft i
+        self.kept: list[int] = []  # [i - 1]: rounds that kept draft i
 
     def observe(self, take: int, drafted: int) -> None:
+        rejected = take < drafted
         self.successes += take
-        self.failures += 1 if take < drafted else 0
+        self.failures += 1 if rejected else 0
+        self.rounds += 1
+        checked = take + 1 if rejected else take
+        while len(self.checked) < checked:
+            self.checked.append(0)
+            self.kept.append(0)
+        for i in range(checked):
+            self.checked[i] += 1
+            self.kept[i] += 1 if i < take else 0
 
     @property
     def rate(self) -> float:
         return self.successes / (self.successes + self.failures)
 
+    def at(self, i: int) -> float:
+        """The chance draft i (1-based) is kept, given drafts 1..i-1 were."""
+        pooled = self.rate
+        if i > len(self.checked):
+            return pooled
+        return (self.kept[i - 1] + 2.0 * pooled) / (self.checked[i - 1] + 2.0)
 
-def best_k(pass_rows: Callable[[int], float], draft_cost: Callable[[int], float], acceptance: float,
+
+def best_k(pass_rows: Callable[[int], float], draft_cost: Callable[[int], float], keep: Callable[[int], float],
            k_max: int, two_pass: bool) -> int:
-    """The number of drafts, 1..k_max, whose round yields the most tokens per plain step when each
-    draft is accepted with chance `acceptance` given the one before it (npud/engine/speculative.py's
-    rounds): expected tokens 1 + a + a^2 + ... + a^k (t1 and the accepted run);
-    cost, in plain steps, pass_rows(k + 1) + draft_cost(k) for a one-pass round (t1 and the k
-    drafts in one batch), 1 + draft_cost(k) + a * pass_rows(k) for a two-pass round (a step, then
-    the batch only when d1 is kept). With the exact path's steep row costs this is a few drafts
-    even for a copying stream; with cheap rows (gguf-q8) it grows with the acceptance."""
+    """The number of drafts, 1..k_max, whose round yields the most tokens per plain step when
+    draft i is kept with chance keep(i) given drafts 1..i-1 were (Acceptance.at; npud/engine/
+    speculative.py's rounds): expected tokens 1 + p1 + p1 p2 + ... (t1 and the kept run); cost,
+    in plain steps, pass_rows(k + 1) + draft_cost(k) for a one-pass round (t1 and the k drafts in
+    one batch), 1 + draft_cost(k) + p1 * pass_rows(k) for a two-pass round (a step, then the batch
+    only when d1 is kept). With the exact path's steep row costs this is a few drafts unless the
+    drafts are nearly always kept; with cheap rows (gguf-q8) it grows with the acceptance."""
     best, best_rate = 1, 0.0
     expected, run = 1.0, 1.0
+    first = keep(1)
     for k in range(1, k_max + 1):
-        run *= acceptance
+        run *= keep(k)
         expected += run
         if two_pass:
-            cost = 1.0 + draft_cost(k) + acceptance * pass_rows(k)
+            cost = 1.0 + draft_cost(k) + first * pass_rows(k)
         else:
             cost = pass_rows(k + 1) + draft_cost(k)
         rate = expected / cost

@@ -144,8 +144,8 @@ def speculative_loop(
         left = max_new_tokens - stats.emitted - 1  # tokens the run may emit after t1
         passes.round_rows.clear()
         # t1 takes a batch row in the one-pass round; in the two-pass round it runs alone
-        if plan and speculating:
-            k_next = min(k_next, best_k(breakeven.costs.rows, planned, acceptance.rate, k_max, two_pass))
+        if plan and speculating and acceptance.rounds:  # the first round drafts the head's k: nothing seen yet
+            k_next = min(k_next, best_k(breakeven.costs.rows, planned, acceptance.at, k_max, two_pass))
         k = min(k_next, base.max_batch_rows() - (0 if two_pass else 1), left) if speculating else 0
         done = yield from (_two_pass_round(run, t1, pos, k) if two_pass else _one_pass_round(run, t1, pos, k))
         t1 = done.next_t1
