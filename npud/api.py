@@ -399,8 +399,11 @@ class Api:
             job = self.job_manager.active.get(q.job) if q.job is not None else None
             if job is None or job.owner_uid != peer.uid:
                 quarantine = {**quarantine, "job": None, "ticket": None}
+        errors = self.errors.to_wire()
+        if not peer.caller.admin:  # other processes' kernel-log lines: the admins' to read, like dmesg
+            errors["foreign_lines"] = []
         return {**self.device.to_wire(), "quarantine": quarantine,
-                "thermal": self.thermal.to_wire(), "errors": self.errors.to_wire(),
+                "thermal": self.thermal.to_wire(), "errors": errors,
                 "gemms": {"site": site, "reason": why}, "other_holders": self.other_holders()}
 
     async def device_clear(self, peer: "Peer", p: Params, emit: Emit) -> dict:

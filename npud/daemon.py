@@ -59,6 +59,8 @@ class Daemon:
             cache_root=Path(cfg.store.state_dir) / "prefix-cache" if cfg.store.persist_prefix_cache else None,
             loader=loader, backend=cfg.device.backend, xrt_design=cfg.device.xrt_design or None,
             xrt_timeout_ms=cfg.device.xrt_timeout_ms, cache_users=cfg.store.prefix_cache_users)
+        # an NPU worker the load started is npud's own: the driver lines that name it are npud's errors
+        self.registry.on_loaded = lambda served: self.errors.claim(served.describe().get("npu_worker_pid"))
         self.jobs = JobManager(cfg, self.store, self.queue)
         self.metrics = Metrics(cfg.metrics, self.queue, lambda: self.jobs.tokens_generated,
                                owner_tokens=lambda: self.jobs.tokens_by_owner)
@@ -188,7 +190,8 @@ class Daemon:
         reading = self.thermal.reading_c
         parts.append(f"thermal {self.thermal.state}" + ("" if reading is None else f" {reading:.0f}C"))
         parts.append(f"{self.errors.count} amdxdna error(s)" + (
-            f", {self.errors.pre_hang_count} pre-hang warning(s)" if self.errors.pre_hang_count else ""))
+            f", {self.errors.pre_hang_count} pre-hang warning(s)" if self.errors.pre_hang_count else "") + (
+            f", {self.errors.foreign_count} of other processes" if self.errors.foreign_count else ""))
         if self.other_holders:
             parts.append(f"NPU also open in pid {', '.join(str(h['pid']) for h in self.other_holders)}")
         return "; ".join(parts)

@@ -235,12 +235,16 @@ def cmd_device(args: argparse.Namespace) -> int:
         ("thermal", f"{thermal.get('state')}" + ("" if reading is None else f", {reading:.1f}C")
          + ("" if power is None else f", NPU {power:.2f} W")),
         ("errors", f"{errors.get('count')} (from {errors.get('source')})"
-         + (f", {errors['pre_hang_count']} pre-hang warning(s)" if errors.get("pre_hang_count") else "")),
+         + (f", {errors['pre_hang_count']} pre-hang warning(s)" if errors.get("pre_hang_count") else "")
+         + (f", {errors['foreign_count']} of other processes (not npud's: never a fault)"
+            if errors.get("foreign_count") else "")),
         ("also open by", ", ".join(f"{h['comm']} (pid {h['pid']})" for h in holders) if holders else None),
         ("quarantine", _quarantine(d.get("quarantine"))),
     ])
     for line in errors.get("pre_hang_lines") or ():
         sys.stdout.write(f"  pre-hang: {line}\n")
+    for line in errors.get("foreign_lines") or ():
+        sys.stdout.write(f"  other process: {line}\n")
     for line in (d.get("quarantine") or {}).get("lines") or ():
         sys.stdout.write(f"  {line}\n")
     return EXIT_OK

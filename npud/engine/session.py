@@ -227,6 +227,9 @@ class LoadedModel(TokenizerMethods):
             "gemm_placement": getattr(self.model.backend, "describe_placement", dict)(),
             # the start-up check's tolerance policy of each shape on the NPU (npud/kernels/xrt_check.py)
             "gemm_tolerance": getattr(self.model.backend, "describe_tolerance", dict)(),
+            # the process that holds the NPU for this model (its worker; None on the host): the
+            # kernel-log lines that name it are npud's own (npud/guards.py)
+            "npu_worker_pid": getattr(self.model.backend, "worker_pid", lambda: None)(),
             "fingerprint": self.model.fingerprint[:16],
             "checkpoint": {**self.model.checkpoint_info, "resident_bytes": self.model.nbytes},
         }

@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -225,6 +226,10 @@ class XrtBackend:
     def describe_placement(self) -> dict:
         """Where each GEMM shape runs: {"K x N fmt": "npu" | "npu-rowwise" | why host}."""
         return {f"{k}x{n} {fmt}": where for (k, n, fmt), where in sorted(self.placement.items())}
+
+    def worker_pid(self) -> int:
+        """The process that holds the device for this backend: its NPU worker's, or this one's inline."""
+        return self.device.pid if self.isolation == "process" else os.getpid()
 
     def describe_tolerance(self) -> dict:
         """The start-up check's tolerance policy of each shape on the NPU: {"K x N fmt": policy}."""
