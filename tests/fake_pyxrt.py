@@ -26,7 +26,9 @@ by writing {"mode": ..., "after": n, "times": t} to the file named by FAKE_PYXRT
 the worker's simulator arms it when it sees new contents. Modes: "timeout" (the wait gives
 up, the command runs on for `Sim.finish_after_polls` state() calls), "error" and "abort"
 (final states, C left zeroed), "raise" (XRT raises), and in a worker "crash" (std::abort),
-"segfault" and "hang" (the wait never returns).
+"segfault" and "hang" (the wait never returns). {"mode": "kmsg", "after": n, "path": file,
+"lines": [text, ...]} is no failure: the run completes, and the driver's kernel log (the file)
+gets the lines, "{pid}" in each replaced by the process that runs the simulator.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class Sim:
     violations: list = field(default_factory=list)  # breaches seen where raising was impossible
     abort_on_collect: bool = False  # in a worker process: abort as XRT does
     control_seen: str | None = None
+    kmsg: tuple | None = None  # (run, path, lines): driver lines logged when that run starts
 
     def configure(self, spec: dict) -> None:
         """{"mode": "gil", "hold_s": s, "handshake": folder}, or a failure to inject (`inject`'s arguments)."""
@@ -106,6 +109,8 @@ class Sim:
             self.wait_hold_s, self.handshake = float(spec["hold_s"]), spec.get("handshake")
         elif spec["mode"] == "compute":
             self.compute = bool(spec["on"])
+        elif spec["mode"] == "kmsg":
+            self.kmsg = (self.runs + spec.get("after", 0), spec["path"], tuple(spec["lines"]))
         else:
             self.inject(spec["mode"], spec.get("after", 0), spec.get("times", 1))
 
@@ -332,6 +337,12 @@ class kernel:
         SIM.calls.append(("run", len(args)))
         self._check_args(args)
         failure = SIM._failure()
+        if SIM.kmsg is not None and SIM.runs >= SIM.kmsg[0]:  # the driver prints while the run goes on
+            _, path, lines = SIM.kmsg
+            SIM.kmsg = None
+            with open(path, "a") as f:
+                for line in lines:
+                    f.write(f"3,{SIM.runs},{SIM.runs},-;{line.replace('{pid}', str(os.getpid()))}\n")
         SIM.runs += 1
         if failure == "raise":
             raise RuntimeError("simulated: DRM_IOCTL_AMDXDNA_EXEC_CMD failed: Input/output error")

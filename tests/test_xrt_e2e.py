@@ -212,6 +212,59 @@ async def test_a_worker_killed_mid_round_quarantines_and_the_job_finishes_on_the
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+# a driver line naming the process that runs the simulator (the NPU worker), and lines of others
+OWN_LINE = "amdxdna 0000:c5:00.1: [drm] *ERROR* job_timeout: timing out hwctx.{pid}.1 job 12"
+FOREIGN_LINES = ["amdxdna 0000:c5:00.1: [drm] *ERROR* aie2_tdr_detect: TDR timeout detected",
+                 "amdxdna 0000:c5:00.1: [drm] *ERROR* aie2_alloc_resource: Allocate AIE resource failed, ret -16",
+                 "amdxdna 0000:c5:00.1: [drm] *ERROR* job_timeout: timing out hwctx.1.3 job 4"]
+
+
+@pytest.mark.parametrize("whose", ["own", "foreign"])
+async def test_an_error_line_faults_only_when_it_names_npuds_worker_and_then_the_job_finishes_on_the_host(
+        ckpt, host_served, control, whose):
+    """FastFlowLM or `xrt-smi validate` beside npud: their driver lines are counted and the job
+    goes on on the NPU; a line naming npud's worker faults the ticket and, under "auto", the job
+    is redone on the host with the host-only output while the quarantine waits for an operator."""
+    workdir = fakes.short_tempdir()
+    try:
+        cfg = _daemon_config(workdir, ckpt, "auto")
+        want = [drive(host_served.start(GenerateRequest(prompt=p, params=GenerationParams(max_tokens=16)))).text
+                for p in PROMPTS]
+        async with trio.open_nursery() as nursery:
+            daemon = await nursery.start(Daemon(cfg).run)
+            async with await AsyncClient.connect(cfg.server.socket_path) as c:
+                per_prompt = await _warm_up(c, daemon, want)
+                worker = daemon.registry.resident("tiny").model.backend.device
+                assert worker.pid in (await c.device_status())["errors"]["own_pids"]  # claimed at the load
+                # the driver prints them in the middle of the second prompt
+                control.write_text(json.dumps({"mode": "kmsg", "after": per_prompt + per_prompt // 2,
+                                               "path": str(workdir / "kmsg"),
+                                               "lines": [OWN_LINE] if whose == "own" else FOREIGN_LINES}))
+                job = (await c.submit(PROMPTS, max_tokens=16))["job"]
+                await _wait_state(c, job, ("done",))  # no clear in either case
+                assert [r["text"] for r in (await c.result(job))["results"]] == want  # the host-only output
+                outcomes = [(t["outcome"], t["reason"]) for t in daemon.store.tickets(job_id=job)]
+                [model] = (await c.models())["models"]
+                errors = (await c.device_status())["errors"]
+                if whose == "foreign":
+                    assert outcomes == [("done", None)] and daemon.queue.quarantine is None
+                    assert (errors["count"], errors["foreign_count"]) == (0, len(FOREIGN_LINES))
+                    assert model["describe"]["backend"] == "xrt-simulator"  # still on the NPU
+                else:
+                    assert outcomes == [("done", None), ("faulted", "amdxdna_errors")]
+                    q = daemon.queue.quarantine
+                    assert q.host_fallback and q.lines == (OWN_LINE.format(pid=worker.pid),)
+                    assert errors["count"] == 1 and model["describe"]["backend"].startswith("host")
+                    assert (await c.device_clear())["cleared"]  # the operator's word: back to the NPU
+                    job = (await c.submit(PROMPTS[:1], max_tokens=16))["job"]
+                    await _wait_state(c, job, ("done",))
+                    [model] = (await c.models())["models"]
+                    assert model["describe"]["backend"] == "xrt-simulator"
+            daemon.request_stop()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 # -- real hardware -----------------------------------------------------------------------------
 
 
