@@ -9,7 +9,7 @@ import pytest
 import structlog
 
 import fake_pyxrt
-from npud.kernels import xrt
+from npud.kernels import amdxdna, xrt
 from npud.kernels.select import default_backend
 from npud.kernels.xrt_check import bf16_round, tolerance
 from test_xrt import bf16_weight, bits, load
@@ -64,6 +64,26 @@ def test_without_the_plan_the_seventh_context_is_refused(tmp_path, sim, host):
     for k, n in shapes:
         backend.prepare_linear(bf16_weight(n, k))
     assert "hardware contexts of the device are taken" in backend.placement[(64, 56, "bf16")]
+
+
+def test_contexts_other_processes_hold_come_off_the_budget_where_the_driver_says(tmp_path, sim, host):
+    # another program holds four of npu1's six contexts; npud's four designs take turns in the two left
+    shapes = [(64, 8 * (i + 1)) for i in range(4)]
+    table = fake_pyxrt.write_design_table(tmp_path, shapes, device="npu1", M=16, tile=(4, 8, 4))
+    backend = load(table, host)
+    sim.contexts_live += 4
+    plan = backend.device.plan
+    plan.device_contexts = lambda: amdxdna.ResourceInfo(contexts_limit=6, contexts_in_use=sim.contexts_live)
+    weights = [backend.prepare_linear(bf16_weight(n, k, seed=n)) for k, n in shapes]
+    assert set(backend.placement.values()) == {"npu"}
+    x = np.random.default_rng(7).standard_normal((2, 64)).astype(np.float32)
+    for w in weights + weights[::-1]:
+        assert np.array_equal(bits(backend.linear(x, w)), bits(host.linear(bf16_round(x), w)))
+        assert len(plan.open) <= 2
+    assert plan.foreign == 4 and sim.contexts_live == 6
+    sim.contexts_live -= 4  # they let go: the budget is npu1's again
+    plan.room()
+    assert plan.foreign == 0 and plan.room() == 6
 
 
 def test_shapes_of_one_xclbin_share_its_context(tmp_path, sim, host):
