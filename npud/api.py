@@ -67,7 +67,8 @@ class Api:
     def __init__(self, cfg: DaemonConfig, *, jobs: "JobManager", queue: "TicketQueue", registry: "ModelRegistry",
                  owner: "DeviceOwner", device: "DeviceInfo", thermal: "ThermalGuard", errors: "ErrorCountGuard",
                  snapshot: Callable[[], dict], connections: Callable[[], int], started_mono: float,
-                 gemm_site: Callable[[], tuple[str, str]], other_holders: Callable[[], list[dict]]) -> None:
+                 gemm_site: Callable[[], tuple[str, str]], other_holders: Callable[[], list[dict]],
+                 power_mode: Callable[[], dict] = dict) -> None:
         self.cfg = cfg
         self.job_manager = jobs  # not `jobs`: that is a method
         self.queue = queue
@@ -81,6 +82,7 @@ class Api:
         self.started_mono = started_mono
         self.gemm_site = gemm_site  # where the loaded models' GEMMs run, and why: ("npu" | "host", reason)
         self.other_holders = other_holders  # other processes with the NPU open, as last checked
+        self.power_mode = power_mode  # the NPU's power mode: wanted, current, and what kept it (npud/device.py)
         self.lifecycle = Lifecycle(registry, owner, jobs, queue)  # models.load / unload, keep-alive
         self.methods: dict[str, Callable[["Peer", Params, Emit], Awaitable[object]]] = {
             "hello": self.hello, "submit": self.submit, "complete": self.complete, "stream": self.stream,
@@ -404,7 +406,8 @@ class Api:
             errors["foreign_lines"] = []
         return {**self.device.to_wire(), "quarantine": quarantine,
                 "thermal": self.thermal.to_wire(), "errors": errors,
-                "gemms": {"site": site, "reason": why}, "other_holders": self.other_holders()}
+                "gemms": {"site": site, "reason": why}, "other_holders": self.other_holders(),
+                "power_mode": self.power_mode()}
 
     async def device_clear(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         _require_admin(peer, "device.clear")

@@ -20,7 +20,7 @@ from npud.engine.loader import load_model
 from npud import __version__
 from npud.api import Api
 from npud.config import DaemonConfigError, DaemonConfig, diff_for_reload, load_config
-from npud.device import discover, gemm_site, other_holders
+from npud.device import apply_power_mode, discover, gemm_site, other_holders
 from npud.guards import ErrorCountGuard, ThermalGuard
 from npud.http.server import HttpServer
 from npud.jobs import JobManager
@@ -68,11 +68,13 @@ class Daemon:
                                  self.metrics)
         self.owner.fw_version = self.device.fw_version
         self.other_holders: list[dict] = []
+        self.power_mode = apply_power_mode(self.device, cfg.device.power_mode)
         self.api = Api(cfg, jobs=self.jobs, queue=self.queue, registry=self.registry, owner=self.owner,
                        device=self.device, thermal=self.thermal, errors=self.errors,
                        snapshot=self.metrics_snapshot, connections=lambda: self.server.connections,
                        started_mono=self.started_mono,
-                       gemm_site=self.gemm_site, other_holders=lambda: self.other_holders)
+                       gemm_site=self.gemm_site, other_holders=lambda: self.other_holders,
+                       power_mode=lambda: self.power_mode)
         self.server = Server(cfg, self.api)
         self.http = HttpServer(cfg, self.api, self.server)
         self._stop = trio.Event()
@@ -285,6 +287,8 @@ class Daemon:
         log.info("config_reloaded", path=str(self.config_path), ignored=ignored)
 
     async def apply(self, cfg: DaemonConfig) -> None:
+        if cfg.device.power_mode != self.cfg.device.power_mode:
+            self.power_mode = apply_power_mode(self.device, cfg.device.power_mode)
         self.cfg = cfg
         setup_logging(cfg.logging)
         self.queue.set_quantum(cfg.scheduler.quantum_tokens, cfg.scheduler.quantum_ms)

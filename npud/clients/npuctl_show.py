@@ -239,6 +239,7 @@ def cmd_device(args: argparse.Namespace) -> int:
          + (f", {errors['foreign_count']} of other processes (not npud's: never a fault)"
             if errors.get("foreign_count") else "")),
         ("also open by", ", ".join(f"{h['comm']} (pid {h['pid']})" for h in holders) if holders else None),
+        ("power mode", _power_mode(d.get("power_mode") or {})),
         ("quarantine", _quarantine(d.get("quarantine"))),
     ])
     for line in errors.get("pre_hang_lines") or ():
@@ -248,6 +249,16 @@ def cmd_device(args: argparse.Namespace) -> int:
     for line in (d.get("quarantine") or {}).get("lines") or ():
         sys.stdout.write(f"  {line}\n")
     return EXIT_OK
+
+
+def _power_mode(p: dict) -> str | None:
+    """The NPU's power mode line: the mode in force, the one asked for where it differs, and why."""
+    if not p.get("current") and not p.get("wanted"):
+        return None
+    line = p.get("current") or "unknown"
+    if p.get("wanted") and p["wanted"] != p.get("current"):
+        line += f" (device.power_mode = {p['wanted']}: {p.get('why') or 'not set'})"
+    return line
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
