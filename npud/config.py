@@ -247,7 +247,7 @@ class DeviceConfig:
 @dataclass(slots=True, frozen=True)
 class ThermalConfig:
     enabled: bool = True
-    # hwmon devices: the NPU's own sensor ("amdxdna" NPU_temperature) first, else k10temp's Tctl;
+    # hwmon devices: the NPU's own sensor ("amdxdna" NPU_temperature) and k10temp's Tctl, the hotter counts;
     # "" reads none
     hwmon_dir: str = "/sys/class/hwmon"
     psutil_chips: tuple[str, ...] = ("k10temp",)  # read when hwmon has neither; () = none

@@ -75,9 +75,10 @@ class ThermalGuard:
     def read(self) -> tuple[float | None, list[str]]:
         """The temperature to act on in degrees C (None if no sensor could be read) and its sources.
 
-        The NPU's own sensor (hwmon "amdxdna", NPU_temperature) when the driver registers one,
-        else the package's (hwmon "k10temp", Tctl), else the configured psutil chips; the
-        configured `paths` are read in every case and the hottest reading counts."""
+        The NPU's own sensor (hwmon "amdxdna", NPU_temperature) and the package's (hwmon
+        "k10temp", Tctl), both where the drivers register them (the NPU sits in the package: a
+        cool NPU under a package at its limit must not be driven harder); else the configured
+        psutil chips. The configured `paths` are read in every case and the hottest reading counts."""
         readings: list[tuple[float, str]] = []
         if self.cfg.hwmon_dir and (self._hwmon is None or self._hwmon.root != self.cfg.hwmon_dir):
             self._hwmon = HwmonReader(self.cfg.hwmon_dir, self._files)
@@ -85,9 +86,9 @@ class ThermalGuard:
         self.npu_power_w = sensors.npu_power_w
         if sensors.npu_temp_c is not None:
             readings.append((sensors.npu_temp_c, "hwmon:amdxdna/NPU_temperature"))
-        elif sensors.tctl_c is not None:
+        if sensors.tctl_c is not None:
             readings.append((sensors.tctl_c, "hwmon:k10temp/Tctl"))
-        elif self.cfg.psutil_chips:
+        if not readings and self.cfg.psutil_chips:
             try:
                 chips = psutil.sensors_temperatures()
             except (AttributeError, OSError):  # no sensor support on this platform

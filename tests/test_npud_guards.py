@@ -291,7 +291,7 @@ def _thermal_guard(tmp_path):
                                       hold_above_c=90.0, resume_below_c=80.0), TicketQueue(10, 10.0))
 
 
-def test_npu_sensor_is_preferred_and_its_power_reported(tmp_path, monkeypatch):
+def test_the_npu_sensor_and_tctl_count_by_the_hotter_and_the_npu_power_is_reported(tmp_path, monkeypatch):
     import psutil
 
     monkeypatch.setattr(psutil, "sensors_temperatures", lambda: pytest.fail("psutil read with hwmon present"),
@@ -303,9 +303,13 @@ def test_npu_sensor_is_preferred_and_its_power_reported(tmp_path, monkeypatch):
                                 "power1_label": "NPU_power", "power1_input": 1850000})
     guard = _thermal_guard(tmp_path)
     guard.poll()
-    assert guard.reading_c == 61.5 and guard.sources == ["hwmon:amdxdna/NPU_temperature"]
+    assert guard.reading_c == 95.0 and guard.sources == ["hwmon:amdxdna/NPU_temperature", "hwmon:k10temp/Tctl"]
     assert guard.npu_power_w == 1.85 and guard.to_wire()["npu_power_w"] == 1.85
-    assert guard.state == "ok"  # the package at 95 C does not hold an NPU at 61.5 C
+    assert guard.state == "hold"  # an NPU at 61.5 C in a package at 95 C: the package holds it
+    (root / "hwmon3" / "temp1_input").write_text("99500\n")  # now the NPU is the hotter
+    (root / "hwmon0" / "temp1_input").write_text("70000\n")
+    guard.poll()
+    assert guard.reading_c == 99.5 and guard.state == "hold"
 
 
 def test_k10temp_tctl_when_the_npu_has_no_sensor(tmp_path):
