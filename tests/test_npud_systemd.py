@@ -173,6 +173,7 @@ def test_the_user_unit_passes_systemd_analyze_verify_and_uses_the_user_paths(tmp
     assert service["RuntimeDirectory"] == ["npud"] == service["StateDirectory"]
     assert service["RuntimeDirectoryMode"] == ["0700"] and service["Type"] == ["notify"]
     assert "User" not in service and "AmbientCapabilities" not in service  # a user manager grants neither
+    assert service["LimitMEMLOCK"] == ["infinity"]  # NPU buffers are pinned, as in the system unit
 
 
 def test_the_service_is_hardened(installed, tmp_path):
