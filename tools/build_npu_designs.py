@@ -23,6 +23,15 @@ the matching tolerance (docs/npu.md, "Exactness").
 Building needs what is not on the package index: the mlir-aie and llvm-aie (Peano) wheels,
 and an mlir-aie source checkout for the example (docs/npu.md says how). Without them the
 tool says what is missing and exits 3; --list needs none of them.
+
+The toolchain is pinned: the designs are built with mlir-aie release MLIR_AIE_RELEASE (its
+wheel, and a checkout of the same tag, whose whole_array Makefile takes the targets this tool
+names) and the llvm-aie (Peano) wheel LLVM_AIE_WHEEL that release was tested with. A wheel of
+another release is refused (exit 4) unless --unpinned says to build with it anyway. design.json
+records what built it ("toolchain": the mlir-aie and llvm-aie versions and the checkout's
+commit, and the XRT, amdxdna driver and NPU firmware versions this machine shows). When not one
+design builds, the tool says why for every shape and exits 5 (no empty table that would leave
+everything on the host without a word).
 """
 
 from __future__ import annotations
@@ -43,6 +52,17 @@ from npud.kernels.xrt_rules import split_n
 
 EXAMPLE = "programming_examples/basic/matrix_multiplication/whole_array"
 EXIT_MISSING = 3
+EXIT_UNPINNED = 4  # an mlir-aie wheel of another release than MLIR_AIE_RELEASE (without --unpinned)
+EXIT_NOTHING_BUILT = 5  # not one design built: a line per shape says why
+
+# The release the designs are built with: its wheel (`pip install mlir_aie -f <its release
+# assets>`) and a checkout of its tag for the example's Makefile, whose makefile-common lets the
+# caller name the targets (xclbin_target ?=, insts_target ?=) and picks npu2 from NPU2=1. Later
+# releases rework the example's build rules; another release is refused unless --unpinned.
+MLIR_AIE_RELEASE = "v1.0"
+LLVM_AIE_WHEEL = "19.0.0.2025041501+b2a279c1"  # the llvm-aie (Peano) nightly paired with it
+# what the tool passes to make, as the example's makefile-common must take it
+MAKEFILE_OVERRIDES = ("xclbin_target", "insts_target")
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -158,6 +178,77 @@ def missing_toolchain(mlir_aie_src: str | None) -> list[str]:
     return missing
 
 
+def _version(distribution: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _first_line(cmd: list[str]) -> str | None:
+    """The first non-empty line `cmd` prints, or None when it does not run."""
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return next((line.strip() for line in (run.stdout + run.stderr).splitlines() if line.strip()), None)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def toolchain_seen(mlir_aie_src: str | None, sysfs: Path = Path("/sys")) -> dict[str, str | None]:
+    """What this build runs with, for design.json: the pinned release, the mlir-aie and llvm-aie
+    wheels' versions, the checkout's commit, and the XRT, amdxdna driver and NPU firmware versions
+    this machine shows (None where it shows none: the build machine need not be the NPU's)."""
+    checkout = None
+    if mlir_aie_src and (Path(mlir_aie_src) / ".git").exists():
+        checkout = _first_line(["git", "-C", str(mlir_aie_src), "describe", "--tags", "--always", "--dirty"])
+    return {
+        "mlir_aie_release": MLIR_AIE_RELEASE,
+        "mlir_aie": _version("mlir_aie") or _version("mlir-aie"),
+        "llvm_aie": _version("llvm-aie") or _version("llvm_aie"),
+        "mlir_aie_checkout": checkout,
+        "xrt": _first_line(["xrt-smi", "--version"]),
+        "amdxdna_driver": _read(sysfs / "module" / "amdxdna" / "version"),
+        "npu_firmware": _read(sysfs / "class" / "accel" / "accel0" / "device" / "fw_version"),
+    }
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """"v1.0", "1.0" and "1.0.0" name one release."""
+    parts = [int(p) for p in version.lstrip("v").split("+")[0].split(".") if p.isdigit()]
+    while parts and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
+
+
+def pin_errors(seen: dict, mlir_aie_src: str | None) -> list[str]:
+    """How the toolchain found differs from the pinned one (empty: it is the pinned one)."""
+    errors = []
+    wheel = seen.get("mlir_aie")
+    if wheel is not None and _release(wheel) != _release(MLIR_AIE_RELEASE):
+        errors.append(f"the mlir-aie wheel is {wheel}, the designs are built with release {MLIR_AIE_RELEASE} "
+                      f"(pip install mlir_aie -f <the {MLIR_AIE_RELEASE} release's assets>)")
+    common = Path(mlir_aie_src or ".") / EXAMPLE / ".." / "makefile-common"
+    text = _read(common.resolve()) if mlir_aie_src else None
+    if text is not None:
+        taken = [v for v in MAKEFILE_OVERRIDES if f"{v}?=" in text.replace(" ", "")]
+        if len(taken) != len(MAKEFILE_OVERRIDES):
+            errors.append(f"{common.resolve()} does not take {', '.join(MAKEFILE_OVERRIDES)} from the command line "
+                          f"(another release's build rules): check out {MLIR_AIE_RELEASE} "
+                          f"(git -C {mlir_aie_src} checkout {MLIR_AIE_RELEASE})")
+    return errors
+
+
 def build_with_iron(design: GemmDesign, tiling: Tiling, mlir_aie_src: Path, work: Path) -> None:
     """Build one design with the whole_array example's Makefile; copies its xclbin and its
     instruction stream (binary, as aiecc writes it whatever the name) to the design's paths.
@@ -185,12 +276,13 @@ def build_with_iron(design: GemmDesign, tiling: Tiling, mlir_aie_src: Path, work
 
 
 def build_table(shapes: list[Shape], tiling: Tiling, out_dir: Path,
-                build: Callable[[GemmDesign], None]) -> tuple[Path, list[str]]:
+                build: Callable[[GemmDesign], None], toolchain: dict | None = None) -> tuple[Path, list[str], int]:
     """Plan and build a design for every served shape it can, then write out_dir/design.json.
 
-    Returns (the table's path, one line per shape left to the host and why). A shape the
-    rules refuse or whose build raises is one of those; the table is written whatever
-    built (designs may be empty), so npud always learns where each shape runs."""
+    Returns (the table's path, one line per shape left to the host and why, the designs
+    built). A shape the rules refuse or whose build raises is one of those; the table is
+    written whatever built, with `toolchain` (what built it), so npud learns where each shape
+    runs; main() fails when nothing built."""
     out_dir.mkdir(parents=True, exist_ok=True)
     designs, on_host, built = [], [], {}
     for shape in shapes:
@@ -214,8 +306,8 @@ def build_table(shapes: list[Shape], tiling: Tiling, out_dir: Path,
             continue
         designs.append(design)
     path = out_dir / "design.json"
-    write_table(path, tiling.device, designs, on_host=on_host)
-    return path, on_host
+    write_table(path, tiling.device, designs, on_host=on_host, toolchain=toolchain)
+    return path, on_host, len(designs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="npu2: the checkout's mm kernel emulates bf16 MACs with bfp16 (8x8x8 micro-tiles); "
                         "default: on for npu2, as mlir-aie's stock npu2 build")
     p.add_argument("--mlir-aie-src", default=os.environ.get("MLIR_AIE_SRC"))
+    p.add_argument("--unpinned", action="store_true",
+                   help=f"build with an mlir-aie other than release {MLIR_AIE_RELEASE} (design.json records which)")
     args = p.parse_args(argv)
     shapes = gemm_shapes(args.checkpoints, args.weight_format, args.dflash)
     for s in shapes:
@@ -258,11 +352,32 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  - {m}", file=sys.stderr)
         print("docs/npu.md, 'Building the designs', says how to install them.", file=sys.stderr)
         return EXIT_MISSING
-    path, on_host = build_table(shapes, tiling, args.out,
-                                lambda d: build_with_iron(d, tiling, Path(args.mlir_aie_src), args.out / "work"))
+    seen = toolchain_seen(args.mlir_aie_src)
+    unpinned = pin_errors(seen, args.mlir_aie_src)
+    if unpinned and not args.unpinned:
+        print(f"not the pinned toolchain (mlir-aie {MLIR_AIE_RELEASE}, llvm-aie {LLVM_AIE_WHEEL}):", file=sys.stderr)
+        for line in unpinned:
+            print(f"  - {line}", file=sys.stderr)
+        print("install the pinned release (docs/npu.md, 'Building the designs'), or pass --unpinned", file=sys.stderr)
+        return EXIT_UNPINNED
+    if unpinned:
+        seen["unpinned"] = "; ".join(unpinned)
+    return finish(*build_table(shapes, tiling, args.out,
+                               lambda d: build_with_iron(d, tiling, Path(args.mlir_aie_src), args.out / "work"),
+                               toolchain=seen), served=[s for s in shapes if s.weight_format in SERVED_FORMATS])
+
+
+def finish(path: Path, on_host: list[str], built: int, served: list[Shape]) -> int:
+    """Say what was built and what stays on the host; the exit status: 0 when a design built or
+    nothing could use one, EXIT_NOTHING_BUILT (with a line per shape) when none of `served` did."""
+    if served and not built:
+        print(f"no NPU design built for any of the {len(served)} shapes; {path} lists none:", file=sys.stderr)
+        for line in on_host:
+            print(f"  {line}", file=sys.stderr)
+        return EXIT_NOTHING_BUILT
     for line in on_host:
         print(line)
-    print(f"wrote {path}; set device.xrt_design = \"{path.resolve()}\" in npud.toml")
+    print(f"wrote {path} ({built} designs); set device.xrt_design = \"{path.resolve()}\" in npud.toml")
     return 0
 
 

@@ -93,6 +93,9 @@ def check_table(c: Checklist, design: Path) -> DesignTable | None:
         return None
     c.say("PASS" if table.designs else "FAIL", "design table",
           f"{len(table.designs)} designs for {table.device}, {len(table.on_host)} shapes left to the host")
+    t = table.toolchain
+    c.say("INFO", "toolchain", ", ".join(f"{k} {v}" for k, v in t.items() if v) if t else
+          "design.json does not say what built it (built before tools/build_npu_designs.py recorded it)")
     for key, d in sorted(table.designs.items()):
         try:
             words = read_insts(d.insts, d.insts_format, table.device)

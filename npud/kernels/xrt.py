@@ -130,6 +130,8 @@ class XrtBackend:
             self.table_identity = table.identity()  # of the files as loaded now
         except OSError as exc:
             raise XrtUnavailable(f"cannot read the design files of {table.path}: {exc}") from exc
+        log.info("npu_design_table", path=str(table.path), device=table.device, designs=len(table.designs),
+                 toolchain=table.toolchain or None)
         for key, design in sorted(table.designs.items()):  # every xclbin is read now, used or not
             why = self.device.kernel_errors(design)
             if why is not None and self.strict:
