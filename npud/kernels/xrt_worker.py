@@ -9,8 +9,9 @@ backend talks to over two pipes, one pickled frame per call and per answer; the 
 waits on the pipe (no GIL held), and:
 
 - the worker dies (abort, segfault, killed): the call raises NpuRunError naming the signal;
-- the worker does not answer within the run's timeout plus REPLY_GRACE_S: it is killed and
-  the call raises NpuRunError;
+- the worker does not answer within its runs' timeouts plus REPLY_GRACE_S (each chunk of rows
+  runs one pass per slice of the layer's N, each pass with its own timeout: the 19-pass LM head
+  may take 19 of them): it is killed and the call raises NpuRunError;
 - after either, every later call raises NpuRunError at once (the device is lost to this
   backend; the daemon quarantines it and serves on the host).
 
@@ -87,6 +88,8 @@ class WorkerDevice:
                                      stdout=subprocess.PIPE, env=env, close_fds=True)
         self._to, self._from = self.proc.stdin.fileno(), self.proc.stdout.fileno()
         self.lost: str | None = None
+        self._passes: dict[tuple, int] = {}  # design key -> passes per chunk of rows
+        self._handles: dict[int, tuple] = {}  # weight handle -> its design's key
         # a backend dropped without close(): the worker reads the end of its pipe and exits
         self._finalizer = weakref.finalize(self, _end, self.proc)
         try:
@@ -153,17 +156,22 @@ class WorkerDevice:
 
     def open_design(self, design) -> None:
         self._call("open_design", (design,), SETUP_TIMEOUT_S)
+        self._passes[design.key] = design.n_passes
 
     def upload(self, key, bits) -> int:
-        return self._call("upload", (key, bits), SETUP_TIMEOUT_S)
+        handle = self._call("upload", (key, bits), SETUP_TIMEOUT_S)
+        self._handles[handle] = key
+        return handle
 
     def forget(self, handle: int) -> None:
         self._call("forget", (handle,), SETUP_TIMEOUT_S)
 
     def run(self, handle: int, a_bits, timeout_ms: int, step: int | None = None):
-        chunks = -(-a_bits.shape[0] // step) if step else a_bits.shape[0]  # each may take the timeout
         return self._call("run", (handle, a_bits, timeout_ms, step),
-                          chunks * timeout_ms / 1000 + REPLY_GRACE_S)
+                          reply_deadline_s(a_bits.shape[0], step, self._passes_of(handle), timeout_ms))
+
+    def _passes_of(self, handle: int) -> int:
+        return self._passes.get(self._handles.get(handle), 1)
 
     def stats(self) -> dict:
         return self._call("stats", (), SETUP_TIMEOUT_S)
@@ -178,6 +186,14 @@ class WorkerDevice:
             except (NpuRunError, WorkerError):
                 pass
         self._finalizer()  # the pipes close; the worker exits (killed only if it does not)
+
+
+def reply_deadline_s(rows: int, step: int | None, passes: int, timeout_ms: int) -> float:
+    """How long a run of `rows` rows may take the worker: every pass it starts (a chunk of
+    `step` rows, or one a row without a step, times the layer's `passes`) may take the run
+    timeout, plus REPLY_GRACE_S for the pipe and the worker's bookkeeping."""
+    chunks = -(-rows // step) if step else rows
+    return chunks * max(1, passes) * timeout_ms / 1000 + REPLY_GRACE_S
 
 
 def _end(proc: subprocess.Popen) -> None:
