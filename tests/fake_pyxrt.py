@@ -453,7 +453,7 @@ def insts_words(device: str, payload: int, seed: int = 0) -> np.ndarray:
 
 def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 32, tile: tuple = (8, 8, 8),
                        columns: int = 1, b_col_major: bool = False, insts_format: str = "binary",
-                       num_args: int = 8, kernel_name: str = "MLIR_AIE", bfp16_emulation: bool = False,
+                       num_args: int = 8, kernel_name: str = "MLIR_AIE", bfp16_emulation: bool | None = None,
                        xclbin_bfp16: bool | None = None, shared_xclbins: bool = False) -> Path:
     """design.json plus simulated xclbins and instruction files for (K, N) bf16 shapes; returns its path.
 
@@ -461,12 +461,16 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
     what one pass can move is split into passes (npud/kernels/xrt_rules.py). `xclbin_bfp16`: whether
     the simulated xclbin quantises as npu2's emulation does (default: as the table says).
     `shared_xclbins`: shapes with the same compiled shape share one xclbin, as the build tool
-    writes them."""
+    writes them. `bfp16_emulation` None: as the build tool's default (npu2's stock build
+    emulates bf16 with bfp16 blocks, npu1 has no emulation); a test of npu2's exact bf16 path
+    says False, as `--no-bfp16-emulation` does."""
     from npud.kernels.xrt_design import GemmDesign, tile_rule_errors, write_table
     from npud.kernels.xrt_rules import split_n
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if bfp16_emulation is None:  # tools/build_npu_designs.py's Tiling default
+        bfp16_emulation = device == "npu2"
     tm, tk, tn = tile
     designs = []
     for i, (k, n) in enumerate(shapes):

@@ -58,7 +58,8 @@ def test_every_step_says_its_verdict(machine, capsys):
     unlimited = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0] == resource.RLIM_INFINITY
     assert verdicts["memlock"] == ("PASS" if unlimited else "FAIL")
     assert rc == (0 if unlimited else 1)
-    assert any("bit-identical to the host's in-order sum: True" in line for line in lines)
+    # a stock npu2 build quantises in bfp16 blocks: not the host's exact in-order sum
+    assert any("bit-identical to the host's in-order sum: False" in line for line in lines)
 
 
 def test_a_table_for_the_other_generation_fails_its_step(machine, capsys):
