@@ -20,8 +20,8 @@ pipe, each a fault of its own (npud/device_owner.py).
 Some of the driver's error-level lines say nothing about the device's health and can be caused
 by any process that opens it: an ioctl parameter the driver does not know (an XRT or xrt-smi
 newer than the driver, another user's monitoring tool) prints "Not supported request
-parameter N" from aie2_get_info / aie2_get_array / aie2_set_state (aie4_* on npu4 and later),
-in both drivers. Those are BENIGN_PATTERNS: counted apart, never faulted on. `errors.benign_patterns`
+parameter N" from aie2_get_info / aie2_get_array / aie2_set_state, in both drivers (npu1 and
+Strix/Krackan's npu4/5/6 all run the aie2_* functions; aie4_* is a later generation's, npu3). Those are BENIGN_PATTERNS: counted apart, never faulted on. `errors.benign_patterns`
 extends the list.
 """
 
@@ -51,7 +51,8 @@ MAX_KEPT_FOREIGN = 20  # the last foreign error lines, shown by `npuctl device`
 MAX_UNCLAIMED = 1000  # foreign lines naming a pid, kept until that pid may be claimed
 
 # The drivers' XDNA_ERR("Not supported request parameter %u") of the query/set ioctls (both
-# drivers, aie2_pci.c and aie4_pci.c), after "function: " and, in-kernel, "[drm] *ERROR* "
+# drivers, aie2_pci.c for npu1 and npu4/5/6, aie4_pci.c for the later npu3), after "function: "
+# and, in-kernel, "[drm] *ERROR* "
 BENIGN_PATTERNS = (
     r": (\[drm\] \*ERROR\* )?aie[24]_(get_info|get_array|get_array_hwctx|set_state): "
     r"Not supported request parameter \d+$",

@@ -18,8 +18,9 @@ IN_KERNEL_ERRORS = [
     # aie2_message.c, aie2_suspend_fw()
     (3, DEV + "[drm] *ERROR* aie2_suspend_fw: Failed to suspend fw, ret -62"),
 ]
-# (A job the in-kernel driver times out, aie2_ctx.c aie2_sched_job_timedout(), prints nothing:
-# it marks the command ERT_CMD_STATE_TIMEOUT or ABORT, which only the run state shows.)
+# (A job the in-kernel driver times out, aie2_ctx.c aie2_sched_job_timedout(), prints "TDR timeout
+# detected" from aie2_tdr_detect() and marks the command ERT_CMD_STATE_TIMEOUT or ABORT; the line
+# names no context, so npud knows its own job's timeout from the run state: FOREIGN_ERRORS below.)
 
 # Out-of-tree driver, amd/xdna-driver src/driver/amdxdna: XDNA_ERR is dev_err_ratelimited
 # (amdxdna_drm.h), "function: message" with no marker.
@@ -62,7 +63,8 @@ NOT_THE_DRIVER = [
 
 # Error-level lines any process can cause (an ioctl parameter the driver does not know: XRT or
 # xrt-smi newer than the driver): XDNA_ERR(xdna, "Not supported request parameter %u", ...) in
-# aie2_get_info / aie2_get_array / aie2_set_state (aie2_pci.c) and aie4_* (aie4_pci.c), both drivers
+# aie2_get_info / aie2_get_array / aie2_set_state (aie2_pci.c: npu1 and Strix/Krackan's npu4/5/6) and
+# aie4_* (aie4_pci.c: the later npu3), both drivers
 BENIGN_ERRORS = [
     (3, DEV + "[drm] *ERROR* aie2_get_info: Not supported request parameter 4"),
     (3, DEV + "[drm] *ERROR* aie2_get_array: Not supported request parameter 2"),
