@@ -429,14 +429,22 @@ def _tracked_init(self, path):
 xclbin.__init__ = _tracked_init
 
 
+def npu_wins(runner, handle, host, host_weight, rows, timeout_ms) -> tuple[float, float]:
+    """Injected costs (npud/kernels/xrt.py measure_costs' form): the NPU is faster. The
+    simulator's wall time says nothing of an NPU's, so a test says which side wins."""
+    return 1e-6, 1e-3
+
+
 def install(monkeypatch) -> Sim:
     """Make this simulator the XRT binding (for one test), in this process (`pyxrt` in
-    sys.modules) and in NPU worker processes (npud.kernels.xrt.BINDING); returns its fresh state."""
+    sys.modules) and in NPU worker processes (npud.kernels.xrt.BINDING); returns its fresh state.
+    The placement's costs are `npu_wins` unless the test injects others."""
     from npud.kernels import xrt
 
     _XCLBINS.clear()
     monkeypatch.setitem(sys.modules, "pyxrt", sys.modules[__name__])
     monkeypatch.setattr(xrt, "BINDING", __name__)
+    monkeypatch.setattr(xrt, "measure_costs", npu_wins)
     return reset()
 
 

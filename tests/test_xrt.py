@@ -464,3 +464,56 @@ def test_npu_rows_are_bit_identical_across_batches(host):
         assert np.array_equal(bits(backend.linear(x[:m], w)), bits(full[:m]))
     wf = (raw.data.astype(np.uint32) << 16).view(np.float32)
     assert np.all(np.abs(full - host.linear(bf16_round(x), w)) <= tolerance(bf16_round(x), wf))
+
+
+# -- placement by measured cost --------------------------------------------------------------
+
+
+def _costs(table):
+    """Injected costs (xrt.measure_costs' form) from {(K, N): (NPU s, host s)}; records the calls."""
+    calls = []
+
+    def costs(runner, handle, host, host_weight, rows, timeout_ms):
+        calls.append((runner.design.K, runner.design.N, rows))
+        return table[(runner.design.K, runner.design.N)]
+
+    return costs, calls
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_shape_runs_on_the_host_where_its_measured_npu_cost_is_higher(tmp_path, sim, host, strict):
+    table = fake_pyxrt.write_design_table(tmp_path, [(64, 64), (64, 128)], device="npu1", M=16, tile=(4, 8, 4))
+    costs, calls = _costs({(64, 64): (2e-3, 1e-3), (64, 128): (1e-4, 5e-4)})  # 64x64: the host is faster
+    backend = load(table, host, costs=costs, strict=strict)
+    slow, fast = bf16_weight(64, 64), bf16_weight(128, 64, seed=1)
+    w_slow, w_fast = backend.prepare_linear(slow), backend.prepare_linear(fast)
+    again = backend.prepare_linear(bf16_weight(64, 64, seed=2))  # a second weight of a shape already timed
+    assert calls == [(64, 64, 1), (64, 128, 1)]  # each shape timed once, on a decode step's one row
+    assert backend.describe_costs() == {"64x128 bf16": {"rows": 1, "npu_ms": 0.1, "host_ms": 0.5},
+                                        "64x64 bf16": {"rows": 1, "npu_ms": 2.0, "host_ms": 1.0}}
+    x = np.random.default_rng(3).standard_normal((2, 64)).astype(np.float32)
+    sim.calls.clear()
+    got = backend.linear(x, w_slow), backend.linear(x, again)
+    ran = len([c for c in sim.calls if c[0] == "run"])
+    if strict:  # backend "xrt": the NPU or nothing, its costs said
+        assert backend.placement[(64, 64, "bf16")] == "npu" and ran == 2
+        assert backend.where(w_slow) == "npu" and not backend.lost_everywhere()
+    else:
+        why = backend.placement[(64, 64, "bf16")]
+        assert why == "the host is faster (1-row pass: NPU 2.000 ms, host 1.000 ms)"
+        assert ran == 0 and backend.where(w_slow) == backend.where(again) == why
+        assert np.array_equal(bits(got[0]), bits(host.linear(x, w_slow)))  # the host's own fp32 path
+        assert backend.placement[(64, 128, "bf16")] == "npu" and backend.where(w_fast) == "npu"
+        assert not backend.lost_everywhere()  # 64x128 still wins
+
+
+def test_a_backend_whose_npu_lost_every_timed_shape_says_so(tmp_path, sim, host):
+    # of the shapes prepared so far (the session asks once the model's weights are all prepared)
+    table = fake_pyxrt.write_design_table(tmp_path, [(64, 64), (64, 128)], device="npu1", M=16, tile=(4, 8, 4))
+    costs, _ = _costs({(64, 64): (2e-3, 1e-3), (64, 128): (1e-4, 5e-4)})
+    backend = load(table, host, costs=costs)
+    assert not backend.lost_everywhere()  # nothing timed: nothing lost
+    backend.prepare_linear(bf16_weight(64, 64))
+    assert backend.lost_everywhere()
+    backend.prepare_linear(bf16_weight(128, 64))  # this one wins
+    assert not backend.lost_everywhere()

@@ -308,3 +308,38 @@ def test_npu_speculative_output_equals_plain_output_on_the_device():
                  max_tokens=48, spec=SpecParams(method=m, k=4))))).text
              for m in ("none", "ngram", "draft")}
     assert len(set(texts.values())) == 1, texts
+
+
+def test_under_auto_a_model_whose_npu_placement_loses_everywhere_runs_on_the_host_and_says_so(ckpt, host_served,
+                                                                                               tmp_path, control,
+                                                                                               monkeypatch):
+    monkeypatch.setattr(xrt, "measure_costs", lambda *a: (2e-3, 1e-3))  # the host faster on every shape
+    shapes = [(s.K, s.N) for s in gemm_shapes([ckpt], "bf16")]
+    table = fake_pyxrt.write_design_table(tmp_path / "designs", shapes)
+    served = load_model("tiny", ckpt, draft_dir=ckpt, weight_format="bf16", backend="auto", xrt_design=table)
+    d = served.describe()
+    assert d["backend"] == "host" and d["npu_worker_pid"] is None
+    assert d["backend_reason"].startswith("host backend: the NPU was slower than the host on every GEMM shape")
+    assert set(d["gemm_costs"]) == {f"{k}x{n} bf16" for k, n in shapes}
+    assert all(c == {"rows": 1, "npu_ms": 2.0, "host_ms": 1.0} for c in d["gemm_costs"].values())
+    req = GenerateRequest(prompt=PROMPT, params=GenerationParams(max_tokens=16, spec=SpecParams(method="draft", k=4)))
+    assert drive(served.start(req)).text == drive(host_served.start(req)).text
+
+
+def test_describe_says_where_each_layer_runs_and_why(ckpt, tmp_path, control, monkeypatch):
+    # the shapes of K=128 (the attention's output projection, the MLP's down projection) lose; the rest win
+    monkeypatch.setattr(xrt, "measure_costs",
+                        lambda runner, *a: (2e-3, 1e-3) if runner.design.K == 128 else (1e-6, 1e-3))
+    table = fake_pyxrt.write_design_table(tmp_path / "designs", [(s.K, s.N) for s in gemm_shapes([ckpt], "bf16")])
+    served = load_model("tiny", ckpt, weight_format="bf16", backend="auto", xrt_design=table)
+    try:
+        d = served.describe()
+        assert d["backend"] == "xrt-simulator"
+        layers = d["layer_placement"]
+        assert set(layers) == {"0", "1"}
+        for placed in layers.values():
+            for name in ("attn.o", "mlp.down"):
+                assert placed[name].startswith("the host is faster (1-row pass: NPU 2.000 ms, host 1.000 ms)")
+            assert all(placed[n] == "npu" for n in ("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up"))
+    finally:
+        served.model.backend.close()
