@@ -97,7 +97,9 @@ class Sim:
     finish_after_polls: int = 2  # a timed-out command completes after this many state() calls
     wait_hold_s: float = 0.0  # each wait keeps the GIL this long, as pyxrt's does
     handshake: str | None = None  # a folder where a held wait sees whether another thread ran (_hold_gil)
-    compute: bool = True  # False: C is left as it was (the isolation benchmark times the calls only)
+    # False: no arithmetic; C gets a fixed ramp whose largest value is column 6 of each pass (the
+    # benchmarks count and time the calls only; a decode still picks a token, never EOS id 0)
+    compute: bool = True
     violations: list = field(default_factory=list)  # breaches seen where raising was impossible
     abort_on_collect: bool = False  # in a worker process: abort as XRT does
     control_seen: str | None = None
@@ -363,6 +365,7 @@ class kernel:
         g = self.gemm
         M, K, N = g["M"], g["K"], g["N"]
         if not SIM.compute:
+            c.dev[: M * N * 4] = _ramp(M, N)
             c.dev_newer = True
             return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED)
         av = _bf16(a.dev[: M * K * 2]).reshape(M, K)
@@ -399,6 +402,17 @@ class kernel:
                                 ("C", c, g["M"] * g["N"] * 4)):
             if buf.size() != want:
                 raise ProtocolViolation(f"{name} bo of {buf.size()} bytes; the design moves {want}")
+
+
+_RAMPS: dict = {}
+
+
+def _ramp(m: int, n: int) -> np.ndarray:
+    """C's bytes when the arithmetic is off: every row (j % 7) / 1000 over its columns j."""
+    if (m, n) not in _RAMPS:
+        row = (np.arange(n) % 7).astype(np.float32) / np.float32(1000)
+        _RAMPS[(m, n)] = np.tile(row, m).view(np.uint8)
+    return _RAMPS[(m, n)]
 
 
 def _bf16(raw: np.ndarray) -> np.ndarray:

@@ -206,6 +206,9 @@ class DeviceSession:
         self.weights: dict[int, tuple[tuple, list]] = {}  # handle -> (design key, B bo per pass)
         self.in_flight: list[tuple[object, str]] = []  # (run, xclbin) of runs that timed out
         self.passes = 0  # kernel runs started
+        self.bytes_to_device = 0  # activations written to A buffers (and synced) for runs
+        self.bytes_from_device = 0  # outputs read back from C buffers
+        self.weight_bytes = 0  # weights written to B buffers (at load)
         self._next_handle = 1
 
     @property
@@ -250,6 +253,7 @@ class DeviceSession:
                 b[: d.K, : part.shape[0]] = part.T
             bo = self.buffer(kernel, b.nbytes, GROUP_B)
             bo.write(b.view(np.uint8).ravel(), 0)
+            self.weight_bytes += b.nbytes
             bo.sync(self.xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
             bos.append(bo)
         handle, self._next_handle = self._next_handle, self._next_handle + 1
@@ -286,6 +290,7 @@ class DeviceSession:
             kernel = self.plan.kernel(d, self.busy())
             entry.bo_a.write(a.view(np.uint8).ravel(), 0)
             entry.bo_a.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
+            self.bytes_to_device += a.nbytes
             for p, bo_b in enumerate(bos):
                 self.passes += 1
                 run = kernel(OPCODE, entry.bo_insts, entry.num_insts, entry.bo_a, bo_b, entry.bo_c)
@@ -299,6 +304,7 @@ class DeviceSession:
                                       f"(timeout {timeout_ms} ms)", name)
                 entry.bo_c.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE)
                 raw = entry.bo_c.read(d.M * d.compiled_N * 4, 0)
+                self.bytes_from_device += d.M * d.compiled_N * 4
                 c = np.frombuffer(bytes(raw), np.float32).reshape(d.M, d.compiled_N)
                 n0 = p * d.compiled_N
                 width = min(d.compiled_N, d.N - n0)
@@ -310,9 +316,13 @@ class DeviceSession:
         return out
 
     def stats(self) -> dict:
-        """{"passes": runs started, "contexts_opened": contexts created, "in_flight": runs kept} (after a poll)."""
+        """{"passes": runs started, "contexts_opened": contexts created, "contexts_open": held now,
+        "in_flight": runs kept, "bytes_to_device" / "bytes_from_device": activations written to A
+        and outputs read from C, "weight_bytes": weights written to B} (after a poll)."""
         self.poll()
-        return {"passes": self.passes, "contexts_opened": self.plan.opened, "in_flight": len(self.in_flight)}
+        return {"passes": self.passes, "contexts_opened": self.plan.opened, "contexts_open": len(self.plan.open),
+                "in_flight": len(self.in_flight), "bytes_to_device": self.bytes_to_device,
+                "bytes_from_device": self.bytes_from_device, "weight_bytes": self.weight_bytes}
 
     def _keep(self, run, entry: _Design, state: str) -> None:
         self.in_flight.append((run, str(entry.design.xclbin)))

@@ -43,15 +43,18 @@ class WorkerError(RuntimeError):
     """XRT refused something in the worker (its exception's type and text are in the message)."""
 
 
-def _write_frame(fd: int, obj, deadline: float | None) -> None:
+def _write_frame(fd: int, obj, deadline: float | None) -> int:
+    """Send one frame; returns the bytes written."""
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     view = memoryview(_HEADER.pack(len(data)) + data)
+    size = len(view)
     while view:
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([], [fd], [], left)[1]:
                 raise TimeoutError
         view = view[os.write(fd, view):]
+    return size
 
 
 def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
@@ -69,11 +72,13 @@ def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
     return b"".join(chunks)
 
 
-def _read_frame(fd: int, deadline: float | None):
+def _read_frame(fd: int, deadline: float | None, sizes: list | None = None):
     head = _read_exact(fd, _HEADER.size, deadline)
     if head is None:
         return None
     body = _read_exact(fd, _HEADER.unpack(head)[0], deadline)
+    if sizes is not None and body is not None:
+        sizes.append(_HEADER.size + len(body))
     return None if body is None else pickle.loads(body)
 
 
@@ -88,6 +93,8 @@ class WorkerDevice:
                                      stdout=subprocess.PIPE, env=env, close_fds=True)
         self._to, self._from = self.proc.stdin.fileno(), self.proc.stdout.fileno()
         self.lost: str | None = None
+        self.round_trips = 0  # calls answered (or failed) by the worker, this process's count
+        self.pipe_bytes = 0  # frames both ways through the pipes
         self._passes: dict[tuple, int] = {}  # design key -> passes per chunk of rows
         self._handles: dict[int, tuple] = {}  # weight handle -> its design's key
         # a backend dropped without close(): the worker reads the end of its pipe and exits
@@ -106,9 +113,12 @@ class WorkerDevice:
         if self.lost is not None:
             raise NpuRunError(f"the NPU worker is gone ({self.lost})", "worker_lost")
         deadline = time.monotonic() + timeout_s
+        self.round_trips += 1
+        sizes: list[int] = []
         try:
-            _write_frame(self._to, (method, args), deadline)
-            reply = _read_frame(self._from, deadline)
+            self.pipe_bytes += _write_frame(self._to, (method, args), deadline)
+            reply = _read_frame(self._from, deadline, sizes)
+            self.pipe_bytes += sum(sizes)
         except TimeoutError:
             self._lose(f"no answer to {method} in {timeout_s:g} s; killed")
             raise NpuRunError(f"the NPU worker hung in {method} and was killed", "worker_hung") from None
