@@ -75,7 +75,8 @@ def _shapes(dirs: list[Path]) -> list[tuple[int, int]]:
     return sorted({(s.K, s.N) for s in tool.gemm_shapes(dirs, "bf16")})
 
 
-def run_model(name: str, base: Path, draft: Path | None, device: str, tokens: int, folder: Path) -> dict:
+def run_model(name: str, base: Path, draft: Path | None, device: str, tokens: int, folder: Path,
+              one_xclbin: bool = True) -> dict:
     """Load `base` (with `draft`) on a stand-in table for `device`, decode, count."""
     from npud.engine.api import GenerateRequest, GenerationParams, SpecParams
     from npud.engine.loader import load_model
@@ -83,7 +84,9 @@ def run_model(name: str, base: Path, draft: Path | None, device: str, tokens: in
     shapes = _shapes(dirs)
     tiling = dict(device="npu1", M=16, tile=(4, 64, 32), columns=4) if device == "npu1" else \
         dict(device="npu2", M=32, tile=(8, 64, 32), columns=4)
-    table = fake_pyxrt.write_design_table(folder / f"designs-{name}", shapes, **tiling)
+    # as tools/build_npu_designs.py builds them: every design a kernel of one xclbin (or one each)
+    table = fake_pyxrt.write_design_table(folder / f"designs-{name}-{int(one_xclbin)}", shapes, one_xclbin=one_xclbin,
+                                          **tiling)
     served = load_model(name, base, draft_dir=draft, weight_format="bf16", backend="xrt", xrt_design=table)
     backend = served.model.backend
     try:
@@ -129,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2, help="layers of each model (the figures are per layer)")
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "npud-stand-in")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--xclbin-per-shape", action="store_true",
+                   help="one xclbin per shape, as tools/build_npu_designs.py --xclbin-per-shape builds them")
     args = p.parse_args(argv)
     import structlog
 
@@ -146,9 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     qwen = _build(folder / f"qwen3-0.6b-{args.layers}l", "qwen3", QWEN3_06B, args.layers, 0)
     qdraft = _build(folder / "qwen3-draft-1l", "qwen3", QWEN3_DRAFT, 1, 1)
     gemma = _build(folder / f"gemma3-270m-{args.layers}l", "gemma3", GEMMA3_270M, args.layers, 2)
-    results = [run_model("qwen3-0.6b", qwen, None, "npu2", args.tokens, folder),
-               run_model("qwen3-0.6b+draft", qwen, qdraft, "npu1", args.tokens, folder),
-               run_model("gemma-3-270m", gemma, None, "npu2", args.tokens, folder)]
+    one = not args.xclbin_per_shape
+    results = [run_model("qwen3-0.6b", qwen, None, "npu2", args.tokens, folder, one),
+               run_model("qwen3-0.6b+draft", qwen, qdraft, "npu1", args.tokens, folder, one),
+               run_model("gemma-3-270m", gemma, None, "npu2", args.tokens, folder, one)]
     if args.json:
         print(json.dumps({"stand_in": results}, indent=1))
     else:

@@ -325,10 +325,12 @@ class kernel:
         if not isinstance(ctx, hw_context):
             raise ProtocolViolation("kernel() needs a hw_context")
         meta = next(xb for xb in _XCLBINS if xb.get_uuid() == ctx.uuid).meta
-        info = {k["name"]: k["num_args"] for k in meta["kernels"]}
+        info = {k["name"]: k for k in meta["kernels"]}
         if name not in info:
             raise RuntimeError(f"no kernel {name} in the simulated xclbin")
-        self.name, self.num_args, self.gemm, self.insts = name, info[name], meta["gemm"], meta["insts"]
+        k = info[name]  # an xclbin of several kernels gives each its GEMM and instruction stream
+        self.name, self.num_args = name, k["num_args"]
+        self.gemm, self.insts = k.get("gemm", meta.get("gemm")), k.get("insts", meta.get("insts"))
 
     def group_id(self, arg: int) -> int:
         if not 0 <= arg < self.num_args:
@@ -476,7 +478,8 @@ def insts_words(device: str, payload: int, seed: int = 0) -> np.ndarray:
 def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 32, tile: tuple = (8, 8, 8),
                        columns: int = 1, b_col_major: bool = False, insts_format: str = "binary",
                        num_args: int = 8, kernel_name: str = "MLIR_AIE", bfp16_emulation: bool | None = None,
-                       xclbin_bfp16: bool | None = None, shared_xclbins: bool = False) -> Path:
+                       xclbin_bfp16: bool | None = None, shared_xclbins: bool = False,
+                       one_xclbin: bool = False) -> Path:
     """design.json plus simulated xclbins and instruction files for (K, N) bf16 shapes; returns its path.
 
     The compiled K and N are rounded up to the tile rules (tile_k, tile_n * columns); an N past
@@ -485,7 +488,9 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
     `shared_xclbins`: shapes with the same compiled shape share one xclbin, as the build tool
     writes them. `bfp16_emulation` None: as the build tool's default (npu2's stock build
     emulates bf16 with bfp16 blocks, npu1 has no emulation); a test of npu2's exact bf16 path
-    says False, as `--no-bfp16-emulation` does."""
+    says False, as `--no-bfp16-emulation` does. `one_xclbin`: every design a kernel of its own
+    (MLIR_AIE_<i>) in one xclbin, as the build tool links a model's designs (one hardware
+    context for the model)."""
     from npud.kernels.xrt_design import GemmDesign, tile_rule_errors, write_table
     from npud.kernels.xrt_rules import split_n
 
@@ -495,6 +500,7 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
         bfp16_emulation = device == "npu2"
     tm, tk, tn = tile
     designs = []
+    linked = []  # one_xclbin: every design's kernel
     for i, (k, n) in enumerate(shapes):
         ck = -(-k // tk) * tk
         found = split_n(n, M, ck, tm, tk, tn, columns, b_col_major)
@@ -503,15 +509,20 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
         xb = folder / f"gemm_{stem}.xclbin"
         ins = folder / (f"insts_{stem}." + ("txt" if insts_format == "hex" else "bin"))
         words = insts_words(device, 12 + i if not shared_xclbins else 12, seed=0 if shared_xclbins else i)
-        xb.write_text(json.dumps({"kernels": [{"name": kernel_name, "num_args": num_args}],
-                                  "gemm": {"M": M, "K": ck, "N": cn, "b_col_major": b_col_major,
-                                           "bfp16": bfp16_emulation if xclbin_bfp16 is None else xclbin_bfp16},
-                                  "insts": [int(w) for w in words]}))
+        gemm = {"M": M, "K": ck, "N": cn, "b_col_major": b_col_major,
+                "bfp16": bfp16_emulation if xclbin_bfp16 is None else xclbin_bfp16}
+        name = kernel_name
+        if one_xclbin:
+            xb, name = folder / "model.xclbin", f"{kernel_name}_{i}"
+            linked.append({"name": name, "num_args": num_args, "gemm": gemm, "insts": [int(w) for w in words]})
+        else:
+            xb.write_text(json.dumps({"kernels": [{"name": kernel_name, "num_args": num_args}], "gemm": gemm,
+                                      "insts": [int(w) for w in words]}))
         if insts_format == "hex":
             ins.write_text("".join(f"{w:08x}\n" for w in words))
         else:
             ins.write_bytes(words.astype("<u4").tobytes())
-        design = GemmDesign(K=k, N=n, weight_format="bf16", xclbin=xb, insts=ins, kernel="MLIR_AIE", M=M,
+        design = GemmDesign(K=k, N=n, weight_format="bf16", xclbin=xb, insts=ins, kernel=name, M=M,
                             compiled_K=ck, compiled_N=cn, tile_m=tm, tile_k=tk, tile_n=tn, columns=columns,
                             dtype_in="bf16", dtype_out="f32", b_col_major=b_col_major,
                             bfp16_emulation=bfp16_emulation, n_passes=passes, insts_format=insts_format)
@@ -519,6 +530,8 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
         if errors:  # the compiler would not have built it: no xclbin either
             raise ValueError(f"K={k} N={n}: " + "; ".join(errors))
         designs.append(design)
+    if one_xclbin:
+        (folder / "model.xclbin").write_text(json.dumps({"kernels": linked}))
     write_table(folder / "design.json", device, designs)
     return folder / "design.json"
 

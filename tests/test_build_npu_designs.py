@@ -32,7 +32,7 @@ def test_shapes_are_the_distinct_linears_with_the_tied_head_only(ckpt):
 
 
 def _stub_build(built, device, fail=()):
-    def build(design):  # stands in for the IRON build: writes the two files it would, binary as aiecc does
+    def build(design, link=False):  # stands in for the IRON build: writes the files it would, binary as aiecc does
         if (design.compiled_K, design.compiled_N) in fail:
             raise tool.subprocess.CalledProcessError(2, ["make"])
         design.xclbin.write_bytes(b"xclbin")
@@ -142,7 +142,7 @@ def _pinned(monkeypatch, tmp_path, mlir_aie="1.0", makefile_common="xclbin_targe
 def test_a_build_where_no_design_builds_exits_non_zero_with_a_line_per_shape(ckpt, tmp_path, monkeypatch, capsys):
     src = _pinned(monkeypatch, tmp_path)
 
-    def make_fails(design, tiling, mlir_aie_src, work):
+    def make_fails(design, tiling, mlir_aie_src, work, link=False):
         raise tool.subprocess.CalledProcessError(2, ["make", "-C", str(mlir_aie_src)])
 
     monkeypatch.setattr(tool, "build_with_iron", make_fails)
@@ -159,7 +159,7 @@ def test_a_build_where_no_design_builds_exits_non_zero_with_a_line_per_shape(ckp
 
 def test_design_json_records_the_toolchain_that_built_it(ckpt, tmp_path, monkeypatch, capsys):
     src = _pinned(monkeypatch, tmp_path)
-    monkeypatch.setattr(tool, "build_with_iron", lambda d, tiling, src, work: _stub_build([], "npu2")(d))
+    monkeypatch.setattr(tool, "build_with_iron", lambda d, tiling, src, work, link=False: _stub_build([], "npu2")(d))
     out = tmp_path / "designs"
     assert tool.main([str(ckpt), "--device", "npu2", "--out", str(out), "--mlir-aie-src", str(src)]) == 0
     toolchain = DesignTable.load(out / "design.json").toolchain
@@ -171,7 +171,7 @@ def test_design_json_records_the_toolchain_that_built_it(ckpt, tmp_path, monkeyp
 
 def test_another_mlir_aie_release_is_refused_unless_unpinned(ckpt, tmp_path, monkeypatch, capsys):
     src = _pinned(monkeypatch, tmp_path, mlir_aie="1.1.4")
-    monkeypatch.setattr(tool, "build_with_iron", lambda d, tiling, src, work: _stub_build([], "npu2")(d))
+    monkeypatch.setattr(tool, "build_with_iron", lambda d, tiling, src, work, link=False: _stub_build([], "npu2")(d))
     out = tmp_path / "designs"
     argv = [str(ckpt), "--device", "npu2", "--out", str(out), "--mlir-aie-src", str(src)]
     assert tool.main(argv) == tool.EXIT_UNPINNED
@@ -188,3 +188,40 @@ def test_a_checkout_whose_makefile_takes_no_targets_is_another_release(tmp_path,
     assert len(errors) == 1 and "does not take xclbin_target, insts_target" in errors[0]
     assert "checkout v1.0" in errors[0]
     assert tool.pin_errors({"mlir_aie": "v1.0.0"}, None) == []  # one release, however it is spelt
+
+
+
+def test_every_design_is_a_kernel_of_one_xclbin_linked_by_aiecc(ckpt, tmp_path, monkeypatch):
+    # the commands the build runs (make for the MLIR and the micro-kernel, aiecc for the kernel),
+    # each standing in for itself by writing what it would
+    src = tmp_path / "mlir-aie"
+    (src / tool.EXAMPLE / "build").mkdir(parents=True)
+    ran = []
+
+    def run(cmd, check=True, cwd=None):
+        ran.append(cmd)
+        if cmd[0] == "aiecc.py":
+            out = next(a.split("=", 1)[1] for a in cmd if a.startswith("--xclbin-name="))
+            Path(out).write_bytes(b"xclbin")
+            insts = next(a.split("=", 1)[1] for a in cmd if a.startswith("--npu-insts-name="))
+            Path(insts).write_bytes(fake_pyxrt.insts_words("npu1", 8).astype("<u4").tobytes())
+
+    monkeypatch.setattr(tool.subprocess, "run", run)
+    tiling = tool.Tiling("npu1")
+    out = tmp_path / "designs"
+    path, on_host, count = tool.build_table(
+        tool.gemm_shapes([ckpt], "bf16"), tiling, out,
+        lambda d, link=False: tool.build_with_iron(d, tiling, src, out / "work", link))
+    table = DesignTable.load(path)
+    assert on_host == [] and count == 4
+    assert {d.xclbin for d in table.designs.values()} == {out / "model.xclbin"}
+    kernels = {k: d.kernel for k, d in table.designs.items()}
+    assert kernels[(64, 64, "bf16")] == kernels[(64, 128, "bf16")]  # one padded shape, one kernel
+    assert sorted(set(kernels.values())) == ["MLIR_AIE_0", "MLIR_AIE_1", "MLIR_AIE_2"]
+    aiecc = [c for c in ran if c[0] == "aiecc.py"]
+    assert len(aiecc) == 3 and not any(a.startswith("--xclbin-input") for a in aiecc[0])
+    for i, cmd in enumerate(aiecc):
+        assert f"--xclbin-kernel-name=MLIR_AIE_{i}" in cmd and f"--xclbin-kernel-id=0x{0x901 + i:x}" in cmd
+        if i:
+            assert f"--xclbin-input={(out / 'model.xclbin').resolve()}" in cmd  # extends the earlier kernels
+    assert all(c[0] == "make" and "xclbin_target" not in " ".join(c) for c in ran if c[0] != "aiecc.py")

@@ -133,3 +133,19 @@ def test_a_timed_out_run_s_context_is_never_reused_by_other_shapes_of_its_xclbin
         backend.linear(np.ones((1, 64), np.float32), a)
     with pytest.raises(xrt.NpuRunError, match="its context was retired"):
         backend.linear(np.ones((1, 64), np.float32), b)
+
+
+def test_a_model_whose_designs_are_kernels_of_one_xclbin_holds_one_context(tmp_path, sim, host):
+    # npu1 (6 contexts) and twelve shapes, a base and its draft: linked into one xclbin, one
+    # context serves every design and nothing is closed or reopened however they take turns
+    shapes = [(64, 8 * (i + 1)) for i in range(12)]
+    table = fake_pyxrt.write_design_table(tmp_path, shapes, device="npu1", M=16, tile=(4, 8, 4), one_xclbin=True)
+    backend = load(table, host)
+    weights = [(raw, backend.prepare_linear(raw)) for raw in (bf16_weight(n, k, seed=n) for k, n in shapes)]
+    assert set(backend.placement.values()) == {"npu"}
+    made = sim.contexts_made
+    assert made == 1 and backend.device.plan.opened == 1
+    x = np.random.default_rng(6).standard_normal((2, 64)).astype(np.float32)
+    for raw, w in weights + weights[::-1]:
+        assert np.array_equal(bits(backend.linear(x, w)), bits(host.linear(bf16_round(x), w)))
+    assert sim.contexts_made == 1 and sim.contexts_live == 1

@@ -11,8 +11,11 @@ with the example's Makefile (IRON -> MLIR -> aiecc.py with Peano -> xclbin + the
 instruction stream) and writes DIR/design.json.
 
 A layer wider than one pass can move (the output layer: npud/kernels/xrt_rules.py) is planned as
-several passes of one design; layers whose padded shapes are equal share one build (one
-xclbin, one hardware context). A shape the rules refuse, or whose build fails, stays on the
+several passes of one design; layers whose padded shapes are equal share one build. Every
+design is a kernel of its own (MLIR_AIE_<j>, its own instruction stream) in one xclbin,
+model.xclbin, linked with aiecc's --xclbin-input: npud opens one hardware context for all the
+checkpoints' shapes (a base, its draft, its drafter), where one xclbin per shape took six or
+more and thrashed npu1's six (--xclbin-per-shape builds them apart, as before). A shape the rules refuse, or whose build fails, stays on the
 host: the tool says why, builds the others, and always writes design.json (with what did
 build, and `"on_host"` listing the rest and why). Other weight formats run on the host too.
 
@@ -130,6 +133,7 @@ class Tiling:
     columns: int = 4
     b_col_major: bool = False  # True: B is the weight as loaded, [N, K]; whole_array then wants 32-multiples
     bfp16_emulation: bool | None = None  # npu2's 8x8x8 bf16 MACs through bfp16; None: as the stock build (npu2 on)
+    one_xclbin: bool = True  # every design a kernel of model.xclbin (one hardware context), else one xclbin each
 
     def __post_init__(self) -> None:
         if self.bfp16_emulation is None:
@@ -140,7 +144,10 @@ class Tiling:
         return self.rows // N_AIE_ROWS
 
 
-def plan(shape: Shape, tiling: Tiling, out_dir: Path) -> GemmDesign:
+LINKED_XCLBIN = "model.xclbin"
+
+
+def plan(shape: Shape, tiling: Tiling, out_dir: Path, kernel: str = "MLIR_AIE") -> GemmDesign:
     """The design for `shape` under `tiling` (K and N padded up to the tiles, N split into
     passes where one pass cannot move it); raises ValueError with the broken rules when the
     tiling cannot build it. Shapes with the same padded shape get the same files."""
@@ -149,9 +156,10 @@ def plan(shape: Shape, tiling: Tiling, out_dir: Path) -> GemmDesign:
     split = split_n(shape.N, t.rows, ck, t.tile_m, t.tile_k, t.tile_n, t.columns, t.b_col_major)
     passes, cn = split if split is not None else (1, -(-shape.N // (t.tile_n * t.columns)) * (t.tile_n * t.columns))
     stem = f"{t.rows}x{ck}x{cn}"
+    xclbin = out_dir / (LINKED_XCLBIN if t.one_xclbin else f"gemm_{stem}.xclbin")
     design = GemmDesign(K=shape.K, N=shape.N, weight_format=shape.weight_format,
-                        xclbin=out_dir / f"gemm_{stem}.xclbin", insts=out_dir / f"insts_{stem}.bin",
-                        kernel="MLIR_AIE", M=t.rows, compiled_K=ck, compiled_N=cn, tile_m=t.tile_m,
+                        xclbin=xclbin, insts=out_dir / f"insts_{stem}.bin",
+                        kernel=kernel, M=t.rows, compiled_K=ck, compiled_N=cn, tile_m=t.tile_m,
                         tile_k=t.tile_k, tile_n=t.tile_n, columns=t.columns, dtype_in="bf16", dtype_out="f32",
                         b_col_major=t.b_col_major, bfp16_emulation=t.bfp16_emulation, n_passes=passes)
     errors = tile_rule_errors(t.device, design)
@@ -249,10 +257,13 @@ def pin_errors(seen: dict, mlir_aie_src: str | None) -> list[str]:
     return errors
 
 
-def build_with_iron(design: GemmDesign, tiling: Tiling, mlir_aie_src: Path, work: Path) -> None:
+def build_with_iron(design: GemmDesign, tiling: Tiling, mlir_aie_src: Path, work: Path,
+                    link: bool = False) -> None:
     """Build one design with the whole_array example's Makefile; copies its xclbin and its
     instruction stream (binary, as aiecc writes it whatever the name) to the design's paths.
-    Raises subprocess.CalledProcessError when the build fails."""
+    With the tiling's one_xclbin, the Makefile makes the design's MLIR and micro-kernel only, and
+    aiecc compiles it as kernel `design.kernel` of the shared xclbin (`link`: one is there
+    already, to extend). Raises subprocess.CalledProcessError when the build fails."""
     stem = f"npud_{design.M}x{design.compiled_K}x{design.compiled_N}"
     variables = {
         "M": design.M, "K": design.compiled_K, "N": design.compiled_N, "m": design.tile_m, "k": design.tile_k,
@@ -268,11 +279,40 @@ def build_with_iron(design: GemmDesign, tiling: Tiling, mlir_aie_src: Path, work
     # and the start-up check the bfp16 tolerance
     src = Path(mlir_aie_src) / EXAMPLE
     work.mkdir(parents=True, exist_ok=True)
+    if tiling.one_xclbin:
+        _build_linked(design, variables, src, link)
+        return
     cmd = ["make", "-C", str(src), f"build/{stem}.xclbin", *(f"{k}={v}" for k, v in variables.items())]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     shutil.copyfile(src / "build" / f"{stem}.xclbin", design.xclbin)
     shutil.copyfile(src / "build" / f"{stem}_insts.bin", design.insts)
+
+
+def _build_linked(design: GemmDesign, variables: dict, src: Path, link: bool) -> None:
+    """The Makefile's MLIR and micro-kernel targets for `design`, then aiecc as the Makefile runs
+    it (Peano, the basic-sequential allocator) plus the flags that make the design kernel
+    `design.kernel` of the shared xclbin: --xclbin-kernel-name / -instance-name / -kernel-id, and
+    --xclbin-input to add it to the xclbin the earlier designs made."""
+    d = design
+    suffix = f"{d.M}x{d.compiled_K}x{d.compiled_N}_{d.tile_m}x{d.tile_k}x{d.tile_n}_{d.columns}c"
+    mlir = f"build/aie_{suffix}.mlir"
+    micro = f"build/mm_{d.tile_m}x{d.tile_k}x{d.tile_n}.o"
+    make = ["make", "-C", str(src), mlir, micro, *(f"{k}={v}" for k, v in variables.items()
+                                                   if k not in ("xclbin_target", "insts_target"))]
+    print("+", " ".join(make), flush=True)
+    subprocess.run(make, check=True)
+    index = int(d.kernel.rsplit("_", 1)[1])
+    target = d.xclbin.with_name(d.xclbin.stem + ".next.xclbin")
+    aiecc = ["aiecc.py", "--alloc-scheme=basic-sequential", "--aie-generate-xclbin", "--no-compile-host",
+             f"--xclbin-name={target.resolve()}", f"--xclbin-kernel-name={d.kernel}",
+             f"--xclbin-instance-name=MLIRAIE{index}", f"--xclbin-kernel-id=0x{0x901 + index:x}",
+             *([f"--xclbin-input={d.xclbin.resolve()}"] if link else []),
+             "--no-xchesscc", "--no-xbridge", "--peano", os.environ.get("PEANO_INSTALL_DIR", ""),
+             "--aie-generate-npu-insts", f"--npu-insts-name={d.insts.resolve()}", mlir.removeprefix("build/")]
+    print("+ (cd", src / "build", "&&", " ".join(aiecc) + ")", flush=True)
+    subprocess.run(aiecc, check=True, cwd=src / "build")
+    os.replace(target, d.xclbin)
 
 
 def build_table(shapes: list[Shape], tiling: Tiling, out_dir: Path,
@@ -285,6 +325,8 @@ def build_table(shapes: list[Shape], tiling: Tiling, out_dir: Path,
     runs; main() fails when nothing built."""
     out_dir.mkdir(parents=True, exist_ok=True)
     designs, on_host, built = [], [], {}
+    kernels: dict[tuple, str] = {}  # padded shape -> its kernel in the shared xclbin
+    linked = False  # the shared xclbin holds a kernel already: the next one extends it
     for shape in shapes:
         where = f"K={shape.K} N={shape.N} {shape.weight_format}"
         if shape.weight_format not in SERVED_FORMATS:
@@ -295,14 +337,19 @@ def build_table(shapes: list[Shape], tiling: Tiling, out_dir: Path,
         except ValueError as exc:
             on_host.append(f"{where}: the toolchain would refuse it ({exc})")
             continue
-        if design.xclbin not in built:  # shapes with one padded shape share one build
+        padded = (design.M, design.compiled_K, design.compiled_N)
+        if tiling.one_xclbin:
+            kernel = kernels.setdefault(padded, f"MLIR_AIE_{len(kernels)}")
+            design = dataclasses.replace(design, kernel=kernel)
+        if padded not in built:  # shapes with one padded shape share one build
             try:
-                build(design)
-                built[design.xclbin] = None
+                build(design, linked) if tiling.one_xclbin else build(design)
+                built[padded] = None
+                linked = True
             except Exception as exc:  # a failed make, a missing output: this shape only
-                built[design.xclbin] = f"{type(exc).__name__}: {exc}"
-        if built[design.xclbin] is not None:
-            on_host.append(f"{where}: the build failed ({built[design.xclbin]})")
+                built[padded] = f"{type(exc).__name__}: {exc}"
+        if built[padded] is not None:
+            on_host.append(f"{where}: the build failed ({built[padded]})")
             continue
         designs.append(design)
     path = out_dir / "design.json"
@@ -323,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tile-n", type=int, default=32)
     p.add_argument("--columns", type=int, default=4)
     p.add_argument("--b-col-major", action="store_true", help="B as the weight is stored, [N, K]")
+    p.add_argument("--xclbin-per-shape", action="store_true",
+                   help="one xclbin (and hardware context) per shape instead of every design in model.xclbin")
     p.add_argument("--bfp16-emulation", action=argparse.BooleanOptionalAction, default=None,
                    help="npu2: the checkout's mm kernel emulates bf16 MACs with bfp16 (8x8x8 micro-tiles); "
                         "default: on for npu2, as mlir-aie's stock npu2 build")
@@ -338,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device is None or args.out is None:
         p.error("--device and --out are needed to build (or --list)")
     tiling = Tiling(args.device, args.rows, args.tile_k, args.tile_n, args.columns, args.b_col_major,
-                    args.bfp16_emulation)
+                    args.bfp16_emulation, one_xclbin=not args.xclbin_per_shape)
     for shape in shapes:  # every plan first: what stays on the host is said before an hour of compiling
         if shape.weight_format in SERVED_FORMATS:
             try:
@@ -363,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     if unpinned:
         seen["unpinned"] = "; ".join(unpinned)
     return finish(*build_table(shapes, tiling, args.out,
-                               lambda d: build_with_iron(d, tiling, Path(args.mlir_aie_src), args.out / "work"),
+                               lambda d, link=False: build_with_iron(d, tiling, Path(args.mlir_aie_src),
+                                                                     args.out / "work", link),
                                toolchain=seen), served=[s for s in shapes if s.weight_format in SERVED_FORMATS])
 
 
