@@ -5,10 +5,10 @@ decoding), bytes_copied_per_token (activations to the device, outputs from it, a
 through the worker's pipes), and the weight bytes copied to the device during the load and
 during the decode (0: weights stay resident).
 
-The models are shaped as Qwen3-0.6B (hidden 1024, 16 x 128 query heads, 8 KV heads, MLP 3072,
-vocabulary 151936, tied head) and gemma-3-270m (hidden 640, 4 x 256 query heads, 1 KV head, MLP
-2048, vocabulary 262144), with fewer layers (every figure is per layer or per token) and random
-weights. "qwen3-0.6b+draft" adds a smaller draft model of the same vocabulary on npu1 (6
+The models are shaped as Qwen3-0.6B (28 layers, hidden 1024, 16 x 128 query heads, 8 KV heads,
+MLP 3072, vocabulary 151936, tied head) and gemma-3-270m (18 layers, hidden 640, 4 x 256 query
+heads, 1 KV head, MLP 2048, vocabulary 262144), with random weights (--layers N: N layers each,
+quicker; the figures are per token and per layer). "qwen3-0.6b+draft" adds a smaller draft model of the same vocabulary on npu1 (6
 hardware contexts), decoded with speculation: the case where contexts thrash.
 
 The simulator is not an NPU: these are counts, and the start-up check is skipped (its
@@ -85,8 +85,8 @@ def run_model(name: str, base: Path, draft: Path | None, device: str, tokens: in
     tiling = dict(device="npu1", M=16, tile=(4, 64, 32), columns=4) if device == "npu1" else \
         dict(device="npu2", M=32, tile=(8, 64, 32), columns=4)
     # as tools/build_npu_designs.py builds them: every design a kernel of one xclbin (or one each)
-    table = fake_pyxrt.write_design_table(folder / f"designs-{name}-{int(one_xclbin)}", shapes, one_xclbin=one_xclbin,
-                                          **tiling)
+    linked = {"one_xclbin": True} if one_xclbin else {}  # (a tree from before one_xclbin takes no such key)
+    table = fake_pyxrt.write_design_table(folder / f"designs-{name}-{int(one_xclbin)}", shapes, **linked, **tiling)
     served = load_model(name, base, draft_dir=draft, weight_format="bf16", backend="xrt", xrt_design=table)
     backend = served.model.backend
     try:
@@ -104,6 +104,7 @@ def run_model(name: str, base: Path, draft: Path | None, device: str, tokens: in
         while not session.done:
             emitted += sum(1 for e in session.run_round() if e.token_id is not None)
         after = backend.stats()
+        step = _one_step(served.model)
     finally:
         backend.close()
     for k, v in own.items():
@@ -117,6 +118,10 @@ def run_model(name: str, base: Path, draft: Path | None, device: str, tokens: in
         "dispatches_per_token": round(per["passes"], 2),
         "worker_round_trips_per_token": round(per["worker_round_trips"], 2),
         "worker_round_trips_per_layer_per_token": round(per["worker_round_trips"] / layers, 2),
+        # one plain decode step of the base model alone (a token's window above may hold more than
+        # one forward pass, and speculation's batches)
+        "worker_round_trips_per_step": step,
+        "worker_round_trips_per_layer_per_step": round(step / served.model.config.num_layers, 3),
         "contexts_opened": loaded["contexts_opened"],
         "contexts_reopened_while_decoding": after["contexts_opened"] - warm["contexts_opened"],
         "bytes_copied_per_token": int(per["bytes_to_device"] + per["bytes_from_device"] + per["pipe_bytes"]),
@@ -126,10 +131,22 @@ def run_model(name: str, base: Path, draft: Path | None, device: str, tokens: in
     }
 
 
+def _one_step(model) -> int:
+    """The worker round trips of one plain decode step of `model` (a fresh state, a 4-token prompt)."""
+    from npud.engine.forward import Forward
+
+    f = Forward(model)
+    f.prefill([5, 6, 7, 8])
+    before = model.backend.device.round_trips
+    f.step(9, f.positions_held)
+    return model.backend.device.round_trips - before
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=8, help="tokens decoded after the first")
-    p.add_argument("--layers", type=int, default=2, help="layers of each model (the figures are per layer)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="layers of each model (default: theirs, 28 and 18; the figures are per token and per layer)")
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "npud-stand-in")
     p.add_argument("--json", action="store_true")
     p.add_argument("--xclbin-per-shape", action="store_true",
@@ -148,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     control = folder / "control.json"
     control.write_text(json.dumps({"mode": "compute", "on": False}))
     os.environ["FAKE_PYXRT_CONTROL"] = str(control)
-    qwen = _build(folder / f"qwen3-0.6b-{args.layers}l", "qwen3", QWEN3_06B, args.layers, 0)
+    q_layers, g_layers = (args.layers, args.layers) if args.layers else (28, 18)
+    qwen = _build(folder / f"qwen3-0.6b-{q_layers}l", "qwen3", QWEN3_06B, q_layers, 0)
     qdraft = _build(folder / "qwen3-draft-1l", "qwen3", QWEN3_DRAFT, 1, 1)
-    gemma = _build(folder / f"gemma3-270m-{args.layers}l", "gemma3", GEMMA3_270M, args.layers, 2)
+    gemma = _build(folder / f"gemma3-270m-{g_layers}l", "gemma3", GEMMA3_270M, g_layers, 2)
     one = not args.xclbin_per_shape
     results = [run_model("qwen3-0.6b", qwen, None, "npu2", args.tokens, folder, one),
                run_model("qwen3-0.6b+draft", qwen, qdraft, "npu1", args.tokens, folder, one),

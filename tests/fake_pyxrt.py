@@ -511,7 +511,7 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
         words = insts_words(device, 12 + i if not shared_xclbins else 12, seed=0 if shared_xclbins else i)
         gemm = {"M": M, "K": ck, "N": cn, "b_col_major": b_col_major,
                 "bfp16": bfp16_emulation if xclbin_bfp16 is None else xclbin_bfp16}
-        name = kernel_name
+        name = "MLIR_AIE"  # what the table names; `kernel_name` is what the xclbin declares
         if one_xclbin:
             xb, name = folder / "model.xclbin", f"{kernel_name}_{i}"
             linked.append({"name": name, "num_args": num_args, "gemm": gemm, "insts": [int(w) for w in words]})

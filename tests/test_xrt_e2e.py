@@ -188,7 +188,7 @@ async def test_the_daemon_serves_through_the_simulated_npu_and_faults_a_failed_r
 
 
 @pytest.mark.parametrize("mode, said", [("crash", "killed by SIGABRT"), ("segfault", "killed by SIGSEGV"),
-                                        ("hang", "hung in run and was killed")])
+                                        ("hang", "and was killed")])  # hung in layer_begin / layer_step
 async def test_a_worker_killed_mid_round_quarantines_and_the_job_finishes_on_the_host(ckpt, host_served, control,
                                                                                       mode, said):
     workdir = fakes.short_tempdir()

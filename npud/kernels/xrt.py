@@ -261,6 +261,27 @@ class XrtBackend:
             out += w.bias
         return out
 
+    def layer_group(self, spec, layers: list[dict[str, LinearWeight]], lm_head: LinearWeight) -> "NpuLayerGroup | None":
+        """The model's layer group on this device (npud/kernels/layers.py: one call per layer,
+        one worker round trip), or None when any of its linears does not run on the NPU (then
+        the engine calls the ops one by one, as before). `spec` holds the row-wise weights;
+        `layers` each layer's q, k, v, o, gate, up, down as prepared; `lm_head` likewise."""
+        def handle(w: LinearWeight) -> int | None:
+            entry = self._weights.get(id(w.data))
+            return None if entry is None else entry[1]
+
+        handles = [{name: handle(w) for name, w in layer.items()} for layer in layers]
+        head = handle(lm_head)
+        if head is None or any(h is None for layer in handles for h in layer.values()):
+            return None
+        steps = {h: 1 for layer, ws in zip(handles, layers) for name, h in layer.items()
+                 if (ws[name].in_features, ws[name].out_features, ws[name].fmt.value) in self._rowwise}
+        if (lm_head.in_features, lm_head.out_features, lm_head.fmt.value) in self._rowwise:
+            steps[head] = 1
+        gid = self.device.define_layer_group(spec, handles, head, steps)
+        log.info("npu_layer_group", layers=len(layers), round_trips_per_token=len(layers) + 1)
+        return NpuLayerGroup(self.device, gid, self.timeout_ms)
+
     def fuse_linears(self, parts) -> None:
         """Keeps every linear apart: a design is compiled for one layer's (K, N), and a fused shape has
         none. Defined here because __getattr__ would answer with the host's fusion."""
@@ -320,6 +341,22 @@ class XrtBackend:
         if attr.startswith("_") or attr == "host":  # not set yet: a failed __init__
             raise AttributeError(attr)
         return getattr(self.host, attr)
+
+
+class NpuLayerGroup:
+    """A model's layers on the NPU device, one call per layer (npud/kernels/layers.py's shape):
+    each call is one worker round trip running the layer's GEMMs and row-wise kernels."""
+
+    def __init__(self, device, gid: int, timeout_ms: int):
+        self.device, self.gid, self.timeout_ms = device, gid, timeout_ms
+
+    def begin(self, x: np.ndarray) -> tuple:
+        return self.device.layer_begin(self.gid, np.ascontiguousarray(x, np.float32), self.timeout_ms)
+
+    def step(self, i: int, attn: np.ndarray, x: np.ndarray, picked: np.ndarray) -> tuple:
+        return self.device.layer_step(self.gid, i, np.ascontiguousarray(attn, np.float32),
+                                      np.ascontiguousarray(x, np.float32), np.asarray(picked, np.int64),
+                                      self.timeout_ms)
 
 
 def load_backend(design_table: str | Path, host, *, timeout_ms: int = DEFAULT_TIMEOUT_MS,

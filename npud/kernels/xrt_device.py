@@ -210,6 +210,8 @@ class DeviceSession:
         self.bytes_from_device = 0  # outputs read back from C buffers
         self.weight_bytes = 0  # weights written to B buffers (at load)
         self._next_handle = 1
+        self.groups: dict[int, tuple] = {}  # layer group id -> (spec, handles per layer, head, row steps)
+        self._rows_host = None  # the host kernels a layer group's row-wise steps run on (made once)
 
     @property
     def simulator(self) -> bool:
@@ -314,6 +316,46 @@ class DeviceSession:
         except Exception as exc:  # pyxrt raises RuntimeError (and others) from C++ for driver errors
             raise NpuRunError(f"GEMM K={d.K} N={d.N} on the NPU raised {type(exc).__name__}: {exc}") from exc
         return out
+
+    def define_layer_group(self, spec, handles: list[dict[str, int]], head: int, steps: dict[int, int]) -> int:
+        """Keep a model's layer group (npud/kernels/layers.py): its row-wise weights here, its GEMMs'
+        weight handles (uploaded already), the row step of the designs that run one row a pass.
+        Returns its id. The host kernels come from npud.kernels.select, as in npud itself."""
+        if self._rows_host is None:
+            from npud.kernels.select import default_backend
+
+            self._rows_host = default_backend()
+        gid = len(self.groups) + 1
+        self.groups[gid] = (spec, handles, head, steps)
+        return gid
+
+    def layer_begin(self, gid: int, x: np.ndarray, timeout_ms: int) -> tuple:
+        """npud/kernels/layers.py begin() on this device. Raises NpuRunError."""
+        from npud.kernels import layers
+
+        spec, *_ = self.groups[gid]
+        return layers.begin(spec, self._rows_host, self._group_linear(gid, timeout_ms), x)
+
+    def layer_step(self, gid: int, i: int, attn: np.ndarray, x: np.ndarray, picked: np.ndarray,
+                   timeout_ms: int) -> tuple:
+        """npud/kernels/layers.py step() on this device. Raises NpuRunError."""
+        from npud.kernels import layers
+
+        spec, *_ = self.groups[gid]
+        return layers.step(spec, self._rows_host, self._group_linear(gid, timeout_ms), i, attn, x, picked)
+
+    def _group_linear(self, gid: int, timeout_ms: int):
+        spec, handles, head, steps = self.groups[gid]
+
+        def linear(i: int, name: str, x: np.ndarray) -> np.ndarray:
+            handle = head if name == "lm_head" else handles[i][name]
+            out = self.run(handle, bf16_bits(x), timeout_ms, steps.get(handle))
+            bias = None if name == "lm_head" else dict(spec.layers[i].biases).get(name)
+            if bias is not None:
+                out += bias
+            return out
+
+        return linear
 
     def stats(self) -> dict:
         """{"passes": runs started, "contexts_opened": contexts created, "contexts_open": held now,

@@ -96,6 +96,8 @@ class WorkerDevice:
         self.round_trips = 0  # calls answered (or failed) by the worker, this process's count
         self.pipe_bytes = 0  # frames both ways through the pipes
         self._passes: dict[tuple, int] = {}  # design key -> passes per chunk of rows
+        self._rows: dict[tuple, int] = {}  # design key -> its compiled rows (M) per pass
+        self._groups: dict[int, tuple] = {}  # layer group id -> (handles per layer, head, row steps)
         self._handles: dict[int, tuple] = {}  # weight handle -> its design's key
         # a backend dropped without close(): the worker reads the end of its pipe and exits
         self._finalizer = weakref.finalize(self, _end, self.proc)
@@ -167,6 +169,7 @@ class WorkerDevice:
     def open_design(self, design) -> None:
         self._call("open_design", (design,), SETUP_TIMEOUT_S)
         self._passes[design.key] = design.n_passes
+        self._rows[design.key] = design.M
 
     def upload(self, key, bits) -> int:
         handle = self._call("upload", (key, bits), SETUP_TIMEOUT_S)
@@ -182,6 +185,32 @@ class WorkerDevice:
 
     def _passes_of(self, handle: int) -> int:
         return self._passes.get(self._handles.get(handle), 1)
+
+    def define_layer_group(self, spec, handles, head, steps) -> int:
+        gid = self._call("define_layer_group", (spec, handles, head, steps), SETUP_TIMEOUT_S)
+        self._groups[gid] = (handles, head, steps)
+        return gid
+
+    def layer_begin(self, gid: int, x, timeout_ms: int):
+        handles, _, steps = self._groups[gid]
+        return self._call("layer_begin", (gid, x, timeout_ms),
+                          self._group_deadline_s(x.shape[0], [handles[0][n] for n in ("q", "k", "v")], steps,
+                                                 timeout_ms))
+
+    def layer_step(self, gid: int, i: int, attn, x, picked, timeout_ms: int):
+        handles, head, steps = self._groups[gid]
+        runs = [handles[i][n] for n in ("o", "gate", "up", "down")]
+        runs += [handles[i + 1][n] for n in ("q", "k", "v")] if i + 1 < len(handles) else [head]
+        return self._call("layer_step", (gid, i, attn, x, picked, timeout_ms),
+                          self._group_deadline_s(x.shape[0], runs, steps, timeout_ms))
+
+    def _group_deadline_s(self, rows: int, handles: list[int], steps: dict, timeout_ms: int) -> float:
+        """Every pass of every GEMM the call runs may take the run timeout (reply_deadline_s each)."""
+        return sum(reply_deadline_s(rows, steps.get(h) or self._design_rows(h), self._passes_of(h), timeout_ms)
+                   - REPLY_GRACE_S for h in handles) + REPLY_GRACE_S
+
+    def _design_rows(self, handle: int) -> int | None:
+        return self._rows.get(self._handles.get(handle))
 
     def stats(self) -> dict:
         return self._call("stats", (), SETUP_TIMEOUT_S)
