@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import resource
 from pathlib import Path
 
@@ -81,3 +82,24 @@ def test_a_run_that_outlives_its_wait_is_kept_until_it_ends(machine, capsys):
     tool.check_outlived_wait(checklist, table, default_backend())
     [(verdict, step, detail)] = checklist.results
     assert (verdict, step) == ("PASS", "a run that outlives its wait") and "ERT_CMD_STATE_TIMEOUT" in detail
+
+
+@pytest.mark.slow
+def test_the_stand_in_prints_what_a_token_costs_in_calls(tmp_path):
+    # one layer of each model, the real widths and vocabularies: the layer group's L + 1 round trips,
+    # one context per model, no weight copied while decoding
+    import subprocess
+    import sys
+
+    tool = Path(__file__).resolve().parent.parent / "tools" / "npu_checklist.py"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "TMPDIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, str(tool), "--stand-in", "--json", "--layers", "1"], capture_output=True,
+                         text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    results = {r["model"]: r for r in json.loads(run.stdout)["stand_in"]}
+    assert set(results) == {"qwen3-0.6b", "qwen3-0.6b+draft", "gemma-3-270m"}
+    for r in results.values():
+        assert r["worker_round_trips_per_step"] == r["layers"] + 1
+        assert r["contexts_opened"] == 1 and r["contexts_reopened_while_decoding"] == 0
+        assert r["weight_bytes_while_decoding"] == 0 and r["weight_bytes_at_load"] > 0
+        assert r["dispatches_per_token"] > 0 and r["bytes_copied_per_token"] > 0

@@ -3,6 +3,7 @@
 and what it saw; the exit status is 1 when a step failed (docs/npu.md, "First run on hardware").
 
     .venv/bin/python tools/npu_checklist.py --design /var/lib/npud/designs/qwen3-0.6b/design.json
+    .venv/bin/python tools/npu_checklist.py --stand-in --json   # no NPU: bench/npu_stand_in.py's counts
 
 The steps, in order: the driver and its device node, the firmware, access to the node, the
 memlock limit, pyxrt, the device generation against the table's, the design table, each
@@ -218,13 +219,33 @@ def check_worker_cost(c: Checklist, table_path: Path, host, calls: int = 20) -> 
           f"{medians['inline']:.0f} us inline (load {Path('/proc/loadavg').read_text().split()[0]})")
 
 
+def _stand_in(args) -> int:
+    """bench/npu_stand_in.py, run from here (the stand-in is tests/fake_pyxrt.py: no NPU evidence)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "npu_stand_in.py"
+    spec = importlib.util.spec_from_file_location("npu_stand_in", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.main((["--json"] if args.json else []) + ([f"--layers={args.layers}"] if args.layers else []))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--design", type=Path, required=True, help="the design.json built for this machine")
+    p.add_argument("--design", type=Path, help="the design.json built for this machine")
+    p.add_argument("--stand-in", action="store_true",
+                   help="no NPU needed: decode Qwen3-0.6B- and gemma-3-270m-shaped models on the pyxrt stand-in and "
+                        "print what a token costs the NPU path in calls (bench/npu_stand_in.py)")
+    p.add_argument("--json", action="store_true", help="with --stand-in: JSON")
+    p.add_argument("--layers", type=int, default=None, help="with --stand-in: layers of each model (default theirs)")
     p.add_argument("--accel-dir", type=Path, default=Path("/dev/accel"))
     p.add_argument("--sysfs-dir", type=Path, default=Path("/sys/class/accel"))
     p.add_argument("--timeout-ms", type=int, default=5000)
     args = p.parse_args(argv)
+    if args.stand_in:
+        return _stand_in(args)
+    if args.design is None:
+        p.error("--design is needed (or --stand-in)")
     c = Checklist()
     sysfs = check_host(c, args.accel_dir, args.sysfs_dir)
     ok, why = xrt.probe(args.accel_dir)
