@@ -82,3 +82,22 @@ def test_a_linear_off_the_npu_keeps_the_per_op_path(ckpts, tmp_path, sim, monkey
         assert layer_group_for(model) is None
     finally:
         model.backend.close()
+
+
+def test_a_pass_that_taps_layers_keeps_the_per_op_path_and_its_taps(ckpts, tmp_path, sim):
+    # a DFlash drafter reads the base's hidden rows after some layers: the layer group returns no
+    # such rows, so a pass asked for taps runs op by op and hands them over, the same bits either way
+    model = _model(ckpts["qwen3"], tmp_path, "npu1")
+    try:
+        prompt = [(i * 37 + 11) % 320 for i in range(12)]
+        taps = []
+        f = Forward(model)
+        f.set_layer_taps((0, 1), taps)
+        before = model.backend.device.round_trips
+        tapped = f.prefill(prompt)
+        assert model.backend.device.round_trips - before == 7 * model.config.num_layers + 1  # op by op
+        assert len(taps) == 1 and taps[0].shape == (len(prompt), 2 * model.config.hidden_size)
+        plain = Forward(model).prefill(prompt)  # no taps: the layer group
+        assert np.array_equal(tapped.view(np.uint32), plain.view(np.uint32))
+    finally:
+        model.backend.close()
