@@ -68,7 +68,7 @@ class Api:
                  owner: "DeviceOwner", device: "DeviceInfo", thermal: "ThermalGuard", errors: "ErrorCountGuard",
                  snapshot: Callable[[], dict], connections: Callable[[], int], started_mono: float,
                  gemm_site: Callable[[], tuple[str, str]], other_holders: Callable[[], list[dict]],
-                 cache: dict | None = None) -> None:
+                 cache: dict | None = None, power_mode: Callable[[], dict] = dict) -> None:
         self.cfg = cfg
         self.job_manager = jobs  # not `jobs`: that is a method
         self.queue = queue
@@ -83,6 +83,7 @@ class Api:
         self.gemm_site = gemm_site  # where the loaded models' GEMMs run, and why: ("npu" | "host", reason)
         self.other_holders = other_holders  # other processes with the NPU open, as last checked
         self.cache = cache  # npud's cache directory and whether it is used ({"dir", "trusted", "reason"})
+        self.power_mode = power_mode  # the NPU's power mode: wanted, current, and what kept it (npud/device.py)
         self.lifecycle = Lifecycle(registry, owner, jobs, queue)  # models.load / unload, keep-alive
         self.methods: dict[str, Callable[["Peer", Params, Emit], Awaitable[object]]] = {
             "hello": self.hello, "submit": self.submit, "complete": self.complete, "stream": self.stream,
@@ -401,9 +402,13 @@ class Api:
             job = self.job_manager.active.get(q.job) if q.job is not None else None
             if job is None or job.owner_uid != peer.uid:
                 quarantine = {**quarantine, "job": None, "ticket": None}
+        errors = self.errors.to_wire()
+        if not peer.caller.admin:  # other processes' kernel-log lines: the admins' to read, like dmesg
+            errors["foreign_lines"] = []
         return {**self.device.to_wire(), "quarantine": quarantine,
-                "thermal": self.thermal.to_wire(), "errors": self.errors.to_wire(),
-                "gemms": {"site": site, "reason": why}, "other_holders": self.other_holders(), "cache": self.cache}
+                "thermal": self.thermal.to_wire(), "errors": errors,
+                "gemms": {"site": site, "reason": why}, "other_holders": self.other_holders(), "cache": self.cache,
+                "power_mode": self.power_mode()}
 
     async def device_clear(self, peer: "Peer", p: Params, emit: Emit) -> dict:
         _require_admin(peer, "device.clear")

@@ -20,6 +20,7 @@ from typing import Any
 
 from npud.engine.api import BUILTIN_CHAT_TEMPLATES, DEFAULT_CACHE_USERS
 from npud.hfcache import NotCached, looks_like_repo_id, resolve_repo
+from npud.kernels.amdxdna import POWER_MODES  # the driver's ioctls: standard library only, no tensor
 from npud.kmsg import PRE_HANG_PATTERNS
 from npud.packaged import PACKAGED, PackagedModelError, packaged_path
 
@@ -218,6 +219,9 @@ class BatchingConfig:
             raise DaemonConfigError("batching.max_batch", self.max_batch, f"must be at most {MAX_BATCH_LIMIT}")
 
 
+POWER_MODE_NAMES = ("", *POWER_MODES)  # "": the driver's mode is left as it is
+
+
 @dataclass(slots=True, frozen=True)
 class DeviceConfig:
     accel_dir: str = "/dev/accel"
@@ -226,10 +230,15 @@ class DeviceConfig:
     backend: str = "auto"  # auto: the NPU where it can run (device, pyxrt, xrt_design), else the host
     xrt_design: str = ""  # the NPU GEMM design table (npud/kernels/xrt_design.py); "" = none configured
     xrt_timeout_ms: int = 5000  # one GEMM run on the NPU longer than this is a fault
+    # the driver's power mode, by xrt-smi's names (npud/kernels/amdxdna.py); "" = leave it as it is
+    power_mode: str = ""
 
     def __post_init__(self) -> None:
         if self.max_resident_bytes < 0:
             raise DaemonConfigError("device.max_resident_bytes", self.max_resident_bytes, "must be >= 0")
+        if self.power_mode not in POWER_MODE_NAMES:
+            raise DaemonConfigError("device.power_mode", self.power_mode,
+                                    f"expected one of {list(POWER_MODE_NAMES)}")
         if self.backend not in ("auto", "host", "xrt"):
             raise DaemonConfigError("device.backend", self.backend, "must be auto, host or xrt")
         _positive("device.xrt_timeout_ms", self.xrt_timeout_ms)
@@ -238,7 +247,7 @@ class DeviceConfig:
 @dataclass(slots=True, frozen=True)
 class ThermalConfig:
     enabled: bool = True
-    # hwmon devices: the NPU's own sensor ("amdxdna" NPU_temperature) first, else k10temp's Tctl;
+    # hwmon devices: the NPU's own sensor ("amdxdna" NPU_temperature) and k10temp's Tctl, the hotter counts;
     # "" reads none
     hwmon_dir: str = "/sys/class/hwmon"
     psutil_chips: tuple[str, ...] = ("k10temp",)  # read when hwmon has neither; () = none

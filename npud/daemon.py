@@ -20,7 +20,7 @@ from npud.engine.loader import cache_status, load_model
 from npud import __version__
 from npud.api import Api
 from npud.config import DaemonConfigError, DaemonConfig, diff_for_reload, load_config
-from npud.device import discover, gemm_site, other_holders
+from npud.device import apply_power_mode, discover, gemm_site, other_holders
 from npud.guards import ErrorCountGuard, ThermalGuard
 from npud.http.server import HttpServer
 from npud.jobs import JobManager
@@ -61,6 +61,8 @@ class Daemon:
             cache_root=Path(cfg.store.state_dir) / "prefix-cache" if cfg.store.persist_prefix_cache else None,
             loader=loader, backend=cfg.device.backend, xrt_design=cfg.device.xrt_design or None,
             xrt_timeout_ms=cfg.device.xrt_timeout_ms, cache_users=cfg.store.prefix_cache_users)
+        # an NPU worker the load started is npud's own: the driver lines that name it are npud's errors
+        self.registry.on_loaded = lambda served: self.errors.claim(served.describe().get("npu_worker_pid"))
         self.jobs = JobManager(cfg, self.store, self.queue)
         self.metrics = Metrics(cfg.metrics, self.queue, lambda: self.jobs.tokens_generated,
                                owner_tokens=lambda: self.jobs.tokens_by_owner)
@@ -68,12 +70,13 @@ class Daemon:
                                  self.metrics)
         self.owner.fw_version = self.device.fw_version
         self.other_holders: list[dict] = []
+        self.power_mode = apply_power_mode(self.device, cfg.device.power_mode)
         self.api = Api(cfg, jobs=self.jobs, queue=self.queue, registry=self.registry, owner=self.owner,
                        device=self.device, thermal=self.thermal, errors=self.errors,
                        snapshot=self.metrics_snapshot, connections=lambda: self.server.connections,
                        started_mono=self.started_mono,
                        gemm_site=self.gemm_site, other_holders=lambda: self.other_holders,
-                       cache=self.cache.to_wire())
+                       cache=self.cache.to_wire(), power_mode=lambda: self.power_mode)
         self.server = Server(cfg, self.api)
         self.http = HttpServer(cfg, self.api, self.server)
         self._stop = trio.Event()
@@ -192,7 +195,8 @@ class Daemon:
         reading = self.thermal.reading_c
         parts.append(f"thermal {self.thermal.state}" + ("" if reading is None else f" {reading:.0f}C"))
         parts.append(f"{self.errors.count} amdxdna error(s)" + (
-            f", {self.errors.pre_hang_count} pre-hang warning(s)" if self.errors.pre_hang_count else ""))
+            f", {self.errors.pre_hang_count} pre-hang warning(s)" if self.errors.pre_hang_count else "") + (
+            f", {self.errors.foreign_count} of other processes" if self.errors.foreign_count else ""))
         if self.other_holders:
             parts.append(f"NPU also open in pid {', '.join(str(h['pid']) for h in self.other_holders)}")
         return "; ".join(parts)
@@ -286,6 +290,8 @@ class Daemon:
         log.info("config_reloaded", path=str(self.config_path), ignored=ignored)
 
     async def apply(self, cfg: DaemonConfig) -> None:
+        if cfg.device.power_mode != self.cfg.device.power_mode:
+            self.power_mode = apply_power_mode(self.device, cfg.device.power_mode)
         self.cfg = cfg
         setup_logging(cfg.logging)
         self.queue.set_quantum(cfg.scheduler.quantum_tokens, cfg.scheduler.quantum_ms)

@@ -13,7 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import structlog
+
 from npud.config import DeviceConfig
+from npud.kernels.amdxdna import DriverRefused, power_mode, set_power_mode
+
+log = structlog.get_logger(__name__)
 
 DRIVER = "amdxdna"
 # PCI attributes every device has, and those the amdxdna driver adds where it has them
@@ -168,3 +173,34 @@ def _fdinfo_client(path: str) -> str | None:
     except OSError:
         pass
     return None
+
+
+def apply_power_mode(device: DeviceInfo, mode: str, *, set_mode=set_power_mode, get_mode=power_mode) -> dict:
+    """Set the NPU's power mode (`device.power_mode`; "" leaves it) and read it back: returns
+    {"wanted", "current", "why"} for `device.status`, where "why" says what kept the wanted mode
+    from being set (None when nothing did). Never raises.
+
+    The driver registers the set root-only (CAP_SYS_ADMIN): npud running as its own user is
+    refused, says so once (npu_power_mode_refused) with the command that sets it, and goes on."""
+    wanted = mode or None
+    if device.node is None or device.driver != DRIVER:
+        return {"wanted": wanted, "current": None, "why": None if wanted is None else device.reason}
+    why = None
+    if wanted is not None:
+        try:
+            if set_mode(device.node, wanted):
+                log.info("npu_power_mode_set", mode=wanted, node=device.node)
+            else:
+                why = "the driver has no power modes (a driver older than the SET_STATE ioctl)"
+        except DriverRefused as exc:
+            why = (f"the driver refused it ({exc.strerror}): setting the power mode needs CAP_SYS_ADMIN; "
+                   f"run `sudo xrt-smi configure --pmode {wanted}` once after each boot")
+        except OSError as exc:
+            why = f"{device.node} does not open: {exc.strerror}"
+        if why is not None:
+            log.warning("npu_power_mode_refused", mode=wanted, node=device.node, why=why)
+    try:
+        current = get_mode(device.node)
+    except OSError:
+        current = None
+    return {"wanted": wanted, "current": current, "why": why}

@@ -9,7 +9,9 @@ fails inside a round (the engine's DeviceFault: an NPU run that timed out, abort
 raised, an NPU worker that died or hung) takes the same path, and the models loaded for the
 NPU are unloaded: with backend "auto" they load again on the host and the queue goes on
 granting (the quarantine says `host_fallback`), so the job finishes on the host; with "xrt"
-they wait for the clear. Clearing the quarantine unloads them again, for the NPU.
+they wait for the clear. Under "auto" an error count that grew (driver lines that name npud's
+own processes, npud/guards.py) while a model ran on the NPU falls back to the host the same
+way. Clearing the quarantine unloads them again, for the NPU.
 """
 
 from __future__ import annotations
@@ -412,15 +414,20 @@ class DeviceOwner:
         why = [f"{grown} amdxdna error line(s)"] if grown else []
         if reason == NPU_RUN_FAILED:
             why.insert(0, f"an NPU run failed ({ticket.fault_lines[0]})")
-        host_fallback = reason == NPU_RUN_FAILED and self.cfg.device.backend == "auto"
+        # under "auto" a fault of the NPU the models run on (a failed run, or a driver line naming
+        # npud's own process) moves them to the host and the grants go on; the NPU itself waits
+        # for an operator
+        host_fallback = self.cfg.device.backend == "auto" and (reason == NPU_RUN_FAILED or self._models_on_npu())
         q = Quarantine(since=self.jobs.wall(), reason=f"{' and '.join(why)} during ticket {ticket.id}",
                        ticket=ticket.id, job=ticket.job_id, lines=ticket.fault_lines, host_fallback=host_fallback)
         log.error("guard_device_fault", errors_at_grant=ticket.errors_at_grant,
                   errors_at_release=ticket.errors_at_release, lines=list(ticket.fault_lines))
         self.queue.set_quarantine(q)
         log.error("device_quarantined", reason=q.reason, host_fallback=host_fallback)
-        if reason == NPU_RUN_FAILED:  # the models' NPU backend is lost: load them afresh
-            await self.engine_call(self._reload_models, "host" if host_fallback else self.cfg.device.backend)
+        if host_fallback:
+            await self.engine_call(self._reload_models, "host")
+        elif reason == NPU_RUN_FAILED:  # the models' NPU backend is lost: load them afresh after the clear
+            await self.engine_call(self._reload_models, self.cfg.device.backend)
         try:
             await self._save_quarantine(q.to_wire())
         except StoreError as exc:  # the quarantine holds in memory; only a restart would forget it
@@ -436,6 +443,11 @@ class DeviceOwner:
             await self.engine_call(self._reload_models, self.cfg.device.backend)
         log.warning("device_cleared")
         return True
+
+    def _models_on_npu(self) -> bool:
+        """Whether a loaded model runs its GEMMs through an NPU backend."""
+        return any(str((m.get("describe") or {}).get("backend", "")).startswith("xrt")
+                   for m in self.registry.describe())
 
     def _reload_models(self, backend: str) -> None:
         """Unload every model; the next use loads it for `backend` (blocking, in the engine thread)."""

@@ -1,16 +1,27 @@
 """Guards that decide whether the device may be driven: heat and amdxdna driver errors.
 
-ThermalGuard polls temperature sensors (the NPU's own where the driver registers one) and
-sets the queue's hold/abort flags with hysteresis. ErrorCountGuard follows the kernel log
-and counts the amdxdna device's error records (npud/kmsg.py says which); the device owner
-reads the count when a ticket is granted and released, and a count that grew in between
-faults the ticket and quarantines the device. Pre-hang warnings are counted beside it.
+ThermalGuard polls temperature sensors (the NPU's own and the package's, where the drivers
+register them) and sets the queue's hold/abort flags with hysteresis. ErrorCountGuard follows
+the kernel log and counts the amdxdna device's error records (npud/kmsg.py says which); the
+device owner reads the count when a ticket is granted and released, and a count that grew in
+between faults the ticket and quarantines the device. Pre-hang warnings are counted beside it.
+
+The NPU is shared with every other program on the laptop (FastFlowLM, `xrt-smi validate`, a
+second user's runtime), and the driver logs their failures in the same kernel log: another
+process's context that cannot be created ("Create hwctx failed", "Allocate AIE resource
+failed" when the array is full), another context's "TDR timeout detected". So the count that
+faults holds only npud's own evidence: error lines that name one of npud's processes, through
+a pid or a hardware context's name (npud/kmsg.py `named_pids`; the daemon and its NPU workers,
+`claim`). Every other error line is *foreign*: logged and counted apart (`foreign_count`),
+never faulted on. npud's own failures do not hide there: a run of npud's that the driver times
+out or aborts ends in a run state other than completed, and a worker that dies is seen by its
+pipe, each a fault of its own (npud/device_owner.py).
 
 Some of the driver's error-level lines say nothing about the device's health and can be caused
 by any process that opens it: an ioctl parameter the driver does not know (an XRT or xrt-smi
 newer than the driver, another user's monitoring tool) prints "Not supported request
-parameter N" from aie2_get_info / aie2_get_array / aie2_set_state (aie4_* on npu4 and later),
-in both drivers. Those are BENIGN_PATTERNS: counted apart, never faulted on. `errors.benign_patterns`
+parameter N" from aie2_get_info / aie2_get_array / aie2_set_state, in both drivers (npu1 and
+Strix/Krackan's npu4/5/6 all run the aie2_* functions; aie4_* is a later generation's, npu3). Those are BENIGN_PATTERNS: counted apart, never faulted on. `errors.benign_patterns`
 extends the list.
 """
 
@@ -29,16 +40,19 @@ import trio
 
 from npud.config import ErrorsConfig, ThermalConfig
 from npud.hwmon import HwmonReader, HwmonSensors, SensorFiles
-from npud.kmsg import Kind, Matcher, parse
+from npud.kmsg import Kind, Matcher, named_pids, parse
 from npud.tickets import TicketQueue
 
 log = structlog.get_logger(__name__)
 
 MAX_KEPT_LINES = 1000  # error lines remembered for fault reports
 MAX_KEPT_PRE_HANG = 20  # the last pre-hang warnings, shown by `npuctl device`
+MAX_KEPT_FOREIGN = 20  # the last foreign error lines, shown by `npuctl device`
+MAX_UNCLAIMED = 1000  # foreign lines naming a pid, kept until that pid may be claimed
 
 # The drivers' XDNA_ERR("Not supported request parameter %u") of the query/set ioctls (both
-# drivers, aie2_pci.c and aie4_pci.c), after "function: " and, in-kernel, "[drm] *ERROR* "
+# drivers, aie2_pci.c for npu1 and npu4/5/6, aie4_pci.c for the later npu3), after "function: "
+# and, in-kernel, "[drm] *ERROR* "
 BENIGN_PATTERNS = (
     r": (\[drm\] \*ERROR\* )?aie[24]_(get_info|get_array|get_array_hwctx|set_state): "
     r"Not supported request parameter \d+$",
@@ -62,9 +76,10 @@ class ThermalGuard:
     def read(self) -> tuple[float | None, list[str]]:
         """The temperature to act on in degrees C (None if no sensor could be read) and its sources.
 
-        The NPU's own sensor (hwmon "amdxdna", NPU_temperature) when the driver registers one,
-        else the package's (hwmon "k10temp", Tctl), else the configured psutil chips; the
-        configured `paths` are read in every case and the hottest reading counts."""
+        The NPU's own sensor (hwmon "amdxdna", NPU_temperature) and the package's (hwmon
+        "k10temp", Tctl), both where the drivers register them (the NPU sits in the package: a
+        cool NPU under a package at its limit must not be driven harder); else the configured
+        psutil chips. The configured `paths` are read in every case and the hottest reading counts."""
         readings: list[tuple[float, str]] = []
         if self.cfg.hwmon_dir and (self._hwmon is None or self._hwmon.root != self.cfg.hwmon_dir):
             self._hwmon = HwmonReader(self.cfg.hwmon_dir, self._files)
@@ -72,9 +87,9 @@ class ThermalGuard:
         self.npu_power_w = sensors.npu_power_w
         if sensors.npu_temp_c is not None:
             readings.append((sensors.npu_temp_c, "hwmon:amdxdna/NPU_temperature"))
-        elif sensors.tctl_c is not None:
+        if sensors.tctl_c is not None:
             readings.append((sensors.tctl_c, "hwmon:k10temp/Tctl"))
-        elif self.cfg.psutil_chips:
+        if not readings and self.cfg.psutil_chips:
             try:
                 chips = psutil.sensors_temperatures()
             except (AttributeError, OSError):  # no sensor support on this platform
@@ -162,19 +177,26 @@ class ThermalGuard:
 
 
 class ErrorCountGuard:
-    """Counts the amdxdna device's kernel-log errors (and, apart, its pre-hang warnings) from start-up on.
+    """Counts the amdxdna device's kernel-log errors that name npud's processes (and, apart, the
+    other error lines, the benign ones and the pre-hang warnings) from start-up on.
 
     Reads /dev/kmsg (one record per read, non-blocking) or, for tests and other setups, any
     file that grows by lines. Only records written after the daemon started are counted.
     """
 
-    def __init__(self, cfg: ErrorsConfig) -> None:
+    def __init__(self, cfg: ErrorsConfig, *, own_pid: int | None = None) -> None:
         self.cfg = cfg
         self._matcher = Matcher(cfg.patterns, cfg.pre_hang_patterns)
         self._benign = _benign(cfg)
-        self.count = 0
+        self.count = 0  # npud's own error lines: what faults a ticket
+        self.foreign_count = 0  # error lines that name no process of npud's: counted, never faulted on
         self.benign_count = 0  # error-level lines any process can cause: counted, never faulted on
         self.pre_hang_count = 0
+        self.own_pids: set[int] = {os.getpid() if own_pid is None else own_pid}
+        self._claimed: list[int] = []  # pids claimed from another thread, taken in at the next poll
+        self._foreign: collections.deque[str] = collections.deque(maxlen=MAX_KEPT_FOREIGN)
+        # foreign lines that name some pid: theirs until that pid turns out to be npud's
+        self._unclaimed: collections.deque[tuple[frozenset[int], str]] = collections.deque(maxlen=MAX_UNCLAIMED)
         self._pre_hang: collections.deque[str] = collections.deque(maxlen=MAX_KEPT_PRE_HANG)
         self.available = False
         self.why: str | None = None
@@ -220,8 +242,31 @@ class ErrorCountGuard:
         self._fd = None
         self.available = False
 
+    def claim(self, pid: int | None) -> None:
+        """Count `pid` as npud's (an NPU worker it started): the lines that name it, read before
+        or after, are npud's own. Safe from any thread; taken in at the next poll."""
+        if pid is not None:
+            self._claimed.append(int(pid))
+
+    def _take_claims(self) -> None:
+        while self._claimed:
+            pid = self._claimed.pop()
+            if pid in self.own_pids:
+                continue
+            self.own_pids.add(pid)
+            kept = collections.deque(maxlen=MAX_UNCLAIMED)
+            for pids, message in self._unclaimed:
+                if pid in pids:  # read before the pid was known to be npud's: its own line after all
+                    self.foreign_count -= 1
+                    self._own_line(message, reattributed=True)
+                else:
+                    kept.append((pids, message))
+            self._unclaimed = kept
+
     def poll(self) -> int:
-        """Read every record written since the last poll; returns the error count so far."""
+        """Read every record written since the last poll; returns the count of npud's own error
+        lines so far."""
+        self._take_claims()
         fd = self._fd
         if fd is None:  # disabled, or the source could not be opened (said once, at open)
             return self.count
@@ -274,13 +319,25 @@ class ErrorCountGuard:
             self.benign_count += 1
             log.info("guard_device_benign_line", count=self.benign_count, line=record.message)
         elif kind is Kind.ERROR:
-            self.count += 1
-            self._lines.append((self.count, record.message))
-            log.warning("guard_device_error_line", count=self.count, line=record.message)
+            pids = named_pids(record.message)
+            if pids & self.own_pids:
+                self._own_line(record.message)
+            else:
+                self.foreign_count += 1
+                self._foreign.append(record.message)
+                if pids:
+                    self._unclaimed.append((pids, record.message))
+                log.info("guard_device_foreign_line", count=self.foreign_count, pids=sorted(pids),
+                         line=record.message)
         elif kind is Kind.PRE_HANG:
             self.pre_hang_count += 1
             self._pre_hang.append(record.message)
             log.warning("guard_device_pre_hang_warning", count=self.pre_hang_count, line=record.message)
+
+    def _own_line(self, message: str, *, reattributed: bool = False) -> None:
+        self.count += 1
+        self._lines.append((self.count, message))
+        log.warning("guard_device_error_line", count=self.count, line=message, reattributed=reattributed)
 
     def lines_since(self, count: int) -> list[str]:
         """The error lines counted after `count` (those still remembered)."""
@@ -297,6 +354,8 @@ class ErrorCountGuard:
     def to_wire(self) -> dict:
         return {"count": self.count, "source": self.cfg.source, "available": self.available, "why": self.why,
                 "patterns": list(self.cfg.patterns), "benign_count": self.benign_count,
+                "foreign_count": self.foreign_count, "foreign_lines": list(self._foreign),
+                "own_pids": sorted(self.own_pids),
                 "pre_hang_count": self.pre_hang_count,
                 "pre_hang_lines": list(self._pre_hang)}
 

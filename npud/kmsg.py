@@ -15,6 +15,13 @@ Both are level 3 (err). An error is therefore: facility kernel, level <= err, fr
 amdxdna PCI device. A line that only contains the driver's name (a process called
 "amdxdna*ERROR*" that segfaults, another device's "[drm] *ERROR*") is not one.
 
+Some error lines name the process or the hardware context they concern: both drivers name a
+context "<prefix>.<pid>.<id>" (in-kernel amdxdna_ctx.c: "hwctx.%d.%d"; out-of-tree: "ctx.%d.%d"),
+and a few lines name the process itself ("PID %d failed to get ctx %d", "Context %u for pid %llu
+not found", "Invalid context ID %d for PID %d"). `named_pids` reads those pids; a line that names
+none (a failed context creation, "Allocate AIE resource failed", "TDR timeout detected") cannot
+be pinned on any process.
+
 Pre-hang warnings are XDNA_WARN (level 4) lines that come before a hang or a firmware reset
 (aie2_tdr.c "Device isn't making progress...", aie2_pci.c "NPU firmware unhealthy:
 power-cycling NPU", aie2_ctx.c "Firmware unresponsive, power-cycling NPU"): counted apart
@@ -35,6 +42,10 @@ _RECORD = re.compile(r"^(\d+),(\d+),(\d+),[^;]*;(.*)$")
 # dev_printk's "<driver> <PCI domain:bus:device.function>: "
 DEVICE_PREFIX = re.compile(r"^amdxdna [0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]: ")
 DRM_ERROR = re.compile(r"^amdxdna [0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]: \[drm\] \*ERROR\* ")
+
+# a hardware context's name, "hwctx.<pid>.<id>" or "ctx.<pid>.<id>", and "PID <pid>" / "pid <pid>"
+_CONTEXT_NAME = re.compile(r"(?<![\w.])(?:hw)?ctx\.(\d+)\.\d+\b")
+_PID = re.compile(r"\b(?:PID|pid) (\d+)\b")
 
 PRE_HANG_PATTERNS = (
     r"Device isn't making progress",
@@ -63,6 +74,12 @@ def parse(line: str) -> Record:
         return Record(line)
     priority = int(m.group(1))
     return Record(m.group(4), facility=priority >> 3, level=priority & 7)
+
+
+def named_pids(message: str) -> frozenset[int]:
+    """The process ids a driver line names, through a hardware context's name or "PID n"
+    (empty: the line does not say whose it is)."""
+    return frozenset(int(m.group(1)) for pattern in (_CONTEXT_NAME, _PID) for m in pattern.finditer(message))
 
 
 class Matcher:

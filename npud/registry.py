@@ -67,6 +67,8 @@ class ModelRegistry:
         self.clock = time.monotonic
         self._last_used: dict[str, float] = {}  # when a job or a load last used the model
         self._keep_alive: dict[str, float] = {}  # a request's keep_alive_s, over the entry's
+        # told of each model that loads (in the loading thread): the daemon claims its NPU worker
+        self.on_loaded: Callable[[ServedModel], None] | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -130,6 +132,8 @@ class ModelRegistry:
         self.load_errors.pop(name, None)
         self.load_details.pop(name, None)
         self._resident[name] = served
+        if self.on_loaded is not None:
+            self.on_loaded(served)
         log.info("model_loaded", model=name, nbytes=served.nbytes,
                  load_ms=round((time.perf_counter() - started) * 1000, 1))
         self._evict(0, keep | {name})

@@ -26,7 +26,9 @@ by writing {"mode": ..., "after": n, "times": t} to the file named by FAKE_PYXRT
 the worker's simulator arms it when it sees new contents. Modes: "timeout" (the wait gives
 up, the command runs on for `Sim.finish_after_polls` state() calls), "error" and "abort"
 (final states, C left zeroed), "raise" (XRT raises), and in a worker "crash" (std::abort),
-"segfault" and "hang" (the wait never returns).
+"segfault" and "hang" (the wait never returns). {"mode": "kmsg", "after": n, "path": file,
+"lines": [text, ...]} is no failure: the run completes, and the driver's kernel log (the file)
+gets the lines, "{pid}" in each replaced by the process that runs the simulator.
 """
 
 from __future__ import annotations
@@ -95,10 +97,13 @@ class Sim:
     finish_after_polls: int = 2  # a timed-out command completes after this many state() calls
     wait_hold_s: float = 0.0  # each wait keeps the GIL this long, as pyxrt's does
     handshake: str | None = None  # a folder where a held wait sees whether another thread ran (_hold_gil)
-    compute: bool = True  # False: C is left as it was (the isolation benchmark times the calls only)
+    # False: no arithmetic; C gets a fixed ramp whose largest value is column 6 of each pass (the
+    # benchmarks count and time the calls only; a decode still picks a token, never EOS id 0)
+    compute: bool = True
     violations: list = field(default_factory=list)  # breaches seen where raising was impossible
     abort_on_collect: bool = False  # in a worker process: abort as XRT does
     control_seen: str | None = None
+    kmsg: tuple | None = None  # (run, path, lines): driver lines logged when that run starts
 
     def configure(self, spec: dict) -> None:
         """{"mode": "gil", "hold_s": s, "handshake": folder}, or a failure to inject (`inject`'s arguments)."""
@@ -106,6 +111,8 @@ class Sim:
             self.wait_hold_s, self.handshake = float(spec["hold_s"]), spec.get("handshake")
         elif spec["mode"] == "compute":
             self.compute = bool(spec["on"])
+        elif spec["mode"] == "kmsg":
+            self.kmsg = (self.runs + spec.get("after", 0), spec["path"], tuple(spec["lines"]))
         else:
             self.inject(spec["mode"], spec.get("after", 0), spec.get("times", 1))
 
@@ -318,10 +325,12 @@ class kernel:
         if not isinstance(ctx, hw_context):
             raise ProtocolViolation("kernel() needs a hw_context")
         meta = next(xb for xb in _XCLBINS if xb.get_uuid() == ctx.uuid).meta
-        info = {k["name"]: k["num_args"] for k in meta["kernels"]}
+        info = {k["name"]: k for k in meta["kernels"]}
         if name not in info:
             raise RuntimeError(f"no kernel {name} in the simulated xclbin")
-        self.name, self.num_args, self.gemm, self.insts = name, info[name], meta["gemm"], meta["insts"]
+        k = info[name]  # an xclbin of several kernels gives each its GEMM and instruction stream
+        self.name, self.num_args = name, k["num_args"]
+        self.gemm, self.insts = k.get("gemm", meta.get("gemm")), k.get("insts", meta.get("insts"))
 
     def group_id(self, arg: int) -> int:
         if not 0 <= arg < self.num_args:
@@ -332,6 +341,12 @@ class kernel:
         SIM.calls.append(("run", len(args)))
         self._check_args(args)
         failure = SIM._failure()
+        if SIM.kmsg is not None and SIM.runs >= SIM.kmsg[0]:  # the driver prints while the run goes on
+            _, path, lines = SIM.kmsg
+            SIM.kmsg = None
+            with open(path, "a") as f:
+                for line in lines:
+                    f.write(f"3,{SIM.runs},{SIM.runs},-;{line.replace('{pid}', str(os.getpid()))}\n")
         SIM.runs += 1
         if failure == "raise":
             raise RuntimeError("simulated: DRM_IOCTL_AMDXDNA_EXEC_CMD failed: Input/output error")
@@ -352,6 +367,7 @@ class kernel:
         g = self.gemm
         M, K, N = g["M"], g["K"], g["N"]
         if not SIM.compute:
+            c.dev[: M * N * 4] = _ramp(M, N)
             c.dev_newer = True
             return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED)
         av = _bf16(a.dev[: M * K * 2]).reshape(M, K)
@@ -390,6 +406,17 @@ class kernel:
                 raise ProtocolViolation(f"{name} bo of {buf.size()} bytes; the design moves {want}")
 
 
+_RAMPS: dict = {}
+
+
+def _ramp(m: int, n: int) -> np.ndarray:
+    """C's bytes when the arithmetic is off: every row (j % 7) / 1000 over its columns j."""
+    if (m, n) not in _RAMPS:
+        row = (np.arange(n) % 7).astype(np.float32) / np.float32(1000)
+        _RAMPS[(m, n)] = np.tile(row, m).view(np.uint8)
+    return _RAMPS[(m, n)]
+
+
 def _bf16(raw: np.ndarray) -> np.ndarray:
     return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
@@ -418,14 +445,22 @@ def _tracked_init(self, path):
 xclbin.__init__ = _tracked_init
 
 
+def npu_wins(runner, handle, host, host_weight, rows, timeout_ms) -> tuple[float, float]:
+    """Injected costs (npud/kernels/xrt.py measure_costs' form): the NPU is faster. The
+    simulator's wall time says nothing of an NPU's, so a test says which side wins."""
+    return 1e-6, 1e-3
+
+
 def install(monkeypatch) -> Sim:
     """Make this simulator the XRT binding (for one test), in this process (`pyxrt` in
-    sys.modules) and in NPU worker processes (npud.kernels.xrt.BINDING); returns its fresh state."""
+    sys.modules) and in NPU worker processes (npud.kernels.xrt.BINDING); returns its fresh state.
+    The placement's costs are `npu_wins` unless the test injects others."""
     from npud.kernels import xrt
 
     _XCLBINS.clear()
     monkeypatch.setitem(sys.modules, "pyxrt", sys.modules[__name__])
     monkeypatch.setattr(xrt, "BINDING", __name__)
+    monkeypatch.setattr(xrt, "measure_costs", npu_wins)
     return reset()
 
 
@@ -442,22 +477,30 @@ def insts_words(device: str, payload: int, seed: int = 0) -> np.ndarray:
 
 def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 32, tile: tuple = (8, 8, 8),
                        columns: int = 1, b_col_major: bool = False, insts_format: str = "binary",
-                       num_args: int = 8, kernel_name: str = "MLIR_AIE", bfp16_emulation: bool = False,
-                       xclbin_bfp16: bool | None = None, shared_xclbins: bool = False) -> Path:
+                       num_args: int = 8, kernel_name: str = "MLIR_AIE", bfp16_emulation: bool | None = None,
+                       xclbin_bfp16: bool | None = None, shared_xclbins: bool = False,
+                       one_xclbin: bool = False) -> Path:
     """design.json plus simulated xclbins and instruction files for (K, N) bf16 shapes; returns its path.
 
     The compiled K and N are rounded up to the tile rules (tile_k, tile_n * columns); an N past
     what one pass can move is split into passes (npud/kernels/xrt_rules.py). `xclbin_bfp16`: whether
     the simulated xclbin quantises as npu2's emulation does (default: as the table says).
     `shared_xclbins`: shapes with the same compiled shape share one xclbin, as the build tool
-    writes them."""
+    writes them. `bfp16_emulation` None: as the build tool's default (npu2's stock build
+    emulates bf16 with bfp16 blocks, npu1 has no emulation); a test of npu2's exact bf16 path
+    says False, as `--no-bfp16-emulation` does. `one_xclbin`: every design a kernel of its own
+    (MLIR_AIE_<i>) in one xclbin, as the build tool links a model's designs (one hardware
+    context for the model)."""
     from npud.kernels.xrt_design import GemmDesign, tile_rule_errors, write_table
     from npud.kernels.xrt_rules import split_n
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if bfp16_emulation is None:  # tools/build_npu_designs.py's Tiling default
+        bfp16_emulation = device == "npu2"
     tm, tk, tn = tile
     designs = []
+    linked = []  # one_xclbin: every design's kernel
     for i, (k, n) in enumerate(shapes):
         ck = -(-k // tk) * tk
         found = split_n(n, M, ck, tm, tk, tn, columns, b_col_major)
@@ -466,15 +509,20 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
         xb = folder / f"gemm_{stem}.xclbin"
         ins = folder / (f"insts_{stem}." + ("txt" if insts_format == "hex" else "bin"))
         words = insts_words(device, 12 + i if not shared_xclbins else 12, seed=0 if shared_xclbins else i)
-        xb.write_text(json.dumps({"kernels": [{"name": kernel_name, "num_args": num_args}],
-                                  "gemm": {"M": M, "K": ck, "N": cn, "b_col_major": b_col_major,
-                                           "bfp16": bfp16_emulation if xclbin_bfp16 is None else xclbin_bfp16},
-                                  "insts": [int(w) for w in words]}))
+        gemm = {"M": M, "K": ck, "N": cn, "b_col_major": b_col_major,
+                "bfp16": bfp16_emulation if xclbin_bfp16 is None else xclbin_bfp16}
+        name = "MLIR_AIE"  # what the table names; `kernel_name` is what the xclbin declares
+        if one_xclbin:
+            xb, name = folder / "model.xclbin", f"{kernel_name}_{i}"
+            linked.append({"name": name, "num_args": num_args, "gemm": gemm, "insts": [int(w) for w in words]})
+        else:
+            xb.write_text(json.dumps({"kernels": [{"name": kernel_name, "num_args": num_args}], "gemm": gemm,
+                                      "insts": [int(w) for w in words]}))
         if insts_format == "hex":
             ins.write_text("".join(f"{w:08x}\n" for w in words))
         else:
             ins.write_bytes(words.astype("<u4").tobytes())
-        design = GemmDesign(K=k, N=n, weight_format="bf16", xclbin=xb, insts=ins, kernel="MLIR_AIE", M=M,
+        design = GemmDesign(K=k, N=n, weight_format="bf16", xclbin=xb, insts=ins, kernel=name, M=M,
                             compiled_K=ck, compiled_N=cn, tile_m=tm, tile_k=tk, tile_n=tn, columns=columns,
                             dtype_in="bf16", dtype_out="f32", b_col_major=b_col_major,
                             bfp16_emulation=bfp16_emulation, n_passes=passes, insts_format=insts_format)
@@ -482,6 +530,8 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
         if errors:  # the compiler would not have built it: no xclbin either
             raise ValueError(f"K={k} N={n}: " + "; ".join(errors))
         designs.append(design)
+    if one_xclbin:
+        (folder / "model.xclbin").write_text(json.dumps({"kernels": linked}))
     write_table(folder / "design.json", device, designs)
     return folder / "design.json"
 

@@ -18,8 +18,9 @@ IN_KERNEL_ERRORS = [
     # aie2_message.c, aie2_suspend_fw()
     (3, DEV + "[drm] *ERROR* aie2_suspend_fw: Failed to suspend fw, ret -62"),
 ]
-# (A job the in-kernel driver times out, aie2_ctx.c aie2_sched_job_timedout(), prints nothing:
-# it marks the command ERT_CMD_STATE_TIMEOUT or ABORT, which only the run state shows.)
+# (A job the in-kernel driver times out, aie2_ctx.c aie2_sched_job_timedout(), prints "TDR timeout
+# detected" from aie2_tdr_detect() and marks the command ERT_CMD_STATE_TIMEOUT or ABORT; the line
+# names no context, so npud knows its own job's timeout from the run state: FOREIGN_ERRORS below.)
 
 # Out-of-tree driver, amd/xdna-driver src/driver/amdxdna: XDNA_ERR is dev_err_ratelimited
 # (amdxdna_drm.h), "function: message" with no marker.
@@ -62,7 +63,8 @@ NOT_THE_DRIVER = [
 
 # Error-level lines any process can cause (an ioctl parameter the driver does not know: XRT or
 # xrt-smi newer than the driver): XDNA_ERR(xdna, "Not supported request parameter %u", ...) in
-# aie2_get_info / aie2_get_array / aie2_set_state (aie2_pci.c) and aie4_* (aie4_pci.c), both drivers
+# aie2_get_info / aie2_get_array / aie2_set_state (aie2_pci.c: npu1 and Strix/Krackan's npu4/5/6) and
+# aie4_* (aie4_pci.c: the later npu3), both drivers
 BENIGN_ERRORS = [
     (3, DEV + "[drm] *ERROR* aie2_get_info: Not supported request parameter 4"),
     (3, DEV + "[drm] *ERROR* aie2_get_array: Not supported request parameter 2"),
@@ -71,6 +73,35 @@ BENIGN_ERRORS = [
     (3, DEV + "aie2_get_array_hwctx: Not supported request parameter 0"),
     (3, DEV + "aie4_get_info: Not supported request parameter 7"),
 ]
+
+
+# Error lines another process's work makes the driver print (npud/guards.py: foreign lines). None
+# names a process, so none may fault npud's ticket; the driver prints the same lines for npud's
+# own contexts, whose failures npud sees in its own run states instead.
+FOREIGN_ERRORS = [
+    # in-kernel aie2_ctx.c, aie2_alloc_resource(): a context asked for columns the array no longer has
+    (3, DEV + "[drm] *ERROR* aie2_alloc_resource: Allocate AIE resource failed, ret -16"),
+    # in-kernel aie2_ctx.c, aie2_hwctx_restart(): a context that could not be made again
+    (3, DEV + "[drm] *ERROR* aie2_hwctx_restart: Create hwctx failed, ret -22"),
+    # in-kernel aie2_ctx.c, aie2_tdr_detect(): some context's job outlived the scheduler's timeout
+    (3, DEV + "[drm] *ERROR* aie2_tdr_detect: TDR timeout detected"),
+    # the out-of-tree driver's older TDR, the same words
+    (3, DEV + "aie2_tdr_detect: TDR timeout detected"),
+]
+
+
+def own_errors(pid: int) -> list[tuple[int, str]]:
+    """Error lines that name the process `pid`, through its hardware context's name or its pid."""
+    return [
+        # in-kernel aie4_ctx.c, job_timeout(): the context is named "hwctx.<pid>.<id>" (amdxdna_ctx.c)
+        (3, DEV + f"[drm] *ERROR* job_timeout: timing out hwctx.{pid}.1 job 12"),
+        # in-kernel aie2_ctx.c, aie2_hwctx_heap_expand()
+        (3, DEV + f"[drm] *ERROR* aie2_hwctx_heap_expand: Add heap failed hwctx hwctx.{pid}.2 0x4000000 ret -12"),
+        # out-of-tree aie2_ctx_runqueue.c, rq_submit_enter_slow(): "ctx.<pid>.<id>"
+        (3, DEV + f"rq_submit_enter_slow: ctx.{pid}.3 fatal error"),
+        # out-of-tree amdxdna_ctx.c, amdxdna_drm_submit_signal()
+        (3, DEV + f"amdxdna_drm_submit_signal: PID {pid} failed to get ctx 4"),
+    ]
 
 
 def record(seq: int, priority: int, message: str) -> str:

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from test_npud_support import KMSG_ERROR, REPO, DaemonProc, short_tempdir, wait_for, write_fake_checkpoint
+from test_npud_support import REPO, DaemonProc, short_tempdir, wait_for, write_fake_checkpoint
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"),
                                 reason="needs root (to run a client as another uid) and /usr/bin/python3")
@@ -63,7 +63,7 @@ def test_another_users_jobs_look_like_missing_ones_and_nothing_leaks():
             wait_for(lambda: c.status(job)["state"] == "running", what="root's job to run")
             seen = as_other(d.socket, [job, job + 1000])
             assert c.status(job)["state"] == "running"  # untouched
-            d.add_kmsg(KMSG_ERROR)  # root's job faults the device (seen when its ticket is released)
+            d.add_kmsg(d.kmsg_error)  # root's job faults the device (seen when its ticket is released)
             c.cancel(job)
             wait_for(lambda: c.device_status()["quarantine"] is not None, what="the quarantine")
             assert c.device_status()["quarantine"]["job"] == job  # root sees whose job it was

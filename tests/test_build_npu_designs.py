@@ -32,7 +32,7 @@ def test_shapes_are_the_distinct_linears_with_the_tied_head_only(ckpt):
 
 
 def _stub_build(built, device, fail=()):
-    def build(design):  # stands in for the IRON build: writes the two files it would, binary as aiecc does
+    def build(design, link=False):  # stands in for the IRON build: writes the files it would, binary as aiecc does
         if (design.compiled_K, design.compiled_N) in fail:
             raise tool.subprocess.CalledProcessError(2, ["make"])
         design.xclbin.write_bytes(b"xclbin")
@@ -45,9 +45,9 @@ def _stub_build(built, device, fail=()):
 def test_table_written_for_every_shape_loads_and_serves_them(ckpt, tmp_path, device):
     shapes = tool.gemm_shapes([ckpt], "bf16")
     built = []
-    path, on_host = tool.build_table(shapes, tool.Tiling(device), tmp_path, _stub_build(built, device))
+    path, on_host, count = tool.build_table(shapes, tool.Tiling(device), tmp_path, _stub_build(built, device))
     # 64x64 and 64x128 pad to one shape (N to 128 = tile_n 32 x 4 columns): one build, one xclbin
-    assert on_host == [] and len(built) == 3
+    assert on_host == [] and len(built) == 3 and count == 4
     table = DesignTable.load(path)
     assert table.device == device
     for s in shapes:
@@ -66,7 +66,8 @@ def test_the_output_layer_splits_into_passes_and_what_cannot_build_stays_on_the_
               tool.Shape(64, 64, "bf16", ("fails",)), tool.Shape(128, 64, "bf16", ("ok",)),
               tool.Shape(64, 64, "int8", ("int8",))]
     built = []
-    path, on_host = tool.build_table(shapes, tool.Tiling("npu2"), tmp_path, _stub_build(built, "npu2", fail={(64, 128)}))
+    path, on_host, _ = tool.build_table(shapes, tool.Tiling("npu2"), tmp_path,
+                                       _stub_build(built, "npu2", fail={(64, 128)}))
     table = DesignTable.load(path)  # written although a build failed and shapes stay on the host
     head = table.lookup(1024, 151936, "bf16")[0]
     # one pass moves at most 64 x 32 x 4 = 8192 columns: the vocabulary takes 19 passes of 7997 -> 8064
@@ -80,9 +81,9 @@ def test_the_output_layer_splits_into_passes_and_what_cannot_build_stays_on_the_
 
 def test_formats_the_designs_do_not_serve_are_left_to_the_host(ckpt, tmp_path):
     shapes = tool.gemm_shapes([ckpt], "int8")
-    path, on_host = tool.build_table(shapes, tool.Tiling("npu2"), tmp_path, lambda d: None)
+    path, on_host, count = tool.build_table(shapes, tool.Tiling("npu2"), tmp_path, lambda d: None)
     assert len(on_host) == 4 and all("runs on the host" in line for line in on_host)
-    assert DesignTable.load(path).designs == {}
+    assert DesignTable.load(path).designs == {} and count == 0
 
 
 def test_npu2_defaults_to_the_stock_build_s_bfp16_emulation():
@@ -120,3 +121,107 @@ def test_a_dflash_drafter_adds_its_own_shapes_not_a_head():
     added = {(s.K, s.N) for s in with_drafter} - {(s.K, s.N) for s in base}
     assert added and all(not n.endswith("lm_head") for s in with_drafter for n in s.layers if "dflash" in n)
     assert any(n == "pycode-dflash.fc" for s in with_drafter for n in s.layers)
+
+
+# -- a pinned, recorded toolchain; a build where nothing builds fails ---------------------------
+
+
+def _pinned(monkeypatch, tmp_path, mlir_aie="1.0", makefile_common="xclbin_target?=x\ninsts_target?=y\n"):
+    """A machine with the toolchain in place: the pinned wheels and a checkout of the example."""
+    src = tmp_path / "mlir-aie"
+    (src / tool.EXAMPLE).mkdir(parents=True)
+    (src / tool.EXAMPLE / "Makefile").write_text("include ../makefile-common\n")
+    (src / tool.EXAMPLE / ".." / "makefile-common").write_text(makefile_common)
+    monkeypatch.setattr(tool, "missing_toolchain", lambda src: [])
+    versions = {"mlir_aie": mlir_aie, "llvm-aie": tool.LLVM_AIE_WHEEL}
+    monkeypatch.setattr(tool, "_version", versions.get)
+    monkeypatch.setattr(tool, "_first_line", lambda cmd: "Version: 2.20.0" if cmd[0] == "xrt-smi" else None)
+    return src
+
+
+def test_a_build_where_no_design_builds_exits_non_zero_with_a_line_per_shape(ckpt, tmp_path, monkeypatch, capsys):
+    src = _pinned(monkeypatch, tmp_path)
+
+    def make_fails(design, tiling, mlir_aie_src, work, link=False):
+        raise tool.subprocess.CalledProcessError(2, ["make", "-C", str(mlir_aie_src)])
+
+    monkeypatch.setattr(tool, "build_with_iron", make_fails)
+    out = tmp_path / "designs"
+    rc = tool.main([str(ckpt), "--device", "npu1", "--out", str(out), "--mlir-aie-src", str(src)])
+    err = capsys.readouterr().err
+    assert rc == tool.EXIT_NOTHING_BUILT
+    shapes = tool.gemm_shapes([ckpt], "bf16")
+    for s in shapes:  # every shape says why
+        assert f"K={s.K} N={s.N} bf16: the build failed (CalledProcessError" in err
+    assert "no NPU design built for any of the 4 shapes" in err
+    assert DesignTable.load(out / "design.json").designs == {}
+
+
+def test_design_json_records_the_toolchain_that_built_it(ckpt, tmp_path, monkeypatch, capsys):
+    src = _pinned(monkeypatch, tmp_path)
+    monkeypatch.setattr(tool, "build_with_iron", lambda d, tiling, src, work, link=False: _stub_build([], "npu2")(d))
+    out = tmp_path / "designs"
+    assert tool.main([str(ckpt), "--device", "npu2", "--out", str(out), "--mlir-aie-src", str(src)]) == 0
+    toolchain = DesignTable.load(out / "design.json").toolchain
+    assert toolchain["mlir_aie_release"] == tool.MLIR_AIE_RELEASE == "v1.0"
+    assert toolchain["mlir_aie"] == "1.0" and toolchain["llvm_aie"] == tool.LLVM_AIE_WHEEL
+    assert toolchain["xrt"] == "Version: 2.20.0" and "unpinned" not in toolchain
+    assert set(toolchain) >= {"amdxdna_driver", "npu_firmware", "mlir_aie_checkout"}
+
+
+def test_another_mlir_aie_release_is_refused_unless_unpinned(ckpt, tmp_path, monkeypatch, capsys):
+    src = _pinned(monkeypatch, tmp_path, mlir_aie="1.1.4")
+    monkeypatch.setattr(tool, "build_with_iron", lambda d, tiling, src, work, link=False: _stub_build([], "npu2")(d))
+    out = tmp_path / "designs"
+    argv = [str(ckpt), "--device", "npu2", "--out", str(out), "--mlir-aie-src", str(src)]
+    assert tool.main(argv) == tool.EXIT_UNPINNED
+    assert "the mlir-aie wheel is 1.1.4, the designs are built with release v1.0" in capsys.readouterr().err
+    assert not (out / "design.json").exists()
+    assert tool.main(argv + ["--unpinned"]) == 0
+    toolchain = DesignTable.load(out / "design.json").toolchain
+    assert toolchain["mlir_aie"] == "1.1.4" and "1.1.4" in toolchain["unpinned"]
+
+
+def test_a_checkout_whose_makefile_takes_no_targets_is_another_release(tmp_path, monkeypatch):
+    src = _pinned(monkeypatch, tmp_path, makefile_common="xclbin_target=build/final.xclbin\n")
+    errors = tool.pin_errors({"mlir_aie": "1.0"}, str(src))
+    assert len(errors) == 1 and "does not take xclbin_target, insts_target" in errors[0]
+    assert "checkout v1.0" in errors[0]
+    assert tool.pin_errors({"mlir_aie": "v1.0.0"}, None) == []  # one release, however it is spelt
+
+
+
+def test_every_design_is_a_kernel_of_one_xclbin_linked_by_aiecc(ckpt, tmp_path, monkeypatch):
+    # the commands the build runs (make for the MLIR and the micro-kernel, aiecc for the kernel),
+    # each standing in for itself by writing what it would
+    src = tmp_path / "mlir-aie"
+    (src / tool.EXAMPLE / "build").mkdir(parents=True)
+    ran = []
+
+    def run(cmd, check=True, cwd=None):
+        ran.append(cmd)
+        if cmd[0] == "aiecc.py":
+            out = next(a.split("=", 1)[1] for a in cmd if a.startswith("--xclbin-name="))
+            Path(out).write_bytes(b"xclbin")
+            insts = next(a.split("=", 1)[1] for a in cmd if a.startswith("--npu-insts-name="))
+            Path(insts).write_bytes(fake_pyxrt.insts_words("npu1", 8).astype("<u4").tobytes())
+
+    monkeypatch.setattr(tool.subprocess, "run", run)
+    tiling = tool.Tiling("npu1")
+    out = tmp_path / "designs"
+    path, on_host, count = tool.build_table(
+        tool.gemm_shapes([ckpt], "bf16"), tiling, out,
+        lambda d, link=False: tool.build_with_iron(d, tiling, src, out / "work", link))
+    table = DesignTable.load(path)
+    assert on_host == [] and count == 4
+    assert {d.xclbin for d in table.designs.values()} == {out / "model.xclbin"}
+    kernels = {k: d.kernel for k, d in table.designs.items()}
+    assert kernels[(64, 64, "bf16")] == kernels[(64, 128, "bf16")]  # one padded shape, one kernel
+    assert sorted(set(kernels.values())) == ["MLIR_AIE_0", "MLIR_AIE_1", "MLIR_AIE_2"]
+    aiecc = [c for c in ran if c[0] == "aiecc.py"]
+    assert len(aiecc) == 3 and not any(a.startswith("--xclbin-input") for a in aiecc[0])
+    for i, cmd in enumerate(aiecc):
+        assert f"--xclbin-kernel-name=MLIR_AIE_{i}" in cmd and f"--xclbin-kernel-id=0x{0x901 + i:x}" in cmd
+        if i:
+            assert f"--xclbin-input={(out / 'model.xclbin').resolve()}" in cmd  # extends the earlier kernels
+    assert all(c[0] == "make" and "xclbin_target" not in " ".join(c) for c in ran if c[0] != "aiecc.py")

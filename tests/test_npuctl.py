@@ -846,3 +846,19 @@ def test_result_lines_say_the_break_even_and_the_fallbacks():
     fell = {"break_even_acceptance": 0.234, "fallbacks": [{"round": 3}, {"round": 9}]}
     assert _break_even(fell) == " (break-even 23%, fell back after round 3 and 1 more)"
     assert _break_even({"break_even_acceptance": None, "fallbacks": [{"round": 2}]}) == " (fell back after round 2)"
+
+
+def test_models_says_where_each_layer_runs_and_why():
+    from npud.clients.npuctl_show import placement_lines
+
+    slow = "the host is faster (1-row pass: NPU 2.000 ms, host 1.000 ms)"
+    layer = {"attn.q": "npu", "attn.o": slow, "mlp.down": slow}
+    d = {"backend": "xrt", "backend_reason": "designs from /d/design.json",
+         "layer_placement": {"0": layer, "1": dict(layer), "2": {"attn.q": "npu", "attn.o": "npu", "mlp.down": "npu"}}}
+    assert placement_lines(d) == ["backend xrt (designs from /d/design.json)",
+                                  f"layers 0-1: npu: attn.q; host: attn.o, mlp.down ({slow})",
+                                  "layer 2: npu: attn.q, attn.o, mlp.down"]
+    lost = {"backend": "host", "backend_reason": "host backend: the NPU was slower ...", "layer_placement": {},
+            "gemm_costs": {"64x64 bf16": {"rows": 1, "npu_ms": 2.0, "host_ms": 1.0}}}
+    assert placement_lines(lost) == ["backend host (host backend: the NPU was slower ...)"]
+    assert placement_lines({"backend": "host", "backend_reason": "host backend requested"}) == []

@@ -118,3 +118,65 @@ def test_npu_the_real_device_reports_its_firmware():
     info = discover(DeviceConfig(), import_xrt=lambda: None)
     assert info.driver == "amdxdna", info.reason
     assert info.fw_version, "sysfs has no fw_version for the amdxdna device"
+
+
+# -- the NPU's power mode ([device] power_mode) ----------------------------------------------
+
+
+def _npu(tmp_path):
+    return discover(_tree(tmp_path), import_xrt=lambda: None)
+
+
+def test_the_configured_power_mode_is_set_and_read_back(tmp_path):
+    from npud.device import apply_power_mode
+
+    state = {"mode": "default"}
+    set_calls = []
+
+    def set_mode(node, mode):
+        set_calls.append((node, mode))
+        state["mode"] = mode
+        return True
+
+    info = _npu(tmp_path)
+    got = apply_power_mode(info, "performance", set_mode=set_mode, get_mode=lambda node: state["mode"])
+    assert got == {"wanted": "performance", "current": "performance", "why": None}
+    assert set_calls == [(info.node, "performance")]
+    # "" leaves the driver's mode alone and reports it
+    got = apply_power_mode(info, "", set_mode=set_mode, get_mode=lambda node: "turbo")
+    assert got == {"wanted": None, "current": "turbo", "why": None} and len(set_calls) == 1
+
+
+def test_a_daemon_without_cap_sys_admin_says_how_to_set_the_mode_and_goes_on(tmp_path):
+    import errno
+
+    import structlog
+
+    from npud.device import apply_power_mode
+    from npud.kernels.amdxdna import DriverRefused
+
+    def refused(node, mode):
+        raise DriverRefused(errno.EPERM, "Operation not permitted")
+
+    with structlog.testing.capture_logs() as logs:
+        got = apply_power_mode(_npu(tmp_path), "turbo", set_mode=refused, get_mode=lambda node: "default")
+    assert got["wanted"] == "turbo" and got["current"] == "default"
+    assert "CAP_SYS_ADMIN" in got["why"] and "sudo xrt-smi configure --pmode turbo" in got["why"]
+    assert [e["event"] for e in logs] == ["npu_power_mode_refused"]
+
+
+def test_the_power_mode_setting_takes_xrt_smi_s_names():
+    from npud.config import DaemonConfigError
+
+    assert DeviceConfig(power_mode="balanced").power_mode == "balanced"
+    with pytest.raises(DaemonConfigError, match="device.power_mode"):
+        DeviceConfig(power_mode="max")
+
+
+def test_no_npu_no_power_mode(tmp_path):
+    from npud.device import apply_power_mode
+
+    info = discover(DeviceConfig(accel_dir=str(tmp_path / "none"), sysfs_class_dir=str(tmp_path)),
+                    import_xrt=lambda: None)
+    got = apply_power_mode(info, "turbo", set_mode=lambda *a: pytest.fail("set"), get_mode=lambda n: pytest.fail("get"))
+    assert got == {"wanted": "turbo", "current": None, "why": info.reason}

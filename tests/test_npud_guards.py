@@ -86,7 +86,8 @@ def test_psutil_chips_are_read(tmp_path, monkeypatch):
     assert guard.reading_c == 97.0 and guard.sources == ["psutil:k10temp/Tctl"] and q.thermal_hold
 
 
-ERROR = "amdxdna 0000:c5:00.1: [drm] *ERROR* aie2_send_mgmt_msg_wait: command timeout"
+# an error line of npud's own: it names this process's hardware context (npud/kmsg.py named_pids)
+ERROR = f"amdxdna 0000:c5:00.1: [drm] *ERROR* job_timeout: timing out hwctx.{os.getpid()}.1 job 3"
 
 
 def _kmsg_record(seq, message, priority=3):
@@ -117,9 +118,10 @@ def test_configured_patterns_and_plain_lines(tmp_path):
     guard = ErrorCountGuard(ErrorsConfig(source=str(log), patterns=(r"(timeout|hang)",)))
     guard.open()
     with open(log, "a") as f:  # plain lines: no priority, so a configured pattern or the drm marker decides
-        f.write("amdxdna 0000:c5:00.1: firmware hang detected\namdxdna 0000:c5:00.1: all good\n"
+        f.write(f"amdxdna 0000:c5:00.1: ctx.{os.getpid()}.1 firmware hang detected\namdxdna 0000:c5:00.1: all good\n"
                 "amdxdna: hang without a device address\n")
-    assert guard.poll() == 1 and guard.lines_since(0) == ["amdxdna 0000:c5:00.1: firmware hang detected"]
+    assert guard.poll() == 1 and guard.lines_since(0) == [f"amdxdna 0000:c5:00.1: ctx.{os.getpid()}.1 firmware "
+                                                          "hang detected"]
 
 
 def test_a_truncated_log_is_read_from_its_start(tmp_path):
@@ -172,9 +174,15 @@ def _guard_on(tmp_path, records):
 
 @pytest.mark.parametrize("records", [fx.IN_KERNEL_ERRORS, fx.OUT_OF_TREE_ERRORS], ids=["in-kernel", "out-of-tree"])
 def test_errors_of_both_driver_variants_are_counted(tmp_path, records):
+    # lines that name no process: counted as the device's errors, as foreign ones
     guard = _guard_on(tmp_path, records)
-    assert guard.count == len(records) and guard.pre_hang_count == 0
-    assert guard.lines_since(0) == [m for _, m in records]  # dictionary lines are not records
+    assert (guard.count, guard.foreign_count, guard.pre_hang_count) == (0, len(records), 0)
+    assert guard.to_wire()["foreign_lines"] == [m for _, m in records]  # dictionary lines are not records
+    # the same lines naming npud's context are its own
+    own = [(p, m.replace(": ", f": hwctx.{os.getpid()}.1 ", 1)) for p, m in records]
+    guard = _guard_on(tmp_path, own)
+    assert (guard.count, guard.foreign_count) == (len(records), 0)
+    assert guard.lines_since(0) == [m for _, m in own]
 
 
 def test_pre_hang_warnings_are_counted_apart_and_surfaced(tmp_path):
@@ -192,9 +200,11 @@ def test_lines_that_are_not_the_drivers_errors_do_not_count(tmp_path, priority, 
 
 
 def test_a_mixed_log_counts_each_kind(tmp_path):
-    records = fx.NOT_THE_DRIVER + fx.IN_KERNEL_ERRORS + fx.PRE_HANG_WARNINGS + fx.OUT_OF_TREE_ERRORS
+    own = fx.own_errors(os.getpid())
+    records = fx.NOT_THE_DRIVER + fx.IN_KERNEL_ERRORS + fx.PRE_HANG_WARNINGS + own + fx.OUT_OF_TREE_ERRORS
     guard = _guard_on(tmp_path, records)
-    assert (guard.count, guard.pre_hang_count) == (len(fx.IN_KERNEL_ERRORS) + len(fx.OUT_OF_TREE_ERRORS), 3)
+    assert (guard.count, guard.pre_hang_count) == (len(own), 3)
+    assert guard.foreign_count == len(fx.IN_KERNEL_ERRORS) + len(fx.OUT_OF_TREE_ERRORS)
 
 
 @pytest.mark.parametrize("priority, message", fx.BENIGN_ERRORS)
@@ -210,18 +220,60 @@ def test_benign_lines_leave_the_real_errors_counted_and_config_extends_them(tmp_
     guard = ErrorCountGuard(extra)
     assert guard.open()
     own = fx.DEV + "[drm] *ERROR* aie2_query_firmware_version: Failed to query fw version, ret -95"
-    lookalike = fx.DEV + "[drm] *ERROR* aie2_get_info: Not supported request parameter 4 (and then a hang)"
+    lookalike = fx.DEV + f"[drm] *ERROR* aie2_get_info: Not supported request parameter 4 (and then ctx.{os.getpid()}.1 hung)"
+    errors = fx.own_errors(os.getpid())
     with open(log, "a") as f:
-        for seq, (priority, message) in enumerate(fx.BENIGN_ERRORS + [(3, own), (3, lookalike)]
-                                                  + fx.IN_KERNEL_ERRORS, 1):
+        for seq, (priority, message) in enumerate(fx.BENIGN_ERRORS + [(3, own), (3, lookalike)] + errors, 1):
             f.write(fx.record(seq, priority, message))
     guard.poll()
     assert guard.benign_count == len(fx.BENIGN_ERRORS) + 1
-    assert guard.lines_since(0) == [lookalike] + [m for _, m in fx.IN_KERNEL_ERRORS]
+    assert guard.lines_since(0) == [lookalike] + [m for _, m in errors]
     guard.reconfigure(ErrorsConfig(source=str(log)))  # the extension gone: that line is an error again
     with open(log, "a") as f:
         f.write(fx.record(99, 3, own))
-    assert guard.poll() == len(fx.IN_KERNEL_ERRORS) + 2
+    assert guard.poll() == len(errors) + 1 and guard.foreign_count == 1  # it names no process
+
+
+# -- a laptop's NPU is shared: only lines that name npud's processes count ------------------
+
+
+def test_another_processs_driver_lines_are_counted_apart_and_never_grow_the_count(tmp_path):
+    other = os.getpid() + 1
+    records = fx.FOREIGN_ERRORS + fx.own_errors(other)  # naming nothing, or another process
+    guard = _guard_on(tmp_path, records)
+    assert (guard.count, guard.foreign_count) == (0, len(records))
+    wire = guard.to_wire()
+    assert wire["count"] == 0 and wire["foreign_count"] == len(records)
+    assert wire["foreign_lines"] == [m for _, m in records][-len(wire["foreign_lines"]):]
+    assert guard.lines_since(0) == []
+
+
+def test_lines_that_name_npuds_pid_or_context_are_its_own(tmp_path):
+    records = fx.own_errors(os.getpid())
+    guard = _guard_on(tmp_path, records)
+    assert (guard.count, guard.foreign_count) == (len(records), 0)
+    assert guard.lines_since(0) == [m for _, m in records]
+
+
+def test_a_claimed_worker_pid_makes_its_lines_own_read_before_or_after_the_claim(tmp_path):
+    worker = os.getpid() + 7  # an NPU worker: its pid is known once its model has loaded
+    log = tmp_path / "kmsg"
+    log.write_text("")
+    guard = ErrorCountGuard(ErrorsConfig(source=str(log)))
+    assert guard.open()
+    early, late = fx.own_errors(worker)[0][1], fx.own_errors(worker)[3][1]
+    someone_else = fx.own_errors(worker + 1)[2][1]
+    with open(log, "a") as f:
+        f.write(fx.record(1, 3, early))
+        f.write(fx.record(2, 3, someone_else))
+    assert guard.poll() == 0 and guard.foreign_count == 2
+    guard.claim(worker)
+    assert guard.count == 0  # taken in at the next poll (claims may come from the loading thread)
+    assert guard.poll() == 1 and guard.foreign_count == 1 and guard.lines_since(0) == [early]
+    with open(log, "a") as f:
+        f.write(fx.record(3, 3, late))
+    assert guard.poll() == 2 and guard.lines_since(1) == [late]
+    assert worker in guard.to_wire()["own_pids"] and os.getpid() in guard.to_wire()["own_pids"]
 
 
 # -- the NPU's own sensor first, then k10temp ----------------------------------------------
@@ -239,7 +291,7 @@ def _thermal_guard(tmp_path):
                                       hold_above_c=90.0, resume_below_c=80.0), TicketQueue(10, 10.0))
 
 
-def test_npu_sensor_is_preferred_and_its_power_reported(tmp_path, monkeypatch):
+def test_the_npu_sensor_and_tctl_count_by_the_hotter_and_the_npu_power_is_reported(tmp_path, monkeypatch):
     import psutil
 
     monkeypatch.setattr(psutil, "sensors_temperatures", lambda: pytest.fail("psutil read with hwmon present"),
@@ -251,9 +303,13 @@ def test_npu_sensor_is_preferred_and_its_power_reported(tmp_path, monkeypatch):
                                 "power1_label": "NPU_power", "power1_input": 1850000})
     guard = _thermal_guard(tmp_path)
     guard.poll()
-    assert guard.reading_c == 61.5 and guard.sources == ["hwmon:amdxdna/NPU_temperature"]
+    assert guard.reading_c == 95.0 and guard.sources == ["hwmon:amdxdna/NPU_temperature", "hwmon:k10temp/Tctl"]
     assert guard.npu_power_w == 1.85 and guard.to_wire()["npu_power_w"] == 1.85
-    assert guard.state == "ok"  # the package at 95 C does not hold an NPU at 61.5 C
+    assert guard.state == "hold"  # an NPU at 61.5 C in a package at 95 C: the package holds it
+    (root / "hwmon3" / "temp1_input").write_text("99500\n")  # now the NPU is the hotter
+    (root / "hwmon0" / "temp1_input").write_text("70000\n")
+    guard.poll()
+    assert guard.reading_c == 99.5 and guard.state == "hold"
 
 
 def test_k10temp_tctl_when_the_npu_has_no_sensor(tmp_path):

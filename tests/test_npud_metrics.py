@@ -345,7 +345,7 @@ async def test_the_metrics_method_counts_what_the_daemon_did(nursery, workdir):
         assert m["wait_s"]["interactive"]["count"] == 1 and m["wait_s"]["batch"]["count"] == 1
         assert m["tokens"]["generated"] == 4 + 4 + 3
         assert m["thermal"] == {"state": "ok", "reading_c": 41.5, "npu_power_w": None}
-        assert m["driver_errors"] == {"count": 0, "available": True, "pre_hang": 0}
+        assert m["driver_errors"] == {"count": 0, "available": True, "pre_hang": 0, "foreign": 0}
         assert m["gemms"] == "host"
         assert m["holding"] is None and m["queue"] == {"interactive": 0, "batch": 0}
 

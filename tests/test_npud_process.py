@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from test_npud_support import KMSG_ERROR, DaemonProc, short_tempdir, wait_for
+from test_npud_support import KMSG_FOREIGN_ERROR, DaemonProc, short_tempdir, wait_for
 
 pytestmark = pytest.mark.slow  # daemon processes and a model load each: tens of seconds in all
 
@@ -294,7 +294,8 @@ def test_amdxdna_errors_fault_the_ticket_and_quarantine_the_device(daemon, refer
         job = c.submit(prompts, max_tokens=LONG_TOKENS)["job"]
         first_token(daemon, job)
         daemon.add_kmsg("usb 1-1: new high-speed USB device")  # not an amdxdna error
-        daemon.add_kmsg(KMSG_ERROR)
+        daemon.add_kmsg(KMSG_FOREIGN_ERROR)  # another process's: counted apart, no fault
+        daemon.add_kmsg(daemon.kmsg_error)
         # the quarantine is set before the faulted ticket is released (nothing is granted in
         # between), so wait for both
         wait_for(lambda: c.device_status()["quarantine"]
@@ -303,9 +304,10 @@ def test_amdxdna_errors_fault_the_ticket_and_quarantine_the_device(daemon, refer
         faulted = [t for t in tickets_of(c, job) if t["outcome"] == "faulted"]
         assert len(faulted) == 1
         assert faulted[0]["errors_at_release"] == faulted[0]["errors_at_grant"] + 1
-        assert faulted[0]["fault_lines"] == [KMSG_ERROR]
+        assert faulted[0]["fault_lines"] == [daemon.kmsg_error]
         quarantine = c.device_status()["quarantine"]
-        assert quarantine["ticket"] == faulted[0]["ticket"] and quarantine["lines"] == [KMSG_ERROR]
+        assert quarantine["ticket"] == faulted[0]["ticket"] and quarantine["lines"] == [daemon.kmsg_error]
+        assert c.device_status()["errors"]["foreign_count"] == 1
         # nothing dropped: the job waits, new batch work is accepted and waits, interactive work is refused
         other = c.submit(PROMPTS[:2], max_tokens=8)["job"]
         with pytest.raises(DeviceQuarantined):

@@ -293,7 +293,15 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.02, what: str
         time.sleep(interval)
 
 
-KMSG_ERROR = "amdxdna 0000:c5:00.1: [drm] *ERROR* aie2_send_mgmt_msg_wait: command timeout"
+def kmsg_error(pid: int) -> str:
+    """An amdxdna error line that names process `pid`'s hardware context ("hwctx.<pid>.<id>"):
+    npud's own when `pid` is npud's (npud/guards.py counts only those)."""
+    return f"amdxdna 0000:c5:00.1: [drm] *ERROR* job_timeout: timing out hwctx.{pid}.1 job 7"
+
+
+KMSG_ERROR = kmsg_error(os.getpid())  # npud's own line, for a daemon run in this process
+# a line that names no process: a foreign one, never a fault (npud/guards.py)
+KMSG_FOREIGN_ERROR = "amdxdna 0000:c5:00.1: [drm] *ERROR* aie2_tdr_detect: TDR timeout detected"
 
 
 # npud's command line with this module's fake engine as the model loader
@@ -422,6 +430,11 @@ class DaemonProc:
         tmp = self.temp_file.with_suffix(".new")
         tmp.write_text(f"{int(celsius * 1000)}\n")
         tmp.replace(self.temp_file)  # the guard never reads half a write
+
+    @property
+    def kmsg_error(self) -> str:
+        """An error line of this daemon's own (it names the running daemon's pid)."""
+        return kmsg_error(self.proc.pid)
 
     def add_kmsg(self, message: str) -> None:
         """Append one record in /dev/kmsg's format: priority,sequence,timestamp,flags;message."""

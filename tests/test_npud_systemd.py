@@ -38,7 +38,7 @@ from npud import config as config_module
 from npud.config import LoggingConfig, load_config
 from npud.logsetup import setup_logging
 from npud.systemd import listen_fds, sd_notify, watchdog_interval
-from test_npud_support import (KMSG_ERROR, REPO, TESTS, DaemonProc, expected_text, short_tempdir, wait_for,
+from test_npud_support import (REPO, TESTS, DaemonProc, expected_text, short_tempdir, wait_for,
                                write_fake_checkpoint)
 
 SYSTEMD = REPO / "systemd"
@@ -173,6 +173,7 @@ def test_the_user_unit_passes_systemd_analyze_verify_and_uses_the_user_paths(tmp
     assert service["RuntimeDirectory"] == ["npud"] == service["StateDirectory"]
     assert service["RuntimeDirectoryMode"] == ["0700"] and service["Type"] == ["notify"]
     assert "User" not in service and "AmbientCapabilities" not in service  # a user manager grants neither
+    assert service["LimitMEMLOCK"] == ["infinity"]  # NPU buffers are pinned, as in the system unit
 
 
 def test_the_service_is_hardened(installed, tmp_path):
@@ -440,7 +441,7 @@ def test_sd_notify_ready_status_watchdog_reload_and_stopping(daemons):
             # found when it finishes (its result is not committed) and the device quarantined
             job = c.submit(["long"], model="slow", max_tokens=250)["job"]
             receiver.first(lambda m: f"of job {job} holds the device" in m.get("STATUS", ""), "STATUS with the holder")
-            d.add_kmsg(KMSG_ERROR)
+            d.add_kmsg(d.kmsg_error)
             receiver.first(lambda m: "QUARANTINED" in m.get("STATUS", "") and "1 amdxdna error(s)" in m["STATUS"],
                            "STATUS with the quarantine")
             c.device_clear()

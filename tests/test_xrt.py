@@ -46,10 +46,25 @@ def bits(a):
     return np.ascontiguousarray(a, np.float32).view(np.uint32)
 
 
+def reference(host, x, w: LinearWeight, bfp16: bool = True) -> np.ndarray:
+    """What a design computes for x [M, K] and the raw weight `w` ([N, K], bf16 bits, its bias
+    too): the host's in-order fp32 GEMM of the bf16-rounded inputs, quantised first in bfp16
+    blocks of 8 along K when the design emulates bf16 with bfp16 (npu2's stock build: the
+    simulator's fake_pyxrt._bfp16; a quantised value has 8 significant bits, so it is still a
+    bf16 value and the host multiplies it exactly)."""
+    xq = bf16_round(x)
+    data = w.data
+    if bfp16:
+        xq = fake_pyxrt._bfp16(xq, axis=1)
+        wf = (w.data.astype(np.uint32) << 16).view(np.float32)
+        data = (fake_pyxrt._bfp16(wf, axis=1).view(np.uint32) >> 16).astype(np.uint16)
+    return host.linear(xq, host.prepare_linear(LinearWeight(w.fmt, data, bias=w.bias)))
+
+
 # -- the design table -----------------------------------------------------------------------
 
 def table_json(tmp_path, **changes):
-    path = fake_pyxrt.write_design_table(tmp_path, [(64, 136)])
+    path = fake_pyxrt.write_design_table(tmp_path, [(64, 136)], bfp16_emulation=False)  # entries say otherwise
     raw = json.loads(path.read_text())
     raw["designs"][0].update(changes.pop("entry", {}))
     raw.update(changes)
@@ -170,7 +185,7 @@ def test_npu_rows_equal_the_host_gemm_of_bf16_inputs_for_every_batch(tmp_path, s
     prepared = backend.prepare_linear(w)
     assert backend.placement == {(72, 100, "bf16"): "npu"}
     x = np.random.default_rng(1).standard_normal((70, 72)).astype(np.float32)  # three passes of M=32
-    want = host.linear(bf16_round(x), prepared)
+    want = reference(host, x, w, bfp16=backend.table.device == "npu2")  # the stock npu2 build: bfp16 blocks
     for m in (1, 5, 32, 33, 70):
         got = backend.linear(x[:m], prepared)
         assert np.array_equal(bits(got), bits(want[:m])), m
@@ -269,7 +284,7 @@ def test_a_kernel_the_xclbin_does_not_have_is_refused_or_sent_to_the_host(tmp_pa
     with structlog.testing.capture_logs() as logs:
         backend = load(table, host)
     assert "has no kernel 'MLIR_AIE' (it has ['OTHER'])" in backend.placement[(64, 64, "bf16")]
-    assert [e["event"] for e in logs] == ["npu_shape_on_host"]
+    assert [e["event"] for e in logs] == ["npu_design_table", "npu_shape_on_host"]
     backend.prepare_linear(bf16_weight(64, 64))  # runs on the host, said once
     assert not [c for c in fake_pyxrt.SIM.calls if c[0] == "register_xclbin"]
     few = fake_pyxrt.write_design_table(tmp_path / "few", [(64, 64)], num_args=5)
@@ -449,3 +464,56 @@ def test_npu_rows_are_bit_identical_across_batches(host):
         assert np.array_equal(bits(backend.linear(x[:m], w)), bits(full[:m]))
     wf = (raw.data.astype(np.uint32) << 16).view(np.float32)
     assert np.all(np.abs(full - host.linear(bf16_round(x), w)) <= tolerance(bf16_round(x), wf))
+
+
+# -- placement by measured cost --------------------------------------------------------------
+
+
+def _costs(table):
+    """Injected costs (xrt.measure_costs' form) from {(K, N): (NPU s, host s)}; records the calls."""
+    calls = []
+
+    def costs(runner, handle, host, host_weight, rows, timeout_ms):
+        calls.append((runner.design.K, runner.design.N, rows))
+        return table[(runner.design.K, runner.design.N)]
+
+    return costs, calls
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_shape_runs_on_the_host_where_its_measured_npu_cost_is_higher(tmp_path, sim, host, strict):
+    table = fake_pyxrt.write_design_table(tmp_path, [(64, 64), (64, 128)], device="npu1", M=16, tile=(4, 8, 4))
+    costs, calls = _costs({(64, 64): (2e-3, 1e-3), (64, 128): (1e-4, 5e-4)})  # 64x64: the host is faster
+    backend = load(table, host, costs=costs, strict=strict)
+    slow, fast = bf16_weight(64, 64), bf16_weight(128, 64, seed=1)
+    w_slow, w_fast = backend.prepare_linear(slow), backend.prepare_linear(fast)
+    again = backend.prepare_linear(bf16_weight(64, 64, seed=2))  # a second weight of a shape already timed
+    assert calls == [(64, 64, 1), (64, 128, 1)]  # each shape timed once, on a decode step's one row
+    assert backend.describe_costs() == {"64x128 bf16": {"rows": 1, "npu_ms": 0.1, "host_ms": 0.5},
+                                        "64x64 bf16": {"rows": 1, "npu_ms": 2.0, "host_ms": 1.0}}
+    x = np.random.default_rng(3).standard_normal((2, 64)).astype(np.float32)
+    sim.calls.clear()
+    got = backend.linear(x, w_slow), backend.linear(x, again)
+    ran = len([c for c in sim.calls if c[0] == "run"])
+    if strict:  # backend "xrt": the NPU or nothing, its costs said
+        assert backend.placement[(64, 64, "bf16")] == "npu" and ran == 2
+        assert backend.where(w_slow) == "npu" and not backend.lost_everywhere()
+    else:
+        why = backend.placement[(64, 64, "bf16")]
+        assert why == "the host is faster (1-row pass: NPU 2.000 ms, host 1.000 ms)"
+        assert ran == 0 and backend.where(w_slow) == backend.where(again) == why
+        assert np.array_equal(bits(got[0]), bits(host.linear(x, w_slow)))  # the host's own fp32 path
+        assert backend.placement[(64, 128, "bf16")] == "npu" and backend.where(w_fast) == "npu"
+        assert not backend.lost_everywhere()  # 64x128 still wins
+
+
+def test_a_backend_whose_npu_lost_every_timed_shape_says_so(tmp_path, sim, host):
+    # of the shapes prepared so far (the session asks once the model's weights are all prepared)
+    table = fake_pyxrt.write_design_table(tmp_path, [(64, 64), (64, 128)], device="npu1", M=16, tile=(4, 8, 4))
+    costs, _ = _costs({(64, 64): (2e-3, 1e-3), (64, 128): (1e-4, 5e-4)})
+    backend = load(table, host, costs=costs)
+    assert not backend.lost_everywhere()  # nothing timed: nothing lost
+    backend.prepare_linear(bf16_weight(64, 64))
+    assert backend.lost_everywhere()
+    backend.prepare_linear(bf16_weight(128, 64))  # this one wins
+    assert not backend.lost_everywhere()

@@ -9,10 +9,10 @@ import pytest
 import structlog
 
 import fake_pyxrt
-from npud.kernels import xrt
+from npud.kernels import amdxdna, xrt
 from npud.kernels.select import default_backend
 from npud.kernels.xrt_check import bf16_round, tolerance
-from test_xrt import bf16_weight, bits, load
+from test_xrt import bf16_weight, bits, load, reference
 
 
 @pytest.fixture
@@ -33,12 +33,13 @@ def test_a_layer_wider_than_one_pass_runs_as_passes_bit_for_bit_the_host_s(tmp_p
     backend = load(table, host)
     design = backend.table.designs[(64, 1100, "bf16")]
     assert (design.n_passes, design.compiled_N) == (3, 368)
-    w = backend.prepare_linear(bf16_weight(1100, 64))
+    raw = bf16_weight(1100, 64)
+    w = backend.prepare_linear(raw)
     assert backend.placement[(64, 1100, "bf16")] == "npu"
     x = np.random.default_rng(4).standard_normal((33, 64)).astype(np.float32)
     sim.calls.clear()
     got = backend.linear(x, w)
-    assert np.array_equal(bits(got), bits(host.linear(bf16_round(x), w)))
+    assert np.array_equal(bits(got), bits(reference(host, x, raw)))  # npu2's stock build: bfp16 blocks
     assert [c for c in sim.calls if c[0] == "run"] == [("run", 6)] * 6  # 2 chunks of M rows x 3 passes
 
 
@@ -64,6 +65,26 @@ def test_without_the_plan_the_seventh_context_is_refused(tmp_path, sim, host):
     for k, n in shapes:
         backend.prepare_linear(bf16_weight(n, k))
     assert "hardware contexts of the device are taken" in backend.placement[(64, 56, "bf16")]
+
+
+def test_contexts_other_processes_hold_come_off_the_budget_where_the_driver_says(tmp_path, sim, host):
+    # another program holds four of npu1's six contexts; npud's four designs take turns in the two left
+    shapes = [(64, 8 * (i + 1)) for i in range(4)]
+    table = fake_pyxrt.write_design_table(tmp_path, shapes, device="npu1", M=16, tile=(4, 8, 4))
+    backend = load(table, host)
+    sim.contexts_live += 4
+    plan = backend.device.plan
+    plan.device_contexts = lambda: amdxdna.ResourceInfo(contexts_limit=6, contexts_in_use=sim.contexts_live)
+    weights = [backend.prepare_linear(bf16_weight(n, k, seed=n)) for k, n in shapes]
+    assert set(backend.placement.values()) == {"npu"}
+    x = np.random.default_rng(7).standard_normal((2, 64)).astype(np.float32)
+    for w in weights + weights[::-1]:
+        assert np.array_equal(bits(backend.linear(x, w)), bits(host.linear(bf16_round(x), w)))
+        assert len(plan.open) <= 2
+    assert plan.foreign == 4 and sim.contexts_live == 6
+    sim.contexts_live -= 4  # they let go: the budget is npu1's again
+    plan.room()
+    assert plan.foreign == 0 and plan.room() == 6
 
 
 def test_shapes_of_one_xclbin_share_its_context(tmp_path, sim, host):
@@ -112,3 +133,19 @@ def test_a_timed_out_run_s_context_is_never_reused_by_other_shapes_of_its_xclbin
         backend.linear(np.ones((1, 64), np.float32), a)
     with pytest.raises(xrt.NpuRunError, match="its context was retired"):
         backend.linear(np.ones((1, 64), np.float32), b)
+
+
+def test_a_model_whose_designs_are_kernels_of_one_xclbin_holds_one_context(tmp_path, sim, host):
+    # npu1 (6 contexts) and twelve shapes, a base and its draft: linked into one xclbin, one
+    # context serves every design and nothing is closed or reopened however they take turns
+    shapes = [(64, 8 * (i + 1)) for i in range(12)]
+    table = fake_pyxrt.write_design_table(tmp_path, shapes, device="npu1", M=16, tile=(4, 8, 4), one_xclbin=True)
+    backend = load(table, host)
+    weights = [(raw, backend.prepare_linear(raw)) for raw in (bf16_weight(n, k, seed=n) for k, n in shapes)]
+    assert set(backend.placement.values()) == {"npu"}
+    made = sim.contexts_made
+    assert made == 1 and backend.device.plan.opened == 1
+    x = np.random.default_rng(6).standard_normal((2, 64)).astype(np.float32)
+    for raw, w in weights + weights[::-1]:
+        assert np.array_equal(bits(backend.linear(x, w)), bits(host.linear(bf16_round(x), w)))
+    assert sim.contexts_made == 1 and sim.contexts_live == 1

@@ -18,7 +18,7 @@ from npud.kernels import xrt, xrt_worker
 from npud.kernels.base import DeviceFault
 from npud.kernels.select import default_backend
 from npud.kernels.xrt_check import bf16_round
-from test_xrt import bf16_weight, bits
+from test_xrt import bf16_weight, bits, reference
 
 
 @pytest.fixture
@@ -39,9 +39,10 @@ def test_the_worker_serves_the_same_bits_as_inline(tmp_path, control, host):
     backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 100)]), host)
     try:
         assert backend.isolation == "process" and backend.name == "xrt-simulator"
-        w = backend.prepare_linear(bf16_weight(100, 64))
+        raw = bf16_weight(100, 64)
+        w = backend.prepare_linear(raw)
         x = np.random.default_rng(8).standard_normal((40, 64)).astype(np.float32)
-        assert np.array_equal(bits(backend.linear(x, w)), bits(host.linear(bf16_round(x), w)))
+        assert np.array_equal(bits(backend.linear(x, w)), bits(reference(host, x, raw)))  # npu2: bfp16 blocks
     finally:
         backend.close()
     assert backend.device.proc.returncode == 0
@@ -121,3 +122,26 @@ def test_a_wait_that_keeps_the_gil_stalls_this_process_only_inline(tmp_path, con
         control.write_text(json.dumps(spec))
     assert _counted_wait(backend, w, folder) == outcome
     backend.close()
+
+
+def test_the_reply_deadline_scales_with_the_passes_of_a_layer(tmp_path, control, host):
+    # an LM head of 19 passes, each well within the run timeout: the worker answers after all 19,
+    # later than one pass's timeout plus the grace, and must not be killed as hung for it
+    from npud.kernels.xrt_design import DesignTable
+
+    n = 19 * 512  # one column of tile_n 8: a pass moves at most 64 x 8 = 512 columns
+    table = DesignTable.load(fake_pyxrt.write_design_table(tmp_path, [(64, n)]))
+    assert table.designs[(64, n, "bf16")].n_passes == 19
+    backend = xrt.XrtBackend(table, host, timeout_ms=200, check=lambda *a: ([], []))
+    try:
+        raw = bf16_weight(n, 64)
+        w = backend.prepare_linear(raw)
+        control.write_text(json.dumps({"mode": "gil", "hold_s": 0.1}))  # each pass's wait takes 0.1 s
+        x = np.random.default_rng(9).standard_normal((1, 64)).astype(np.float32)
+        started = time.monotonic()
+        got = backend.linear(x, w)  # 19 x 0.1 s > 0.2 s + the 1 s grace
+        assert time.monotonic() - started > 0.2 + xrt_worker.REPLY_GRACE_S
+        assert np.array_equal(bits(got), bits(reference(host, x, raw)))
+        assert backend.device.lost is None
+    finally:
+        backend.close()

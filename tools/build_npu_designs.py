@@ -11,8 +11,11 @@ with the example's Makefile (IRON -> MLIR -> aiecc.py with Peano -> xclbin + the
 instruction stream) and writes DIR/design.json.
 
 A layer wider than one pass can move (the output layer: npud/kernels/xrt_rules.py) is planned as
-several passes of one design; layers whose padded shapes are equal share one build (one
-xclbin, one hardware context). A shape the rules refuse, or whose build fails, stays on the
+several passes of one design; layers whose padded shapes are equal share one build. Every
+design is a kernel of its own (MLIR_AIE_<j>, its own instruction stream) in one xclbin,
+model.xclbin, linked with aiecc's --xclbin-input: npud opens one hardware context for all the
+checkpoints' shapes (a base, its draft, its drafter), where one xclbin per shape took six or
+more and thrashed npu1's six (--xclbin-per-shape builds them apart, as before). A shape the rules refuse, or whose build fails, stays on the
 host: the tool says why, builds the others, and always writes design.json (with what did
 build, and `"on_host"` listing the rest and why). Other weight formats run on the host too.
 
@@ -23,6 +26,15 @@ the matching tolerance (docs/npu.md, "Exactness").
 Building needs what is not on the package index: the mlir-aie and llvm-aie (Peano) wheels,
 and an mlir-aie source checkout for the example (docs/npu.md says how). Without them the
 tool says what is missing and exits 3; --list needs none of them.
+
+The toolchain is pinned: the designs are built with mlir-aie release MLIR_AIE_RELEASE (its
+wheel, and a checkout of the same tag, whose whole_array Makefile takes the targets this tool
+names) and the llvm-aie (Peano) wheel LLVM_AIE_WHEEL that release was tested with. A wheel of
+another release is refused (exit 4) unless --unpinned says to build with it anyway. design.json
+records what built it ("toolchain": the mlir-aie and llvm-aie versions and the checkout's
+commit, and the XRT, amdxdna driver and NPU firmware versions this machine shows). When not one
+design builds, the tool says why for every shape and exits 5 (no empty table that would leave
+everything on the host without a word).
 """
 
 from __future__ import annotations
@@ -43,6 +55,17 @@ from npud.kernels.xrt_rules import split_n
 
 EXAMPLE = "programming_examples/basic/matrix_multiplication/whole_array"
 EXIT_MISSING = 3
+EXIT_UNPINNED = 4  # an mlir-aie wheel of another release than MLIR_AIE_RELEASE (without --unpinned)
+EXIT_NOTHING_BUILT = 5  # not one design built: a line per shape says why
+
+# The release the designs are built with: its wheel (`pip install mlir_aie -f <its release
+# assets>`) and a checkout of its tag for the example's Makefile, whose makefile-common lets the
+# caller name the targets (xclbin_target ?=, insts_target ?=) and picks npu2 from NPU2=1. Later
+# releases rework the example's build rules; another release is refused unless --unpinned.
+MLIR_AIE_RELEASE = "v1.0"
+LLVM_AIE_WHEEL = "19.0.0.2025041501+b2a279c1"  # the llvm-aie (Peano) nightly paired with it
+# what the tool passes to make, as the example's makefile-common must take it
+MAKEFILE_OVERRIDES = ("xclbin_target", "insts_target")
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -110,6 +133,7 @@ class Tiling:
     columns: int = 4
     b_col_major: bool = False  # True: B is the weight as loaded, [N, K]; whole_array then wants 32-multiples
     bfp16_emulation: bool | None = None  # npu2's 8x8x8 bf16 MACs through bfp16; None: as the stock build (npu2 on)
+    one_xclbin: bool = True  # every design a kernel of model.xclbin (one hardware context), else one xclbin each
 
     def __post_init__(self) -> None:
         if self.bfp16_emulation is None:
@@ -120,7 +144,10 @@ class Tiling:
         return self.rows // N_AIE_ROWS
 
 
-def plan(shape: Shape, tiling: Tiling, out_dir: Path) -> GemmDesign:
+LINKED_XCLBIN = "model.xclbin"
+
+
+def plan(shape: Shape, tiling: Tiling, out_dir: Path, kernel: str = "MLIR_AIE") -> GemmDesign:
     """The design for `shape` under `tiling` (K and N padded up to the tiles, N split into
     passes where one pass cannot move it); raises ValueError with the broken rules when the
     tiling cannot build it. Shapes with the same padded shape get the same files."""
@@ -129,9 +156,10 @@ def plan(shape: Shape, tiling: Tiling, out_dir: Path) -> GemmDesign:
     split = split_n(shape.N, t.rows, ck, t.tile_m, t.tile_k, t.tile_n, t.columns, t.b_col_major)
     passes, cn = split if split is not None else (1, -(-shape.N // (t.tile_n * t.columns)) * (t.tile_n * t.columns))
     stem = f"{t.rows}x{ck}x{cn}"
+    xclbin = out_dir / (LINKED_XCLBIN if t.one_xclbin else f"gemm_{stem}.xclbin")
     design = GemmDesign(K=shape.K, N=shape.N, weight_format=shape.weight_format,
-                        xclbin=out_dir / f"gemm_{stem}.xclbin", insts=out_dir / f"insts_{stem}.bin",
-                        kernel="MLIR_AIE", M=t.rows, compiled_K=ck, compiled_N=cn, tile_m=t.tile_m,
+                        xclbin=xclbin, insts=out_dir / f"insts_{stem}.bin",
+                        kernel=kernel, M=t.rows, compiled_K=ck, compiled_N=cn, tile_m=t.tile_m,
                         tile_k=t.tile_k, tile_n=t.tile_n, columns=t.columns, dtype_in="bf16", dtype_out="f32",
                         b_col_major=t.b_col_major, bfp16_emulation=t.bfp16_emulation, n_passes=passes)
     errors = tile_rule_errors(t.device, design)
@@ -158,10 +186,84 @@ def missing_toolchain(mlir_aie_src: str | None) -> list[str]:
     return missing
 
 
-def build_with_iron(design: GemmDesign, tiling: Tiling, mlir_aie_src: Path, work: Path) -> None:
+def _version(distribution: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _first_line(cmd: list[str]) -> str | None:
+    """The first non-empty line `cmd` prints, or None when it does not run."""
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return next((line.strip() for line in (run.stdout + run.stderr).splitlines() if line.strip()), None)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def toolchain_seen(mlir_aie_src: str | None, sysfs: Path = Path("/sys")) -> dict[str, str | None]:
+    """What this build runs with, for design.json: the pinned release, the mlir-aie and llvm-aie
+    wheels' versions, the checkout's commit, and the XRT, amdxdna driver and NPU firmware versions
+    this machine shows (None where it shows none: the build machine need not be the NPU's)."""
+    checkout = None
+    if mlir_aie_src and (Path(mlir_aie_src) / ".git").exists():
+        checkout = _first_line(["git", "-C", str(mlir_aie_src), "describe", "--tags", "--always", "--dirty"])
+    return {
+        "mlir_aie_release": MLIR_AIE_RELEASE,
+        "mlir_aie": _version("mlir_aie") or _version("mlir-aie"),
+        "llvm_aie": _version("llvm-aie") or _version("llvm_aie"),
+        "mlir_aie_checkout": checkout,
+        "xrt": _first_line(["xrt-smi", "--version"]),
+        "amdxdna_driver": _read(sysfs / "module" / "amdxdna" / "version"),
+        "npu_firmware": _read(sysfs / "class" / "accel" / "accel0" / "device" / "fw_version"),
+    }
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """"v1.0", "1.0" and "1.0.0" name one release."""
+    parts = [int(p) for p in version.lstrip("v").split("+")[0].split(".") if p.isdigit()]
+    while parts and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
+
+
+def pin_errors(seen: dict, mlir_aie_src: str | None) -> list[str]:
+    """How the toolchain found differs from the pinned one (empty: it is the pinned one)."""
+    errors = []
+    wheel = seen.get("mlir_aie")
+    if wheel is not None and _release(wheel) != _release(MLIR_AIE_RELEASE):
+        errors.append(f"the mlir-aie wheel is {wheel}, the designs are built with release {MLIR_AIE_RELEASE} "
+                      f"(pip install mlir_aie -f <the {MLIR_AIE_RELEASE} release's assets>)")
+    common = Path(mlir_aie_src or ".") / EXAMPLE / ".." / "makefile-common"
+    text = _read(common.resolve()) if mlir_aie_src else None
+    if text is not None:
+        taken = [v for v in MAKEFILE_OVERRIDES if f"{v}?=" in text.replace(" ", "")]
+        if len(taken) != len(MAKEFILE_OVERRIDES):
+            errors.append(f"{common.resolve()} does not take {', '.join(MAKEFILE_OVERRIDES)} from the command line "
+                          f"(another release's build rules): check out {MLIR_AIE_RELEASE} "
+                          f"(git -C {mlir_aie_src} checkout {MLIR_AIE_RELEASE})")
+    return errors
+
+
+def build_with_iron(design: GemmDesign, tiling: Tiling, mlir_aie_src: Path, work: Path,
+                    link: bool = False) -> None:
     """Build one design with the whole_array example's Makefile; copies its xclbin and its
     instruction stream (binary, as aiecc writes it whatever the name) to the design's paths.
-    Raises subprocess.CalledProcessError when the build fails."""
+    With the tiling's one_xclbin, the Makefile makes the design's MLIR and micro-kernel only, and
+    aiecc compiles it as kernel `design.kernel` of the shared xclbin (`link`: one is there
+    already, to extend). Raises subprocess.CalledProcessError when the build fails."""
     stem = f"npud_{design.M}x{design.compiled_K}x{design.compiled_N}"
     variables = {
         "M": design.M, "K": design.compiled_K, "N": design.compiled_N, "m": design.tile_m, "k": design.tile_k,
@@ -177,6 +279,9 @@ def build_with_iron(design: GemmDesign, tiling: Tiling, mlir_aie_src: Path, work
     # and the start-up check the bfp16 tolerance
     src = Path(mlir_aie_src) / EXAMPLE
     work.mkdir(parents=True, exist_ok=True)
+    if tiling.one_xclbin:
+        _build_linked(design, variables, src, link)
+        return
     cmd = ["make", "-C", str(src), f"build/{stem}.xclbin", *(f"{k}={v}" for k, v in variables.items())]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
@@ -184,15 +289,44 @@ def build_with_iron(design: GemmDesign, tiling: Tiling, mlir_aie_src: Path, work
     shutil.copyfile(src / "build" / f"{stem}_insts.bin", design.insts)
 
 
+def _build_linked(design: GemmDesign, variables: dict, src: Path, link: bool) -> None:
+    """The Makefile's MLIR and micro-kernel targets for `design`, then aiecc as the Makefile runs
+    it (Peano, the basic-sequential allocator) plus the flags that make the design kernel
+    `design.kernel` of the shared xclbin: --xclbin-kernel-name / -instance-name / -kernel-id, and
+    --xclbin-input to add it to the xclbin the earlier designs made."""
+    d = design
+    suffix = f"{d.M}x{d.compiled_K}x{d.compiled_N}_{d.tile_m}x{d.tile_k}x{d.tile_n}_{d.columns}c"
+    mlir = f"build/aie_{suffix}.mlir"
+    micro = f"build/mm_{d.tile_m}x{d.tile_k}x{d.tile_n}.o"
+    make = ["make", "-C", str(src), mlir, micro, *(f"{k}={v}" for k, v in variables.items()
+                                                   if k not in ("xclbin_target", "insts_target"))]
+    print("+", " ".join(make), flush=True)
+    subprocess.run(make, check=True)
+    index = int(d.kernel.rsplit("_", 1)[1])
+    target = d.xclbin.with_name(d.xclbin.stem + ".next.xclbin")
+    aiecc = ["aiecc.py", "--alloc-scheme=basic-sequential", "--aie-generate-xclbin", "--no-compile-host",
+             f"--xclbin-name={target.resolve()}", f"--xclbin-kernel-name={d.kernel}",
+             f"--xclbin-instance-name=MLIRAIE{index}", f"--xclbin-kernel-id=0x{0x901 + index:x}",
+             *([f"--xclbin-input={d.xclbin.resolve()}"] if link else []),
+             "--no-xchesscc", "--no-xbridge", "--peano", os.environ.get("PEANO_INSTALL_DIR", ""),
+             "--aie-generate-npu-insts", f"--npu-insts-name={d.insts.resolve()}", mlir.removeprefix("build/")]
+    print("+ (cd", src / "build", "&&", " ".join(aiecc) + ")", flush=True)
+    subprocess.run(aiecc, check=True, cwd=src / "build")
+    os.replace(target, d.xclbin)
+
+
 def build_table(shapes: list[Shape], tiling: Tiling, out_dir: Path,
-                build: Callable[[GemmDesign], None]) -> tuple[Path, list[str]]:
+                build: Callable[[GemmDesign], None], toolchain: dict | None = None) -> tuple[Path, list[str], int]:
     """Plan and build a design for every served shape it can, then write out_dir/design.json.
 
-    Returns (the table's path, one line per shape left to the host and why). A shape the
-    rules refuse or whose build raises is one of those; the table is written whatever
-    built (designs may be empty), so npud always learns where each shape runs."""
+    Returns (the table's path, one line per shape left to the host and why, the designs
+    built). A shape the rules refuse or whose build raises is one of those; the table is
+    written whatever built, with `toolchain` (what built it), so npud learns where each shape
+    runs; main() fails when nothing built."""
     out_dir.mkdir(parents=True, exist_ok=True)
     designs, on_host, built = [], [], {}
+    kernels: dict[tuple, str] = {}  # padded shape -> its kernel in the shared xclbin
+    linked = False  # the shared xclbin holds a kernel already: the next one extends it
     for shape in shapes:
         where = f"K={shape.K} N={shape.N} {shape.weight_format}"
         if shape.weight_format not in SERVED_FORMATS:
@@ -203,19 +337,24 @@ def build_table(shapes: list[Shape], tiling: Tiling, out_dir: Path,
         except ValueError as exc:
             on_host.append(f"{where}: the toolchain would refuse it ({exc})")
             continue
-        if design.xclbin not in built:  # shapes with one padded shape share one build
+        padded = (design.M, design.compiled_K, design.compiled_N)
+        if tiling.one_xclbin:
+            kernel = kernels.setdefault(padded, f"MLIR_AIE_{len(kernels)}")
+            design = dataclasses.replace(design, kernel=kernel)
+        if padded not in built:  # shapes with one padded shape share one build
             try:
-                build(design)
-                built[design.xclbin] = None
+                build(design, linked) if tiling.one_xclbin else build(design)
+                built[padded] = None
+                linked = True
             except Exception as exc:  # a failed make, a missing output: this shape only
-                built[design.xclbin] = f"{type(exc).__name__}: {exc}"
-        if built[design.xclbin] is not None:
-            on_host.append(f"{where}: the build failed ({built[design.xclbin]})")
+                built[padded] = f"{type(exc).__name__}: {exc}"
+        if built[padded] is not None:
+            on_host.append(f"{where}: the build failed ({built[padded]})")
             continue
         designs.append(design)
     path = out_dir / "design.json"
-    write_table(path, tiling.device, designs, on_host=on_host)
-    return path, on_host
+    write_table(path, tiling.device, designs, on_host=on_host, toolchain=toolchain)
+    return path, on_host, len(designs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,10 +370,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tile-n", type=int, default=32)
     p.add_argument("--columns", type=int, default=4)
     p.add_argument("--b-col-major", action="store_true", help="B as the weight is stored, [N, K]")
+    p.add_argument("--xclbin-per-shape", action="store_true",
+                   help="one xclbin (and hardware context) per shape instead of every design in model.xclbin")
     p.add_argument("--bfp16-emulation", action=argparse.BooleanOptionalAction, default=None,
                    help="npu2: the checkout's mm kernel emulates bf16 MACs with bfp16 (8x8x8 micro-tiles); "
                         "default: on for npu2, as mlir-aie's stock npu2 build")
     p.add_argument("--mlir-aie-src", default=os.environ.get("MLIR_AIE_SRC"))
+    p.add_argument("--unpinned", action="store_true",
+                   help=f"build with an mlir-aie other than release {MLIR_AIE_RELEASE} (design.json records which)")
     args = p.parse_args(argv)
     shapes = gemm_shapes(args.checkpoints, args.weight_format, args.dflash)
     for s in shapes:
@@ -244,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device is None or args.out is None:
         p.error("--device and --out are needed to build (or --list)")
     tiling = Tiling(args.device, args.rows, args.tile_k, args.tile_n, args.columns, args.b_col_major,
-                    args.bfp16_emulation)
+                    args.bfp16_emulation, one_xclbin=not args.xclbin_per_shape)
     for shape in shapes:  # every plan first: what stays on the host is said before an hour of compiling
         if shape.weight_format in SERVED_FORMATS:
             try:
@@ -258,11 +401,33 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  - {m}", file=sys.stderr)
         print("docs/npu.md, 'Building the designs', says how to install them.", file=sys.stderr)
         return EXIT_MISSING
-    path, on_host = build_table(shapes, tiling, args.out,
-                                lambda d: build_with_iron(d, tiling, Path(args.mlir_aie_src), args.out / "work"))
+    seen = toolchain_seen(args.mlir_aie_src)
+    unpinned = pin_errors(seen, args.mlir_aie_src)
+    if unpinned and not args.unpinned:
+        print(f"not the pinned toolchain (mlir-aie {MLIR_AIE_RELEASE}, llvm-aie {LLVM_AIE_WHEEL}):", file=sys.stderr)
+        for line in unpinned:
+            print(f"  - {line}", file=sys.stderr)
+        print("install the pinned release (docs/npu.md, 'Building the designs'), or pass --unpinned", file=sys.stderr)
+        return EXIT_UNPINNED
+    if unpinned:
+        seen["unpinned"] = "; ".join(unpinned)
+    return finish(*build_table(shapes, tiling, args.out,
+                               lambda d, link=False: build_with_iron(d, tiling, Path(args.mlir_aie_src),
+                                                                     args.out / "work", link),
+                               toolchain=seen), served=[s for s in shapes if s.weight_format in SERVED_FORMATS])
+
+
+def finish(path: Path, on_host: list[str], built: int, served: list[Shape]) -> int:
+    """Say what was built and what stays on the host; the exit status: 0 when a design built or
+    nothing could use one, EXIT_NOTHING_BUILT (with a line per shape) when none of `served` did."""
+    if served and not built:
+        print(f"no NPU design built for any of the {len(served)} shapes; {path} lists none:", file=sys.stderr)
+        for line in on_host:
+            print(f"  {line}", file=sys.stderr)
+        return EXIT_NOTHING_BUILT
     for line in on_host:
         print(line)
-    print(f"wrote {path}; set device.xrt_design = \"{path.resolve()}\" in npud.toml")
+    print(f"wrote {path} ({built} designs); set device.xrt_design = \"{path.resolve()}\" in npud.toml")
     return 0
 
 

@@ -242,16 +242,31 @@ def cmd_device(args: argparse.Namespace) -> int:
         ("thermal", f"{thermal.get('state')}" + ("" if reading is None else f", {reading:.1f}C")
          + ("" if power is None else f", NPU {power:.2f} W")),
         ("errors", f"{errors.get('count')} (from {errors.get('source')})"
-         + (f", {errors['pre_hang_count']} pre-hang warning(s)" if errors.get("pre_hang_count") else "")),
+         + (f", {errors['pre_hang_count']} pre-hang warning(s)" if errors.get("pre_hang_count") else "")
+         + (f", {errors['foreign_count']} of other processes (not npud's: never a fault)"
+            if errors.get("foreign_count") else "")),
         ("also open by", ", ".join(f"{h['comm']} (pid {h['pid']})" for h in holders) if holders else None),
+        ("power mode", _power_mode(d.get("power_mode") or {})),
         ("quarantine", _quarantine(d.get("quarantine"))),
         ("cache", _cache(cache) if cache else None),
     ])
     for line in errors.get("pre_hang_lines") or ():
         sys.stdout.write(f"  pre-hang: {line}\n")
+    for line in errors.get("foreign_lines") or ():
+        sys.stdout.write(f"  other process: {line}\n")
     for line in (d.get("quarantine") or {}).get("lines") or ():
         sys.stdout.write(f"  {line}\n")
     return EXIT_OK
+
+
+def _power_mode(p: dict) -> str | None:
+    """The NPU's power mode line: the mode in force, the one asked for where it differs, and why."""
+    if not p.get("current") and not p.get("wanted"):
+        return None
+    line = p.get("current") or "unknown"
+    if p.get("wanted") and p["wanted"] != p.get("current"):
+        line += f" (device.power_mode = {p['wanted']}: {p.get('why') or 'not set'})"
+    return line
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
@@ -323,7 +338,35 @@ def cmd_models(args: argparse.Namespace) -> int:
     for m in reply["models"]:  # a model whose last load failed, and why
         if m.get("load_error"):
             print(f"{m['name']} does not load: {m['load_error']}")
+        for line in placement_lines(m.get("describe") or {}):
+            print(f"{m['name']}: {line}")
     return EXIT_OK
+
+
+def placement_lines(d: dict) -> list[str]:
+    """Where a loaded model's layers run and why, layers placed alike on one line: its backend and
+    the reason, then "layers 0-27: npu: attn.q, ...; host: mlp.down (the host is faster (...))"."""
+    layers = d.get("layer_placement") or {}
+    if not layers and not str(d.get("backend", "")).startswith("xrt") and not d.get("gemm_costs"):
+        return []
+    lines = [f"backend {d.get('backend')} ({d.get('backend_reason')})"]
+    groups: list[tuple[list[int], dict]] = []
+    for index, placed in sorted(layers.items(), key=lambda kv: int(kv[0])):
+        if groups and groups[-1][1] == placed and groups[-1][0][-1] == int(index) - 1:
+            groups[-1][0].append(int(index))
+        else:
+            groups.append(([int(index)], placed))
+    for indices, placed in groups:
+        on_npu = [name for name, where in placed.items() if where.startswith("npu")]
+        hosts: dict[str, list[str]] = {}
+        for name, where in placed.items():
+            if not where.startswith("npu"):
+                hosts.setdefault(where, []).append(name)
+        span = str(indices[0]) if len(indices) == 1 else f"{indices[0]}-{indices[-1]}"
+        parts = ([f"npu: {', '.join(on_npu)}"] if on_npu else []) + [
+            f"host: {', '.join(names)} ({why})" for why, names in hosts.items()]
+        lines.append(f"layer{'s' if len(indices) > 1 else ''} {span}: " + "; ".join(parts))
+    return lines
 
 
 def _keep_alive(m: dict) -> str:

@@ -14,6 +14,11 @@ contiguous and in order:
   sequence's recurrent state over that sequence's rows only;
 - the LM head runs once, over the rows whose logits some sequence asked for.
 
+A backend that offers a layer group (npud/kernels/layers.py: the NPU's, whose GEMMs are a worker
+round trip away) runs each layer's stretch from its attention output to the next layer's
+projections in one call; the attention stays here. The ops and their order are the same, so
+the bits are (`layer_group_for` says which models qualify).
+
 A sequence whose pass cannot start (its start is not the positions it holds, it would pass the
 model's position limit) gets its error back and takes no rows; the others run.
 """
@@ -30,6 +35,7 @@ from npud.engine.api import RequestError
 from npud.engine.config import AttentionKind
 from npud.engine.state import PlaneKind
 from npud.kernels.base import add_rms_norm, norm_rope
+from npud.kernels.layers import LayerGroupSpec, LayerSpecRows
 
 
 class Rows(enum.Enum):
@@ -89,6 +95,46 @@ def run_packed(model, jobs: Sequence[tuple[object, Pass]]) -> list[np.ndarray | 
     return out
 
 
+_NO_GROUP = object()
+
+
+def layer_group_for(model):
+    """The model's layer group on its backend (built once, kept on the model), or None: the
+    backend has none, or the model has a layer the group does not run (a recurrent or KV-shared
+    layer, per-layer inputs, a layer scalar, an output gate, values that are the keys, fused
+    projections), or one of its linears does not run on the backend's device."""
+    group = getattr(model, "_layer_group", _NO_GROUP)
+    if group is _NO_GROUP:
+        group = _build_layer_group(model)
+        model._layer_group = group
+    return group
+
+
+def _build_layer_group(model):
+    make = getattr(model.backend, "layer_group", None)
+    cfg, w = model.config, model.weights
+    if make is None or cfg.per_layer_input_size:
+        return None
+    rows, linears = [], []
+    for spec, lw in zip(cfg.layers, w.layers):
+        aw, mw = lw.attn, lw.mlp
+        if (spec.kind is AttentionKind.LINEAR or aw is None or not spec.owns_kv or spec.kv_owner != spec.index
+                or aw.gate is not None or aw.v is None or aw.k is None or aw.qkv is not None or aw.v_norm is not None
+                or mw.gate_up is not None or lw.layer_scalar is not None or lw.per_layer_gate is not None):
+            return None
+        if cfg.sandwich_norms and (lw.pre_feedforward_norm is None or lw.post_feedforward_norm is None):
+            return None
+        named = {"q": aw.q, "k": aw.k, "v": aw.v, "o": aw.o, "gate": mw.gate, "up": mw.up, "down": mw.down}
+        linears.append(named)
+        rows.append(LayerSpecRows(lw.input_norm, lw.post_attention_norm,
+                                  lw.pre_feedforward_norm if cfg.sandwich_norms else None,
+                                  lw.post_feedforward_norm if cfg.sandwich_norms else None,
+                                  tuple((n, lin.bias) for n, lin in named.items() if lin.bias is not None)))
+    spec = LayerGroupSpec(tuple(rows), w.final_norm, float(cfg.rms_norm_eps),
+                          "silu" if cfg.hidden_act == "silu" else "gelu_tanh", bool(cfg.sandwich_norms))
+    return make(spec, linears, w.lm_head)
+
+
 class _Packed:
     """One packed pass: the sequences (forward, pass), their row ranges and positions."""
 
@@ -107,6 +153,9 @@ class _Packed:
         x = b.embed(w.embed, self.token_ids)  # [M, D], M: the rows of every sequence
         if cfg.embed_scale is not None:
             x = x * np.float32(cfg.embed_scale)
+        group = None if self.tap_layers else layer_group_for(self.model)
+        if group is not None:
+            return self._run_grouped(group, x)
         per_layer = self._per_layer_inputs(x) if cfg.per_layer_input_size else None
         for f, p in self.seqs:
             f.state.begin_pass()
@@ -145,6 +194,48 @@ class _Packed:
         logits = b.linear(rows, w.lm_head)  # [rows asked for, V], one weight stream
         if cfg.final_logit_softcapping is not None:
             logits = b.softcap(logits, cfg.final_logit_softcapping)
+        bounds = np.cumsum([0] + [len(a) for a in wanted])
+        return [logits[a:z] for a, z in zip(bounds[:-1], bounds[1:])]
+
+    def _wanted(self) -> list[np.ndarray]:
+        """Each sequence's rows whose logits its pass asks for."""
+        wanted = []
+        for (f, p), rows in zip(self.seqs, self.slices):
+            if p.logits is Rows.ALL:
+                wanted.append(np.arange(rows.start, rows.stop))
+            elif p.logits is Rows.LAST:
+                wanted.append(np.arange(rows.stop - 1, rows.stop))
+            else:
+                wanted.append(np.arange(0))
+        return wanted
+
+    def _run_grouped(self, group, x: np.ndarray) -> list[np.ndarray]:
+        """run() with the layers' stretches between attentions in the backend's layer group: one
+        call per layer (npud/kernels/layers.py), the attention here between the calls."""
+        cfg, w = self.config, self.model.weights
+        wanted = self._wanted()
+        picked = np.concatenate(wanted)
+        for f, p in self.seqs:
+            f.state.begin_pass()
+        try:
+            q, k, v = group.begin(x)
+            last = len(cfg.layers) - 1
+            for spec, lw in zip(cfg.layers, w.layers):
+                got = group.step(spec.index, self._attend(spec, lw.attn, q, k, v), x, picked)
+                if spec.index < last:
+                    x, (q, k, v) = got
+                else:
+                    x, final, logits = got
+        except BaseException:
+            for f, p in self.seqs:
+                _roll_back(f.state, p.start_pos)  # a failed pass leaves nothing half-appended
+            raise
+        for (f, p), rows in zip(self.seqs, self.slices):
+            f._last_hidden = final[rows]
+        if len(picked) == 0:
+            return [np.empty((0, cfg.vocab_size), np.float32) for _ in self.seqs]
+        if cfg.final_logit_softcapping is not None:
+            logits = self.backend.softcap(logits, cfg.final_logit_softcapping)
         bounds = np.cumsum([0] + [len(a) for a in wanted])
         return [logits[a:z] for a, z in zip(bounds[:-1], bounds[1:])]
 
@@ -215,12 +306,24 @@ class _Packed:
             q, k, v, *gate = aw.qkv.split(b.linear(h, aw.qkv.weight))
         else:
             q, k, v, gate = b.linear(h, aw.q), None, None, ()
+        if spec.owns_kv and k is None:
+            k = b.linear(h, aw.k)
+            # k_eq_v: the values are the raw key projection, before the key's norm and RoPE
+            v = k if aw.v is None else b.linear(h, aw.v)
+        out = self._attend(spec, aw, q, k, v)
+        if aw.gate is not None:  # qwen3_5's output gate
+            out = b.sigmoid_mul(out, gate[0] if gate else b.linear(h, aw.gate))
+        return b.linear(out, aw.o)
+
+    def _attend(self, spec, aw, q: np.ndarray, k: np.ndarray | None, v: np.ndarray | None) -> np.ndarray:
+        """A layer's attention from its projections q [M, H*Dh] (k, v [M, KVH*Dh]; None on a
+        KV-shared layer): the head norms and RoPE, this pass's rows appended to each sequence's
+        plane, each sequence attending over its own plane -> [M, H*Dh], before the output projection."""
+        b = self.backend
+        m = q.shape[0]
+        inv_freq = self.model.inv_freq[spec.index]
         q = self._norm_rope(q.reshape(m, spec.num_heads, spec.head_dim), aw.q_norm, inv_freq)
         if spec.owns_kv:
-            if k is None:
-                k = b.linear(h, aw.k)
-                # k_eq_v: the values are the raw key projection, before the key's norm and RoPE
-                v = k if aw.v is None else b.linear(h, aw.v)
             k = k.reshape(m, spec.num_kv_heads, spec.head_dim)
             v = v.reshape(m, spec.num_kv_heads, spec.head_dim)
             if aw.v_norm is not None:
@@ -237,10 +340,7 @@ class _Packed:
                 raise ValueError(f"layer {spec.index} reads KV from layer {spec.kv_owner}, which holds none")
             outs.append(b.attention(q[rows], plane.keys(), plane.values(), self.positions[rows], spec.window,
                                     spec.scale))
-        out = (outs[0] if len(outs) == 1 else np.concatenate(outs)).reshape(m, spec.num_heads * spec.head_dim)
-        if aw.gate is not None:  # qwen3_5's output gate
-            out = b.sigmoid_mul(out, gate[0] if gate else b.linear(h, aw.gate))
-        return b.linear(out, aw.o)
+        return (outs[0] if len(outs) == 1 else np.concatenate(outs)).reshape(m, spec.num_heads * spec.head_dim)
 
     def _linear_attention(self, spec, gw, h: np.ndarray) -> np.ndarray:
         """A gated delta net layer (qwen3_5): the projections over all rows, the convolution and

@@ -92,6 +92,7 @@ class LoadedModel(TokenizerMethods):
         self.max_context = model.config.max_position_embeddings
         self.fim_tokens = find_fim_tokens(tokenizer)
         self.backend_reason = "given by the caller"
+        self.npu_costs: dict = {}  # the NPU backend's timed shapes, kept when the model moved to the host
         self.threads: int | None = None  # host threads of this model's rounds (None: the default)
         self.draft_costs = self.dflash_costs = None  # the drafters' costs in base steps (npud/engine/pass_costs.py)
         self._vocabulary = None  # npud.engine.grammar.Vocabulary, built at the first constrained request
@@ -149,6 +150,10 @@ class LoadedModel(TokenizerMethods):
         progress.report("tokenizer", 1, 1)
         _give_back_free_heap()
         model = Model.load(checkpoint_dir, weight_format, kernels)
+        npu_costs = getattr(kernels, "describe_costs", dict)()
+        if backend == "auto" and getattr(kernels, "lost_everywhere", lambda: False)():
+            # every shape the NPU could run, the host ran faster: the model is the host's, and says so
+            kernels, backend_reason = _host_after_lost_placement(model, kernels, npu_costs)
         # the speculation break-even rule's cost model on this model's own thread count: read from
         # the kernel cache, or measured once
         progress.report("calibration", 0, 1)
@@ -187,6 +192,7 @@ class LoadedModel(TokenizerMethods):
             progress.report("assistant", 1, 1)
         served = cls(name, model, tokenizer, draft, cache, draft_tokenizer, dflash, assistant)
         served.backend_reason = backend_reason
+        served.npu_costs = npu_costs
         if context_length is not None:  # never past what the checkpoint was trained for
             served.max_context = max(1, min(served.max_context, context_length))
         served.threads = threads
@@ -227,6 +233,13 @@ class LoadedModel(TokenizerMethods):
             "gemm_placement": getattr(self.model.backend, "describe_placement", dict)(),
             # the start-up check's tolerance policy of each shape on the NPU (npud/kernels/xrt_check.py)
             "gemm_tolerance": getattr(self.model.backend, "describe_tolerance", dict)(),
+            # each timed shape's decode-sized pass on the NPU and on the host (placement by measured cost)
+            "gemm_costs": self.npu_costs,
+            # where each layer's linears run: "npu", or why the host
+            "layer_placement": layer_placement(self.model),
+            # the process that holds the NPU for this model (its worker; None on the host): the
+            # kernel-log lines that name it are npud's own (npud/guards.py)
+            "npu_worker_pid": getattr(self.model.backend, "worker_pid", lambda: None)(),
             "fingerprint": self.model.fingerprint[:16],
             "checkpoint": {**self.model.checkpoint_info, "resident_bytes": self.model.nbytes},
         }
@@ -521,6 +534,45 @@ def check_grammar(grammar) -> None:
     from npud.engine.grammar import check  # llguidance, only when a request has a grammar
 
     check(grammar)
+
+
+def _host_after_lost_placement(model, kernels, costs: dict):
+    """The model moved to the host backend after the NPU lost every shape it was timed on (its
+    weights are the host's layouts already: the NPU backend prepares those for every weight);
+    returns (the host backend, the reason describe() gives)."""
+    host = kernels.host
+    kernels.close()  # its worker goes: nothing will run on it
+    model.backend = host
+    worst = ", ".join(f"{shape}: NPU {c['npu_ms']} ms, host {c['host_ms']} ms" for shape, c in list(costs.items())[:3])
+    reason = (f"host backend: the NPU was slower than the host on every GEMM shape it was timed on "
+              f"({len(costs)} shapes; {worst})")
+    log.warning("npu_placement_lost", shapes=len(costs), costs=costs)
+    return host, reason
+
+
+def layer_placement(model) -> dict:
+    """Where each layer's linears run, {layer index: {linear: "npu" | why the host}}, as the
+    model's backend places them (empty for a backend that places nothing)."""
+    import dataclasses
+
+    from npud.kernels.base import LinearWeight
+
+    where = getattr(model.backend, "where", None)
+    if where is None:
+        return {}
+    out = {}
+    for i, layer in enumerate(model.weights.layers):
+        placed = {}
+        for part in dataclasses.fields(layer):
+            value = getattr(layer, part.name)
+            items = [(part.name, value)] if isinstance(value, LinearWeight) else (
+                [(f"{part.name}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)]
+                if dataclasses.is_dataclass(value) else [])
+            for name, w in items:
+                if isinstance(w, LinearWeight):
+                    placed[name] = where(w)
+        out[str(i)] = placed
+    return out
 
 
 def describe_checkpoint(path) -> dict:

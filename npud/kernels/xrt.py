@@ -18,7 +18,12 @@ XRT, or a worker that dies or hangs, raises NpuRunError (a DeviceFault): an abor
 leaves zeros in C, which must never reach the logits.
 
 Shapes without a design, and weight formats other than bf16, run on the host kernels; each
-such shape is logged once with the reason. pyxrt ships with XRT and is not on the package
+such shape is logged once with the reason. So does a shape the host computes faster: when a
+shape's first weight is uploaded, a decode-sized pass (COST_ROWS rows) of that weight is timed
+on the NPU, through the worker as a decode pays it, and on the host (the fastest of
+COST_REPEATS runs of each, as npud/engine/pass_costs.py times verify rows), and the shape
+stays on the NPU only where the NPU is faster (backend "xrt" keeps it there regardless and
+says what it costs). pyxrt ships with XRT and is not on the package
 index: it is imported when the backend is built, never at import time.
 """
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +45,8 @@ from npud.kernels.xrt_device import DeviceSession, NpuRunError, XrtUnavailable, 
 log = structlog.get_logger(__name__)
 
 DEFAULT_TIMEOUT_MS = 5000
+COST_ROWS = 1  # the rows of a decode step: the pass placement compares
+COST_REPEATS = 5  # runs of each side; the fastest is kept (a preempted run only ever looks slower)
 BINDING = "pyxrt"  # the module that is XRT's Python binding (tests name their simulator)
 ISOLATIONS = ("process", "inline")
 _bf16_bits = bf16_bits  # the name tests/test_kernels.py checks
@@ -77,19 +85,39 @@ class _Runner:
         return self.device.run(handle, bf16_bits(x), int(timeout_ms), step)
 
 
+def measure_costs(runner: "_Runner", handle: int, host, host_weight: LinearWeight, rows: int,
+                  timeout_ms: int) -> tuple[float, float]:
+    """Seconds of a `rows`-row pass of one weight on the NPU (the worker's round trip included:
+    what a decode step pays) and on the host: the fastest of COST_REPEATS runs of each. Raises
+    NpuRunError."""
+    import time
+
+    x = np.random.default_rng(0).standard_normal((rows, host_weight.in_features)).astype(np.float32)
+
+    def fastest(call) -> float:
+        best = float("inf")
+        for _ in range(COST_REPEATS):
+            start = time.perf_counter()
+            call()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    return fastest(lambda: runner.run(x, handle, timeout_ms)), fastest(lambda: host.linear(x, host_weight))
+
+
 class XrtBackend:
     """GEMMs with a design on the NPU (compiled-M-row passes), everything else on `host`.
 
     `check` is run on each design when its first weight is prepared (npud/kernels/xrt_check.py);
     `strict` (backend "xrt") turns a failed check into XrtUnavailable instead of a move to
-    the host.
+    the host. `costs` times a shape on both sides (`measure_costs`; tests inject theirs).
     """
 
     name = "xrt"
 
     def __init__(self, table: DesignTable, host, *, device_index: int = 0,
                  timeout_ms: int = DEFAULT_TIMEOUT_MS, strict: bool = False, check=None,
-                 isolation: str = "process", context_budget: int | None = None):
+                 isolation: str = "process", context_budget: int | None = None, costs=None):
         if isolation not in ISOLATIONS:
             raise ValueError(f"isolation {isolation!r}: expected one of {list(ISOLATIONS)}")
         self.isolation = isolation
@@ -113,6 +141,8 @@ class XrtBackend:
         self._weights: dict[int, tuple[_Runner, int]] = {}  # id(prepared data) -> (runner, weight handle)
         self.placement: dict[tuple[int, int, str], str] = {}  # shape -> "npu", "npu-rowwise" or why host
         self.policies: dict[tuple[int, int, str], str] = {}  # shape on the NPU -> its tolerance policy
+        self.costs: dict[tuple[int, int, str], tuple[float, float]] = {}  # shape -> (NPU s, host s), COST_ROWS rows
+        self._costs = costs if costs is not None else measure_costs
         if check is None:
             from npud.kernels.xrt_check import check_design
             check = check_design
@@ -129,6 +159,8 @@ class XrtBackend:
             self.table_identity = table.identity()  # of the files as loaded now
         except OSError as exc:
             raise XrtUnavailable(f"cannot read the design files of {table.path}: {exc}") from exc
+        log.info("npu_design_table", path=str(table.path), device=table.device, designs=len(table.designs),
+                 toolchain=table.toolchain or None)
         for key, design in sorted(table.designs.items()):  # every xclbin is read now, used or not
             why = self.device.kernel_errors(design)
             if why is not None and self.strict:
@@ -153,8 +185,28 @@ class XrtBackend:
             except Exception as exc:  # XRT's "failed to allocate BO": most often the memlock limit
                 raise XrtUnavailable(f"cannot place a [{n}, {k}] weight in NPU memory: {exc} (is the memlock "
                                      "limit unlimited? docs/npu.md)") from exc
+            if key not in self.costs and not self._placed_by_cost(key, runner, handle, host_copy):
+                return host_copy  # the host is faster for this shape: it runs there from now on
             self._weights[id(host_copy.data)] = (runner, handle)
         return host_copy
+
+    def _placed_by_cost(self, key: tuple[int, int, str], runner: _Runner, handle: int,
+                        host_weight: LinearWeight) -> bool:
+        """Time the shape on both sides (its first weight) and keep it on the NPU only where the NPU
+        is faster, or where backend "xrt" asks for the NPU. Raises NpuRunError."""
+        npu_s, host_s = self._costs(runner, handle, self.host, host_weight, COST_ROWS, self.timeout_ms)
+        self.costs[key] = (float(npu_s), float(host_s))
+        said = f"{COST_ROWS}-row pass: NPU {npu_s * 1e3:.3f} ms, host {host_s * 1e3:.3f} ms"
+        if npu_s < host_s or self.strict:
+            log.info("npu_shape_placed", K=key[0], N=key[1], weight_format=key[2], npu_ms=round(npu_s * 1e3, 3),
+                     host_ms=round(host_s * 1e3, 3), where="npu", strict=self.strict)
+            return True
+        self.device.forget(handle)
+        del self._runners[key]
+        self.policies.pop(key, None)
+        self._rowwise.discard(key)
+        self._to_host(key, f"the host is faster ({said})")
+        return False
 
     def _runner(self, key: tuple[int, int, str]) -> _Runner | None:
         if key in self._runners:
@@ -209,6 +261,27 @@ class XrtBackend:
             out += w.bias
         return out
 
+    def layer_group(self, spec, layers: list[dict[str, LinearWeight]], lm_head: LinearWeight) -> "NpuLayerGroup | None":
+        """The model's layer group on this device (npud/kernels/layers.py: one call per layer,
+        one worker round trip), or None when any of its linears does not run on the NPU (then
+        the engine calls the ops one by one, as before). `spec` holds the row-wise weights;
+        `layers` each layer's q, k, v, o, gate, up, down as prepared; `lm_head` likewise."""
+        def handle(w: LinearWeight) -> int | None:
+            entry = self._weights.get(id(w.data))
+            return None if entry is None else entry[1]
+
+        handles = [{name: handle(w) for name, w in layer.items()} for layer in layers]
+        head = handle(lm_head)
+        if head is None or any(h is None for layer in handles for h in layer.values()):
+            return None
+        steps = {h: 1 for layer, ws in zip(handles, layers) for name, h in layer.items()
+                 if (ws[name].in_features, ws[name].out_features, ws[name].fmt.value) in self._rowwise}
+        if (lm_head.in_features, lm_head.out_features, lm_head.fmt.value) in self._rowwise:
+            steps[head] = 1
+        gid = self.device.define_layer_group(spec, handles, head, steps)
+        log.info("npu_layer_group", layers=len(layers), round_trips_per_token=len(layers) + 1)
+        return NpuLayerGroup(self.device, gid, self.timeout_ms)
+
     def fuse_linears(self, parts) -> None:
         """Keeps every linear apart: a design is compiled for one layer's (K, N), and a fused shape has
         none. Defined here because __getattr__ would answer with the host's fusion."""
@@ -226,6 +299,35 @@ class XrtBackend:
         """Where each GEMM shape runs: {"K x N fmt": "npu" | "npu-rowwise" | why host}."""
         return {f"{k}x{n} {fmt}": where for (k, n, fmt), where in sorted(self.placement.items())}
 
+    def stats(self) -> dict:
+        """The device path's counters so far: "worker_round_trips" and "pipe_bytes" (0 inline; read
+        before the device is asked, so this call's own round trip is not among them), then the
+        device session's (DeviceSession.stats: passes, contexts, bytes to and from the device)."""
+        trips, pipe = getattr(self.device, "round_trips", 0), getattr(self.device, "pipe_bytes", 0)
+        return {"worker_round_trips": trips, "pipe_bytes": pipe, **self.device.stats()}
+
+    def worker_pid(self) -> int:
+        """The process that holds the device for this backend: its NPU worker's, or this one's inline."""
+        return self.device.pid if self.isolation == "process" else os.getpid()
+
+    def describe_costs(self) -> dict:
+        """What each timed shape costs a COST_ROWS-row pass: {"K x N fmt": {"rows", "npu_ms", "host_ms"}}."""
+        return {f"{k}x{n} {fmt}": {"rows": COST_ROWS, "npu_ms": round(npu * 1e3, 3), "host_ms": round(host * 1e3, 3)}
+                for (k, n, fmt), (npu, host) in sorted(self.costs.items())}
+
+    def where(self, w: LinearWeight) -> str:
+        """Where one prepared weight runs: "npu" (or "npu-rowwise"), or why the host."""
+        key = (int(w.in_features), int(w.out_features), w.fmt.value)
+        where = self.placement.get(key)
+        if id(w.data) in self._weights:
+            return where or "npu"
+        return where if where is not None and not where.startswith("npu") else "host"
+
+    def lost_everywhere(self) -> bool:
+        """Whether the NPU runs none of the shapes and at least one was timed and lost: the model
+        is better served by the host backend alone."""
+        return bool(self.costs) and not any(p.startswith("npu") for p in self.placement.values())
+
     def describe_tolerance(self) -> dict:
         """The start-up check's tolerance policy of each shape on the NPU: {"K x N fmt": policy}."""
         return {f"{k}x{n} {fmt}": policy for (k, n, fmt), policy in sorted(self.policies.items())}
@@ -241,15 +343,32 @@ class XrtBackend:
         return getattr(self.host, attr)
 
 
+class NpuLayerGroup:
+    """A model's layers on the NPU device, one call per layer (npud/kernels/layers.py's shape):
+    each call is one worker round trip running the layer's GEMMs and row-wise kernels."""
+
+    def __init__(self, device, gid: int, timeout_ms: int):
+        self.device, self.gid, self.timeout_ms = device, gid, timeout_ms
+
+    def begin(self, x: np.ndarray) -> tuple:
+        return self.device.layer_begin(self.gid, np.ascontiguousarray(x, np.float32), self.timeout_ms)
+
+    def step(self, i: int, attn: np.ndarray, x: np.ndarray, picked: np.ndarray) -> tuple:
+        return self.device.layer_step(self.gid, i, np.ascontiguousarray(attn, np.float32),
+                                      np.ascontiguousarray(x, np.float32), np.asarray(picked, np.int64),
+                                      self.timeout_ms)
+
+
 def load_backend(design_table: str | Path, host, *, timeout_ms: int = DEFAULT_TIMEOUT_MS,
-                 strict: bool = False, isolation: str = "process", context_budget: int | None = None) -> XrtBackend:
+                 strict: bool = False, isolation: str = "process", context_budget: int | None = None,
+                 costs=None) -> XrtBackend:
     """The NPU backend for a design table; raises XrtUnavailable with what is wrong."""
     try:
         table = DesignTable.load(design_table)
     except DesignError as e:
         raise XrtUnavailable(str(e)) from None
     return XrtBackend(table, host, timeout_ms=timeout_ms, strict=strict, isolation=isolation,
-                      context_budget=context_budget)
+                      context_budget=context_budget, costs=costs)
 
 
 def tolerance_policy(design: GemmDesign) -> str:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -137,6 +137,7 @@ class DesignTable:
     designs: dict[tuple[int, int, str], GemmDesign]
     path: Path
     on_host: tuple[str, ...] = ()  # the build's word on each shape it left to the host
+    toolchain: dict = field(default_factory=dict)  # what built it (tools/build_npu_designs.py); {} for older tables
 
     def lookup(self, k: int, n: int, weight_format: str) -> tuple[GemmDesign | None, str]:
         """The design for a [N, K] weight in `weight_format`, or None and why not."""
@@ -182,6 +183,10 @@ class DesignTable:
         on_host = raw.get("on_host", [])
         if not isinstance(on_host, list) or not all(isinstance(x, str) for x in on_host):
             raise DesignError(f"{path}: \"on_host\" must be a list of strings")
+        toolchain = raw.get("toolchain", {})
+        if not isinstance(toolchain, dict) or not all(isinstance(k, str) and (v is None or isinstance(v, str))
+                                                      for k, v in toolchain.items()):
+            raise DesignError(f"{path}: \"toolchain\" must map names to version strings")
         designs: dict[tuple[int, int, str], GemmDesign] = {}
         for i, entry in enumerate(entries):
             where = f"{path}: designs[{i}]"
@@ -195,7 +200,7 @@ class DesignTable:
             if design.key in designs:
                 raise DesignError(f"{where}: a second design for K={design.K}, N={design.N}, {design.weight_format}")
             designs[design.key] = design
-        return cls(device, designs, path, tuple(on_host))
+        return cls(device, designs, path, tuple(on_host), dict(toolchain))
 
 
 _INT_FIELDS = ("K", "N", "M", "compiled_K", "compiled_N", "tile_m", "tile_k", "tile_n", "columns")
@@ -290,9 +295,11 @@ def _hex_words(path: Path, data: bytes) -> np.ndarray:
     return np.array(values, dtype=np.uint32)
 
 
-def write_table(path: str | Path, device: str, designs: list[GemmDesign], on_host: list[str] = ()) -> None:
+def write_table(path: str | Path, device: str, designs: list[GemmDesign], on_host: list[str] = (),
+                toolchain: dict | None = None) -> None:
     """Write design.json for `designs` (their files are named relative to the table's folder),
-    with `on_host`: one line per shape the build left to the host and why."""
+    with `on_host`: one line per shape the build left to the host and why, and `toolchain`: the
+    releases the designs were built with and the XRT, driver and firmware the build saw."""
     path = Path(path)
     rows = []
     for d in sorted(designs, key=lambda d: d.key):
@@ -303,7 +310,8 @@ def write_table(path: str | Path, device: str, designs: list[GemmDesign], on_hos
         row.update(n_passes=d.n_passes, dtype_in=d.dtype_in, dtype_out=d.dtype_out, b_col_major=d.b_col_major,
                    bfp16_emulation=d.bfp16_emulation, insts_format=d.insts_format)
         rows.append(row)
-    table = {"version": 1, "device": device, "designs": rows, "on_host": list(on_host)}
+    table = {"version": 1, "device": device, "designs": rows, "on_host": list(on_host),
+             "toolchain": dict(toolchain or {})}
     path.write_text(json.dumps(table, indent=1) + "\n")
 
 

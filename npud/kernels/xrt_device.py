@@ -13,6 +13,8 @@ Hardware contexts are few: 6 per device on npu1 (Phoenix, Hawk Point), 16 on npu
 (amdxdna's npu*_regs.c hwctx_limit), shared with every other process. ContextPlan opens one
 per xclbin (designs of one xclbin share it) and, at the budget, closes the least recently
 used one that has no run in flight; its designs reopen on their next call. The buffers stay.
+Where the driver tells how many contexts every process holds (npud/kernels/amdxdna.py), the
+budget is what the others leave: a context of ours is closed rather than a new one refused.
 
 A run that does not complete in time is not destroyed: destroying an xrt::run in flight
 aborts the process (xrt_kernel.cpp), and pyxrt binds no abort. It is kept in `in_flight` and
@@ -23,12 +25,18 @@ polled before every later call until its state is final; its design's context is
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+import structlog
+
+from npud.kernels import amdxdna
 from npud.kernels.errors import DeviceFault
 from npud.kernels.xrt_design import DesignError, GemmDesign, read_insts
+
+log = structlog.get_logger(__name__)
 
 OPCODE = 3  # the opcode aiecc-built kernels expect for "run the instruction stream"
 GROUP_INSTR, GROUP_A, GROUP_B, GROUP_C = 1, 3, 4, 5  # kernel argument indices, for group_id()
@@ -91,14 +99,36 @@ class _Context:
 
 
 class ContextPlan:
-    """One hardware context per xclbin, at most `budget` open, least recently used closed first."""
+    """One hardware context per xclbin, at most `budget` open (less the contexts other processes
+    hold, where `device_contexts` tells), least recently used closed first."""
 
-    def __init__(self, xrt, device, budget: int):
+    def __init__(self, xrt, device, budget: int,
+                 device_contexts: Callable[[], amdxdna.ResourceInfo | None] | None = None):
         self.xrt, self.device, self.budget = xrt, device, int(budget)
+        self.device_contexts = device_contexts
         self.open: OrderedDict[str, _Context] = OrderedDict()  # xclbin path -> context, oldest first
         self.registered: dict[str, object] = {}  # xclbin path -> its xrt.xclbin (registered once)
         self.retired: list[_Context] = []  # kept referenced: a run of theirs may still be in flight
         self.opened = 0  # contexts created, for the tests and the log
+        self.foreign = 0  # contexts other processes held when one was last opened (as the driver said)
+
+    def room(self) -> int:
+        """How many contexts this plan may hold now: its budget, less what other processes hold
+        where the driver says (every context the driver counts that is not one of ours)."""
+        info = None
+        if self.device_contexts is not None:
+            try:
+                info = self.device_contexts()
+            except OSError:  # the driver refused the query: no word from it
+                info = None
+        if info is None:
+            return self.budget
+        foreign = max(0, info.contexts_in_use - len(self.open) - len(self.retired))
+        if foreign != self.foreign:
+            log.info("npu_contexts_of_other_processes", held=foreign, device_limit=info.contexts_limit,
+                     ours=len(self.open) + len(self.retired))
+            self.foreign = foreign
+        return min(self.budget, info.contexts_limit - len(self.retired) - foreign)
 
     def kernel(self, design: GemmDesign, busy: set[str]):
         """The design's kernel in an open context of its xclbin (opening one, closing the least
@@ -107,10 +137,14 @@ class ContextPlan:
         path = str(design.xclbin)
         ctx = self.open.get(path)
         if ctx is None:
-            while len(self.open) >= self.budget:
+            room = self.room()
+            if room <= 0 and not self.open:
+                raise XrtUnavailable(f"other processes hold every hardware context of the NPU ({self.foreign}); "
+                                     f"design {design.xclbin.name} cannot open one")
+            while len(self.open) >= max(room, 1):
                 victim = next((p for p in self.open if p not in busy), None)
                 if victim is None:
-                    raise NpuRunError(f"all {self.budget} hardware contexts have a run in flight")
+                    raise NpuRunError(f"all {len(self.open)} hardware contexts of npud's have a run in flight")
                 del self.open[victim]  # its runs are over: the context and its kernels go
             xb = self.registered.get(path)
             if xb is None:
@@ -158,17 +192,26 @@ class DeviceSession:
     raises NpuRunError (a DeviceFault) for a failure of the device, XrtUnavailable for a design
     that cannot serve."""
 
-    def __init__(self, xrt, generation: str, device_index: int = 0, context_budget: int | None = None):
+    def __init__(self, xrt, generation: str, device_index: int = 0, context_budget: int | None = None,
+                 device_contexts: Callable[[], amdxdna.ResourceInfo | None] | None = None):
         self.xrt = xrt
         self.generation = generation
         self.device = xrt.device(device_index)
         budget = CONTEXT_BUDGET[generation] if context_budget is None else context_budget
-        self.plan = ContextPlan(xrt, self.device, budget)
+        if device_contexts is None and not self.simulator:  # XRT's device i is the i-th accel node
+            node = f"/dev/accel/accel{device_index}"
+            device_contexts = lambda: amdxdna.resource_info(node)  # noqa: E731
+        self.plan = ContextPlan(xrt, self.device, budget, device_contexts)
         self.designs: dict[tuple, _Design] = {}
         self.weights: dict[int, tuple[tuple, list]] = {}  # handle -> (design key, B bo per pass)
         self.in_flight: list[tuple[object, str]] = []  # (run, xclbin) of runs that timed out
         self.passes = 0  # kernel runs started
+        self.bytes_to_device = 0  # activations written to A buffers (and synced) for runs
+        self.bytes_from_device = 0  # outputs read back from C buffers
+        self.weight_bytes = 0  # weights written to B buffers (at load)
         self._next_handle = 1
+        self.groups: dict[int, tuple] = {}  # layer group id -> (spec, handles per layer, head, row steps)
+        self._rows_host = None  # the host kernels a layer group's row-wise steps run on (made once)
 
     @property
     def simulator(self) -> bool:
@@ -212,6 +255,7 @@ class DeviceSession:
                 b[: d.K, : part.shape[0]] = part.T
             bo = self.buffer(kernel, b.nbytes, GROUP_B)
             bo.write(b.view(np.uint8).ravel(), 0)
+            self.weight_bytes += b.nbytes
             bo.sync(self.xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
             bos.append(bo)
         handle, self._next_handle = self._next_handle, self._next_handle + 1
@@ -248,6 +292,7 @@ class DeviceSession:
             kernel = self.plan.kernel(d, self.busy())
             entry.bo_a.write(a.view(np.uint8).ravel(), 0)
             entry.bo_a.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
+            self.bytes_to_device += a.nbytes
             for p, bo_b in enumerate(bos):
                 self.passes += 1
                 run = kernel(OPCODE, entry.bo_insts, entry.num_insts, entry.bo_a, bo_b, entry.bo_c)
@@ -261,6 +306,7 @@ class DeviceSession:
                                       f"(timeout {timeout_ms} ms)", name)
                 entry.bo_c.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE)
                 raw = entry.bo_c.read(d.M * d.compiled_N * 4, 0)
+                self.bytes_from_device += d.M * d.compiled_N * 4
                 c = np.frombuffer(bytes(raw), np.float32).reshape(d.M, d.compiled_N)
                 n0 = p * d.compiled_N
                 width = min(d.compiled_N, d.N - n0)
@@ -271,10 +317,54 @@ class DeviceSession:
             raise NpuRunError(f"GEMM K={d.K} N={d.N} on the NPU raised {type(exc).__name__}: {exc}") from exc
         return out
 
+    def define_layer_group(self, spec, handles: list[dict[str, int]], head: int, steps: dict[int, int]) -> int:
+        """Keep a model's layer group (npud/kernels/layers.py): its row-wise weights here, its GEMMs'
+        weight handles (uploaded already), the row step of the designs that run one row a pass.
+        Returns its id. The host kernels come from npud.kernels.select, as in npud itself."""
+        if self._rows_host is None:
+            from npud.kernels.select import default_backend
+
+            self._rows_host = default_backend()
+        gid = len(self.groups) + 1
+        self.groups[gid] = (spec, handles, head, steps)
+        return gid
+
+    def layer_begin(self, gid: int, x: np.ndarray, timeout_ms: int) -> tuple:
+        """npud/kernels/layers.py begin() on this device. Raises NpuRunError."""
+        from npud.kernels import layers
+
+        spec, *_ = self.groups[gid]
+        return layers.begin(spec, self._rows_host, self._group_linear(gid, timeout_ms), x)
+
+    def layer_step(self, gid: int, i: int, attn: np.ndarray, x: np.ndarray, picked: np.ndarray,
+                   timeout_ms: int) -> tuple:
+        """npud/kernels/layers.py step() on this device. Raises NpuRunError."""
+        from npud.kernels import layers
+
+        spec, *_ = self.groups[gid]
+        return layers.step(spec, self._rows_host, self._group_linear(gid, timeout_ms), i, attn, x, picked)
+
+    def _group_linear(self, gid: int, timeout_ms: int):
+        spec, handles, head, steps = self.groups[gid]
+
+        def linear(i: int, name: str, x: np.ndarray) -> np.ndarray:
+            handle = head if name == "lm_head" else handles[i][name]
+            out = self.run(handle, bf16_bits(x), timeout_ms, steps.get(handle))
+            bias = None if name == "lm_head" else dict(spec.layers[i].biases).get(name)
+            if bias is not None:
+                out += bias
+            return out
+
+        return linear
+
     def stats(self) -> dict:
-        """{"passes": runs started, "contexts_opened": contexts created, "in_flight": runs kept} (after a poll)."""
+        """{"passes": runs started, "contexts_opened": contexts created, "contexts_open": held now,
+        "in_flight": runs kept, "bytes_to_device" / "bytes_from_device": activations written to A
+        and outputs read from C, "weight_bytes": weights written to B} (after a poll)."""
         self.poll()
-        return {"passes": self.passes, "contexts_opened": self.plan.opened, "in_flight": len(self.in_flight)}
+        return {"passes": self.passes, "contexts_opened": self.plan.opened, "contexts_open": len(self.plan.open),
+                "in_flight": len(self.in_flight), "bytes_to_device": self.bytes_to_device,
+                "bytes_from_device": self.bytes_from_device, "weight_bytes": self.weight_bytes}
 
     def _keep(self, run, entry: _Design, state: str) -> None:
         self.in_flight.append((run, str(entry.design.xclbin)))

@@ -9,8 +9,9 @@ backend talks to over two pipes, one pickled frame per call and per answer; the 
 waits on the pipe (no GIL held), and:
 
 - the worker dies (abort, segfault, killed): the call raises NpuRunError naming the signal;
-- the worker does not answer within the run's timeout plus REPLY_GRACE_S: it is killed and
-  the call raises NpuRunError;
+- the worker does not answer within its runs' timeouts plus REPLY_GRACE_S (each chunk of rows
+  runs one pass per slice of the layer's N, each pass with its own timeout: the 19-pass LM head
+  may take 19 of them): it is killed and the call raises NpuRunError;
 - after either, every later call raises NpuRunError at once (the device is lost to this
   backend; the daemon quarantines it and serves on the host).
 
@@ -42,15 +43,18 @@ class WorkerError(RuntimeError):
     """XRT refused something in the worker (its exception's type and text are in the message)."""
 
 
-def _write_frame(fd: int, obj, deadline: float | None) -> None:
+def _write_frame(fd: int, obj, deadline: float | None) -> int:
+    """Send one frame; returns the bytes written."""
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     view = memoryview(_HEADER.pack(len(data)) + data)
+    size = len(view)
     while view:
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([], [fd], [], left)[1]:
                 raise TimeoutError
         view = view[os.write(fd, view):]
+    return size
 
 
 def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
@@ -68,11 +72,13 @@ def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
     return b"".join(chunks)
 
 
-def _read_frame(fd: int, deadline: float | None):
+def _read_frame(fd: int, deadline: float | None, sizes: list | None = None):
     head = _read_exact(fd, _HEADER.size, deadline)
     if head is None:
         return None
     body = _read_exact(fd, _HEADER.unpack(head)[0], deadline)
+    if sizes is not None and body is not None:
+        sizes.append(_HEADER.size + len(body))
     return None if body is None else pickle.loads(body)
 
 
@@ -87,6 +93,12 @@ class WorkerDevice:
                                      stdout=subprocess.PIPE, env=env, close_fds=True)
         self._to, self._from = self.proc.stdin.fileno(), self.proc.stdout.fileno()
         self.lost: str | None = None
+        self.round_trips = 0  # calls answered (or failed) by the worker, this process's count
+        self.pipe_bytes = 0  # frames both ways through the pipes
+        self._passes: dict[tuple, int] = {}  # design key -> passes per chunk of rows
+        self._rows: dict[tuple, int] = {}  # design key -> its compiled rows (M) per pass
+        self._groups: dict[int, tuple] = {}  # layer group id -> (handles per layer, head, row steps)
+        self._handles: dict[int, tuple] = {}  # weight handle -> its design's key
         # a backend dropped without close(): the worker reads the end of its pipe and exits
         self._finalizer = weakref.finalize(self, _end, self.proc)
         try:
@@ -103,9 +115,12 @@ class WorkerDevice:
         if self.lost is not None:
             raise NpuRunError(f"the NPU worker is gone ({self.lost})", "worker_lost")
         deadline = time.monotonic() + timeout_s
+        self.round_trips += 1
+        sizes: list[int] = []
         try:
-            _write_frame(self._to, (method, args), deadline)
-            reply = _read_frame(self._from, deadline)
+            self.pipe_bytes += _write_frame(self._to, (method, args), deadline)
+            reply = _read_frame(self._from, deadline, sizes)
+            self.pipe_bytes += sum(sizes)
         except TimeoutError:
             self._lose(f"no answer to {method} in {timeout_s:g} s; killed")
             raise NpuRunError(f"the NPU worker hung in {method} and was killed", "worker_hung") from None
@@ -153,17 +168,49 @@ class WorkerDevice:
 
     def open_design(self, design) -> None:
         self._call("open_design", (design,), SETUP_TIMEOUT_S)
+        self._passes[design.key] = design.n_passes
+        self._rows[design.key] = design.M
 
     def upload(self, key, bits) -> int:
-        return self._call("upload", (key, bits), SETUP_TIMEOUT_S)
+        handle = self._call("upload", (key, bits), SETUP_TIMEOUT_S)
+        self._handles[handle] = key
+        return handle
 
     def forget(self, handle: int) -> None:
         self._call("forget", (handle,), SETUP_TIMEOUT_S)
 
     def run(self, handle: int, a_bits, timeout_ms: int, step: int | None = None):
-        chunks = -(-a_bits.shape[0] // step) if step else a_bits.shape[0]  # each may take the timeout
         return self._call("run", (handle, a_bits, timeout_ms, step),
-                          chunks * timeout_ms / 1000 + REPLY_GRACE_S)
+                          reply_deadline_s(a_bits.shape[0], step, self._passes_of(handle), timeout_ms))
+
+    def _passes_of(self, handle: int) -> int:
+        return self._passes.get(self._handles.get(handle), 1)
+
+    def define_layer_group(self, spec, handles, head, steps) -> int:
+        gid = self._call("define_layer_group", (spec, handles, head, steps), SETUP_TIMEOUT_S)
+        self._groups[gid] = (handles, head, steps)
+        return gid
+
+    def layer_begin(self, gid: int, x, timeout_ms: int):
+        handles, _, steps = self._groups[gid]
+        return self._call("layer_begin", (gid, x, timeout_ms),
+                          self._group_deadline_s(x.shape[0], [handles[0][n] for n in ("q", "k", "v")], steps,
+                                                 timeout_ms))
+
+    def layer_step(self, gid: int, i: int, attn, x, picked, timeout_ms: int):
+        handles, head, steps = self._groups[gid]
+        runs = [handles[i][n] for n in ("o", "gate", "up", "down")]
+        runs += [handles[i + 1][n] for n in ("q", "k", "v")] if i + 1 < len(handles) else [head]
+        return self._call("layer_step", (gid, i, attn, x, picked, timeout_ms),
+                          self._group_deadline_s(x.shape[0], runs, steps, timeout_ms))
+
+    def _group_deadline_s(self, rows: int, handles: list[int], steps: dict, timeout_ms: int) -> float:
+        """Every pass of every GEMM the call runs may take the run timeout (reply_deadline_s each)."""
+        return sum(reply_deadline_s(rows, steps.get(h) or self._design_rows(h), self._passes_of(h), timeout_ms)
+                   - REPLY_GRACE_S for h in handles) + REPLY_GRACE_S
+
+    def _design_rows(self, handle: int) -> int | None:
+        return self._rows.get(self._handles.get(handle))
 
     def stats(self) -> dict:
         return self._call("stats", (), SETUP_TIMEOUT_S)
@@ -178,6 +225,14 @@ class WorkerDevice:
             except (NpuRunError, WorkerError):
                 pass
         self._finalizer()  # the pipes close; the worker exits (killed only if it does not)
+
+
+def reply_deadline_s(rows: int, step: int | None, passes: int, timeout_ms: int) -> float:
+    """How long a run of `rows` rows may take the worker: every pass it starts (a chunk of
+    `step` rows, or one a row without a step, times the layer's `passes`) may take the run
+    timeout, plus REPLY_GRACE_S for the pipe and the worker's bookkeeping."""
+    chunks = -(-rows // step) if step else rows
+    return chunks * max(1, passes) * timeout_ms / 1000 + REPLY_GRACE_S
 
 
 def _end(proc: subprocess.Popen) -> None:
