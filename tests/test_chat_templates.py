@@ -218,7 +218,7 @@ def test_a_chat_reply_stops_at_its_end_of_turn_and_a_plain_prompt_runs_past_it(t
 
 def test_a_drafted_chat_stops_at_its_end_of_turn_beside_a_plain_prompt_that_runs_past_it(tmp_path):
     """The round loop cuts a chat at <|im_end|> when a draft runs past it (the checkpoint drafts
-    for itself, so every greedy draft is kept and k = 8 lands a round across the chat's 20th
+    for itself, so every greedy draft is kept and a fixed k = 8 (adapt_k off: no plan) lands a round across the chat's 20th
     token), while a plain prompt in the same batch ("class A:", whose free run writes <|im_end|>
     at its 9th token) runs past it to max_tokens; alone and batched give the same tokens."""
     from decoding import plain_tokens
@@ -230,7 +230,7 @@ def test_a_drafted_chat_stops_at_its_end_of_turn_beside_a_plain_prompt_that_runs
     path = build_tiny_checkpoint(tmp_path / "m", "qwen3", seed=5)
     served = LoadedModel.load("tiny", path, draft_dir=path, weight_format="fp32", backend="host")
     im_end = served.tokenizer.token_id("<|im_end|>")
-    params = GenerationParams(max_tokens=40, spec=SpecParams(method="draft", k=8, fallback_rounds=0))
+    params = GenerationParams(max_tokens=40, spec=SpecParams(method="draft", k=8, adapt_k=False, fallback_rounds=0))
     chat = GenerateRequest(messages=({"role": "user", "content": "def add(a, b):"},), params=params)
     plain = GenerateRequest(prompt="class A:", params=params)
     free_chat = plain_tokens(served.model, served.prompt_ids(chat), 40)
