@@ -12,6 +12,9 @@ contiguous and in order:
 - attention runs per sequence over that sequence's own planes (ragged lengths, sliding windows,
   a KV-shared layer reading its owner's plane), and a gated delta net (GDN) layer carries each
   sequence's recurrent state over that sequence's rows only;
+- an attention layer is one backend call over all rows (npud.kernels.base.decoder_layer: the host
+  runs it as one native call, a backend without it composes the primitives); its KV rows are
+  written in place into planes reserved for the pass, and counted as held after the call;
 - the LM head runs once, over the rows whose logits some sequence asked for.
 
 A sequence whose pass cannot start (its start is not the positions it holds, it would pass the
@@ -29,7 +32,7 @@ import numpy as np
 from npud.engine.api import RequestError
 from npud.engine.config import AttentionKind
 from npud.engine.state import PlaneKind
-from npud.kernels.base import add_rms_norm, norm_rope
+from npud.kernels.base import LayerCall, PlaneRows, RoundRows, add_rms_norm, decoder_layer, layer_tail
 
 
 class Rows(enum.Enum):
@@ -101,6 +104,7 @@ class _Packed:
                                          for _, p in seqs])
         self.token_ids = np.asarray([t for _, p in seqs for t in p.tokens], dtype=np.int64)
         self.tap_layers = frozenset(i for f, _ in seqs for i in f._tap_layers)
+        self.rows = RoundRows(self.positions, tuple((s.start, s.stop) for s in self.slices))
 
     def run(self) -> list[np.ndarray]:
         b, w, cfg = self.backend, self.model.weights, self.config
@@ -113,12 +117,16 @@ class _Packed:
         taps = {}
         delta = None  # a layer's output is x + delta: the add waits for the next norm, which does it too
         try:
-            for spec, lw in zip(cfg.layers, w.layers):
-                x, delta = self._layer(spec, lw, x, delta, per_layer)
-                if spec.index in self.tap_layers:
+            for f, p in self.seqs:  # room for the pass's KV rows, which the layer calls write in place
+                for plane in f.state.planes:
+                    if plane.kind is PlaneKind.KV:
+                        plane.reserve(p.num_rows)
+            for layer in self.model.decoder_layers:
+                x, delta = self._layer(layer, x, delta, per_layer)
+                if layer.index in self.tap_layers:
                     if delta is not None:
                         x, delta = x + delta, None  # the bits add_rms_norm's sum would have
-                    taps[spec.index] = x
+                    taps[layer.index] = x
         except BaseException:
             for f, p in self.seqs:
                 _roll_back(f.state, p.start_pos)  # a failed pass leaves nothing half-appended
@@ -157,102 +165,43 @@ class _Packed:
         context = b.rms_norm(context.reshape(m, n, p), w.per_layer_projection_norm, cfg.rms_norm_eps)
         return (context + identity.reshape(m, n, p)) * np.float32(2**-0.5)
 
-    def _layer(self, spec, lw, x: np.ndarray, delta: np.ndarray | None,
+    def _layer(self, layer, x: np.ndarray, delta: np.ndarray | None,
                per_layer: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
-        """One decoder layer over all rows. Its input is x + delta [M, D] (delta None: x);
-        returns its output as such a pair, the MLP's output left for the next norm to add where
-        nothing comes between (npud.kernels.base.add_rms_norm: the add and the norm in one call)."""
-        b, cfg = self.backend, self.config
-        eps = cfg.rms_norm_eps
-        if delta is None:
-            h = b.rms_norm(x, lw.input_norm, eps)
-        else:
-            x, h = add_rms_norm(b, x, delta, lw.input_norm, eps)
-        if spec.kind is AttentionKind.LINEAR:
-            mixed = self._linear_attention(spec, lw.linear_attn, h)
-        else:
-            mixed = self._attention(spec, lw.attn, h)
-        if cfg.sandwich_norms:
-            # gemma4: the attention and MLP outputs are normed before they join the residual
-            x = x + b.rms_norm(mixed, lw.post_attention_norm, eps)
-            h = b.rms_norm(x, lw.pre_feedforward_norm, eps)
-            x = x + b.rms_norm(self._mlp(lw.mlp, h), lw.post_feedforward_norm, eps)
-        else:
-            x, h = add_rms_norm(b, x, mixed, lw.post_attention_norm, eps)
-            if per_layer is None and lw.layer_scalar is None:
-                return x, self._mlp(lw.mlp, h)
-            x = x + self._mlp(lw.mlp, h)
-        if per_layer is not None:
-            gated = self._act_mul(b.linear(x, lw.per_layer_gate), per_layer[:, spec.index, :])
-            x = x + b.rms_norm(b.linear(gated, lw.per_layer_projection), lw.post_per_layer_norm, eps)
-        if lw.layer_scalar is not None:
-            x = x * lw.layer_scalar[0]
-        return x, None
-
-    def _act_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        if self.config.hidden_act == "silu":
-            return self.backend.silu_mul(gate, up)
-        return self.backend.gelu_tanh_mul(gate, up)
-
-    def _mlp(self, mw, h: np.ndarray) -> np.ndarray:
-        b = self.backend
-        if mw.gate_up is not None:  # one GEMM call; the activation reads the halves where they lie
-            gate, up = mw.gate_up.split(b.linear(h, mw.gate_up.weight))
-        else:
-            gate, up = b.linear(h, mw.gate), b.linear(h, mw.up)
-        return b.linear(self._act_mul(gate, up), mw.down)
-
-    def _norm_rope(self, x: np.ndarray, norm: np.ndarray | None, inv_freq: np.ndarray) -> np.ndarray:
-        if norm is None:
-            return self.backend.rope(x, self.positions, inv_freq)
-        return norm_rope(self.backend, x, norm, self.positions, inv_freq, self.config.rms_norm_eps)
-
-    def _attention(self, spec, aw, h: np.ndarray) -> np.ndarray:
-        b = self.backend
-        m = h.shape[0]
-        inv_freq = self.model.inv_freq[spec.index]
-        if aw.qkv is not None:  # one GEMM call for q, k, v (and the output gate), then column views
-            q, k, v, *gate = aw.qkv.split(b.linear(h, aw.qkv.weight))
-        else:
-            q, k, v, gate = b.linear(h, aw.q), None, None, ()
-        q = self._norm_rope(q.reshape(m, spec.num_heads, spec.head_dim), aw.q_norm, inv_freq)
-        if spec.owns_kv:
-            if k is None:
-                k = b.linear(h, aw.k)
-                # k_eq_v: the values are the raw key projection, before the key's norm and RoPE
-                v = k if aw.v is None else b.linear(h, aw.v)
-            k = k.reshape(m, spec.num_kv_heads, spec.head_dim)
-            v = v.reshape(m, spec.num_kv_heads, spec.head_dim)
-            if aw.v_norm is not None:
-                v = b.rms_norm(v, aw.v_norm, self.config.rms_norm_eps)
-            k = self._norm_rope(k, aw.k_norm, inv_freq)
-            for (f, _), rows in zip(self.seqs, self.slices):
-                f.state.planes[spec.index].append(k[rows], v[rows])
-        # each sequence attends over its own plane; a KV-shared layer reads the rows its owner
-        # appended, this pass's included
-        outs = []
-        for (f, _), rows in zip(self.seqs, self.slices):
-            plane = f.state.planes[spec.kv_owner]
+        """One decoder layer (npud.kernels.base.DecoderLayer) over all rows. Its input is x + delta
+        [M, D] (delta None: x); returns its output as such a pair, the MLP's output left for the next
+        norm to add where nothing comes between (npud.kernels.base.add_rms_norm: the add and the norm
+        in one call)."""
+        mine = None if per_layer is None else per_layer[:, layer.index, :]
+        if layer.kind == AttentionKind.LINEAR.value:
+            b, lw = self.backend, layer.weights
+            if delta is None:
+                h = b.rms_norm(x, lw.input_norm, layer.eps)
+            else:
+                x, h = add_rms_norm(b, x, delta, lw.input_norm, layer.eps)
+            return layer_tail(b, layer, x, self._linear_attention(layer, lw.linear_attn, h), mine)
+        planes = []
+        for (f, p), rows in zip(self.seqs, self.slices):
+            plane = f.state.planes[layer.kv_owner]
             if plane.kind is not PlaneKind.KV:
-                raise ValueError(f"layer {spec.index} reads KV from layer {spec.kv_owner}, which holds none")
-            outs.append(b.attention(q[rows], plane.keys(), plane.values(), self.positions[rows], spec.window,
-                                    spec.scale))
-        out = (outs[0] if len(outs) == 1 else np.concatenate(outs)).reshape(m, spec.num_heads * spec.head_dim)
-        if aw.gate is not None:  # qwen3_5's output gate
-            out = b.sigmoid_mul(out, gate[0] if gate else b.linear(h, aw.gate))
-        return b.linear(out, aw.o)
+                raise ValueError(f"layer {layer.index} reads KV from layer {layer.kv_owner}, which holds none")
+            planes.append(PlaneRows(plane.k, plane.v, p.start_pos))
+        out = decoder_layer(self.backend, LayerCall(layer, self.rows, x, delta, tuple(planes), mine))
+        if layer.owns_kv:  # the rows the call wrote are held now (a KV-shared layer after this one reads them)
+            for (f, p) in self.seqs:
+                f.state.planes[layer.index].extend(p.num_rows)
+        return out
 
-    def _linear_attention(self, spec, gw, h: np.ndarray) -> np.ndarray:
+    def _linear_attention(self, layer, gw, h: np.ndarray) -> np.ndarray:
         """A gated delta net layer (qwen3_5): the projections over all rows, the convolution and
         the delta rule per sequence, each carrying its own state row by row."""
         b = self.backend
-        g = spec.linear
+        g = self.config.layers[layer.index].linear
         m = h.shape[0]
         in_qkv = b.linear(h, gw.in_qkv)  # [M, C]
         log_decay_all, beta_all = b.gdn_gates(b.linear(h, gw.in_a), b.linear(h, gw.in_b), gw.a_log, gw.dt_bias)
         outs = []
         for (f, p), rows in zip(self.seqs, self.slices):
-            plane = f.state.planes[spec.index]
+            plane = f.state.planes[layer.index]
             n = rows.stop - rows.start
             mixed, conv_after = b.causal_conv1d_silu(in_qkv[rows], plane.arrays["conv"], gw.conv)  # [n, C]
             q = mixed[:, : g.key_dim].reshape(n, g.num_key_heads, g.key_head_dim)

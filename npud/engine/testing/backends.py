@@ -1,10 +1,10 @@
 """A backend seen through the primitive interface alone, for tests and benchmarks that compare a
-backend's fused operations (npud.kernels.base: fuse_linears, add_rms_norm, norm_rope) with the
+backend's fused operations (npud.kernels.base: fuse_linears, add_rms_norm, norm_rope, decoder_layer) with the
 composition of primitives the engine falls back to."""
 
 from __future__ import annotations
 
-FUSED_OPERATIONS = frozenset({"fuse_linears", "add_rms_norm", "norm_rope"})
+FUSED_OPERATIONS = frozenset({"fuse_linears", "add_rms_norm", "norm_rope", "decoder_layer"})
 
 
 class PrimitivesOnly:
