@@ -8,14 +8,16 @@ FUSED_OPERATIONS = frozenset({"fuse_linears", "add_rms_norm", "norm_rope", "deco
 
 
 class PrimitivesOnly:
-    """Delegates to `inner`, hiding its fused operations: the engine then keeps each linear
-    apart and composes the per-row ones from primitives."""
+    """Delegates to `inner`, hiding its fused operations (or only those named in `hide`): the engine
+    then keeps each linear apart and composes the per-row ones from primitives. With
+    hide={"decoder_layer"} it is the per-op path a layer took before one native call ran it."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, hide=FUSED_OPERATIONS):
         self.inner = inner
         self.name = inner.name
+        self.hidden = frozenset(hide)
 
     def __getattr__(self, attr):
-        if attr in FUSED_OPERATIONS or attr == "inner":
+        if attr in self.__dict__.get("hidden", FUSED_OPERATIONS) or attr == "inner":
             raise AttributeError(attr)
         return getattr(self.inner, attr)

@@ -18,6 +18,8 @@
 #include <time.h>
 #include <x86intrin.h>
 
+#include "entries.h"
+
 #define TILE 64
 #define QB 32           /* activation quantization block (llama.cpp's q8_0 block) */
 #define KC 512          /* k rows per chunk when several row blocks share a weight tile (q8) */
