@@ -258,10 +258,10 @@ def test_pass_at_wrong_position_is_refused_and_changes_nothing(qwen3_model):
     assert rows_equal(f.step(PROMPT[4], 4), g.step(PROMPT[4], 4))
 
 
-@pytest.mark.parametrize("where", ["decoder_layer", "silu_mul"])
+@pytest.mark.parametrize("where", ["decoder_stack", "decoder_layer", "silu_mul"])
 def test_failed_pass_rolls_back_appended_rows(qwen3_model, monkeypatch, where):
-    """A pass failing in layer 1 (in the host's one-call layer, or inside the composed layer's
-    calls) leaves no row of layer 0's written KV held."""
+    """A pass failing after the host's one-call stack wrote every layer's KV rows, or in layer 1 (in
+    the host's one-call layer, or inside the composed layer's calls), leaves none of them held."""
     f = Forward(qwen3_model)
     f.prefill(PROMPT[:4])
     calls = {"n": 0}
@@ -269,11 +269,16 @@ def test_failed_pass_rolls_back_appended_rows(qwen3_model, monkeypatch, where):
 
     def failing(*args):
         calls["n"] += 1
+        if where == "decoder_stack":  # the whole stack runs, then the pass fails
+            real(*args)
+            raise MemoryError("injected")
         if calls["n"] == 2:  # layer 1: layer 0 has already appended its K/V rows
             raise MemoryError("injected")
         return real(*args)
 
-    if where != "decoder_layer":
+    if where != "decoder_stack":
+        monkeypatch.setattr(f.backend, "decoder_stack", None)  # a layer at a time
+    if where == "silu_mul":
         monkeypatch.setattr(f.backend, "decoder_layer", None)  # the composed layer calls silu_mul
     monkeypatch.setattr(f.backend, where, failing)
     with pytest.raises(MemoryError):

@@ -38,7 +38,7 @@ from npud.engine.packed import Pass, Rows, run_packed
 from npud.engine.testing.backends import PrimitivesOnly
 from npud.engine.testing.checkpoints import build_tiny_checkpoint, write_tokenizer
 from npud.engine.weights import AttentionWeights, LayerWeights, MlpWeights, ModelWeights
-from npud.kernels.base import LayerCall, PlaneRows, RoundRows, WeightFormat, compose_layer
+from npud.kernels.base import LayerCall, PlaneRows, RoundRows, StackCall, WeightFormat, compose_layer
 from npud.kernels.host import HostBackend, layer as host_layer, native, pointwise
 from npud.kernels.host.formats import KERNELS
 
@@ -361,3 +361,84 @@ def test_packed_passes_have_the_per_op_bits(checkpoints, name, fmt):
     for mine, theirs in zip(got[1], want[1]):
         assert all(rows_equal(k, k2) and rows_equal(v, v2) for (k, v), (k2, v2) in zip(mine, theirs))
     assert model.decoder_layers[0].state["host"].layers[0] is not None  # the native layer ran
+
+
+def stack_inputs(model: Model, layout, seed: int):
+    """A StackCall's inputs over every layer of `model`: random x and delta, and per owning layer
+    and sequence a plane of `held` random rows (NaN past them) that its KV-shared layers share."""
+    rng = np.random.default_rng(seed)
+    m = sum(n for _, n in layout)
+    x = rng.standard_normal((m, model.config.hidden_size)).astype(F32)
+    delta = rng.standard_normal(x.shape).astype(F32)
+    bounds = np.cumsum([0] + [n for _, n in layout])
+    rows = RoundRows(np.concatenate([np.arange(h, h + n, dtype=np.int64) for h, n in layout]),
+                     tuple((int(a), int(z)) for a, z in zip(bounds[:-1], bounds[1:])))
+    owned = {}
+    for layer in model.decoder_layers:
+        if layer.owns_kv:
+            per_seq = []
+            for held, n in layout:
+                shape = (held + n + 3, layer.num_kv_heads, layer.head_dim)
+                keys, values = np.full(shape, np.nan, F32), np.full(shape, np.nan, F32)
+                keys[:held], values[:held] = rng.standard_normal((2, held) + shape[1:])
+                per_seq.append((keys, values, held))
+            owned[layer.index] = per_seq
+    return rows, x, delta, owned
+
+
+def _stack_planes(model: Model, owned) -> tuple:
+    """Private copies of the planes, each owner's arrays shared by the layers that read them."""
+    copies = {i: tuple(PlaneRows(k.copy(), v.copy(), held) for k, v, held in per_seq) for i, per_seq in owned.items()}
+    return tuple(copies[layer.kv_owner] for layer in model.decoder_layers), copies
+
+
+@pytest.mark.parametrize("name,fmt", [("shared", "int8-q8"), ("gemma3", "bf16"), ("qwen3_odd", "bf16-bf16"),
+                                      ("gguf_gemma3", "gguf-q8"), ("gguf_llama", "bf16")])
+@pytest.mark.parametrize("layout", ["M1", "M8x3"])
+def test_a_stack_of_layers_in_one_call_has_the_per_op_bits(checkpoints, name, fmt, layout):
+    """Every layer of the model in one native call (decoder_stack), each layer's output passed on
+    to the next inside it and a KV-shared layer reading the rows its owner wrote in the same call,
+    against compose_layer a layer at a time."""
+    model = model_for(checkpoints, name, fmt)
+    rows, x, delta, owned = stack_inputs(model, LAYOUTS[layout], 9)
+    planes, written = _stack_planes(model, owned)
+    got = model.backend.decoder_stack(StackCall(model.decoder_layers, rows, x.copy(), delta.copy(), planes))
+    assert got is not None
+    want_planes, want_written = _stack_planes(model, owned)
+    want = (x.copy(), delta.copy())
+    for layer, mine in zip(model.decoder_layers, want_planes):
+        want = compose_layer(model.backend, LayerCall(layer, rows, want[0], want[1], mine))
+    if want[1] is None:
+        assert np.array_equal(bits(got[0] + got[1]), bits(want[0]))
+    else:
+        assert np.array_equal(bits(got[0]), bits(want[0])) and np.array_equal(bits(got[1]), bits(want[1]))
+    for i in written:
+        for a, b in zip(written[i], want_written[i]):
+            assert np.array_equal(bits(a.keys), bits(b.keys)) and np.array_equal(bits(a.values), bits(b.values)), i
+
+
+def test_a_step_is_one_native_call_for_its_layers(checkpoints, monkeypatch):
+    """A decode step of a model whose layers all run natively makes one layer call for all of them
+    (and the embedding, the final norm and the LM head); with a tap on layer 1 the stack is cut
+    there, and the tap's rows and the logits are the per-op path's."""
+    model = model_for(checkpoints, "gguf_gemma3", "bf16")
+    per_op = Model(model.config, model.weights, PrimitivesOnly(model.backend, hide={"decoder_layer", "decoder_stack"}),
+                   prepared=True)
+    made = []
+    real = native._call
+    monkeypatch.setattr(native, "_call", lambda fn, arrays, *args: made.append(fn.__name__) or real(fn, arrays, *args))
+    f, g = Forward(model), Forward(per_op)
+    f.prefill([3, 4, 5, 6])
+    g.prefill([3, 4, 5, 6])
+    made.clear()
+    got = f.step(7, 4)
+    assert made.count("npud_decoder_layers") == 1 and "npud_decoder_layer" not in made
+    assert rows_equal(got, g.step(7, 4))
+    taps: list = []
+    tapped: list = []
+    f.set_layer_taps([1], taps)
+    g.set_layer_taps([1], tapped)
+    made.clear()
+    got = f.step_batch_all([8, 9, 10], 5)
+    assert made.count("npud_decoder_layers") == 2  # layers 0..1, then 2
+    assert rows_equal(got, g.step_batch_all([8, 9, 10], 5)) and rows_equal(taps[0], tapped[0])

@@ -12,8 +12,10 @@ contiguous and in order:
 - attention runs per sequence over that sequence's own planes (ragged lengths, sliding windows,
   a KV-shared layer reading its owner's plane), and a gated delta net (GDN) layer carries each
   sequence's recurrent state over that sequence's rows only;
-- an attention layer is one backend call over all rows (npud.kernels.base.decoder_layer: the host
-  runs it as one native call, a backend without it composes the primitives); its KV rows are
+- the attention layers between two things the engine must see (a GDN layer, gemma4's per-layer
+  inputs, a layer whose output a tap reads) are one backend call over all rows
+  (npud.kernels.base.decoder_stack: the host runs it as one native call; else a call a layer,
+  decoder_layer, which a backend without it composes from the primitives); their KV rows are
   written in place into planes reserved for the pass, and counted as held after the call;
 - the LM head runs once, over the rows whose logits some sequence asked for.
 
@@ -32,7 +34,9 @@ import numpy as np
 from npud.engine.api import RequestError
 from npud.engine.config import AttentionKind
 from npud.engine.state import PlaneKind
-from npud.kernels.base import LayerCall, PlaneRows, RoundRows, add_rms_norm, decoder_layer, layer_tail
+from npud.kernels.base import (
+    LayerCall, PlaneRows, RoundRows, StackCall, add_rms_norm, decoder_layer, decoder_stack, layer_tail,
+)
 
 
 class Rows(enum.Enum):
@@ -121,12 +125,15 @@ class _Packed:
                 for plane in f.state.planes:
                     if plane.kind is PlaneKind.KV:
                         plane.reserve(p.num_rows)
-            for layer in self.model.decoder_layers:
-                x, delta = self._layer(layer, x, delta, per_layer)
-                if layer.index in self.tap_layers:
+            for run in self._runs(per_layer is not None):
+                if len(run) == 1 and (run[0].kind == AttentionKind.LINEAR.value or per_layer is not None):
+                    x, delta = self._layer(run[0], x, delta, per_layer)
+                else:
+                    x, delta = self._stack(run, x, delta)
+                if run[-1].index in self.tap_layers:
                     if delta is not None:
                         x, delta = x + delta, None  # the bits add_rms_norm's sum would have
-                    taps[layer.index] = x
+                    taps[run[-1].index] = x
         except BaseException:
             for f, p in self.seqs:
                 _roll_back(f.state, p.start_pos)  # a failed pass leaves nothing half-appended
@@ -165,6 +172,48 @@ class _Packed:
         context = b.rms_norm(context.reshape(m, n, p), w.per_layer_projection_norm, cfg.rms_norm_eps)
         return (context + identity.reshape(m, n, p)) * np.float32(2**-0.5)
 
+    def _runs(self, per_layer: bool) -> list[tuple]:
+        """The model's layers in the runs the pass calls: a GDN layer, or with per-layer inputs any
+        layer, alone; else the attention layers up to the next such layer or tap layer, together."""
+        runs, current = [], []
+        for layer in self.model.decoder_layers:
+            if per_layer or layer.kind == AttentionKind.LINEAR.value:
+                if current:
+                    runs.append(tuple(current))
+                    current = []
+                runs.append((layer,))
+                continue
+            current.append(layer)
+            if layer.index in self.tap_layers:
+                runs.append(tuple(current))
+                current = []
+        if current:
+            runs.append(tuple(current))
+        return runs
+
+    def _planes(self, layer) -> tuple[PlaneRows, ...]:
+        """Each sequence's plane the attention layer reads (its kv_owner's), reserved for the pass."""
+        planes = []
+        for f, p in self.seqs:
+            plane = f.state.planes[layer.kv_owner]
+            if plane.kind is not PlaneKind.KV:
+                raise ValueError(f"layer {layer.index} reads KV from layer {layer.kv_owner}, which holds none")
+            planes.append(PlaneRows(plane.k, plane.v, p.start_pos))
+        return tuple(planes)
+
+    def _held(self, layers) -> None:
+        """The KV rows the layers wrote are held now."""
+        for layer in layers:
+            if layer.owns_kv:
+                for f, p in self.seqs:
+                    f.state.planes[layer.index].extend(p.num_rows)
+
+    def _stack(self, layers: tuple, x: np.ndarray, delta: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """Consecutive attention layers over all rows in one backend call (npud.kernels.base.decoder_stack)."""
+        out = decoder_stack(self.backend, StackCall(layers, self.rows, x, delta, tuple(self._planes(layer) for layer in layers)))
+        self._held(layers)
+        return out
+
     def _layer(self, layer, x: np.ndarray, delta: np.ndarray | None,
                per_layer: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
         """One decoder layer (npud.kernels.base.DecoderLayer) over all rows. Its input is x + delta
@@ -179,16 +228,8 @@ class _Packed:
             else:
                 x, h = add_rms_norm(b, x, delta, lw.input_norm, layer.eps)
             return layer_tail(b, layer, x, self._linear_attention(layer, lw.linear_attn, h), mine)
-        planes = []
-        for (f, p), rows in zip(self.seqs, self.slices):
-            plane = f.state.planes[layer.kv_owner]
-            if plane.kind is not PlaneKind.KV:
-                raise ValueError(f"layer {layer.index} reads KV from layer {layer.kv_owner}, which holds none")
-            planes.append(PlaneRows(plane.k, plane.v, p.start_pos))
-        out = decoder_layer(self.backend, LayerCall(layer, self.rows, x, delta, tuple(planes), mine))
-        if layer.owns_kv:  # the rows the call wrote are held now (a KV-shared layer after this one reads them)
-            for (f, p) in self.seqs:
-                f.state.planes[layer.index].extend(p.num_rows)
+        out = decoder_layer(self.backend, LayerCall(layer, self.rows, x, delta, self._planes(layer), mine))
+        self._held((layer,))
         return out
 
     def _linear_attention(self, layer, gw, h: np.ndarray) -> np.ndarray:

@@ -263,6 +263,39 @@ def decoder_layer(backend, call: LayerCall) -> tuple[np.ndarray, np.ndarray | No
     return compose_layer(backend, call)
 
 
+@dataclass(slots=True, frozen=True)
+class StackCall:
+    """Consecutive attention layers over every row of a round, each one's output the next one's
+    input: a whole step's layers where nothing comes between them (no GDN layer, no per-layer
+    inputs, no tap the engine reads). Backend-neutral, as LayerCall.
+
+    planes[i] is layers[i]'s LayerCall.planes. The engine counts a layer's written KV rows as held
+    only after the call, so a KV-shared layer reads its owner's rows from the arrays (rows
+    held..held+n-1, written earlier in the same call), never from the planes' lengths.
+    """
+
+    layers: tuple[DecoderLayer, ...]
+    rows: RoundRows
+    x: np.ndarray  # [M, D] float32, the first layer's residual stream
+    delta: np.ndarray | None  # [M, D] float32 pending on x, or None
+    planes: tuple[tuple[PlaneRows, ...], ...]  # per layer, per sequence of rows.seqs
+
+
+def decoder_stack(backend, call: StackCall) -> tuple[np.ndarray, np.ndarray | None]:
+    """The layers of `call` in order, as decoder_layer each; returns the last one's (x, delta). A
+    backend's own `decoder_stack(call)` runs them all in one call (None: it does not, and each
+    layer goes to decoder_layer). Same bits either way."""
+    fused = getattr(backend, "decoder_stack", None)
+    if callable(fused):
+        out = fused(call)
+        if out is not None:
+            return out
+    x, delta = call.x, call.delta
+    for layer, planes in zip(call.layers, call.planes):
+        x, delta = decoder_layer(backend, LayerCall(layer, call.rows, x, delta, planes))
+    return x, delta
+
+
 def compose_layer(backend, call: LayerCall) -> tuple[np.ndarray, np.ndarray | None]:
     """decoder_layer from the primitives (and the optional fused ops above): a call each."""
     b, layer = backend, call.layer
@@ -361,7 +394,8 @@ class Backend(Protocol):
     # optional: numerics_id() -> str, the backend's numerics identity (see numerics_identity)
     # optional, with the defaults above: fuse_linears(parts) -> FusedLinear | None;
     # add_rms_norm(x, delta, weight, eps) -> (sum, normed); norm_rope(x, weight, positions, inv_freq, eps);
-    # decoder_layer(call: LayerCall) -> (x, delta), or None for a layer it leaves to compose_layer.
+    # decoder_layer(call: LayerCall) -> (x, delta), or None for a layer it leaves to compose_layer;
+    # decoder_stack(call: StackCall) -> (x, delta), or None to run the layers one decoder_layer each.
     # Each must give the bits its default gives.
 
     def prepare_linear(self, w: LinearWeight) -> LinearWeight:

@@ -92,6 +92,10 @@ class HostBackend:
         layer.py says which layers), with the bits of the per-op calls; None: compose_layer runs it."""
         return layer.decoder_layer(self, call)
 
+    def decoder_stack(self, call) -> tuple[np.ndarray, np.ndarray] | None:
+        """Consecutive attention layers (npud.kernels.base.StackCall) in one native call; None: a layer at a time."""
+        return layer.decoder_stack(self, call)
+
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         flat = x.reshape(-1, x.shape[-1])

@@ -19,6 +19,8 @@
  * A GEMM's output is [M, ntiles * TILE]; where the per-op path takes the first N columns as a
  * contiguous array the rows are copied (a copy changes no bit).
  *
+ * npud_decoder_layers runs consecutive layers, each over its own call, in one call (a step's layers).
+ *
  * The call returns what the last GEMM's dispatch returned: how many finished GEMM jobs a stalled
  * worker may still read (pool.c; they read the weights, never this call's scratch: a job holds
  * its own copy of the activations, and a worker whose chunk was taken back writes nothing), or
@@ -256,5 +258,16 @@ long npud_decoder_layer(const npud_layer_t *L, const npud_call_t *c) {
         columns(w + a.down, ldd, M, D, c->delta_out);
     }
 #undef GEMM
+    return held;
+}
+
+/* Layers 0..n-1 in order, layer i over calls[i] (whose x and delta are call i - 1's outputs): a
+ * step's layers in one call. Returns the last layer's return, or the first error. */
+long npud_decoder_layers(const npud_layer_t *const *layers, const npud_call_t *calls, long n) {
+    long held = 0;
+    for (long i = 0; i < n; i++) {
+        held = npud_decoder_layer(layers[i], calls + i);
+        if (held < 0) return held;
+    }
     return held;
 }

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from npud.kernels.base import LayerCall, LinearWeight, WeightFormat
+from npud.kernels.base import LayerCall, LinearWeight, StackCall, WeightFormat
 from npud.kernels.host import native, pointwise
 from npud.kernels.host.formats import PARALLEL_MIN_BYTES, kernel_for
 from npud.kernels.host.native import PARALLEL_MIN_WORK
@@ -79,6 +79,8 @@ def _bind() -> ctypes.CDLL:
     if lib.npud_decoder_layer.restype is not _L:
         lib.npud_decoder_layer.argtypes = [_P, _P]
         lib.npud_decoder_layer.restype = _L
+        lib.npud_decoder_layers.argtypes = [_P, _P, _L]
+        lib.npud_decoder_layers.restype = _L
         lib.npud_layer_scratch.argtypes = [_P, _L]
         lib.npud_layer_scratch.restype = _L
     return lib
@@ -200,121 +202,183 @@ def native_layer(backend, layer) -> _Native | None:
 
 class HostLayers:
     """A model's layers as layer.c runs them, and the buffers their calls share (one per model:
-    DecoderLayer.state["host"])."""
+    DecoderLayer.state["host"]): the scratch, the outputs a stack's layers pass on to the next,
+    the call structs. One round at a time uses them; a round on another thread meanwhile makes its own."""
 
     def __init__(self):
         self.layers: dict[int, _Native | None] = {}
-        self.work = np.empty(0, np.float32)
-        self.call = Call()
-        self.lock = threading.Lock()  # one round at a time in the shared buffers; another gets its own
-        self._round: tuple = (None, None, None)  # (rows, seq bounds, each sequence's position span)
+        self.work = np.empty(0, np.float32)  # the layers' scratch (layer.c's layout)
+        self.between = np.empty(0, np.float32)  # [2, 2, M, D]: (x, delta) of a stack's layers, alternately
+        self.calls: dict[int, ctypes.Array] = {}  # n -> n Call structs
+        self.lock = threading.Lock()
+        self._stacks: dict[tuple[int, ...], tuple] = {}  # layer indices -> (struct pointers, weight arrays)
+        self._round: tuple = (None,)
 
-    def _round_arrays(self, rows) -> tuple[np.ndarray, list[tuple[int, int]]]:
-        """rows.seqs as [nseq + 1] bounds, and each sequence's lowest and highest position (once a round)."""
-        if self._round[0] is not rows:
-            bounds = np.asarray([a for a, _ in rows.seqs] + [rows.seqs[-1][1]], dtype=np.int64)
-            spans = [(int(rows.positions[a:z].min()), int(rows.positions[a:z].max())) if z > a else (0, -1)
-                     for a, z in rows.seqs]
-            self._round = (rows, bounds, spans)
-        return self._round[1], self._round[2]
-
-    def run(self, backend, call: LayerCall) -> tuple[np.ndarray, np.ndarray] | None:
-        layer = call.layer
+    def native(self, backend, layer) -> _Native | None:
         nat = self.layers.get(layer.index, False)
         if nat is False:
             nat = self.layers[layer.index] = native_layer(backend, layer)
-        if nat is None or call.per_layer is not None:
+        return nat
+
+    def _round_arrays(self, rows) -> tuple:
+        """Per round (once): the positions, the sequences' bounds [nseq + 1], each sequence's lowest
+        and highest position, and a RoPE table per inv_freq array (pointwise._rope_table's)."""
+        if self._round[0] is not rows:
+            positions = np.ascontiguousarray(rows.positions, dtype=np.int64)
+            bounds = np.asarray([a for a, _ in rows.seqs] + [rows.seqs[-1][1]], dtype=np.int64)
+            spans = [(int(positions[a:z].min()), int(positions[a:z].max())) if z > a else (0, -1)
+                     for a, z in rows.seqs]
+            self._round = (rows, positions, bounds, spans, {})
+        return self._round[1:]
+
+    def _stack(self, layers, nats) -> tuple:
+        key = tuple(layer.index for layer in layers)
+        entry = self._stacks.get(key)
+        if entry is None:
+            pointers = (_P * len(nats))(*[ctypes.addressof(nat.struct) for nat in nats])
+            keep = tuple(a for nat in nats for a in nat.keep)
+            entry = self._stacks[key] = (pointers, keep)
+        return entry
+
+    def run(self, backend, layers: tuple, rows, x: np.ndarray, delta: np.ndarray | None, planes: tuple,
+            one: bool) -> tuple[np.ndarray, np.ndarray] | None:
+        """layers (each with its planes) over the round's rows in one native call, x + delta the
+        first one's input; returns the last one's (x, delta), or None where layer.py's module
+        docstring leaves them to compose_layer (`one`: a single layer, which may run as two calls
+        around threaded attention; a stack of several then goes a layer at a time)."""
+        nats = [self.native(backend, layer) for layer in layers]
+        if None in nats:
             return None
-        s, rows = nat.struct, call.rows
-        x = np.ascontiguousarray(call.x, dtype=np.float32)
-        m = x.shape[0]
-        if x.ndim != 2 or x.shape[1] != s.D or rows.positions.shape != (m,) or len(call.planes) != len(rows.seqs):
-            raise ValueError(f"decoder_layer: x {call.x.shape}, positions {rows.positions.shape} and "
-                             f"{len(call.planes)} planes for {len(rows.seqs)} sequences do not fit layer {layer.index}")
-        delta = None if call.delta is None else np.ascontiguousarray(call.delta, dtype=np.float32)
-        if delta is not None and delta.shape != x.shape:
-            raise ValueError(f"decoder_layer: delta {delta.shape} does not fit x {x.shape}")
+        first = nats[0].struct
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        m, d = x.shape[0], first.D
+        positions, bounds, spans, tables = self._round_arrays(rows)
+        if (x.ndim != 2 or x.shape[1] != d or positions.shape != (m,) or bounds[-1] != m
+                or any(nat.struct.D != d for nat in nats) or any(len(p) != len(rows.seqs) for p in planes)):
+            raise ValueError(f"decoder layers: x {x.shape}, positions {positions.shape} and planes for "
+                             f"{[len(p) for p in planes]} of {len(rows.seqs)} sequences do not fit the layers")
+        if delta is not None:
+            delta = np.ascontiguousarray(delta, dtype=np.float32)
+            if delta.shape != x.shape:
+                raise ValueError(f"decoder layers: delta {delta.shape} does not fit x {x.shape}")
         threads = native.threads() if backend.parallel else 1
-        if threads > 1 and m > 1 and m * nat.widest >= pointwise.POINTWISE_PARALLEL_MIN:
+        if threads > 1 and m > 1 and m * max(nat.widest for nat in nats) >= pointwise.POINTWISE_PARALLEL_MIN:
             return None  # the per-row kernels would take threads (a prefill chunk of a wide model)
-        bounds, spans = self._round_arrays(rows)
-        if bounds[-1] != m:
-            raise ValueError(f"decoder_layer: the sequences cover rows 0..{bounds[-1] - 1} of {m}")
-        kv_shape = (s.KVH, s.Dh)
         staged = False
-        for (a, z), plane, (lo, hi) in zip(rows.seqs, call.planes, spans):
-            end = plane.held + z - a
-            for arr in (plane.keys, plane.values):
-                if arr.dtype != np.float32 or not arr.flags.c_contiguous or arr.shape[1:] != kv_shape or arr.shape[0] < end:
-                    raise ValueError(f"decoder_layer: layer {layer.index}'s plane {arr.dtype} {arr.shape} cannot hold "
-                                     f"{end} rows of {kv_shape}")
-            if lo < 0 or hi >= end:
-                raise ValueError(f"attention: positions must lie in 0..{end - 1} (the keys in the cache)")
-            staged = staged or (threads > 1 and (z - a) * s.H * end * s.Dh >= PARALLEL_MIN_WORK)
-        positions = np.ascontiguousarray(rows.positions, dtype=np.int64)
-        inv_freq = np.ascontiguousarray(layer.inv_freq, dtype=np.float32)
-        cs = pointwise._rope_table(positions, inv_freq)  # the table the per-op path's RoPE calls use
-        need = nat.scratch.get(m)
-        if need is None:
-            need = nat.scratch[m] = _bind().npud_layer_scratch(ctypes.addressof(s), m)
-        x_out = np.empty((m, s.D), np.float32)
-        delta_out = np.empty((m, s.D), np.float32)
-        held = np.asarray([p.held for p in call.planes], dtype=np.int64)
-        keys = np.asarray([p.keys.ctypes.data for p in call.planes], dtype=np.uint64)
-        values = np.asarray([p.values.ctypes.data for p in call.planes], dtype=np.uint64)
-        mine = self.lock.acquire(blocking=False)
+        for layer, nat, mine in zip(layers, nats, planes):
+            s = nat.struct
+            kv_shape = (s.KVH, s.Dh)
+            for (a, z), plane, (lo, hi) in zip(rows.seqs, mine, spans):
+                end = plane.held + z - a
+                for arr in (plane.keys, plane.values):
+                    if (arr.dtype != np.float32 or not arr.flags.c_contiguous or arr.shape[1:] != kv_shape
+                            or arr.shape[0] < end):
+                        raise ValueError(f"decoder layers: layer {layer.index}'s plane {arr.dtype} {arr.shape} "
+                                         f"cannot hold {end} rows of {kv_shape}")
+                if lo < 0 or hi >= end:
+                    raise ValueError(f"attention: positions must lie in 0..{end - 1} (the keys in the cache)")
+                staged = staged or (threads > 1 and (z - a) * s.H * end * s.Dh >= PARALLEL_MIN_WORK)
+        if staged and not one:
+            return None
+        n, nseq = len(layers), len(rows.seqs)
+        # per layer: each sequence's keys and values addresses and positions held
+        where = np.asarray([[[native._addr(p.keys) for p in mine], [native._addr(p.values) for p in mine],
+                             [p.held for p in mine]] for mine in planes], dtype=np.int64)
+        need = 0
+        for nat in nats:
+            floats = nat.scratch.get(m)
+            if floats is None:
+                floats = nat.scratch[m] = _bind().npud_layer_scratch(ctypes.addressof(nat.struct), m)
+            need = max(need, floats)
+        out = np.empty((2, m, d), np.float32)  # the last layer's x and delta
+        owned = self.lock.acquire(blocking=False)
         try:
-            if mine:
+            if owned:
                 if self.work.shape[0] < need:
                     self.work = np.empty(need, np.float32)
-                work, c = self.work, self.call
+                if n > 1 and self.between.shape[0] < 4 * m * d:
+                    self.between = np.empty(4 * m * d, np.float32)
+                work, between = self.work, self.between
+                calls = self.calls.get(n)
+                if calls is None:
+                    calls = self.calls[n] = (Call * n)()
             else:  # another thread's round is in the shared buffers
-                work, c = np.empty(need, np.float32), Call()
-            c.isa, c.threads, c.M, c.nseq = native.isa_code(), threads, m, len(call.planes)
-            c.x, c.delta, c.pos, c.cs = x.ctypes.data, _ptr(delta), positions.ctypes.data, cs.ctypes.data
-            c.seq, c.held, c.keys, c.values = bounds.ctypes.data, held.ctypes.data, keys.ctypes.data, values.ctypes.data
-            c.x_out, c.delta_out, c.work = x_out.ctypes.data, delta_out.ctypes.data, work.ctypes.data
-            if not staged:
-                c.stage = STAGE_ALL
-                self._native(nat, c)
+                work, between, calls = np.empty(need, np.float32), np.empty(4 * m * d, np.float32), (Call * n)()
+            isa, at, ptrs = native.isa_code(), native._addr(out), native._addr(where)
+            step, plane_step = m * d * 4, nseq * 8
+            w_at, b_at, x_at = native._addr(work), native._addr(between) if n > 1 else 0, native._addr(x)
+            d_at = 0 if delta is None else native._addr(delta)
+            for i, (layer, c) in enumerate(zip(layers, calls)):
+                inv_freq = layer.inv_freq
+                table = tables.get(id(inv_freq))
+                if table is None:  # the table the per-op path's RoPE calls use, kept for the round
+                    table = tables[id(inv_freq)] = pointwise._rope_table(
+                        positions, np.ascontiguousarray(inv_freq, dtype=np.float32))
+                c.isa, c.threads, c.stage, c.M, c.nseq = isa, threads, STAGE_ALL, m, nseq
+                c.pos, c.cs, c.seq, c.work = native._addr(positions), native._addr(table), native._addr(bounds), w_at
+                c.keys, c.values, c.held = ptrs + 3 * i * plane_step, ptrs + (3 * i + 1) * plane_step, \
+                    ptrs + (3 * i + 2) * plane_step
+                c.x, c.delta = x_at, d_at
+                if i + 1 < n:  # into one of the two (x, delta) pairs between layers
+                    x_at = c.x_out = b_at + (i % 2) * 2 * step
+                    d_at = c.delta_out = x_at + step
+                else:
+                    c.x_out, c.delta_out = at, at + step
+            if staged:
+                self._staged(nats[0], calls[0], rows, planes[0], work, positions)
             else:
-                self._staged(nat, c, call, work, positions)
+                stack = self._stack(layers, nats)
+                status = native._call(_bind().npud_decoder_layers, stack[1], stack[0], ctypes.addressof(calls), n)
+                _check(status, m)
         finally:
-            if mine:
+            if owned:
                 self.lock.release()
-        return x_out, delta_out
+        return out[0], out[1]
 
-    @staticmethod
-    def _native(nat: _Native, c: Call) -> None:
-        status = native._call(_bind().npud_decoder_layer, nat.keep, ctypes.addressof(nat.struct), ctypes.addressof(c))
-        if status == -2:
-            raise ValueError("decoder_layer: a weight's q tiles are of no width the kernels know")
-        if status < 0:
-            raise MemoryError(f"no memory for a GEMM's or attention's scratch in a layer of {c.M} rows")
-
-    def _staged(self, nat: _Native, c: Call, call: LayerCall, work: np.ndarray, positions: np.ndarray) -> None:
-        """The layer as two calls around attention on the pool's threads (native.attention, with
+    def _staged(self, nat: _Native, c: Call, rows, planes, work: np.ndarray, positions: np.ndarray) -> None:
+        """One layer as two calls around attention on the pool's threads (native.attention, with
         HostBackend.attention's rule for when it takes threads), reading and writing the q and
-        attention buffers at the start of work."""
+        attention buffers at the start of work (layer.c's layout)."""
         s, m = nat.struct, c.M
         size = m * s.H * s.Dh
         q = work[:size].reshape(m, s.H, s.Dh)
         attn = work[-(-size // 16) * 16 :][:size].reshape(m, s.H, s.Dh)
+        lib = _bind()
         c.stage = STAGE_BEFORE_ATTENTION
-        self._native(nat, c)
-        for (a, z), plane in zip(call.rows.seqs, call.planes):
+        _check(native._call(lib.npud_decoder_layer, nat.keep, ctypes.addressof(s), ctypes.addressof(c)), m)
+        for (a, z), plane in zip(rows.seqs, planes):
             end = plane.held + z - a
             big = (z - a) * s.H * end * s.Dh >= PARALLEL_MIN_WORK
             attn[a:z] = native.attention(q[a:z], plane.keys[:end], plane.values[:end], positions[a:z],
                                          int(s.window), float(s.scale), big)
         c.stage = STAGE_AFTER_ATTENTION
-        self._native(nat, c)
+        _check(native._call(lib.npud_decoder_layer, nat.keep, ctypes.addressof(s), ctypes.addressof(c)), m)
+
+
+def _check(status: int, m: int) -> None:
+    if status == -2:
+        raise ValueError("decoder layers: a weight's q tiles are of no width the kernels know")
+    if status < 0:
+        raise MemoryError(f"no memory for a GEMM's or attention's scratch in a layer of {m} rows")
+
+
+def _layers_of(call) -> HostLayers:
+    state = call.layers[0].state if hasattr(call, "layers") else call.layer.state
+    layers = state.get("host")
+    if layers is None:
+        layers = state["host"] = HostLayers()
+    return layers
 
 
 def decoder_layer(backend, call: LayerCall) -> tuple[np.ndarray, np.ndarray] | None:
     """HostBackend.decoder_layer: the layer in one native call, or None where compose_layer runs it."""
-    state = call.layer.state
-    layers = state.get("host")
-    if layers is None:
-        layers = state["host"] = HostLayers()
-    return layers.run(backend, call)
+    if call.per_layer is not None:
+        return None
+    return _layers_of(call).run(backend, (call.layer,), call.rows, call.x, call.delta, (call.planes,), one=True)
+
+
+def decoder_stack(backend, call: StackCall) -> tuple[np.ndarray, np.ndarray] | None:
+    """HostBackend.decoder_stack: the layers in one native call, or None to run them a layer at a time."""
+    if not call.layers:
+        return None
+    return _layers_of(call).run(backend, call.layers, call.rows, call.x, call.delta, call.planes, one=False)
