@@ -138,6 +138,8 @@ def library() -> ctypes.CDLL:
             lib.npud_pool_stats.restype = None
             lib.npud_pool_stall.argtypes = [_L]
             lib.npud_pool_stall.restype = None
+            lib.npud_gemm_clock.argtypes = [_P]
+            lib.npud_gemm_clock.restype = None
             lib.npud_quantize_q8.argtypes = [_P, _L, _L, _L, _P, _P, _P]
             lib.npud_quantize_q8.restype = None
             lib.npud_quantize_q8_pairs.argtypes = [_P, _L, _L, _L, _P, _P, _P]
@@ -269,6 +271,14 @@ def pool_trace() -> dict[str, int]:
     chunks workers held (`wait_ns`)."""
     counters = _pool_counters()
     return dict(zip(POOL_TRACE, counters[4:]), worker_chunks=counters[0])
+
+
+def gemm_clock() -> tuple[int, int]:
+    """So far: (GEMM calls, their nanoseconds, each from its entry's start to its return), in this
+    process, whether Python or a layer call (layer.c) made them: a profile's GEMM time."""
+    clock = (ctypes.c_long * 2)()
+    library().npud_gemm_clock(clock)
+    return clock[0], clock[1]
 
 
 def stall_workers(microseconds: int) -> None:
