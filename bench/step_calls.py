@@ -1,10 +1,11 @@
-"""A decode step's native calls, its time outside the GEMMs, and decode tok/s: one-call layers vs a call per kernel.
+"""A decode step's native calls, its time outside the GEMMs, and decode tok/s: the layers in one call vs a call per kernel.
 
 gemma-3-270m Q4_K_M (tests/real_gemma.py's file) on the exact float path ("bf16") and gguf-q8, at 1 and
 2 threads (each thread count in a process of its own, NPUD_HOST_THREADS and NUMBA_NUM_THREADS set),
-the attention layers as one native call each ("layer": npud/kernels/host/layer.py) and as a call per
-kernel ("per-op": the same backend with decoder_layer hidden, the path before), on the same loaded
-weights, alternated in rounds: layer, per-op, layer, per-op, ... Per round: a fresh sequence, a
+three paths on the same loaded weights: every attention layer of the step in one native call
+("step": decoder_stack, npud/kernels/host/layer.py), one native call a layer ("layer": the same
+backend with decoder_stack hidden), a call per kernel ("per-op": decoder_stack and decoder_layer
+hidden, the path before), alternated in rounds: step, layer, per-op, step, layer, per-op, ... Per round: a fresh sequence, a
 32-token prompt, 2 steps of warm-up, then --tokens greedy steps, each timed: its wall time, and its
 GEMM time from the library's GEMM clock (pool.c's npud_gemm_clock: every GEMM entry from its start
 to its return, whether Python or layer.c called it); "outside GEMMs" is the difference (per-row
@@ -33,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from isolated import run_isolated  # noqa: E402
 
 PROMPT = [(i * 37 + 11) % 2000 + 100 for i in range(32)]
-PATHS = ("layer", "per-op")
+PATHS = ("step", "layer", "per-op")
 
 
 def load() -> str:
@@ -83,7 +84,8 @@ def measure(fmt: str, rounds: int, tokens: int) -> dict:
     from npud.kernels.host import native
 
     model = Model.load(gemma_gguf_path(), fmt)
-    backends = {"layer": model.backend, "per-op": PrimitivesOnly(model.backend, hide={"decoder_layer"})}
+    backends = {"step": model.backend, "layer": PrimitivesOnly(model.backend, hide={"decoder_stack"}),
+                "per-op": PrimitivesOnly(model.backend, hide={"decoder_stack", "decoder_layer"})}
 
     def one_round(path: str) -> dict:
         model.backend = backends[path]
@@ -134,7 +136,7 @@ def main() -> None:
         for fmt in args.formats.split(","):
             os.environ["NPUD_HOST_THREADS"] = os.environ["NUMBA_NUM_THREADS"] = str(threads)
             res = run_isolated("step_calls", "measure", fmt, args.rounds, args.tokens)
-            print(f"\n{fmt}, {threads} thread(s): {res['layers_native']} of {res['layers']} layers as one call")
+            print(f"\n{fmt}, {threads} thread(s): {res['layers_native']} of {res['layers']} layers run natively")
             for r in range(args.rounds):
                 for p in PATHS:
                     x = res[p][r]
