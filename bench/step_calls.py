@@ -1,18 +1,20 @@
-"""A decode step's native calls, its time outside the GEMMs, and decode tok/s: the layers in one call vs a call per kernel.
+"""A decode step's native calls, its time outside the GEMMs, and decode tok/s: layers in one call vs a call per kernel.
 
-gemma-3-270m Q4_K_M (tests/real_gemma.py's file) on the exact float path ("bf16") and gguf-q8, at 1 and
-2 threads (each thread count in a process of its own, NPUD_HOST_THREADS and NUMBA_NUM_THREADS set),
-three paths on the same loaded weights: every attention layer of the step in one native call
+gemma-3-270m Q4_K_M (tests/real_gemma.py's file) on the exact float path ("bf16") and gguf-q8, at 1
+and 2 threads (each thread count in a process of its own, NPUD_HOST_THREADS and NUMBA_NUM_THREADS
+set), three paths on the same loaded weights: every attention layer of the step in one native call
 ("step": decoder_stack, npud/kernels/host/layer.py), one native call a layer ("layer": the same
 backend with decoder_stack hidden), a call per kernel ("per-op": decoder_stack and decoder_layer
-hidden, the path before), alternated in rounds: step, layer, per-op, step, layer, per-op, ... Per round: a fresh sequence, a
-32-token prompt, 2 steps of warm-up, then --tokens greedy steps, each timed: its wall time, and its
-GEMM time from the library's GEMM clock (pool.c's npud_gemm_clock: every GEMM entry from its start
-to its return, whether Python or layer.c called it); "outside GEMMs" is the difference (per-row
-kernels, attention, copies, ctypes, Python). A step's native calls (every call into the host
-library) and GEMM calls are counted in one more step after the timed ones, untimed. Printed: a line
-per round with /proc/loadavg, then per format and thread count the medians and ranges over the
-rounds of the per-round medians.
+hidden, the path before), alternated in rounds: step, layer, per-op, step, layer, per-op, ...
+
+Per round: a fresh sequence, a 32-token prompt, 2 steps of warm-up, then --tokens greedy steps,
+each timed: its wall time, and its GEMM time from the library's GEMM clock (pool.c's
+npud_gemm_clock: every GEMM entry from its start to its return, whether Python or layer.c called
+it); "outside GEMMs" is the difference (per-row kernels, attention, copies, ctypes, Python, and
+whatever time the scheduler gave another process then). A step's native calls (every call into
+the host library) and GEMM calls are counted in one more step after the timed ones, untimed.
+Printed: a line per round with /proc/loadavg, then per format and thread count the medians and
+ranges over the rounds of the per-round medians.
 
     NPUD_CACHE_DIR=... .venv/bin/python bench/step_calls.py [--rounds 4] [--tokens 32] [--threads 1,2]
         [--formats bf16,gguf-q8]

@@ -442,3 +442,23 @@ def test_a_step_is_one_native_call_for_its_layers(checkpoints, monkeypatch):
     got = f.step_batch_all([8, 9, 10], 5)
     assert made.count("npud_decoder_layers") == 2  # layers 0..1, then 2
     assert rows_equal(got, g.step_batch_all([8, 9, 10], 5)) and rows_equal(taps[0], tapped[0])
+
+
+def test_a_call_that_does_not_fit_is_refused_before_any_native_work(checkpoints):
+    """Rows the planes cannot hold, sequences that are not the rows in order, positions past the
+    keys: ValueError, nothing written."""
+    model = model_for(checkpoints, "qwen3", "fp32")
+    layer = model.decoder_layers[0]
+    rows, x, delta, planes = round_inputs(model, layer, LAYOUTS["M8x3"], 4, True)
+    short = [(k[: held + 1], v[: held + 1], held) for k, v, held in planes]  # room for one row of each
+    negative = [(k, v, -1) for k, v, _ in planes]
+    gap = RoundRows(rows.positions, ((0, 2), (3, 3), (3, 8)))
+    late = RoundRows(rows.positions + 4, rows.seqs)
+    for name, (r, p) in {"short": (rows, short), "held < 0": (rows, negative), "gap": (gap, planes),
+                         "past the keys": (late, planes)}.items():
+        call = _call(layer, r, x, delta, p)
+        before = [(a.keys.copy(), a.values.copy()) for a in call.planes]
+        with pytest.raises(ValueError):
+            model.backend.decoder_layer(call)
+        for (k, v), a in zip(before, call.planes):
+            assert np.array_equal(bits(k), bits(a.keys)) and np.array_equal(bits(v), bits(a.values)), name

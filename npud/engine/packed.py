@@ -210,7 +210,8 @@ class _Packed:
 
     def _stack(self, layers: tuple, x: np.ndarray, delta: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
         """Consecutive attention layers over all rows in one backend call (npud.kernels.base.decoder_stack)."""
-        out = decoder_stack(self.backend, StackCall(layers, self.rows, x, delta, tuple(self._planes(layer) for layer in layers)))
+        planes = tuple(self._planes(layer) for layer in layers)
+        out = decoder_stack(self.backend, StackCall(layers, self.rows, x, delta, planes))
         self._held(layers)
         return out
 

@@ -139,7 +139,8 @@ class KVPlane:
     def extend(self, rows: int) -> None:
         """Count as held the next `rows` positions, which a layer call wrote in place after `reserve`."""
         if not 0 <= rows <= self.k.shape[0] - self.length:
-            raise StateError(f"layer {self.layer}: cannot extend by {rows} rows: room for {self.k.shape[0] - self.length}")
+            room = self.k.shape[0] - self.length
+            raise StateError(f"layer {self.layer}: cannot extend by {rows} rows: room for {room}")
         self.length += rows
 
     def keys(self) -> np.ndarray:

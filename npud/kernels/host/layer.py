@@ -224,6 +224,9 @@ class HostLayers:
         """Per round (once): the positions, the sequences' bounds [nseq + 1], each sequence's lowest
         and highest position, and a RoPE table per inv_freq array (pointwise._rope_table's)."""
         if self._round[0] is not rows:
+            ends = [0] + [z for _, z in rows.seqs]
+            if not rows.seqs or any(a != ends[i] or z < a for i, (a, z) in enumerate(rows.seqs)):
+                raise ValueError(f"decoder layers: sequences {rows.seqs} are not rows 0.. in order, each after the last")
             positions = np.ascontiguousarray(rows.positions, dtype=np.int64)
             bounds = np.asarray([a for a, _ in rows.seqs] + [rows.seqs[-1][1]], dtype=np.int64)
             spans = [(int(positions[a:z].min()), int(positions[a:z].max())) if z > a else (0, -1)
@@ -271,10 +274,10 @@ class HostLayers:
             for (a, z), plane, (lo, hi) in zip(rows.seqs, mine, spans):
                 end = plane.held + z - a
                 for arr in (plane.keys, plane.values):
-                    if (arr.dtype != np.float32 or not arr.flags.c_contiguous or arr.shape[1:] != kv_shape
-                            or arr.shape[0] < end):
+                    if (arr.dtype != np.float32 or not arr.flags.c_contiguous or not arr.flags.writeable
+                            or arr.shape[1:] != kv_shape or arr.shape[0] < end or plane.held < 0):
                         raise ValueError(f"decoder layers: layer {layer.index}'s plane {arr.dtype} {arr.shape} "
-                                         f"cannot hold {end} rows of {kv_shape}")
+                                         f"cannot hold rows {plane.held}..{end - 1} of {kv_shape}")
                 if lo < 0 or hi >= end:
                     raise ValueError(f"attention: positions must lie in 0..{end - 1} (the keys in the cache)")
                 staged = staged or (threads > 1 and (z - a) * s.H * end * s.Dh >= PARALLEL_MIN_WORK)
