@@ -9,16 +9,24 @@ ragged sequences: the layer's output (x, delta), and every row of every plane it
 per-op path's bits; rows of a plane outside the pass's are untouched. Then the same at 1 and 2
 threads and on every slower ISA path, with attention large enough for threads (the layer then
 runs as two calls around it), with stalled GEMM workers (the layer's weights are kept while they
-may read them), and whole packed passes of three sequences (logits and planes).
+may read them), and whole packed passes of three sequences (logits and planes). A whole model's
+layers in one call (decoder_stack: KV-shared layers reading rows written in the same call) against
+compose_layer a layer at a time; a decode step is one such call (cut at a tap layer); a call that
+does not fit its planes or rows is refused before any native work.
 
-Mutants run by hand against this file (each applied, the file run, reverted; failing tests of 68):
-  layer.c's residual reassociated: x + (delta + attention output)             50 (the sandwich layers
+Mutants run by hand against this file (each applied, the file run, reverted; failing tests of 80):
+  layer.c's residual reassociated: x + (delta + attention output)             54 (the sandwich layers
                                                                                   add no delta there)
-  layer.c: every sequence's attention reads the first sequence's plane         65
-  layer.c: the KV rows not written into the planes                             64
-  layer.py: the second sequence's rows start one row late (the bounds)         66
+  layer.c: every sequence's attention reads the first sequence's plane         70
+  layer.c: the KV rows not written into the planes                             75
+  layer.py: the second sequence's rows start one row late (the bounds)         71
   layer.py: the call keeps none of the layer's weights for stalled workers      1 (the stall test)
-(Swapping the operands of the residual add is no mutant: IEEE addition commutes.)
+  layer.py: every layer of a stack reads the stack's input, not the last
+            layer's output                                                     11
+(Not mutants: swapping the operands of the residual add, as IEEE addition commutes; a stack's layers
+writing their outputs over their own inputs, as layer.c reads x and delta before it writes.)
+tests/test_batch.py alone fails 11 of its tests on the first-plane and row-range mutants, 2 on the
+reassociation (a batch and its rows alone take the same wrong path: only a reference catches it).
 """
 
 from __future__ import annotations
