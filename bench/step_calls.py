@@ -82,12 +82,12 @@ def measure(fmt: str, rounds: int, tokens: int) -> dict:
 
     from npud.engine.forward import Forward
     from npud.engine.model import Model
-    from npud.engine.testing.backends import PrimitivesOnly
+    from npud.engine.testing.backends import ONE_CALL_LAYERS, PrimitivesOnly
     from npud.kernels.host import native
 
     model = Model.load(gemma_gguf_path(), fmt)
     backends = {"step": model.backend, "layer": PrimitivesOnly(model.backend, hide={"decoder_stack"}),
-                "per-op": PrimitivesOnly(model.backend, hide={"decoder_stack", "decoder_layer"})}
+                "per-op": PrimitivesOnly(model.backend, hide=ONE_CALL_LAYERS)}
 
     def one_round(path: str) -> dict:
         model.backend = backends[path]

@@ -43,7 +43,7 @@ from npud.engine.config import AttentionKind, LayerSpec, ModelConfig, RopeSpec
 from npud.engine.forward import Forward
 from npud.engine.model import Model, rows_equal
 from npud.engine.packed import Pass, Rows, run_packed
-from npud.engine.testing.backends import PrimitivesOnly
+from npud.engine.testing.backends import ONE_CALL_LAYERS, PrimitivesOnly
 from npud.engine.testing.checkpoints import build_tiny_checkpoint, write_tokenizer
 from npud.engine.weights import AttentionWeights, LayerWeights, MlpWeights, ModelWeights
 from npud.kernels.base import LayerCall, PlaneRows, RoundRows, StackCall, WeightFormat, compose_layer
@@ -363,8 +363,9 @@ def test_packed_passes_have_the_per_op_bits(checkpoints, name, fmt):
     model = model_for(checkpoints, name, fmt)
     prompts = [[3, 4, 5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]]
     got = _packed_run(model, prompts, [40, 41, 42])
-    per_op = Model(model.config, model.weights, PrimitivesOnly(model.backend, hide={"decoder_layer"}), prepared=True)
+    per_op = Model(model.config, model.weights, PrimitivesOnly(model.backend, hide=ONE_CALL_LAYERS), prepared=True)
     want = _packed_run(per_op, prompts, [40, 41, 42])
+    assert "host" not in per_op.decoder_layers[0].state  # the reference made no layer call
     assert all(rows_equal(a, b) for a, b in zip(got[0], want[0]))
     for mine, theirs in zip(got[1], want[1]):
         assert all(rows_equal(k, k2) and rows_equal(v, v2) for (k, v), (k2, v2) in zip(mine, theirs))
@@ -430,8 +431,7 @@ def test_a_step_is_one_native_call_for_its_layers(checkpoints, monkeypatch):
     (and the embedding, the final norm and the LM head); with a tap on layer 1 the stack is cut
     there, and the tap's rows and the logits are the per-op path's."""
     model = model_for(checkpoints, "gguf_gemma3", "bf16")
-    per_op = Model(model.config, model.weights, PrimitivesOnly(model.backend, hide={"decoder_layer", "decoder_stack"}),
-                   prepared=True)
+    per_op = Model(model.config, model.weights, PrimitivesOnly(model.backend, hide=ONE_CALL_LAYERS), prepared=True)
     made = []
     real = native._call
     monkeypatch.setattr(native, "_call", lambda fn, arrays, *args: made.append(fn.__name__) or real(fn, arrays, *args))
