@@ -15,7 +15,7 @@ compose_layer a layer at a time; a decode step is one such call (cut at a tap la
 does not fit its planes or rows is refused before any native work.
 
 Mutants run by hand against this file (each applied, the file run, reverted; failing tests of 80):
-  layer.c's residual reassociated: x + (delta + attention output)             54 (the sandwich layers
+  layer.c's residual reassociated: x + (delta + attention output)             56 (the sandwich layers
                                                                                   add no delta there)
   layer.c: every sequence's attention reads the first sequence's plane         70
   layer.c: the KV rows not written into the planes                             75
