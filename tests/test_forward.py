@@ -258,19 +258,29 @@ def test_pass_at_wrong_position_is_refused_and_changes_nothing(qwen3_model):
     assert rows_equal(f.step(PROMPT[4], 4), g.step(PROMPT[4], 4))
 
 
-def test_failed_pass_rolls_back_appended_rows(qwen3_model, monkeypatch):
+@pytest.mark.parametrize("where", ["decoder_stack", "decoder_layer", "silu_mul"])
+def test_failed_pass_rolls_back_appended_rows(qwen3_model, monkeypatch, where):
+    """A pass failing after the host's one-call stack wrote every layer's KV rows, or in layer 1 (in
+    the host's one-call layer, or inside the composed layer's calls), leaves none of them held."""
     f = Forward(qwen3_model)
     f.prefill(PROMPT[:4])
     calls = {"n": 0}
-    real = f.backend.silu_mul
+    real = getattr(f.backend, where)
 
-    def failing(gate, up):
+    def failing(*args):
         calls["n"] += 1
+        if where == "decoder_stack":  # the whole stack runs, then the pass fails
+            real(*args)
+            raise MemoryError("injected")
         if calls["n"] == 2:  # layer 1: layer 0 has already appended its K/V rows
             raise MemoryError("injected")
-        return real(gate, up)
+        return real(*args)
 
-    monkeypatch.setattr(f.backend, "silu_mul", failing)
+    if where != "decoder_stack":
+        monkeypatch.setattr(f.backend, "decoder_stack", None)  # a layer at a time
+    if where == "silu_mul":
+        monkeypatch.setattr(f.backend, "decoder_layer", None)  # the composed layer calls silu_mul
+    monkeypatch.setattr(f.backend, where, failing)
     with pytest.raises(MemoryError):
         f.step_batch_all(PROMPT[4:8], 4)
     monkeypatch.undo()

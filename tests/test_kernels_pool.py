@@ -91,3 +91,20 @@ def test_a_one_thread_call_is_not_in_the_trace(isa_and_threads):
     before = native.pool_trace()
     native.gemm(native.FMT_F32, x, w, 8 * TILE, None, None, True)
     assert native.pool_trace() == before
+
+
+def test_the_gemm_clock_counts_every_gemm_call_and_its_time():
+    """native.gemm_clock: one call and some nanoseconds for each GEMM, on one thread or the pool."""
+    rng = np.random.default_rng(24)
+    w = pack_tiles(rng.standard_normal((8 * TILE, 64)).astype(np.float32))
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    for threads in (1, 2):
+        native.set_threads(threads)
+        try:
+            calls, ns = native.gemm_clock()
+            for _ in range(3):
+                native.gemm(native.FMT_F32, x, w, 8 * TILE, None, None, True)
+            after = native.gemm_clock()
+        finally:
+            native.set_threads(0)
+        assert after[0] == calls + 3 and after[1] > ns

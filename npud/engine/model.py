@@ -13,7 +13,7 @@ import numpy as np
 from npud.engine.config import ModelConfig, load_config
 from npud.engine.weights import ModelWeights, fuse_projections, load_weights, prepare_linears, weight_arrays
 from npud.kernels.select import default_backend
-from npud.kernels.base import Backend, LinearWeight, WeightFormat
+from npud.kernels.base import Backend, DecoderLayer, LinearWeight, WeightFormat
 
 
 class Model:
@@ -33,6 +33,7 @@ class Model:
         # one RoPE table per distinct spec (sliding and full layers may differ)
         cache: dict = {}
         self.inv_freq = [cache.setdefault(spec.rope, spec.rope.inv_freq()) for spec in config.layers]
+        self.decoder_layers = decoder_layers(config, self.weights.layers, self.inv_freq)
 
     @staticmethod
     def prepare_weights(weights: ModelWeights, backend: Backend) -> ModelWeights:
@@ -90,6 +91,20 @@ class Model:
         for layer in w.layers:
             total += sum(obj.nbytes for obj in weight_arrays(layer) if isinstance(obj, LinearWeight))
         return total
+
+
+def decoder_layers(config: ModelConfig, layers: list, inv_freq: list[np.ndarray]) -> tuple[DecoderLayer, ...]:
+    """Each layer's weights and spec numbers as the backends take them (npud.kernels.base.DecoderLayer),
+    with one backend state dict shared by the model's layers."""
+    state: dict = {}
+    activation = "silu" if config.hidden_act == "silu" else "gelu_tanh"
+    return tuple(
+        DecoderLayer(weights=lw, index=spec.index, kind=spec.kind.value, num_heads=spec.num_heads,
+                     num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, window=spec.window, scale=spec.scale,
+                     eps=config.rms_norm_eps, activation=activation, kv_owner=spec.kv_owner,
+                     sandwich_norms=config.sandwich_norms, inv_freq=freq, state=state)
+        for spec, lw, freq in zip(config.layers, layers, inv_freq)
+    )
 
 
 def rows_equal(a: np.ndarray, b: np.ndarray) -> bool:

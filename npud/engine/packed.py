@@ -12,6 +12,11 @@ contiguous and in order:
 - attention runs per sequence over that sequence's own planes (ragged lengths, sliding windows,
   a KV-shared layer reading its owner's plane), and a gated delta net (GDN) layer carries each
   sequence's recurrent state over that sequence's rows only;
+- the attention layers between two things the engine must see (a GDN layer, gemma4's per-layer
+  inputs, a layer whose output a tap reads) are one backend call over all rows
+  (npud.kernels.base.decoder_stack: the host runs it as one native call; else a call a layer,
+  decoder_layer, which a backend without it composes from the primitives); their KV rows are
+  written in place into planes reserved for the pass, and counted as held after the call;
 - the LM head runs once, over the rows whose logits some sequence asked for.
 
 A backend that offers a layer group (npud/kernels/layers.py: the NPU's, whose GEMMs are a worker
@@ -34,7 +39,9 @@ import numpy as np
 from npud.engine.api import RequestError
 from npud.engine.config import AttentionKind
 from npud.engine.state import PlaneKind
-from npud.kernels.base import add_rms_norm, norm_rope
+from npud.kernels.base import (
+    LayerCall, PlaneRows, RoundRows, StackCall, add_rms_norm, decoder_layer, decoder_stack, layer_tail, norm_rope,
+)
 from npud.kernels.layers import LayerGroupSpec, LayerSpecRows
 
 
@@ -147,6 +154,7 @@ class _Packed:
                                          for _, p in seqs])
         self.token_ids = np.asarray([t for _, p in seqs for t in p.tokens], dtype=np.int64)
         self.tap_layers = frozenset(i for f, _ in seqs for i in f._tap_layers)
+        self.rows = RoundRows(self.positions, tuple((s.start, s.stop) for s in self.slices))
 
     def run(self) -> list[np.ndarray]:
         b, w, cfg = self.backend, self.model.weights, self.config
@@ -162,12 +170,19 @@ class _Packed:
         taps = {}
         delta = None  # a layer's output is x + delta: the add waits for the next norm, which does it too
         try:
-            for spec, lw in zip(cfg.layers, w.layers):
-                x, delta = self._layer(spec, lw, x, delta, per_layer)
-                if spec.index in self.tap_layers:
+            for f, p in self.seqs:  # room for the pass's KV rows, which the layer calls write in place
+                for plane in f.state.planes:
+                    if plane.kind is PlaneKind.KV:
+                        plane.reserve(p.num_rows)
+            for run in self._runs(per_layer is not None):
+                if len(run) == 1 and (run[0].kind == AttentionKind.LINEAR.value or per_layer is not None):
+                    x, delta = self._layer(run[0], x, delta, per_layer)
+                else:
+                    x, delta = self._stack(run, x, delta)
+                if run[-1].index in self.tap_layers:
                     if delta is not None:
                         x, delta = x + delta, None  # the bits add_rms_norm's sum would have
-                    taps[spec.index] = x
+                    taps[run[-1].index] = x
         except BaseException:
             for f, p in self.seqs:
                 _roll_back(f.state, p.start_pos)  # a failed pass leaves nothing half-appended
@@ -248,72 +263,39 @@ class _Packed:
         context = b.rms_norm(context.reshape(m, n, p), w.per_layer_projection_norm, cfg.rms_norm_eps)
         return (context + identity.reshape(m, n, p)) * np.float32(2**-0.5)
 
-    def _layer(self, spec, lw, x: np.ndarray, delta: np.ndarray | None,
-               per_layer: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
-        """One decoder layer over all rows. Its input is x + delta [M, D] (delta None: x);
-        returns its output as such a pair, the MLP's output left for the next norm to add where
-        nothing comes between (npud.kernels.base.add_rms_norm: the add and the norm in one call)."""
-        b, cfg = self.backend, self.config
-        eps = cfg.rms_norm_eps
-        if delta is None:
-            h = b.rms_norm(x, lw.input_norm, eps)
-        else:
-            x, h = add_rms_norm(b, x, delta, lw.input_norm, eps)
-        if spec.kind is AttentionKind.LINEAR:
-            mixed = self._linear_attention(spec, lw.linear_attn, h)
-        else:
-            mixed = self._attention(spec, lw.attn, h)
-        if cfg.sandwich_norms:
-            # gemma4: the attention and MLP outputs are normed before they join the residual
-            x = x + b.rms_norm(mixed, lw.post_attention_norm, eps)
-            h = b.rms_norm(x, lw.pre_feedforward_norm, eps)
-            x = x + b.rms_norm(self._mlp(lw.mlp, h), lw.post_feedforward_norm, eps)
-        else:
-            x, h = add_rms_norm(b, x, mixed, lw.post_attention_norm, eps)
-            if per_layer is None and lw.layer_scalar is None:
-                return x, self._mlp(lw.mlp, h)
-            x = x + self._mlp(lw.mlp, h)
-        if per_layer is not None:
-            gated = self._act_mul(b.linear(x, lw.per_layer_gate), per_layer[:, spec.index, :])
-            x = x + b.rms_norm(b.linear(gated, lw.per_layer_projection), lw.post_per_layer_norm, eps)
-        if lw.layer_scalar is not None:
-            x = x * lw.layer_scalar[0]
-        return x, None
+    def _runs(self, per_layer: bool) -> list[tuple]:
+        """The model's layers in the runs the pass calls: a GDN layer, or with per-layer inputs any
+        layer, alone; else the attention layers up to the next such layer or tap layer, together."""
+        runs, current = [], []
+        for layer in self.model.decoder_layers:
+            if per_layer or layer.kind == AttentionKind.LINEAR.value:
+                if current:
+                    runs.append(tuple(current))
+                    current = []
+                runs.append((layer,))
+                continue
+            current.append(layer)
+            if layer.index in self.tap_layers:
+                runs.append(tuple(current))
+                current = []
+        if current:
+            runs.append(tuple(current))
+        return runs
 
-    def _act_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        if self.config.hidden_act == "silu":
-            return self.backend.silu_mul(gate, up)
-        return self.backend.gelu_tanh_mul(gate, up)
-
-    def _mlp(self, mw, h: np.ndarray) -> np.ndarray:
-        b = self.backend
-        if mw.gate_up is not None:  # one GEMM call; the activation reads the halves where they lie
-            gate, up = mw.gate_up.split(b.linear(h, mw.gate_up.weight))
-        else:
-            gate, up = b.linear(h, mw.gate), b.linear(h, mw.up)
-        return b.linear(self._act_mul(gate, up), mw.down)
+    def _planes(self, layer) -> tuple[PlaneRows, ...]:
+        """Each sequence's plane the attention layer reads (its kv_owner's), reserved for the pass."""
+        planes = []
+        for f, p in self.seqs:
+            plane = f.state.planes[layer.kv_owner]
+            if plane.kind is not PlaneKind.KV:
+                raise ValueError(f"layer {layer.index} reads KV from layer {layer.kv_owner}, which holds none")
+            planes.append(PlaneRows(plane.k, plane.v, p.start_pos))
+        return tuple(planes)
 
     def _norm_rope(self, x: np.ndarray, norm: np.ndarray | None, inv_freq: np.ndarray) -> np.ndarray:
         if norm is None:
             return self.backend.rope(x, self.positions, inv_freq)
         return norm_rope(self.backend, x, norm, self.positions, inv_freq, self.config.rms_norm_eps)
-
-    def _attention(self, spec, aw, h: np.ndarray) -> np.ndarray:
-        b = self.backend
-        m = h.shape[0]
-        inv_freq = self.model.inv_freq[spec.index]
-        if aw.qkv is not None:  # one GEMM call for q, k, v (and the output gate), then column views
-            q, k, v, *gate = aw.qkv.split(b.linear(h, aw.qkv.weight))
-        else:
-            q, k, v, gate = b.linear(h, aw.q), None, None, ()
-        if spec.owns_kv and k is None:
-            k = b.linear(h, aw.k)
-            # k_eq_v: the values are the raw key projection, before the key's norm and RoPE
-            v = k if aw.v is None else b.linear(h, aw.v)
-        out = self._attend(spec, aw, q, k, v)
-        if aw.gate is not None:  # qwen3_5's output gate
-            out = b.sigmoid_mul(out, gate[0] if gate else b.linear(h, aw.gate))
-        return b.linear(out, aw.o)
 
     def _attend(self, spec, aw, q: np.ndarray, k: np.ndarray | None, v: np.ndarray | None) -> np.ndarray:
         """A layer's attention from its projections q [M, H*Dh] (k, v [M, KVH*Dh]; None on a
@@ -342,17 +324,49 @@ class _Packed:
                                     spec.scale))
         return (outs[0] if len(outs) == 1 else np.concatenate(outs)).reshape(m, spec.num_heads * spec.head_dim)
 
-    def _linear_attention(self, spec, gw, h: np.ndarray) -> np.ndarray:
+    def _held(self, layers) -> None:
+        """The KV rows the layers wrote are held now."""
+        for layer in layers:
+            if layer.owns_kv:
+                for f, p in self.seqs:
+                    f.state.planes[layer.index].extend(p.num_rows)
+
+    def _stack(self, layers: tuple, x: np.ndarray, delta: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """Consecutive attention layers over all rows in one backend call (npud.kernels.base.decoder_stack)."""
+        planes = tuple(self._planes(layer) for layer in layers)
+        out = decoder_stack(self.backend, StackCall(layers, self.rows, x, delta, planes))
+        self._held(layers)
+        return out
+
+    def _layer(self, layer, x: np.ndarray, delta: np.ndarray | None,
+               per_layer: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """One decoder layer (npud.kernels.base.DecoderLayer) over all rows. Its input is x + delta
+        [M, D] (delta None: x); returns its output as such a pair, the MLP's output left for the next
+        norm to add where nothing comes between (npud.kernels.base.add_rms_norm: the add and the norm
+        in one call)."""
+        mine = None if per_layer is None else per_layer[:, layer.index, :]
+        if layer.kind == AttentionKind.LINEAR.value:
+            b, lw = self.backend, layer.weights
+            if delta is None:
+                h = b.rms_norm(x, lw.input_norm, layer.eps)
+            else:
+                x, h = add_rms_norm(b, x, delta, lw.input_norm, layer.eps)
+            return layer_tail(b, layer, x, self._linear_attention(layer, lw.linear_attn, h), mine)
+        out = decoder_layer(self.backend, LayerCall(layer, self.rows, x, delta, self._planes(layer), mine))
+        self._held((layer,))
+        return out
+
+    def _linear_attention(self, layer, gw, h: np.ndarray) -> np.ndarray:
         """A gated delta net layer (qwen3_5): the projections over all rows, the convolution and
         the delta rule per sequence, each carrying its own state row by row."""
         b = self.backend
-        g = spec.linear
+        g = self.config.layers[layer.index].linear
         m = h.shape[0]
         in_qkv = b.linear(h, gw.in_qkv)  # [M, C]
         log_decay_all, beta_all = b.gdn_gates(b.linear(h, gw.in_a), b.linear(h, gw.in_b), gw.a_log, gw.dt_bias)
         outs = []
         for (f, p), rows in zip(self.seqs, self.slices):
-            plane = f.state.planes[spec.index]
+            plane = f.state.planes[layer.index]
             n = rows.stop - rows.start
             mixed, conv_after = b.causal_conv1d_silu(in_qkv[rows], plane.arrays["conv"], gw.conv)  # [n, C]
             q = mixed[:, : g.key_dim].reshape(n, g.num_key_heads, g.key_head_dim)

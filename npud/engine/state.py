@@ -119,7 +119,15 @@ class KVPlane:
     def append(self, k_rows: np.ndarray, v_rows: np.ndarray) -> None:
         # k_rows, v_rows: [M, kv_heads, head_dim]
         m = k_rows.shape[0]
-        need = self.length + m
+        self.reserve(m)
+        self.k[self.length : self.length + m] = k_rows
+        self.v[self.length : self.length + m] = v_rows
+        self.length += m
+
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` more positions in k and v (grown by doubling; the rows held are kept),
+        so that a layer call can write them in place (npud.kernels.base.PlaneRows)."""
+        need = self.length + rows
         if need > self.k.shape[0]:
             cap = max(need, 2 * self.k.shape[0])
             for name in ("k", "v"):
@@ -127,9 +135,13 @@ class KVPlane:
                 grown = np.empty((cap, self.num_kv_heads, self.head_dim), np.float32)
                 grown[: self.length] = old[: self.length]
                 setattr(self, name, grown)
-        self.k[self.length : need] = k_rows
-        self.v[self.length : need] = v_rows
-        self.length = need
+
+    def extend(self, rows: int) -> None:
+        """Count as held the next `rows` positions, which a layer call wrote in place after `reserve`."""
+        if not 0 <= rows <= self.k.shape[0] - self.length:
+            room = self.k.shape[0] - self.length
+            raise StateError(f"layer {self.layer}: cannot extend by {rows} rows: room for {room}")
+        self.length += rows
 
     def keys(self) -> np.ndarray:
         return self.k[: self.length]

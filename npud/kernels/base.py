@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -167,6 +167,225 @@ def norm_rope(backend, x: np.ndarray, weight: np.ndarray, positions: np.ndarray,
     return backend.rope(backend.rms_norm(x, weight, eps), positions, inv_freq)
 
 
+# ------------------------------------------------------------------ a decoder layer in one call
+#
+# The shapes below are backend-neutral: the host backend runs a LayerCall as one native call
+# (npud/kernels/host/layer.py), the NPU as one command (issue 41), and any backend without
+# `decoder_layer` runs compose_layer, the primitives' composition (what the engine ran before).
+
+
+@dataclass(slots=True, frozen=True)
+class DecoderLayer:
+    """One decoder layer of a model as a backend runs it: its weights and the numbers of its spec.
+
+    Made once per model (npud.engine.model.Model.decoder_layers) and shared by every call of
+    every round; backend-neutral (no backend's layout is assumed beyond the LinearWeights' own).
+    `state` is one dict per model, shared by all its layers: what a backend builds once for this
+    model and keeps as long as the model (the host: each layer's native description and the
+    scratch its calls run in); nothing else reads or writes it.
+    """
+
+    weights: object  # the engine's LayerWeights (npud/engine/weights/layout.py), read by field name
+    index: int  # the layer's position in the model
+    kind: str  # "full_attention", "sliding_attention" or "linear_attention" (a GDN layer: no LayerCall)
+    num_heads: int  # H, query heads
+    num_kv_heads: int  # KVH, key/value heads; H is a multiple of it
+    head_dim: int  # Dh
+    window: int  # 0: a row sees every position up to its own; W > 0: the last W of them, its own included
+    scale: float  # attention score scale (head_dim ** -0.5, or the model's)
+    eps: float  # every RMS norm's epsilon
+    activation: str  # the MLP's gate activation: "silu" or "gelu_tanh"
+    kv_owner: int  # == index where the layer owns its KV plane; else the earlier layer whose plane it reads
+    sandwich_norms: bool  # gemma3/4: the attention and MLP outputs are normed before they join the residual
+    inv_freq: np.ndarray  # [rotary Dh / 2] float32, this layer's RoPE frequencies (pairs (i, i + Dh_rot / 2))
+    state: dict = field(default_factory=dict, compare=False, repr=False)  # per model, a backend's own
+
+    @property
+    def owns_kv(self) -> bool:
+        return self.kv_owner == self.index
+
+
+@dataclass(slots=True, frozen=True)
+class RoundRows:
+    """The rows of one round (one or more sequences' passes packed): made once per round.
+
+    Each sequence's rows are contiguous and in order; `seqs` covers 0..M-1 in order.
+    """
+
+    positions: np.ndarray  # [M] int64, each row's position in its own sequence
+    seqs: tuple[tuple[int, int], ...]  # per sequence: its rows [start, stop) of the M
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.positions.shape[0])
+
+
+@dataclass(slots=True, frozen=True)
+class PlaneRows:
+    """One sequence's KV plane of one layer as a layer call sees it: the plane's own arrays, with
+    room for this pass's rows already reserved by the engine (nothing is copied to make it)."""
+
+    keys: np.ndarray  # [capacity, KVH, Dh] float32, C-contiguous; capacity >= held + the sequence's rows
+    values: np.ndarray  # [capacity, KVH, Dh] float32, C-contiguous
+    held: int  # positions held before this pass (== the sequence's first position in it): rows 0..held-1
+
+
+@dataclass(slots=True, frozen=True)
+class LayerCall:
+    """One attention layer over every row of a round: x + delta in, (x, delta) out.
+
+    Per sequence s of rows.seqs (rows [a, b), n = b - a), planes[s] is the plane the layer
+    reads: its own, or where it is KV-shared its kv_owner's. A layer that owns its KV writes
+    the pass's k and v rows at planes[s] rows held..held+n-1 (the engine then counts them as
+    held); a KV-shared layer finds them there, written by its owner earlier in the same pass.
+    Row r attends over plane rows 0..positions[r] (the last `window` of them when window > 0).
+    """
+
+    layer: DecoderLayer
+    rows: RoundRows
+    x: np.ndarray  # [M, D] float32, the residual stream
+    delta: np.ndarray | None  # [M, D] float32 added to x before the input norm (the last layer's MLP output), or None
+    planes: tuple[PlaneRows, ...]  # per sequence of rows.seqs
+    per_layer: np.ndarray | None = None  # [M, P] float32, gemma4's per-layer inputs for this layer (PLE), or None
+
+
+def decoder_layer(backend, call: LayerCall) -> tuple[np.ndarray, np.ndarray | None]:
+    """One attention layer: norm, projections, RoPE, the KV rows written, attention over each
+    sequence's plane, output projection, residual, norm, MLP. Returns (x, delta), the layer's
+    output being x + delta (delta None: x), delta for the next norm to add. A backend's own
+    `decoder_layer(call)` may return None for a layer it does not run as one; then, and for a
+    backend without one, the primitives' composition runs (compose_layer). Same bits either way."""
+    fused = getattr(backend, "decoder_layer", None)
+    if callable(fused):
+        out = fused(call)
+        if out is not None:
+            return out
+    return compose_layer(backend, call)
+
+
+@dataclass(slots=True, frozen=True)
+class StackCall:
+    """Consecutive attention layers over every row of a round, each one's output the next one's
+    input: a whole step's layers where nothing comes between them (no GDN layer, no per-layer
+    inputs, no tap the engine reads). Backend-neutral, as LayerCall.
+
+    planes[i] is layers[i]'s LayerCall.planes. The engine counts a layer's written KV rows as held
+    only after the call, so a KV-shared layer reads its owner's rows from the arrays (rows
+    held..held+n-1, written earlier in the same call), never from the planes' lengths.
+    """
+
+    layers: tuple[DecoderLayer, ...]
+    rows: RoundRows
+    x: np.ndarray  # [M, D] float32, the first layer's residual stream
+    delta: np.ndarray | None  # [M, D] float32 pending on x, or None
+    planes: tuple[tuple[PlaneRows, ...], ...]  # per layer, per sequence of rows.seqs
+
+
+def decoder_stack(backend, call: StackCall) -> tuple[np.ndarray, np.ndarray | None]:
+    """The layers of `call` in order, as decoder_layer each; returns the last one's (x, delta). A
+    backend's own `decoder_stack(call)` runs them all in one call (None: it does not, and each
+    layer goes to decoder_layer). Same bits either way."""
+    fused = getattr(backend, "decoder_stack", None)
+    if callable(fused):
+        out = fused(call)
+        if out is not None:
+            return out
+    x, delta = call.x, call.delta
+    for layer, planes in zip(call.layers, call.planes):
+        x, delta = decoder_layer(backend, LayerCall(layer, call.rows, x, delta, planes))
+    return x, delta
+
+
+def compose_layer(backend, call: LayerCall) -> tuple[np.ndarray, np.ndarray | None]:
+    """decoder_layer from the primitives (and the optional fused ops above): a call each."""
+    b, layer = backend, call.layer
+    lw = layer.weights
+    if call.delta is None:
+        x, h = call.x, b.rms_norm(call.x, lw.input_norm, layer.eps)
+    else:
+        x, h = add_rms_norm(b, call.x, call.delta, lw.input_norm, layer.eps)
+    return layer_tail(b, layer, x, _compose_attention(b, call, h), call.per_layer)
+
+
+def layer_tail(backend, layer: DecoderLayer, x: np.ndarray, mixed: np.ndarray,
+               per_layer: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """A layer after its token mixing (attention, or a GDN layer's): x [M, D] the residual, mixed
+    [M, D] the mixer's output -> (x, delta) as decoder_layer. The MLP's output is left as delta for
+    the next norm to add where nothing comes between (add_rms_norm: the add and the norm in one)."""
+    b, lw, eps = backend, layer.weights, layer.eps
+    if layer.sandwich_norms:
+        # gemma3/4: the attention and MLP outputs are normed before they join the residual
+        x = x + b.rms_norm(mixed, lw.post_attention_norm, eps)
+        h = b.rms_norm(x, lw.pre_feedforward_norm, eps)
+        x = x + b.rms_norm(_mlp(b, layer, h), lw.post_feedforward_norm, eps)
+    else:
+        x, h = add_rms_norm(b, x, mixed, lw.post_attention_norm, eps)
+        if per_layer is None and lw.layer_scalar is None:
+            return x, _mlp(b, layer, h)
+        x = x + _mlp(b, layer, h)
+    if per_layer is not None:
+        gated = _act_mul(b, layer, b.linear(x, lw.per_layer_gate), per_layer)
+        x = x + b.rms_norm(b.linear(gated, lw.per_layer_projection), lw.post_per_layer_norm, eps)
+    if lw.layer_scalar is not None:
+        x = x * lw.layer_scalar[0]
+    return x, None
+
+
+def _act_mul(backend, layer: DecoderLayer, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    if layer.activation == "silu":
+        return backend.silu_mul(gate, up)
+    return backend.gelu_tanh_mul(gate, up)
+
+
+def _mlp(backend, layer: DecoderLayer, h: np.ndarray) -> np.ndarray:
+    b, mw = backend, layer.weights.mlp
+    if mw.gate_up is not None:  # one GEMM call; the activation reads the halves where they lie
+        gate, up = mw.gate_up.split(b.linear(h, mw.gate_up.weight))
+    else:
+        gate, up = b.linear(h, mw.gate), b.linear(h, mw.up)
+    return b.linear(_act_mul(b, layer, gate, up), mw.down)
+
+
+def _norm_rope(backend, x: np.ndarray, norm: np.ndarray | None, call: LayerCall) -> np.ndarray:
+    if norm is None:
+        return backend.rope(x, call.rows.positions, call.layer.inv_freq)
+    return norm_rope(backend, x, norm, call.rows.positions, call.layer.inv_freq, call.layer.eps)
+
+
+def _compose_attention(backend, call: LayerCall, h: np.ndarray) -> np.ndarray:
+    b, layer = backend, call.layer
+    aw = layer.weights.attn
+    m, heads, kv_heads, dh = h.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
+    if aw.qkv is not None:  # one GEMM call for q, k, v (and the output gate), then column views
+        q, k, v, *gate = aw.qkv.split(b.linear(h, aw.qkv.weight))
+    else:
+        q, k, v, gate = b.linear(h, aw.q), None, None, ()
+    q = _norm_rope(b, q.reshape(m, heads, dh), aw.q_norm, call)
+    if layer.owns_kv:
+        if k is None:
+            k = b.linear(h, aw.k)
+            # k_eq_v: the values are the raw key projection, before the key's norm and RoPE
+            v = k if aw.v is None else b.linear(h, aw.v)
+        k = k.reshape(m, kv_heads, dh)
+        v = v.reshape(m, kv_heads, dh)
+        if aw.v_norm is not None:
+            v = b.rms_norm(v, aw.v_norm, layer.eps)
+        k = _norm_rope(b, k, aw.k_norm, call)
+        for (a, z), plane in zip(call.rows.seqs, call.planes):
+            plane.keys[plane.held : plane.held + z - a] = k[a:z]
+            plane.values[plane.held : plane.held + z - a] = v[a:z]
+    # each sequence attends over its own plane; a KV-shared layer reads the rows its owner wrote
+    outs = []
+    for (a, z), plane in zip(call.rows.seqs, call.planes):
+        end = plane.held + z - a
+        outs.append(b.attention(q[a:z], plane.keys[:end], plane.values[:end], call.rows.positions[a:z],
+                                layer.window, layer.scale))
+    out = (outs[0] if len(outs) == 1 else np.concatenate(outs)).reshape(m, heads * dh)
+    if aw.gate is not None:  # qwen3_5's output gate
+        out = b.sigmoid_mul(out, gate[0] if gate else b.linear(h, aw.gate))
+    return b.linear(out, aw.o)
+
+
 class Backend(Protocol):
     """Row-wise kernels. Shapes are written [rows, features]; all activations are fp32."""
 
@@ -174,7 +393,9 @@ class Backend(Protocol):
 
     # optional: numerics_id() -> str, the backend's numerics identity (see numerics_identity)
     # optional, with the defaults above: fuse_linears(parts) -> FusedLinear | None;
-    # add_rms_norm(x, delta, weight, eps) -> (sum, normed); norm_rope(x, weight, positions, inv_freq, eps).
+    # add_rms_norm(x, delta, weight, eps) -> (sum, normed); norm_rope(x, weight, positions, inv_freq, eps);
+    # decoder_layer(call: LayerCall) -> (x, delta), or None for a layer it leaves to compose_layer;
+    # decoder_stack(call: StackCall) -> (x, delta), or None to run the layers one decoder_layer each.
     # Each must give the bits its default gives.
 
     def prepare_linear(self, w: LinearWeight) -> LinearWeight:

@@ -14,7 +14,9 @@ from collections.abc import Sequence
 
 from npud.kernels.base import FusedLinear, LinearWeight
 from npud.kernels.ggml.blocks import LAYOUTS, BlockFormat
-from npud.kernels.ggml.gemm import LAYOUT_FLOAT, LAYOUT_Q8, block_embed, block_linear, pack_block_matrix
+from npud.kernels.ggml.gemm import (
+    LAYOUT_FLOAT, LAYOUT_Q8, block_embed, block_linear, native_block_linear, pack_block_matrix,
+)
 from npud.kernels.host import CHECK_ROWS, TILE, HostBackend
 from npud.kernels.host.resident import resident_copy
 
@@ -65,6 +67,12 @@ class BlockHostBackend(HostBackend):
                                       None if bias is None else bias[s : s + p.out_features], first.layout,
                                       p.out_features, p.in_features))
         return FusedLinear(fused, tuple(views), tuple(starts))
+
+    def native_linear(self, w: LinearWeight):
+        """Block weights as the host decoder layer calls them (native_block_linear); other weights: the host's."""
+        if is_block(w):
+            return native_block_linear(w)
+        return super().native_linear(w)
 
     def linear(self, x: np.ndarray, w: LinearWeight) -> np.ndarray:
         if is_block(w):

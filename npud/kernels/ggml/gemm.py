@@ -115,6 +115,28 @@ def block_linear(x: np.ndarray, w: LinearWeight, parallel: bool) -> np.ndarray:
     return out[:, : w.out_features]
 
 
+def native_block_linear(w: LinearWeight) -> tuple | None:
+    """A "qtiles" or "q8blocks" weight as the host's decoder layer (npud/kernels/host/layer.c) calls
+    it: block_linear's entry and arguments, and the arrays the call reads; None for another layout."""
+    from npud.kernels.host.layer import LIN_BQ8, LIN_QT, Linear
+
+    q, f, k = w.data, w.scale, w.in_features
+    lin = Linear(K=k, Kp=k, ntiles=q.shape[0], N=w.out_features, parallel=int(q.nbytes >= PARALLEL_MIN_BYTES),
+                 group=k // f.shape[1], parts=f.shape[2], fac16=int(f.dtype == np.float16), w=q.ctypes.data,
+                 fac=f.ctypes.data, bias=None if w.bias is None else w.bias.ctypes.data)
+    if w.layout == LAYOUT_Q8:  # native.linear_bq8
+        lin.kind, lin.zero = LIN_BQ8, nibbles.zero_of(w.fmt, q)
+        lin.qbits = 8 if q.ndim == 4 else {1024: 4, 1280: 5}.get(q.shape[2], 0)
+    elif w.layout == LAYOUT_FLOAT:  # native.linear_qtiles
+        lin.kind, lin.zero = LIN_QT, nibbles.row_zero(w.fmt, q)
+        lin.qbits = native.QT_ROW_BITS.get(q.shape[2], 0)
+    else:
+        return None
+    if lin.qbits == 0:
+        return None
+    return lin, (q, f, w.bias)
+
+
 def block_embed(table: LinearWeight, tokens: np.ndarray) -> np.ndarray:
     """Rows of a "qtiles" or "q8blocks" table widened to float32: tokens [M] (in range) -> [M, D]."""
     if table.layout == LAYOUT_Q8:

@@ -14,7 +14,9 @@ that row alone. The GEMMs, attention, norms, RoPE and SiLU (and the fused residu
 head norm + RoPE) are C (native.py says why; gemm.c, attention.c and pointwise.c how); the other
 kernels are numba (recurrent.py). formats.py holds the weight formats and their layouts (a fused
 q/k/v or gate/up weight is one of them with its parts side by side: backend.py's fuse_linears),
-check.py the self-check that proves the property on this machine at start-up.
+check.py the self-check that proves the property on this machine at start-up. layer.c runs a
+step's attention layers in one call of those same kernels with the same arguments (layer.py), so
+it has their bits and their batch invariance.
 """
 
 from npud.kernels.host import native

@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "entries.h"
 #include "vexp.h"
 
 #define KC 256   /* keys per transposed chunk (Dh x KC floats: 128 KiB at Dh 128, in L2) */

@@ -1,5 +1,5 @@
-"""The host (CPU) backend: the Backend interface over the C kernels (GEMMs, attention, norms, RoPE, SiLU)
-and the numba ones (recurrent.py)."""
+"""The host (CPU) backend: the Backend interface over the C kernels (GEMMs, attention, norms, RoPE, SiLU,
+and a whole attention layer in one call: layer.py) and the numba ones (recurrent.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from npud.kernels.base import FusedLinear, LinearWeight, WeightFormat
-from npud.kernels.host import native, pointwise
+from npud.kernels.host import layer, native, pointwise
 from npud.kernels.host.formats import KERNELS, PARALLEL_MIN_BYTES, kernel_for
-from npud.kernels.host.native import TILE
+from npud.kernels.host.native import PARALLEL_MIN_WORK, TILE
 
 
 def _recurrent():
@@ -19,8 +19,6 @@ def _recurrent():
     from npud.kernels.host import recurrent
 
     return recurrent
-
-PARALLEL_MIN_WORK = 1 << 21  # attention elements below which waking a second thread costs more than it saves
 
 
 class HostBackend:
@@ -83,6 +81,20 @@ class HostBackend:
         # by weight size alone, so a step and a verify of the same layer split alike (the
         # bits do not depend on the split either way: threads divide columns, never k)
         return kernel.linear(x, w, self.parallel and w.data.nbytes >= PARALLEL_MIN_BYTES)
+
+    def native_linear(self, w: LinearWeight) -> tuple[layer.Linear, tuple] | None:
+        """w (prepared) as layer.c's description of its GEMM call and the arrays the call reads, or
+        None where layer.c has none for its layout (then the layer is composed)."""
+        return layer.describe_linear(w)
+
+    def decoder_layer(self, call) -> tuple[np.ndarray, np.ndarray] | None:
+        """An attention layer over every row of a round in one native call (npud.kernels.base.LayerCall;
+        layer.py says which layers), with the bits of the per-op calls; None: compose_layer runs it."""
+        return layer.decoder_layer(self, call)
+
+    def decoder_stack(self, call) -> tuple[np.ndarray, np.ndarray] | None:
+        """Consecutive attention layers (npud.kernels.base.StackCall) in one native call; None: a layer at a time."""
+        return layer.decoder_stack(self, call)
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)

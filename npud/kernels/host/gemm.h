@@ -18,6 +18,8 @@
 #include <time.h>
 #include <x86intrin.h>
 
+#include "entries.h"
+
 #define TILE 64
 #define QB 32           /* activation quantization block (llama.cpp's q8_0 block) */
 #define KC 512          /* k rows per chunk when several row blocks share a weight tile (q8) */
@@ -58,6 +60,7 @@ typedef struct job {
     int caller_cpu;          /* the CPU the caller ran on when it published the job */
     long published_ns;       /* when the caller published the job (pool.c's trace) */
     atomic_long seen_ns;     /* when a worker first saw it, or 0 */
+    long created_ns;         /* when the entry made it (job_new): the GEMM clock's start (pool.c) */
 } job_t;
 
 typedef void (*tile_fn)(const job_t *, long, float *, long);

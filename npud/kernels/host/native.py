@@ -65,10 +65,10 @@ FMT_Q16 = 7  # int8-q16: the q8 kernels on 16-bit activation blocks held as byte
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("gemm.c", "q8pairs.c", "bf16dot.c", "blockgemm.c", "blockq8.c", "pool.c", "attention.c",
-                             "pointwise.c"))
+                             "pointwise.c", "layer.c"))
 # the library's name covers them too: gemm.h (what the GEMM sources share), vexp.h (the exponential
-# attention.c and pointwise.c share)
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("gemm.h", "vexp.h"))
+# attention.c and pointwise.c share), entries.h (the entries layer.c calls, checked against their definitions)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("gemm.h", "vexp.h", "entries.h"))
 # -ffp-contract=off: the only FMAs are the explicit ones; no -ffast-math: no reassociation
 CFLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-pthread", "-std=gnu11")
 
@@ -143,6 +143,8 @@ def library() -> ctypes.CDLL:
             lib.npud_pool_stats.restype = None
             lib.npud_pool_stall.argtypes = [_L]
             lib.npud_pool_stall.restype = None
+            lib.npud_gemm_clock.argtypes = [_P]
+            lib.npud_gemm_clock.restype = None
             lib.npud_quantize_q8.argtypes = [_P, _L, _L, _L, _P, _P, _P]
             lib.npud_quantize_q8.restype = None
             lib.npud_quantize_q8_pairs.argtypes = [_P, _L, _L, _L, _P, _P, _P]
@@ -281,6 +283,14 @@ def pool_trace() -> dict[str, int]:
     chunks workers held (`wait_ns`)."""
     counters = _pool_counters()
     return dict(zip(POOL_TRACE, counters[4:]), worker_chunks=counters[0])
+
+
+def gemm_clock() -> tuple[int, int]:
+    """So far: (GEMM calls, their nanoseconds, each from its entry's start to its return), in this
+    process, whether Python or a layer call (layer.c) made them: a profile's GEMM time."""
+    clock = (ctypes.c_long * 2)()
+    library().npud_gemm_clock(clock)
+    return clock[0], clock[1]
 
 
 def stall_workers(microseconds: int) -> None:
@@ -441,6 +451,7 @@ def embed(fmt: int, w: np.ndarray, k: int, d: int, tokens: np.ndarray, scale: np
     return out
 
 
+PARALLEL_MIN_WORK = 1 << 21  # attention elements below which waking a second thread costs more than it saves
 ATTENTION_UNIT_WORK = 1 << 22  # rows x heads x keys x head size a threaded unit has at least (~0.2 ms)
 _pool: ThreadPoolExecutor | None = None  # attention's and the per-row kernels' threads (the GEMMs have pool.c)
 _pool_size = 0

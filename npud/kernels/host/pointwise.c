@@ -32,6 +32,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "entries.h"
 #include "vexp.h"
 
 enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };

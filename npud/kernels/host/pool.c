@@ -49,6 +49,9 @@ static struct {
     atomic_long calls, joined, wake_ns, slept, caller_ran, call_ns, own_ns, wait_ns;
     atomic_long stall_us;                  /* tests: workers sleep this long on each chunk they take
                                               (and the caller lets one take the first) */
+    atomic_long gemm_calls, gemm_ns;       /* every GEMM entry's call, and its nanoseconds from job_new
+                                              to the end of dispatch (its own activation copy included):
+                                              what a profile counts as GEMM time (bench/step_calls.py) */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
 static inline long now_ns(void) {
@@ -63,6 +66,7 @@ job_t *job_new(long ntiles, size_t extra) {
     job_t *j = aligned_alloc(64, (head + extra + 63) / 64 * 64);
     if (!j) return NULL;
     memset(j, 0, sizeof(job_t));
+    j->created_ns = now_ns();
     j->state = (_Atomic uint8_t *)((char *)j + sizeof(job_t));
     memset((void *)j->state, FREE, (size_t)ntiles);
     return j;
@@ -237,6 +241,7 @@ static long reclaim(void) {
 
 /* Run job j (from job_new, its tile function set; this call owns it) on `threads` threads; returns the jobs still retired. */
 long dispatch(job_t *j, int threads) {
+    const long created_ns = j->created_ns;
     pthread_mutex_lock(&pool.call_mu);
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > j->ntiles) threads = (int)j->ntiles;
@@ -280,7 +285,15 @@ long dispatch(job_t *j, int threads) {
     }
     const long held = reclaim();
     pthread_mutex_unlock(&pool.call_mu);
+    atomic_fetch_add_explicit(&pool.gemm_calls, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&pool.gemm_ns, now_ns() - created_ns, memory_order_relaxed);
     return held;
+}
+
+/* clock[0]: GEMM calls so far, [1]: their nanoseconds (each from its entry's job_new to its return). */
+void npud_gemm_clock(long *clock) {
+    clock[0] = atomic_load(&pool.gemm_calls);
+    clock[1] = atomic_load(&pool.gemm_ns);
 }
 
 /* How many finished calls a worker may still read (freeing those no worker reads now). */

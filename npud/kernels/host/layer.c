@@ -1,0 +1,273 @@
+/* npud host decoder layer: one call runs an attention layer over every row of a round
+ * (npud/kernels/host/layer.py builds its arguments; npud/kernels/base.py's LayerCall says what it is).
+ *
+ * Nothing here computes a value of its own: each step is a call of the kernel the per-op path
+ * calls for it, with the arguments that path passes (the rows, their strides, the weight's
+ * layout, the thread count by the weight's size), so every output has the bits of the per-op
+ * path, on every ISA path and for any rows beside it:
+ *   input norm        npud_rms_norm, or npud_add_rms_norm with the pending delta
+ *   q, k, v           the weight format's GEMM: once for a fused q/k/v weight (the parts are
+ *                     columns of its output), else q, k and v apart
+ *   head norm + RoPE  npud_norm_rope on the columns where they lie, or npud_rope of a
+ *                     contiguous copy where the layer has no head norm
+ *   KV rows           copied into each sequence's plane at its rows held..held+n-1 (owning layers)
+ *   attention         npud_attention per sequence over its own plane, on the calling thread
+ *   o                 GEMM; the residual: npud_add_rms_norm (sandwich norms: npud_rms_norm of the
+ *                     output, then npud_add_rms_norm with the pre-MLP norm)
+ *   MLP               GEMM (gate/up fused or apart), npud_silu_mul / npud_gelu_tanh_mul reading the
+ *                     halves where they lie, GEMM; sandwich norms: npud_rms_norm of the output
+ * A GEMM's output is [M, ntiles * TILE]; where the per-op path takes the first N columns as a
+ * contiguous array the rows are copied (a copy changes no bit).
+ *
+ * npud_decoder_layers runs consecutive layers, each over its own call, in one call (a step's layers).
+ *
+ * The call returns what the last GEMM's dispatch returned: how many finished GEMM jobs a stalled
+ * worker may still read (pool.c; they read the weights, never this call's scratch: a job holds
+ * its own copy of the activations, and a worker whose chunk was taken back writes nothing), or
+ * < 0: -1 when a GEMM's or attention's scratch could not be allocated, -2 for a bad weight form.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "entries.h"
+
+#define TILE 64
+enum { LIN_FLOAT = 0, LIN_Q8 = 1, LIN_BD = 2, LIN_QT = 3, LIN_BQ8 = 4 };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+enum { STAGE_ALL = 0, STAGE_BEFORE_ATTENTION = 1, STAGE_AFTER_ATTENTION = 2 };
+
+/* One linear layer: which GEMM entry multiplies it, and its arguments (layer.py's _linear). Every
+ * field is 8 bytes, so the ctypes mirror has no padding to get wrong. */
+typedef struct {
+    long kind;      /* LIN_*: npud_gemm, npud_linear_q8, npud_linear_bd, npud_linear_qtiles, npud_linear_bq8 */
+    long fmt;       /* LIN_FLOAT: FMT_F32 / FMT_BF16 / FMT_I8 (gemm.h); LIN_Q8: FMT_Q8 / FMT_Q16 */
+    long parallel;  /* 1: the call's threads; 0: one thread (a weight below formats.PARALLEL_MIN_BYTES) */
+    long K, Kp;     /* the input width; the padded width LIN_Q8 and LIN_BD round rows to */
+    long ntiles, N; /* column tiles (the output's width is ntiles * TILE); the true output columns */
+    long group, parts, fac16, qbits, zero; /* LIN_QT / LIN_BQ8: the factor tiles' form and the q tiles' */
+    const void *w, *fac;                   /* weights (q tiles); GGML blocks: factor tiles */
+    const float *scale, *bias;             /* [N] or NULL */
+} npud_linear_t;
+
+/* One layer's weights and numbers, built once per model (layer.py's _native_layer). */
+typedef struct {
+    long D, H, KVH, Dh, half, F; /* hidden, heads, kv heads, head dim, RoPE pairs, MLP width */
+    long window;                 /* 0: every position; W: the last W */
+    double scale, eps;           /* attention's score scale (taken as a float, as native.attention's), norms' eps */
+    long act;                    /* ACT_* */
+    long owns_kv, sandwich;      /* writes its KV rows; gemma3's four norms */
+    long qkv_fused, q_col, k_col, v_col; /* q, k, v: columns q_col.. of qkv's output, or q, k, v apart */
+    long gate_up_fused, up_col;          /* gate, up: columns 0 and up_col of gate_up's output, or apart */
+    const float *in_norm, *post_attn_norm, *pre_ff_norm, *post_ff_norm; /* [D]; the last two: sandwich */
+    const float *q_norm, *k_norm;                                        /* [Dh], or NULL: RoPE alone */
+    npud_linear_t qkv, q, k, v, o, gate_up, gate, up, down;
+} npud_layer_t;
+
+/* One call: the round's rows and this layer's planes (layer.py's HostLayers.run). */
+typedef struct {
+    long isa, threads, stage; /* the per-row kernels' path; the GEMMs' threads; STAGE_* */
+    long M, nseq;
+    const float *x, *delta;   /* [M, D]; delta NULL: nothing pending */
+    const int64_t *pos;       /* [M] */
+    const float *cs;          /* [M, 2 half]: npud_rope_table of pos (pointwise._rope_table) */
+    const long *seq;          /* [nseq + 1]: sequence s has rows seq[s]..seq[s+1]-1 */
+    const long *held;         /* [nseq]: positions each plane held before the pass */
+    float *const *keys;       /* [nseq]: each sequence's plane [capacity, KVH, Dh] */
+    float *const *values;
+    float *x_out, *delta_out; /* [M, D] each: the layer's output is x_out + delta_out */
+    float *work;              /* npud_layer_scratch(L, M) floats */
+} npud_call_t;
+
+static long linear(const npud_linear_t *l, const float *x, long M, float *out, long threads) {
+    const int th = l->parallel ? (int)threads : 1;
+    switch (l->kind) {
+    case LIN_FLOAT:
+        return npud_gemm((int)l->fmt, x, M, l->K, l->w, l->ntiles, l->N, l->scale, l->bias, out, th);
+    case LIN_Q8:
+        return npud_linear_q8((int)l->fmt, x, M, l->K, l->Kp, l->w, l->ntiles, l->N, l->scale, l->bias, out, th);
+    case LIN_BD:
+        return npud_linear_bd(x, M, l->K, l->Kp, l->w, l->ntiles, l->N, NULL, l->bias, out, th);
+    case LIN_QT:
+        return npud_linear_qtiles(x, M, l->K, l->w, l->fac, l->group, l->parts, (int)l->fac16, (int)l->qbits,
+                                  (int)l->zero, l->ntiles, l->N, l->bias, out, th);
+    case LIN_BQ8:
+        return npud_linear_bq8(x, M, l->K, l->w, l->fac, l->group, l->parts, (int)l->fac16, (int)l->qbits,
+                               (int)l->zero, l->ntiles, l->N, l->bias, out, th);
+    }
+    return -2;
+}
+
+static inline long width(const npud_linear_t *l) { return l->ntiles * TILE; }
+static inline long up16(long n) { return (n + 15) / 16 * 16; } /* whole cache lines between the regions */
+
+/* Where each buffer of a call lies in `work` (floats from its start); q first and attention's
+ * output second, at the offsets layer.py reads them from when attention runs outside (stages). */
+typedef struct {
+    long q, attn, x1, h, qkv, q_own, k_own, v_own, copy, k_roped, o, mixed, n1, h2, gu, g_own, u_own, act, down, dc,
+        total;
+} layout_t;
+
+static layout_t layout(const npud_layer_t *L, long M) {
+    layout_t a;
+    long at = 0;
+#define TAKE(field, floats) (a.field = at, at += up16((floats)))
+    TAKE(q, M * L->H * L->Dh);
+    TAKE(attn, M * L->H * L->Dh);
+    TAKE(x1, M * L->D);
+    TAKE(h, M * L->D);
+    TAKE(qkv, L->qkv_fused ? M * width(&L->qkv) : 0);
+    TAKE(q_own, L->qkv_fused ? 0 : M * width(&L->q));
+    TAKE(k_own, L->qkv_fused || !L->owns_kv ? 0 : M * width(&L->k));
+    TAKE(v_own, L->qkv_fused || !L->owns_kv ? 0 : M * width(&L->v));
+    TAKE(copy, M * L->H * L->Dh);
+    TAKE(k_roped, M * L->KVH * L->Dh);
+    TAKE(o, M * width(&L->o));
+    TAKE(mixed, M * L->D);
+    TAKE(n1, L->sandwich ? M * L->D : 0);
+    TAKE(h2, M * L->D);
+    TAKE(gu, L->gate_up_fused ? M * width(&L->gate_up) : 0);
+    TAKE(g_own, L->gate_up_fused ? 0 : M * width(&L->gate));
+    TAKE(u_own, L->gate_up_fused ? 0 : M * width(&L->up));
+    TAKE(act, M * L->F);
+    TAKE(down, M * width(&L->down));
+    TAKE(dc, M * L->D);
+#undef TAKE
+    a.total = at;
+    return a;
+}
+
+/* Floats of `work` a call of L over M rows needs. */
+long npud_layer_scratch(const npud_layer_t *L, long M) { return layout(L, M).total; }
+
+/* x: M rows ldx floats apart (a GEMM output's columns), `heads` heads of Dh -> out [M, heads, Dh]:
+ * rope(rms_norm(x)) per head (npud_norm_rope), or without a norm rope of x copied contiguous
+ * (what HostBackend.rope does with a column view) */
+static void heads_rope(const npud_layer_t *L, const npud_call_t *c, const float *x, long ldx, long heads,
+                       const float *norm, float *copy, float *out) {
+    const long M = c->M, Dh = L->Dh, isa = c->isa;
+    if (norm) {
+        npud_norm_rope((int)isa, x, ldx, heads, Dh, norm, L->eps, L->half, c->cs, out, 0, M);
+        return;
+    }
+    for (long m = 0; m < M; m++) memcpy(copy + m * heads * Dh, x + m * ldx, (size_t)heads * Dh * sizeof(float));
+    npud_rope((int)isa, copy, heads, Dh, L->half, c->cs, out, 0, M);
+}
+
+/* The first D columns of M rows ld floats apart, as a contiguous [M, D] (src itself when ld == D). */
+static const float *columns(const float *src, long ld, long M, long D, float *dst) {
+    if (ld == D) return src;
+    for (long m = 0; m < M; m++) memcpy(dst + m * D, src + m * ld, (size_t)D * sizeof(float));
+    return dst;
+}
+
+/* The layer over rows 0..M-1 of c (c->stage: all of it, or the part before or after attention,
+ * which then runs outside on the q and attention buffers at work's offsets 0 and M H Dh).
+ * Returns as the header says. */
+long npud_decoder_layer(const npud_layer_t *L, const npud_call_t *c) {
+    const long M = c->M, D = L->D, H = L->H, KVH = L->KVH, Dh = L->Dh;
+    const int isa = (int)c->isa;
+    const layout_t a = layout(L, M);
+    float *const w = c->work;
+    float *q = w + a.q, *attn = w + a.attn;
+    /* the residual the layer adds to: x + delta, or x itself when nothing is pending */
+    const float *x1 = c->delta ? w + a.x1 : c->x;
+    long held = 0;
+#define GEMM(l, in, out)                                                                                           \
+    do {                                                                                                           \
+        const long r_ = linear((l), (in), M, (out), c->threads);                                                   \
+        if (r_ < 0) return r_;                                                                                     \
+        held = r_;                                                                                                 \
+    } while (0)
+
+    if (c->stage != STAGE_AFTER_ATTENTION) {
+        float *h = w + a.h;
+        if (c->delta)
+            npud_add_rms_norm(isa, c->x, c->delta, D, L->in_norm, L->eps, w + a.x1, h, 0, M);
+        else
+            npud_rms_norm(isa, c->x, D, L->in_norm, L->eps, h, 0, M);
+        const float *qs, *ks = NULL, *vs = NULL;
+        long ldq, ldk = 0, ldv = 0;
+        if (L->qkv_fused) {
+            GEMM(&L->qkv, h, w + a.qkv);
+            ldq = ldk = ldv = width(&L->qkv);
+            qs = w + a.qkv + L->q_col, ks = w + a.qkv + L->k_col, vs = w + a.qkv + L->v_col;
+        } else {
+            GEMM(&L->q, h, w + a.q_own);
+            qs = w + a.q_own, ldq = width(&L->q);
+            if (L->owns_kv) {
+                GEMM(&L->k, h, w + a.k_own);
+                GEMM(&L->v, h, w + a.v_own);
+                ks = w + a.k_own, ldk = width(&L->k);
+                vs = w + a.v_own, ldv = width(&L->v);
+            }
+        }
+        heads_rope(L, c, qs, ldq, H, L->q_norm, w + a.copy, q);
+        if (L->owns_kv) {
+            float *kr = w + a.k_roped;
+            const long row = KVH * Dh;
+            heads_rope(L, c, ks, ldk, KVH, L->k_norm, w + a.copy, kr);
+            for (long s = 0; s < c->nseq; s++) /* each sequence's rows into its own plane, in order */
+                for (long m = c->seq[s]; m < c->seq[s + 1]; m++) {
+                    const long t = c->held[s] + m - c->seq[s];
+                    memcpy(c->keys[s] + t * row, kr + m * row, (size_t)row * sizeof(float));
+                    memcpy(c->values[s] + t * row, vs + m * ldv, (size_t)row * sizeof(float));
+                }
+        }
+        if (c->stage == STAGE_BEFORE_ATTENTION) return held;
+        for (long s = 0; s < c->nseq; s++) { /* each sequence over its own plane: its rows held + n long */
+            const long m0 = c->seq[s], n = c->seq[s + 1] - m0;
+            if (n > 0 && npud_attention(isa, q + m0 * H * Dh, n, H, Dh, c->keys[s], c->values[s], c->held[s] + n, KVH,
+                                        c->pos + m0, L->window, (float)L->scale, attn + m0 * H * Dh, 0, KVH, 0, n) < 0)
+                return -1;
+        }
+    }
+
+    GEMM(&L->o, attn, w + a.o);
+    const float *mixed = columns(w + a.o, width(&L->o), M, D, w + a.mixed);
+    float *h2 = w + a.h2;
+    if (L->sandwich) { /* x + rms_norm(o), then the pre-MLP norm of that sum */
+        npud_rms_norm(isa, mixed, D, L->post_attn_norm, L->eps, w + a.n1, 0, M);
+        npud_add_rms_norm(isa, x1, w + a.n1, D, L->pre_ff_norm, L->eps, c->x_out, h2, 0, M);
+    } else {
+        npud_add_rms_norm(isa, x1, mixed, D, L->post_attn_norm, L->eps, c->x_out, h2, 0, M);
+    }
+    const float *gate, *up;
+    long ldg, ldu;
+    if (L->gate_up_fused) {
+        GEMM(&L->gate_up, h2, w + a.gu);
+        ldg = ldu = width(&L->gate_up);
+        gate = w + a.gu, up = w + a.gu + L->up_col;
+    } else {
+        GEMM(&L->gate, h2, w + a.g_own);
+        GEMM(&L->up, h2, w + a.u_own);
+        gate = w + a.g_own, ldg = width(&L->gate);
+        up = w + a.u_own, ldu = width(&L->up);
+    }
+    if (L->act == ACT_SILU)
+        npud_silu_mul(isa, gate, ldg, up, ldu, L->F, w + a.act, 0, M);
+    else
+        npud_gelu_tanh_mul(isa, gate, ldg, up, ldu, L->F, w + a.act, 0, M);
+    const long ldd = width(&L->down);
+    if (L->sandwich) { /* the MLP's output normed is the delta */
+        GEMM(&L->down, w + a.act, w + a.down);
+        npud_rms_norm(isa, columns(w + a.down, ldd, M, D, w + a.dc), D, L->post_ff_norm, L->eps, c->delta_out, 0, M);
+    } else if (ldd == D) {
+        GEMM(&L->down, w + a.act, c->delta_out);
+    } else {
+        GEMM(&L->down, w + a.act, w + a.down);
+        columns(w + a.down, ldd, M, D, c->delta_out);
+    }
+#undef GEMM
+    return held;
+}
+
+/* Layers 0..n-1 in order, layer i over calls[i] (whose x and delta are call i - 1's outputs): a
+ * step's layers in one call. Returns the last layer's return, or the first error. */
+long npud_decoder_layers(const npud_layer_t *const *layers, const npud_call_t *calls, long n) {
+    long held = 0;
+    for (long i = 0; i < n; i++) {
+        held = npud_decoder_layer(layers[i], calls + i);
+        if (held < 0) return held;
+    }
+    return held;
+}
