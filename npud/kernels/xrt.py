@@ -287,6 +287,17 @@ class XrtBackend:
         none. Defined here because __getattr__ would answer with the host's fusion."""
         return None
 
+    def decoder_layer(self, call) -> None:
+        """None: a layer's linears go to `linear` one by one (npud.kernels.base.compose_layer), where
+        each runs on the NPU or the host by placement. Defined here because __getattr__ would
+        answer with the host's one-call layer, which runs every linear on the host."""
+        return None
+
+    def decoder_stack(self, call) -> None:
+        """None, as decoder_layer: the layers go one by one (the layer group, npud/kernels/layers.py,
+        is this backend's one call per layer)."""
+        return None
+
     def numerics_id(self) -> str:
         """What this backend's numbers depend on besides the weights: the design table's identity
         (its program files and tiles), which shapes run where, and the activation path. Defined
