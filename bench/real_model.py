@@ -248,8 +248,8 @@ def main() -> None:
     print()
     print(table(["engine", "load s", "resident MiB", "x file", "decode tok/s", "prefill-512 tok/s",
                  f"greedy {args.decode} vs npud"], rows))
-    for name, r in zip(["llama.cpp", "transformers"], rows[1:]):
-        print(f"npud decode / {name}: {ours['decode'] / r[4]:.2f}x; prefill: {ours['prefill'] / r[5]:.2f}x")
+    for r in rows[1:]:  # named by its own row: with --skip llamacpp the first other row is transformers'
+        print(f"npud decode / {r[0]}: {ours['decode'] / r[4]:.2f}x; prefill: {ours['prefill'] / r[5]:.2f}x")
     print()
     print(table(["prompt", "prompt tokens", "plain tok/s", "lookup tok/s", "speedup", "acceptance",
                  "passes/token", "byte-equal"], spec))
