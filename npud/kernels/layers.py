@@ -5,8 +5,9 @@ and in order). Between a layer's attention and the next layer's, everything is G
 row-wise host kernels with no state of its own: the output projection, the residual add and
 norms, the MLP, and the next layer's input norm and q/k/v projections (after the last layer,
 the final norm and the LM head). A backend whose GEMMs sit behind a process boundary (the NPU
-worker, npud/kernels/xrt_worker.py) runs that whole stretch in one call, so a decode step costs
-one round trip per layer plus one for the first layer's projections, instead of one per linear.
+worker, npud/kernels/xrt_worker.py) runs that whole stretch in one call, and the first layer's
+projections (`begin`) beside the embedding on the host, so a decode step costs one round trip per
+layer instead of one per linear.
 The attention itself (RoPE, the KV planes, the per-sequence attention) stays with the engine,
 which owns the state.
 

@@ -47,6 +47,8 @@ log = structlog.get_logger(__name__)
 DEFAULT_TIMEOUT_MS = 5000
 COST_ROWS = 1  # the rows of a decode step: the pass placement compares
 COST_REPEATS = 5  # runs of each side; the fastest is kept (a preempted run only ever looks slower)
+FIRST_PROJECTIONS = ("q", "k", "v")  # layer 0's: run on the host under a layer group (layer_group)
+FIRST_ON_HOST = "host (layer 0's projections run beside the embedding under the layer group: one worker round trip fewer a step)"
 BINDING = "pyxrt"  # the module that is XRT's Python binding (tests name their simulator)
 ISOLATIONS = ("process", "inline")
 _bf16_bits = bf16_bits  # the name tests/test_kernels.py checks
@@ -139,6 +141,7 @@ class XrtBackend:
         self._runners: dict[tuple, _Runner] = {}
         self._rowwise: set[tuple] = set()  # designs whose rows depend on their place in a pass
         self._weights: dict[int, tuple[_Runner, int]] = {}  # id(prepared data) -> (runner, weight handle)
+        self._host_by_group: dict[int, str] = {}  # id(prepared data) -> why the layer group runs it on the host
         self.placement: dict[tuple[int, int, str], str] = {}  # shape -> "npu", "npu-rowwise" or why host
         self.policies: dict[tuple[int, int, str], str] = {}  # shape on the NPU -> its tolerance policy
         self.costs: dict[tuple[int, int, str], tuple[float, float]] = {}  # shape -> (NPU s, host s), COST_ROWS rows
@@ -265,22 +268,38 @@ class XrtBackend:
         """The model's layer group on this device (npud/kernels/layers.py: one call per layer,
         one worker round trip), or None when any of its linears does not run on the NPU (then
         the engine calls the ops one by one, as before). `spec` holds the row-wise weights;
-        `layers` each layer's q, k, v, o, gate, up, down as prepared; `lm_head` likewise."""
+        `layers` each layer's q, k, v, o, gate, up, down as prepared; `lm_head` likewise.
+
+        Layer 0's q, k and v are the one stretch with no worker call before it to ride on (the
+        first attention needs them, and the token they come from is picked after the previous
+        step's last call): they run here on the host, beside the embedding, so a step costs the
+        worker L round trips, not L + 1. From then on they run on the host op by op too (their
+        device buffers are let go), so the per-op path keeps the group's bits."""
         def handle(w: LinearWeight) -> int | None:
             entry = self._weights.get(id(w.data))
             return None if entry is None else entry[1]
 
         handles = [{name: handle(w) for name, w in layer.items()} for layer in layers]
         head = handle(lm_head)
-        if head is None or any(h is None for layer in handles for h in layer.values()):
+        on_device = [h for i, layer in enumerate(handles) for name, h in layer.items()
+                     if i > 0 or name not in FIRST_PROJECTIONS]
+        if head is None or any(h is None for h in on_device):
             return None
+        for name in FIRST_PROJECTIONS:  # layer 0's: the host's from now on
+            w = layers[0][name]
+            if handles[0][name] is not None:
+                del self._weights[id(w.data)]
+                self.device.forget(handles[0][name])
+                handles[0][name] = None
+            self._host_by_group[id(w.data)] = FIRST_ON_HOST
         steps = {h: 1 for layer, ws in zip(handles, layers) for name, h in layer.items()
-                 if (ws[name].in_features, ws[name].out_features, ws[name].fmt.value) in self._rowwise}
+                 if h is not None and (ws[name].in_features, ws[name].out_features, ws[name].fmt.value) in self._rowwise}
         if (lm_head.in_features, lm_head.out_features, lm_head.fmt.value) in self._rowwise:
             steps[head] = 1
         gid = self.device.define_layer_group(spec, handles, head, steps)
-        log.info("npu_layer_group", layers=len(layers), round_trips_per_token=len(layers) + 1)
-        return NpuLayerGroup(self.device, gid, self.timeout_ms)
+        log.info("npu_layer_group", layers=len(layers), round_trips_per_token=len(layers),
+                 first_projections="host")
+        return NpuLayerGroup(self.device, gid, self.timeout_ms, spec, self.host, layers[0])
 
     def fuse_linears(self, parts) -> None:
         """Keeps every linear apart: a design is compiled for one layer's (K, N), and a fused shape has
@@ -303,7 +322,8 @@ class XrtBackend:
         (its program files and tiles), which shapes run where, and the activation path. Defined
         here because __getattr__ would answer with the host's."""
         placement = json.dumps(self.describe_placement(), sort_keys=True)
-        return (f"{self.name}/designs={self.table_identity}/placement={placement}"
+        first = "/first_projections=host" if self._host_by_group else ""
+        return (f"{self.name}/designs={self.table_identity}/placement={placement}{first}"
                 "/activations=bf16/accumulate=fp32")
 
     def describe_placement(self) -> dict:
@@ -330,6 +350,8 @@ class XrtBackend:
         """Where one prepared weight runs: "npu" (or "npu-rowwise"), or why the host."""
         key = (int(w.in_features), int(w.out_features), w.fmt.value)
         where = self.placement.get(key)
+        if id(w.data) in self._host_by_group:
+            return self._host_by_group[id(w.data)]
         if id(w.data) in self._weights:
             return where or "npu"
         return where if where is not None and not where.startswith("npu") else "host"
@@ -356,13 +378,23 @@ class XrtBackend:
 
 class NpuLayerGroup:
     """A model's layers on the NPU device, one call per layer (npud/kernels/layers.py's shape):
-    each call is one worker round trip running the layer's GEMMs and row-wise kernels."""
+    each call is one worker round trip running the layer's GEMMs and row-wise kernels. `begin`
+    (layer 0's input norm and projections) runs here, on the host kernels, with no round trip."""
 
-    def __init__(self, device, gid: int, timeout_ms: int):
+    def __init__(self, device, gid: int, timeout_ms: int, spec=None, host=None, first: dict | None = None):
         self.device, self.gid, self.timeout_ms = device, gid, timeout_ms
+        self.spec, self.host, self.first = spec, host, first
 
     def begin(self, x: np.ndarray) -> tuple:
-        return self.device.layer_begin(self.gid, np.ascontiguousarray(x, np.float32), self.timeout_ms)
+        from npud.kernels import layers
+
+        return layers.begin(self.spec, self.host, lambda i, name, h: self._first_linear(name, h),
+                            np.ascontiguousarray(x, np.float32))
+
+    def _first_linear(self, name: str, h: np.ndarray) -> np.ndarray:
+        # the host's layout (prepare_linear's host copy), as XrtBackend.linear runs a weight it holds
+        # no device buffer for: the host kernel adds the bias
+        return self.host.linear(h, self.first[name])
 
     def step(self, i: int, attn: np.ndarray, x: np.ndarray, picked: np.ndarray) -> tuple:
         return self.device.layer_step(self.gid, i, np.ascontiguousarray(attn, np.float32),

@@ -329,13 +329,6 @@ class DeviceSession:
         self.groups[gid] = (spec, handles, head, steps)
         return gid
 
-    def layer_begin(self, gid: int, x: np.ndarray, timeout_ms: int) -> tuple:
-        """npud/kernels/layers.py begin() on this device. Raises NpuRunError."""
-        from npud.kernels import layers
-
-        spec, *_ = self.groups[gid]
-        return layers.begin(spec, self._rows_host, self._group_linear(gid, timeout_ms), x)
-
     def layer_step(self, gid: int, i: int, attn: np.ndarray, x: np.ndarray, picked: np.ndarray,
                    timeout_ms: int) -> tuple:
         """npud/kernels/layers.py step() on this device. Raises NpuRunError."""

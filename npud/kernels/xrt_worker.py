@@ -191,12 +191,6 @@ class WorkerDevice:
         self._groups[gid] = (handles, head, steps)
         return gid
 
-    def layer_begin(self, gid: int, x, timeout_ms: int):
-        handles, _, steps = self._groups[gid]
-        return self._call("layer_begin", (gid, x, timeout_ms),
-                          self._group_deadline_s(x.shape[0], [handles[0][n] for n in ("q", "k", "v")], steps,
-                                                 timeout_ms))
-
     def layer_step(self, gid: int, i: int, attn, x, picked, timeout_ms: int):
         handles, head, steps = self._groups[gid]
         runs = [handles[i][n] for n in ("o", "gate", "up", "down")]
