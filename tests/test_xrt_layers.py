@@ -115,5 +115,11 @@ def test_layer_0_s_projections_run_on_the_host_said_and_named_in_the_numerics(ck
         assert b.where(layers[0].attn.o) == "npu" and b.where(layers[0].mlp.down) == "npu"
         assert "/first_projections=host" in b.numerics_id()
         assert model._layer_group is not None  # built by Model.load, not by the first pass
+        # with the activations every GEMM of the backend reads: rounded to bf16
+        q = layers[0].attn.q
+        x = np.random.default_rng(3).standard_normal((3, q.in_features)).astype(np.float32)
+        want = b.host.linear(xrt.bf16_round(x), q)
+        assert np.array_equal(b.linear(x, q).view(np.uint32), want.view(np.uint32))
+        assert not np.array_equal(b.host.linear(x, q).view(np.uint32), want.view(np.uint32))
     finally:
         model.backend.close()

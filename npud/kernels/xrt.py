@@ -256,6 +256,8 @@ class XrtBackend:
         # x: [M, K] -> [M, N]; each chunk of the design's M rows is one device pass over W
         entry = self._weights.get(id(w.data))
         if entry is None:
+            if id(w.data) in self._host_by_group:
+                return self.first_linear(x, w)
             return self.host.linear(x, w)
         runner, handle = entry
         step = 1 if runner.design.key in self._rowwise else runner.design.M
@@ -263,6 +265,12 @@ class XrtBackend:
         if w.bias is not None:
             out += w.bias
         return out
+
+    def first_linear(self, x: np.ndarray, w: LinearWeight) -> np.ndarray:
+        """Layer 0's projections on the host under the layer group: the host GEMM of the
+        activations rounded to bf16, as every GEMM of this backend takes them (numerics_id's
+        "activations=bf16"); x: [M, K] -> [M, N], the bias added."""
+        return self.host.linear(bf16_round(x), w)
 
     def layer_group(self, spec, layers: list[dict[str, LinearWeight]], lm_head: LinearWeight) -> "NpuLayerGroup | None":
         """The model's layer group on this device (npud/kernels/layers.py: one call per layer,
@@ -299,7 +307,9 @@ class XrtBackend:
         gid = self.device.define_layer_group(spec, handles, head, steps)
         log.info("npu_layer_group", layers=len(layers), round_trips_per_token=len(layers),
                  first_projections="host")
-        return NpuLayerGroup(self.device, gid, self.timeout_ms, spec, self.host, layers[0])
+        first = {name: layers[0][name] for name in FIRST_PROJECTIONS}
+        return NpuLayerGroup(self.device, gid, self.timeout_ms, spec, self.host,
+                             lambda name, h: self.first_linear(h, first[name]))
 
     def fuse_linears(self, parts) -> None:
         """Keeps every linear apart: a design is compiled for one layer's (K, N), and a fused shape has
@@ -381,20 +391,15 @@ class NpuLayerGroup:
     each call is one worker round trip running the layer's GEMMs and row-wise kernels. `begin`
     (layer 0's input norm and projections) runs here, on the host kernels, with no round trip."""
 
-    def __init__(self, device, gid: int, timeout_ms: int, spec=None, host=None, first: dict | None = None):
+    def __init__(self, device, gid: int, timeout_ms: int, spec, host, first_linear):
         self.device, self.gid, self.timeout_ms = device, gid, timeout_ms
-        self.spec, self.host, self.first = spec, host, first
+        self.spec, self.host, self.first_linear = spec, host, first_linear  # first_linear(name, h)
 
     def begin(self, x: np.ndarray) -> tuple:
         from npud.kernels import layers
 
-        return layers.begin(self.spec, self.host, lambda i, name, h: self._first_linear(name, h),
+        return layers.begin(self.spec, self.host, lambda i, name, h: self.first_linear(name, h),
                             np.ascontiguousarray(x, np.float32))
-
-    def _first_linear(self, name: str, h: np.ndarray) -> np.ndarray:
-        # the host's layout (prepare_linear's host copy), as XrtBackend.linear runs a weight it holds
-        # no device buffer for: the host kernel adds the bias
-        return self.host.linear(h, self.first[name])
 
     def step(self, i: int, attn: np.ndarray, x: np.ndarray, picked: np.ndarray) -> tuple:
         return self.device.layer_step(self.gid, i, np.ascontiguousarray(attn, np.float32),
@@ -412,6 +417,12 @@ def load_backend(design_table: str | Path, host, *, timeout_ms: int = DEFAULT_TI
         raise XrtUnavailable(str(e)) from None
     return XrtBackend(table, host, timeout_ms=timeout_ms, strict=strict, isolation=isolation,
                       context_budget=context_budget, costs=costs)
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 (ties to even), as float32: the activations
+    a GEMM of this backend reads."""
+    return (bf16_bits(x).astype(np.uint32) << 16).view(np.float32)
 
 
 def tolerance_policy(design: GemmDesign) -> str:
