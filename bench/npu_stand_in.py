@@ -1,9 +1,9 @@
 """A decode on the NPU stand-in (tests/fake_pyxrt.py, arithmetic off): what one token costs
 the NPU path in calls, not in time. Prints JSON per model: dispatches_per_token (kernel runs),
 worker_round_trips_per_token (and per layer), contexts_opened (at load, and re-opened while
-decoding), bytes_copied_per_token (activations to the device, outputs from it, and the frames
-through the worker's pipes), and the weight bytes copied to the device during the load and
-during the decode (0: weights stay resident).
+decoding), bytes_copied_per_token (activations to the device, outputs from it, the frames
+through the worker's pipes and the arrays through its shared region, each also apart), and the
+weight bytes copied to the device during the load and during the decode (0: weights stay resident).
 
 The models are shaped as Qwen3-0.6B (28 layers, hidden 1024, 16 x 128 query heads, 8 KV heads,
 MLP 3072, vocabulary 151936, tied head) and gemma-3-270m (18 layers, hidden 640, 4 x 256 query
@@ -99,7 +99,7 @@ def run_model(name: str, base: Path, draft: Path | None, device: str, tokens: in
         # the worker's counters are read before each stats() call goes through the worker: two
         # calls in a row measure one call's own round trip and frames, taken off the window below
         first, warm = backend.stats(), backend.stats()
-        own = {k: warm[k] - first[k] for k in ("worker_round_trips", "pipe_bytes")}
+        own = {k: warm[k] - first[k] for k in ("worker_round_trips", "pipe_bytes", "shared_bytes")}
         emitted = 0
         while not session.done:
             emitted += sum(1 for e in session.run_round() if e.token_id is not None)
@@ -110,7 +110,8 @@ def run_model(name: str, base: Path, draft: Path | None, device: str, tokens: in
     for k, v in own.items():
         after[k] -= v  # `warm`'s own call
     per = {k: (after[k] - warm[k]) / max(emitted, 1) for k in ("passes", "worker_round_trips", "pipe_bytes",
-                                                              "bytes_to_device", "bytes_from_device")}
+                                                              "shared_bytes", "bytes_to_device",
+                                                              "bytes_from_device")}
     base_layers = served.model.config.num_layers
     return {
         "model": name, "device": device, "layers": base_layers, "draft_layers": layers - base_layers,
@@ -124,8 +125,10 @@ def run_model(name: str, base: Path, draft: Path | None, device: str, tokens: in
         "worker_round_trips_per_layer_per_step": round(step / served.model.config.num_layers, 3),
         "contexts_opened": loaded["contexts_opened"],
         "contexts_reopened_while_decoding": after["contexts_opened"] - warm["contexts_opened"],
-        "bytes_copied_per_token": int(per["bytes_to_device"] + per["bytes_from_device"] + per["pipe_bytes"]),
+        "bytes_copied_per_token": int(per["bytes_to_device"] + per["bytes_from_device"] + per["pipe_bytes"]
+                                      + per["shared_bytes"]),
         "bytes_through_pipes_per_token": int(per["pipe_bytes"]),
+        "bytes_through_shared_memory_per_token": int(per["shared_bytes"]),
         "weight_bytes_at_load": loaded["weight_bytes"],
         "weight_bytes_while_decoding": after["weight_bytes"] - warm["weight_bytes"],
     }

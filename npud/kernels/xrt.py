@@ -341,11 +341,13 @@ class XrtBackend:
         return {f"{k}x{n} {fmt}": where for (k, n, fmt), where in sorted(self.placement.items())}
 
     def stats(self) -> dict:
-        """The device path's counters so far: "worker_round_trips" and "pipe_bytes" (0 inline; read
+        """The device path's counters so far: "worker_round_trips", "pipe_bytes" and "shared_bytes"
+        (arrays through the worker's shared region; all 0 inline; read
         before the device is asked, so this call's own round trip is not among them), then the
         device session's (DeviceSession.stats: passes, contexts, bytes to and from the device)."""
         trips, pipe = getattr(self.device, "round_trips", 0), getattr(self.device, "pipe_bytes", 0)
-        return {"worker_round_trips": trips, "pipe_bytes": pipe, **self.device.stats()}
+        shared = getattr(self.device, "shared_bytes", 0)
+        return {"worker_round_trips": trips, "pipe_bytes": pipe, "shared_bytes": shared, **self.device.stats()}
 
     def worker_pid(self) -> int:
         """The process that holds the device for this backend: its NPU worker's, or this one's inline."""
