@@ -104,6 +104,8 @@ class Sim:
     abort_on_collect: bool = False  # in a worker process: abort as XRT does
     control_seen: str | None = None
     kmsg: tuple | None = None  # (run, path, lines): driver lines logged when that run starts
+    queued: int = 0  # runs started and not yet seen final (by wait or state)
+    max_queued: int = 0  # the most runs in flight at once: 1 when the backend waits for each before the next
 
     def configure(self, spec: dict) -> None:
         """{"mode": "gil", "hold_s": s, "handshake": folder}, or a failure to inject (`inject`'s arguments)."""
@@ -229,6 +231,7 @@ class bo:
         self.host = np.zeros(self._size, np.uint8)
         self.dev = np.zeros(self._size, np.uint8)
         self.host_dirty = False  # written since the last sync to the device
+        self.busy = 0  # runs in flight that use this buffer: no write, sync or read of it until they end
         self.dev_newer = False  # the device wrote since the last sync from the device
 
     def size(self) -> int:
@@ -238,6 +241,8 @@ class bo:
         data = np.asarray(memoryview(data)).view(np.uint8).ravel()
         if seek < 0 or seek + data.size > self._size:
             raise ProtocolViolation(f"write of {data.size} bytes at {seek} into a {self._size}-byte bo")
+        if self.busy:
+            raise ProtocolViolation(f"bo of argument {self.arg} written while a run that uses it is in flight")
         self.host[seek : seek + data.size] = data
         self.host_dirty = True
         SIM.calls.append(("write", self.arg, data.size))
@@ -245,6 +250,8 @@ class bo:
     def read(self, size: int, skip: int):
         if skip + size > self._size:
             raise ProtocolViolation(f"read of {size} bytes at {skip} from a {self._size}-byte bo")
+        if self.busy:
+            raise ProtocolViolation(f"bo of argument {self.arg} read while a run that uses it is in flight")
         if self.dev_newer:
             raise ProtocolViolation(f"bo of argument {self.arg} read before a sync from the device")
         SIM.calls.append(("read", self.arg, size))
@@ -255,6 +262,8 @@ class bo:
         if not isinstance(direction, xclBOSyncDirection) or len(size_offset) not in (0, 2):
             raise TypeError("sync(): incompatible function arguments; sync(self, dir, size, offset) "
                             "or sync(self, dir)")
+        if self.busy:
+            raise ProtocolViolation(f"bo of argument {self.arg} synced while a run that uses it is in flight")
         SIM.calls.append(("sync", self.arg, direction.name))
         if direction is xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE:
             self.dev[:] = self.host
@@ -265,10 +274,26 @@ class bo:
 
 
 class run:
-    def __init__(self, state, polls_to_finish: int | None = None):
+    """A started command. Until the backend has seen it end (wait() or state() answering a final
+    state) it counts as queued and holds its buffers: a write, sync or read of one of them, or
+    its C given to another run, is a ProtocolViolation, as it would be a race on a device."""
+
+    def __init__(self, state, polls_to_finish: int | None = None, bos: tuple = ()):
         self._state = state
         self._polls_left = polls_to_finish  # in flight: state() calls until it completes (None: never)
         self._sim = SIM
+        self._bos = bos
+        for b in bos:
+            b.busy += 1
+        SIM.queued += 1
+        SIM.max_queued = max(SIM.max_queued, SIM.queued)
+
+    def _seen_final(self) -> None:
+        for b in self._bos:
+            b.busy -= 1
+        if self._bos is not None:
+            self._sim.queued -= 1
+        self._bos = None
 
     def wait(self, timeout_ms: int = 0):
         if timeout_ms <= 0:
@@ -276,6 +301,8 @@ class run:
         _hold_gil(self._sim.wait_hold_s, self._sim.handshake)
         if self._state in IN_FLIGHT:
             return ert_cmd_state.ERT_CMD_STATE_TIMEOUT  # the wait gave up; the command runs on
+        if self._bos is not None:
+            self._seen_final()
         return self._state
 
     def state(self):
@@ -283,6 +310,8 @@ class run:
             self._polls_left -= 1
             if self._polls_left <= 0:
                 self._state = ert_cmd_state.ERT_CMD_STATE_COMPLETED
+        if self._state not in IN_FLIGHT and self._bos is not None:
+            self._seen_final()
         return self._state
 
     def __del__(self):
@@ -358,18 +387,20 @@ class kernel:
             while True:  # a wait that never returns
                 time.sleep(3600)
         _, instr, ninstr, a, b, c = args
+        bos = (instr, a, b, c)
         if failure in ("timeout", "error", "abort"):
             c.dev[:] = 0
             c.dev_newer = True
             if failure == "timeout":
-                return run(ert_cmd_state.ERT_CMD_STATE_RUNNING, SIM.finish_after_polls)
-            return run(ert_cmd_state.ERT_CMD_STATE_ERROR if failure == "error" else ert_cmd_state.ERT_CMD_STATE_ABORT)
+                return run(ert_cmd_state.ERT_CMD_STATE_RUNNING, SIM.finish_after_polls, bos)
+            return run(ert_cmd_state.ERT_CMD_STATE_ERROR if failure == "error" else ert_cmd_state.ERT_CMD_STATE_ABORT,
+                       None, bos)
         g = self.gemm
         M, K, N = g["M"], g["K"], g["N"]
         if not SIM.compute:
             c.dev[: M * N * 4] = _ramp(M, N)
             c.dev_newer = True
-            return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED)
+            return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED, None, bos)
         av = _bf16(a.dev[: M * K * 2]).reshape(M, K)
         bv = _bf16(b.dev[: K * N * 2]).reshape((N, K) if g["b_col_major"] else (K, N))
         bk = bv.T if g["b_col_major"] else bv  # [K, N]
@@ -380,7 +411,7 @@ class kernel:
             acc = acc + av[:, k : k + 1] * bk[k : k + 1, :]
         c.dev[: M * N * 4] = acc.view(np.uint8).ravel()
         c.dev_newer = True
-        return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED)
+        return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED, None, bos)
 
     def _check_args(self, args) -> None:
         if len(args) > self.num_args:
@@ -388,6 +419,8 @@ class kernel:
         if len(args) != 6:
             raise ProtocolViolation(f"a GEMM run takes opcode, instr, ninstr, A, B, C; got {len(args)} arguments")
         opcode, instr, ninstr, a, b, c = args
+        if isinstance(c, bo) and c.busy:
+            raise ProtocolViolation("C of a run in flight given to another run: the two would write it at once")
         if opcode != 3 or isinstance(opcode, bool):
             raise ProtocolViolation(f"opcode {opcode!r}, expected 3")
         for index, buf in ((1, instr), (3, a), (4, b), (5, c)):

@@ -423,7 +423,14 @@ def test_simulator_refuses_the_old_call_with_scalar_shape_arguments(tmp_path, si
     entry.bo_a.sync(to_device, entry.bo_a.size(), 0)
     with pytest.raises(fake_pyxrt.ProtocolViolation, match="ninstr"):
         kernel(3, entry.bo_insts, entry.num_insts + 1, entry.bo_a, bo_b, entry.bo_c)
-    kernel(3, entry.bo_insts, entry.num_insts, entry.bo_a, bo_b, entry.bo_c)
+    started = kernel(3, entry.bo_insts, entry.num_insts, entry.bo_a, bo_b, entry.bo_c)
+    with pytest.raises(fake_pyxrt.ProtocolViolation, match="read while a run that uses it is in flight"):
+        entry.bo_c.read(4, 0)
+    with pytest.raises(fake_pyxrt.ProtocolViolation, match="written while a run that uses it is in flight"):
+        entry.bo_a.write(np.zeros(8, np.uint8), 0)
+    with pytest.raises(fake_pyxrt.ProtocolViolation, match="C of a run in flight given to another run"):
+        kernel(3, entry.bo_insts, entry.num_insts, entry.bo_a, bo_b, entry.bo_c)
+    started.wait(1000)
     with pytest.raises(fake_pyxrt.ProtocolViolation, match="before a sync from the device"):
         entry.bo_c.read(4, 0)
     with pytest.raises(fake_pyxrt.ProtocolViolation, match="made cacheable"):

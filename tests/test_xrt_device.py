@@ -149,3 +149,39 @@ def test_a_model_whose_designs_are_kernels_of_one_xclbin_holds_one_context(tmp_p
     for raw, w in weights + weights[::-1]:
         assert np.array_equal(bits(backend.linear(x, w)), bits(host.linear(bf16_round(x), w)))
     assert sim.contexts_made == 1 and sim.contexts_live == 1
+
+
+def test_the_passes_of_a_linear_are_all_started_before_any_is_waited_for(tmp_path, sim, host):
+    # 2 chunks of M rows x 3 passes: six runs queued (each its own A and C buffers), then waited
+    table = fake_pyxrt.write_design_table(tmp_path, [(64, 1100)])
+    backend = load(table, host)
+    raw = bf16_weight(1100, 64)
+    w = backend.prepare_linear(raw)
+    x = np.random.default_rng(4).standard_normal((33, 64)).astype(np.float32)
+    sim.max_queued = 0
+    got = backend.linear(x, w)
+    assert sim.max_queued == 6 and sim.queued == 0
+    assert np.array_equal(bits(got), bits(reference(host, x, raw)))
+    entry = backend.device.designs[(64, 1100, "bf16")]
+    assert (len(entry.a_slots), len(entry.c_slots)) == (2, 6)
+    backend.linear(x, w)  # the buffers are kept for the next call
+    assert (len(entry.a_slots), len(entry.c_slots)) == (2, 6)
+
+
+def test_a_run_that_fails_in_a_queue_keeps_every_run_still_in_flight(tmp_path, sim, host):
+    # the first two of three queued passes time out: the first is waited for and raises; the second,
+    # never waited for, is still in flight and must be kept (destroying it would abort), the third ended
+    import gc
+
+    table = fake_pyxrt.write_design_table(tmp_path, [(64, 1100)])
+    backend = load(table, host, timeout_ms=200)
+    w = backend.prepare_linear(bf16_weight(1100, 64))
+    sim.inject("timeout", after=0, times=2)
+    with pytest.raises(xrt.NpuRunError, match="ERT_CMD_STATE_TIMEOUT"):
+        backend.linear(np.ones((1, 64), np.float32), w)
+    gc.collect()
+    assert sim.violations == []  # no run collected in flight
+    assert len(backend.device.in_flight) == 2
+    backend.device.poll()
+    backend.device.poll()
+    assert backend.device.poll() == 0  # both end (the simulator completes them after a few polls)

@@ -123,3 +123,20 @@ def test_layer_0_s_projections_run_on_the_host_said_and_named_in_the_numerics(ck
         assert not np.array_equal(b.host.linear(x, q).view(np.uint32), want.view(np.uint32))
     finally:
         model.backend.close()
+
+
+def test_a_layer_group_queues_the_linears_of_one_input(ckpts, tmp_path, sim):
+    # q, k and v (of layer i + 1), gate and up: started together, one wait each after the last start
+    table = fake_pyxrt.write_design_table(tmp_path / "designs", [(s.K, s.N) for s in gemm_shapes([ckpts["qwen3"]],
+                                                                                                  "bf16")],
+                                          one_xclbin=True, device="npu2")
+    model = Model.load(ckpts["qwen3"], "bf16", xrt.load_backend(table, default_backend(), strict=True,
+                                                                 isolation="inline"))
+    try:
+        f = Forward(model)
+        logits = f.prefill([5, 6, 7, 8])
+        sim.max_queued = 0
+        f.step(int(np.argmax(logits)), f.positions_held)
+        assert sim.max_queued == 3 and sim.queued == 0  # one chunk, one pass each: q, k, v at once
+    finally:
+        model.backend.close()

@@ -400,7 +400,8 @@ class NpuLayerGroup:
     def begin(self, x: np.ndarray) -> tuple:
         from npud.kernels import layers
 
-        return layers.begin(self.spec, self.host, lambda i, name, h: self.first_linear(name, h),
+        return layers.begin(self.spec, self.host,
+                            lambda i, names, h: tuple(self.first_linear(name, h) for name in names),
                             np.ascontiguousarray(x, np.float32))
 
     def step(self, i: int, attn: np.ndarray, x: np.ndarray, picked: np.ndarray) -> tuple:

@@ -16,6 +16,11 @@ used one that has no run in flight; its designs reopen on their next call. The b
 Where the driver tells how many contexts every process holds (npud/kernels/amdxdna.py), the
 budget is what the others leave: a context of ours is closed rather than a new one refused.
 
+The runs of one call are queued: every pass of every chunk of a linear, and the linears of one
+input in a layer group (q, k, v; gate, up), are started, each with its own A and C buffers, before
+the first is waited for (DeviceSession.run_many); the device is never idle between them waiting
+for the host.
+
 A run that does not complete in time is not destroyed: destroying an xrt::run in flight
 aborts the process (xrt_kernel.cpp), and pyxrt binds no abort. It is kept in `in_flight` and
 polled before every later call until its state is final; its design's context is retired
@@ -182,9 +187,26 @@ class _Design:
         self.bo_insts.write(insts.view(np.uint8), 0)
         self.bo_insts.sync(sync)
         d = design
-        self.bo_a = session.buffer(kernel, d.M * d.compiled_K * 2, GROUP_A)
-        self.bo_c = session.buffer(kernel, d.M * d.compiled_N * 4, GROUP_C)
+        self.session = session
+        # A and C buffers, one per run in flight at once (DeviceSession.run_many queues several):
+        # the first made now, the others when a call first queues that many
+        self.a_slots = [session.buffer(kernel, d.M * d.compiled_K * 2, GROUP_A)]
+        self.c_slots = [session.buffer(kernel, d.M * d.compiled_N * 4, GROUP_C)]
         self.retired: str | None = None
+
+    @property
+    def bo_a(self):
+        return self.a_slots[0]
+
+    @property
+    def bo_c(self):
+        return self.c_slots[0]
+
+    def slot(self, slots: list, i: int, group: int, nbytes: int):
+        while len(slots) <= i:
+            kernel = self.session.plan.kernel(self.design, self.session.busy())
+            slots.append(self.session.buffer(kernel, nbytes, group))
+        return slots[i]
 
 
 class DeviceSession:
@@ -269,53 +291,95 @@ class DeviceSession:
         """a_bits: [rows, K] bf16 bits -> [rows, N] fp32: chunks of `step` rows (the design's M by
         default; 1 for a design whose rows depend on their place), one pass over each N slice
         per chunk. One call for a whole linear: the worker is asked once. Raises NpuRunError."""
-        self.poll()
-        key, bos = self.weights[handle]
-        entry = self.designs[key]
-        d = entry.design
-        if entry.retired is not None:
-            raise NpuRunError(f"GEMM K={d.K} N={d.N}: its context was retired ({entry.retired})", "retired")
-        step = d.M if step is None else min(int(step), d.M)
-        out = np.empty((a_bits.shape[0], d.N), np.float32)
-        for r0 in range(0, a_bits.shape[0], step):
-            out[r0 : r0 + step] = self._chunk(entry, bos, a_bits[r0 : r0 + step], timeout_ms)
-        return out
+        return self.run_many([(handle, a_bits, step)], timeout_ms)[0]
 
-    def _chunk(self, entry: _Design, bos: list, a_bits: np.ndarray, timeout_ms: int) -> np.ndarray:
-        d, xrt = entry.design, self.xrt
-        rows = a_bits.shape[0]
-        a = np.zeros((d.M, d.compiled_K), np.uint16)  # padding rows and columns are zeros
-        a[:rows, : d.K] = a_bits
-        out = np.empty((rows, d.N), np.float32)
-        ok = xrt.ert_cmd_state.ERT_CMD_STATE_COMPLETED
+    def run_many(self, calls: list[tuple[int, np.ndarray, int | None]], timeout_ms: int) -> list[np.ndarray]:
+        """Independent GEMMs, each (handle, a_bits, step) as `run` takes it: every pass of every
+        chunk of every call is started (each its own A and C buffers), then each is waited for
+        and read, in order: the device is handed the whole list at once instead of one run at a
+        time. A run that does not complete raises NpuRunError; every started run still in flight
+        then is kept (never destroyed). Raises NpuRunError."""
+        self.poll()
+        xrt = self.xrt
+        outs, queued = [], []  # queued: (run, entry, out, r0, rows, pass, C buffer)
+        used: dict[tuple, list[int]] = {}  # design key -> [A slots, C slots] taken by this call
         try:
-            kernel = self.plan.kernel(d, self.busy())
-            entry.bo_a.write(a.view(np.uint8).ravel(), 0)
-            entry.bo_a.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
-            self.bytes_to_device += a.nbytes
-            for p, bo_b in enumerate(bos):
-                self.passes += 1
-                run = kernel(OPCODE, entry.bo_insts, entry.num_insts, entry.bo_a, bo_b, entry.bo_c)
-                state = run.wait(int(timeout_ms))
-                if state != ok:
-                    name = state_name(state)
-                    # wait() answers TIMEOUT when it stopped waiting, not when the command ended
-                    if name not in FINAL_STATES or name == "ERT_CMD_STATE_TIMEOUT":
-                        self._keep(run, entry, name)  # still in flight: destroying it would abort
-                    raise NpuRunError(f"GEMM K={d.K} N={d.N} on the NPU ended in {name} "
-                                      f"(timeout {timeout_ms} ms)", name)
-                entry.bo_c.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE)
-                raw = entry.bo_c.read(d.M * d.compiled_N * 4, 0)
-                self.bytes_from_device += d.M * d.compiled_N * 4
-                c = np.frombuffer(bytes(raw), np.float32).reshape(d.M, d.compiled_N)
-                n0 = p * d.compiled_N
-                width = min(d.compiled_N, d.N - n0)
-                out[:, n0 : n0 + width] = c[:rows, :width]
+            for handle, a_bits, step in calls:
+                key, bos = self.weights[handle]
+                entry = self.designs[key]
+                d = entry.design
+                if entry.retired is not None:
+                    raise NpuRunError(f"GEMM K={d.K} N={d.N}: its context was retired ({entry.retired})", "retired")
+                step = d.M if step is None else min(int(step), d.M)
+                out = np.empty((a_bits.shape[0], d.N), np.float32)
+                outs.append(out)
+                for r0 in range(0, a_bits.shape[0], step):
+                    if str(d.xclbin) not in self.plan.open and queued:  # a context to open may close one in use
+                        self._finish(queued, timeout_ms)
+                        queued, used = [], {}
+                    kernel = self.plan.kernel(d, self.busy() | {str(e.design.xclbin) for _, e, *_ in queued})
+                    n_a, n_c = used.setdefault(key, [0, 0])
+                    bo_a = entry.slot(entry.a_slots, n_a, GROUP_A, d.M * d.compiled_K * 2)
+                    used[key][0] += 1
+                    rows = min(step, a_bits.shape[0] - r0)
+                    a = np.zeros((d.M, d.compiled_K), np.uint16)  # padding rows and columns are zeros
+                    a[:rows, : d.K] = a_bits[r0 : r0 + rows]
+                    bo_a.write(a.view(np.uint8).ravel(), 0)
+                    bo_a.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
+                    self.bytes_to_device += a.nbytes
+                    for p, bo_b in enumerate(bos):
+                        bo_c = entry.slot(entry.c_slots, used[key][1], GROUP_C, d.M * d.compiled_N * 4)
+                        used[key][1] += 1
+                        self.passes += 1
+                        run = kernel(OPCODE, entry.bo_insts, entry.num_insts, bo_a, bo_b, bo_c)
+                        queued.append((run, entry, out, r0, rows, p, bo_c))
+            self._finish(queued, timeout_ms)
+            queued = []
         except NpuRunError:
+            self._keep_unfinished(queued)
             raise
         except Exception as exc:  # pyxrt raises RuntimeError (and others) from C++ for driver errors
-            raise NpuRunError(f"GEMM K={d.K} N={d.N} on the NPU raised {type(exc).__name__}: {exc}") from exc
-        return out
+            self._keep_unfinished(queued)
+            d = queued[-1][1].design if queued else None
+            where = f"GEMM K={d.K} N={d.N}" if d is not None else "a GEMM"
+            raise NpuRunError(f"{where} on the NPU raised {type(exc).__name__}: {exc}") from exc
+        return outs
+
+    def _finish(self, queued: list, timeout_ms: int) -> None:
+        """Wait for each queued run in turn (each within the run timeout), then read its C. A run
+        that does not complete raises NpuRunError (the runs still in flight: the caller keeps them)."""
+        xrt = self.xrt
+        ok = xrt.ert_cmd_state.ERT_CMD_STATE_COMPLETED
+        for i, (run, entry, out, r0, rows, p, bo_c) in enumerate(queued):
+            state = run.wait(int(timeout_ms))
+            if state != ok:
+                name = state_name(state)
+                d = entry.design
+                # wait() answers TIMEOUT when it stopped waiting, not when the command ended
+                if name not in FINAL_STATES or name == "ERT_CMD_STATE_TIMEOUT":
+                    self._keep(run, entry, name)  # still in flight: destroying it would abort
+                del queued[: i + 1]  # this one is dealt with; the caller keeps the rest in flight
+                raise NpuRunError(f"GEMM K={d.K} N={d.N} on the NPU ended in {name} "
+                                  f"(timeout {timeout_ms} ms)", name)
+        for run, entry, out, r0, rows, p, bo_c in queued:
+            d = entry.design
+            bo_c.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE)
+            raw = bo_c.read(d.M * d.compiled_N * 4, 0)
+            self.bytes_from_device += d.M * d.compiled_N * 4
+            c = np.frombuffer(bytes(raw), np.float32).reshape(d.M, d.compiled_N)
+            n0 = p * d.compiled_N
+            width = min(d.compiled_N, d.N - n0)
+            out[r0 : r0 + rows, n0 : n0 + width] = c[:rows, :width]
+
+    def _keep_unfinished(self, queued: list) -> None:
+        """Keep every started run whose state is not final (a failure cut the call short)."""
+        for run, entry, *_ in queued:
+            try:
+                name = state_name(run.state())
+            except Exception:
+                name = None
+            if name is None or name not in FINAL_STATES:
+                self._keep(run, entry, name or "an unknown state")
 
     def define_layer_group(self, spec, handles: list[dict[str, int]], head: int, steps: dict[int, int]) -> int:
         """Keep a model's layer group (npud/kernels/layers.py): its row-wise weights here, its GEMMs'
@@ -338,17 +402,20 @@ class DeviceSession:
         return layers.step(spec, self._rows_host, self._group_linear(gid, timeout_ms), i, attn, x, picked)
 
     def _group_linear(self, gid: int, timeout_ms: int):
+        """The layer group's linears (layers.py's Linears): the GEMMs of one input queued together."""
         spec, handles, head, steps = self.groups[gid]
 
-        def linear(i: int, name: str, x: np.ndarray) -> np.ndarray:
-            handle = head if name == "lm_head" else handles[i][name]
-            out = self.run(handle, bf16_bits(x), timeout_ms, steps.get(handle))
-            bias = None if name == "lm_head" else dict(spec.layers[i].biases).get(name)
-            if bias is not None:
-                out += bias
-            return out
+        def linears(i: int, names: tuple[str, ...], x: np.ndarray) -> tuple[np.ndarray, ...]:
+            bits = bf16_bits(x)
+            chosen = [head if name == "lm_head" else handles[i][name] for name in names]
+            outs = self.run_many([(h, bits, steps.get(h)) for h in chosen], timeout_ms)
+            for name, out in zip(names, outs):
+                bias = None if name == "lm_head" else dict(spec.layers[i].biases).get(name)
+                if bias is not None:
+                    out += bias
+            return tuple(outs)
 
-        return linear
+        return linears
 
     def stats(self) -> dict:
         """{"passes": runs started, "contexts_opened": contexts created, "contexts_open": held now,
