@@ -512,7 +512,7 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
                        columns: int = 1, b_col_major: bool = False, insts_format: str = "binary",
                        num_args: int = 8, kernel_name: str = "MLIR_AIE", bfp16_emulation: bool | None = None,
                        xclbin_bfp16: bool | None = None, shared_xclbins: bool = False,
-                       one_xclbin: bool = False) -> Path:
+                       one_xclbin: bool = False, more_m: tuple = ()) -> Path:
     """design.json plus simulated xclbins and instruction files for (K, N) bf16 shapes; returns its path.
 
     The compiled K and N are rounded up to the tile rules (tile_k, tile_n * columns); an N past
@@ -523,7 +523,8 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
     emulates bf16 with bfp16 blocks, npu1 has no emulation); a test of npu2's exact bf16 path
     says False, as `--no-bfp16-emulation` does. `one_xclbin`: every design a kernel of its own
     (MLIR_AIE_<i>) in one xclbin, as the build tool links a model's designs (one hardware
-    context for the model)."""
+    context for the model). `more_m`: for each shape, designs of these M as well (the same
+    compiled K and N: one weight upload serves them all), as the build tool's `--rows 32,128`."""
     from npud.kernels.xrt_design import GemmDesign, tile_rule_errors, write_table
     from npud.kernels.xrt_rules import split_n
 
@@ -534,15 +535,18 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
     tm, tk, tn = tile
     designs = []
     linked = []  # one_xclbin: every design's kernel
-    for i, (k, n) in enumerate(shapes):
+    sized = []
+    for k, n in shapes:
         ck = -(-k // tk) * tk
         found = split_n(n, M, ck, tm, tk, tn, columns, b_col_major)
         passes, cn = found if found is not None else (1, -(-n // (tn * columns)) * (tn * columns))
-        stem = f"{ck}x{cn}" if shared_xclbins else f"{k}x{n}"
+        sized += [(k, n, ck, cn, passes, rows) for rows in (M, *more_m)]
+    for i, (k, n, ck, cn, passes, rows) in enumerate(sized):
+        stem = (f"{ck}x{cn}" if shared_xclbins else f"{k}x{n}") + (f"_m{rows}" if rows != M else "")
         xb = folder / f"gemm_{stem}.xclbin"
         ins = folder / (f"insts_{stem}." + ("txt" if insts_format == "hex" else "bin"))
         words = insts_words(device, 12 + i if not shared_xclbins else 12, seed=0 if shared_xclbins else i)
-        gemm = {"M": M, "K": ck, "N": cn, "b_col_major": b_col_major,
+        gemm = {"M": rows, "K": ck, "N": cn, "b_col_major": b_col_major,
                 "bfp16": bfp16_emulation if xclbin_bfp16 is None else xclbin_bfp16}
         name = "MLIR_AIE"  # what the table names; `kernel_name` is what the xclbin declares
         if one_xclbin:
@@ -555,7 +559,7 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
             ins.write_text("".join(f"{w:08x}\n" for w in words))
         else:
             ins.write_bytes(words.astype("<u4").tobytes())
-        design = GemmDesign(K=k, N=n, weight_format="bf16", xclbin=xb, insts=ins, kernel=name, M=M,
+        design = GemmDesign(K=k, N=n, weight_format="bf16", xclbin=xb, insts=ins, kernel=name, M=rows,
                             compiled_K=ck, compiled_N=cn, tile_m=tm, tile_k=tk, tile_n=tn, columns=columns,
                             dtype_in="bf16", dtype_out="f32", b_col_major=b_col_major,
                             bfp16_emulation=bfp16_emulation, n_passes=passes, insts_format=insts_format)

@@ -524,3 +524,30 @@ def test_a_backend_whose_npu_lost_every_timed_shape_says_so(tmp_path, sim, host)
     assert backend.lost_everywhere()
     backend.prepare_linear(bf16_weight(128, 64))  # this one wins
     assert not backend.lost_everywhere()
+
+
+def test_design_table_holds_several_m_per_shape_sharing_one_weight_layout(tmp_path):
+    import json
+
+    from npud.kernels.xrt_design import DesignError, DesignTable
+
+    path = fake_pyxrt.write_design_table(tmp_path, [(64, 100), (128, 64)], more_m=(128, 64))
+    table = DesignTable.load(path)
+    key = (64, 100, "bf16")
+    assert [d.M for d in table.by_m(key)] == [32, 64, 128] and table.designs[key].M == 32
+    assert table.lookup(64, 100, "bf16")[0].M == 32  # the smallest: the one weights are laid out by
+    assert len({d.insts for d in table.by_m(key)}) == 3
+    before = table.identity()
+    table.by_m(key)[2].insts.write_bytes(fake_pyxrt.insts_words("npu2", 12, seed=9).astype("<u4").tobytes())
+    assert DesignTable.load(path).identity() != before  # every M's files are in the identity
+    raw = json.loads(path.read_text())
+    wide = next(e for e in raw["designs"] if e["K"] == 64 and e["M"] == 64)
+    wide["compiled_N"] = 112  # a layout of its own: one weight upload could not serve both
+    path.write_text(json.dumps(raw))
+    with pytest.raises(DesignError, match="compiled_N = 112 differs from the M = 32 design's 104"):
+        DesignTable.load(path)
+    wide["compiled_N"] = 104
+    raw["designs"].append(dict(wide))
+    path.write_text(json.dumps(raw))
+    with pytest.raises(DesignError, match="a second design for K=64, N=100, bf16 with M = 64"):
+        DesignTable.load(path)

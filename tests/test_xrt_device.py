@@ -185,3 +185,62 @@ def test_a_run_that_fails_in_a_queue_keeps_every_run_still_in_flight(tmp_path, s
     backend.device.poll()
     backend.device.poll()
     assert backend.device.poll() == 0  # both end (the simulator completes them after a few polls)
+
+
+def test_chunk_plan_takes_the_largest_m_while_more_is_left_then_the_smallest_that_holds_the_rest():
+    from npud.kernels.xrt_device import chunk_plan
+
+    assert chunk_plan(1, [32, 64, 128]) == [(1, 32)]
+    assert chunk_plan(32, [32, 64, 128]) == [(32, 32)]
+    assert chunk_plan(33, [32, 64, 128]) == [(33, 64)]
+    assert chunk_plan(200, [32, 64, 128]) == [(128, 128), (72, 128)]
+    assert chunk_plan(300, [32, 128]) == [(128, 128), (128, 128), (44, 128)]
+    assert chunk_plan(40, [16]) == [(16, 16), (16, 16), (8, 16)]
+    assert chunk_plan(0, [16]) == []
+
+
+def _a_writes(sim):
+    """The M of each A buffer written (an A of M rows is M x compiled K bf16 values)."""
+    return [c[2] for c in sim.calls if c[0] == "write" and c[1] == 3]
+
+
+@pytest.mark.parametrize("device, m, more", [("npu1", 16, (64, 128)), ("npu2", 32, (64, 128))])
+def test_each_chunk_of_rows_runs_on_the_smallest_m_that_holds_it_with_the_same_bits(tmp_path, sim, host, device,
+                                                                                     m, more):
+    tiling = dict(device="npu1", M=16, tile=(4, 8, 4), columns=4) if device == "npu1" else dict(device="npu2")
+    table = fake_pyxrt.write_design_table(tmp_path, [(64, 100)], more_m=more, **tiling)
+    backend = load(table, host)
+    raw = bf16_weight(100, 64)
+    w = backend.prepare_linear(raw)
+    assert backend.sizes[(64, 100, "bf16")] == [m, *more]
+    ck = backend.table.designs[(64, 100, "bf16")].compiled_K
+    x = np.random.default_rng(6).standard_normal((300, 64)).astype(np.float32)
+    one_row = np.concatenate([backend.linear(x[i : i + 1], w) for i in range(0, 300, 37)])
+    for rows, ms in ((1, [m]), (m + 1, [64]), (100, [128]), (300, [128, 128, 64])):
+        sim.calls.clear()
+        got = backend.linear(x[:rows], w)
+        assert _a_writes(sim) == [mm * ck * 2 for mm in ms]  # one A buffer a chunk, of its design's M
+        assert np.array_equal(bits(got), bits(reference(host, x[:rows], raw, bfp16=device == "npu2")))
+        # every row the bits it has alone in a pass of the smallest M: batch invariance across sizes
+        picked = [i for i in range(0, 300, 37) if i < rows]
+        assert np.array_equal(bits(got[picked]), bits(one_row[: len(picked)]))
+
+
+def test_a_larger_m_whose_rows_differ_is_dropped_and_the_smallest_serves_alone(tmp_path, sim, host):
+    import json
+
+    table = fake_pyxrt.write_design_table(tmp_path, [(64, 100)], more_m=(64,), one_xclbin=True,
+                                          bfp16_emulation=False)
+    linked = json.loads((tmp_path / "model.xclbin").read_text())
+    linked["kernels"][1]["gemm"]["bfp16"] = True  # the M = 64 build quantises: its rows differ
+    (tmp_path / "model.xclbin").write_text(json.dumps(linked))
+    backend = load(table, host)
+    raw = bf16_weight(100, 64)
+    w = backend.prepare_linear(raw)
+    assert (64, 100, "bf16") not in backend.sizes
+    assert [e.design.M for e in backend.device.variants[(64, 100, "bf16")]] == [32]
+    x = np.random.default_rng(7).standard_normal((40, 64)).astype(np.float32)
+    sim.calls.clear()
+    got = backend.linear(x, w)
+    assert len(_a_writes(sim)) == 2  # 40 rows: two passes of 32, not one of 64
+    assert np.array_equal(bits(got), bits(reference(host, x, raw, bfp16=False)))

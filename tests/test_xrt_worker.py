@@ -188,3 +188,25 @@ def test_the_shared_region_grows_to_the_largest_call_and_answers_are_copies(tmp_
         assert np.array_equal(bits(second), bits(reference(host, x2, raw)))
     finally:
         backend.close()
+
+
+def test_the_reply_deadline_counts_chunks_of_the_smallest_m(tmp_path, control, host, monkeypatch):
+    # designs of M 32 and 128: 40 rows take at most two chunks (of 32), never one a row
+    seen = []
+    real = xrt_worker.WorkerDevice._call
+
+    def call(self, method, args, timeout_s):
+        if method == "run":
+            seen.append(timeout_s)
+        return real(self, method, args, timeout_s)
+
+    monkeypatch.setattr(xrt_worker.WorkerDevice, "_call", call)
+    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 100)], more_m=(128,)), host,
+                               timeout_ms=1000)
+    try:
+        w = backend.prepare_linear(bf16_weight(100, 64))
+        seen.clear()
+        backend.linear(np.ones((40, 64), np.float32), w)
+        assert seen == [2 * 1.0 + xrt_worker.REPLY_GRACE_S]
+    finally:
+        backend.close()

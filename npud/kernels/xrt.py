@@ -144,6 +144,7 @@ class XrtBackend:
         self._host_by_group: dict[int, str] = {}  # id(prepared data) -> why the layer group runs it on the host
         self.placement: dict[tuple[int, int, str], str] = {}  # shape -> "npu", "npu-rowwise" or why host
         self.policies: dict[tuple[int, int, str], str] = {}  # shape on the NPU -> its tolerance policy
+        self.sizes: dict[tuple[int, int, str], list[int]] = {}  # shape -> the M it runs on, when more than one
         self.costs: dict[tuple[int, int, str], tuple[float, float]] = {}  # shape -> (NPU s, host s), COST_ROWS rows
         self._costs = costs if costs is not None else measure_costs
         if check is None:
@@ -245,7 +246,41 @@ class XrtBackend:
         self.policies[key] = tolerance_policy(design)
         self.placement[key] = "npu-rowwise" if rowwise else "npu"
         self._runners[key] = runner
+        if not rowwise:  # a design whose rows move with their place runs one a pass, on the smallest M
+            self._open_other_m(key, design)
         return runner
+
+    def _open_other_m(self, key: tuple[int, int, str], first: GemmDesign) -> None:
+        """Open the shape's designs of larger M (the table's variants), each kept only where its rows
+        are bit for bit those of the smallest M's passes: a row's bits must not depend on how many
+        rows share its pass. Raises NpuRunError."""
+        others = self.table.by_m(key)[1:]
+        if not others:
+            return
+        rng = np.random.default_rng(1)
+        w = (rng.standard_normal((first.N, first.K)).astype(np.float32) / np.sqrt(first.K))
+        for design in others:
+            try:
+                self.device.open_design(design)
+                x = bf16_bits(rng.standard_normal((design.M, first.K)).astype(np.float32))
+                handle = self.device.upload(key, bf16_bits(w))
+                try:
+                    wide = self.device.run(handle, x, self.timeout_ms, None, design.M)
+                    narrow = self.device.run(handle, x, self.timeout_ms, None, first.M)
+                finally:
+                    self.device.forget(handle)
+            except NpuRunError:
+                raise
+            except Exception as exc:  # XRT refusing the design: the smaller M serves the shape alone
+                log.warning("npu_design_m_dropped", K=key[0], N=key[1], M=design.M, reason=str(exc))
+                continue
+            if np.array_equal(wide.view(np.uint32), narrow.view(np.uint32)):
+                log.info("npu_design_m_added", K=key[0], N=key[1], M=design.M, smallest=first.M)
+                self.sizes.setdefault(key, [first.M]).append(design.M)
+            else:
+                self.device.drop_m(key, design.M)
+                log.warning("npu_design_m_dropped", K=key[0], N=key[1], M=design.M,
+                            reason=f"its rows differ from the M = {first.M} design's")
 
     def _to_host(self, key: tuple[int, int, str], why: str) -> None:
         self.placement[key] = why
@@ -260,7 +295,7 @@ class XrtBackend:
                 return self.first_linear(x, w)
             return self.host.linear(x, w)
         runner, handle = entry
-        step = 1 if runner.design.key in self._rowwise else runner.design.M
+        step = 1 if runner.design.key in self._rowwise else None  # None: each chunk on the smallest M that holds it
         out = runner.run(x, handle, self.timeout_ms, step)  # one call to the device for the whole linear
         if w.bias is not None:
             out += w.bias

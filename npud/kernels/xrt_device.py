@@ -80,6 +80,22 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
 
 
+def chunk_plan(rows: int, ms: list[int]) -> list[tuple[int, int]]:
+    """How a call of `rows` rows runs on designs of these M (ascending): [(rows of the chunk, its
+    design's M)], whole passes of the largest M while more than it is left, then the smallest M
+    that holds the rest (a decode's row on the smallest, a prefill's bulk on the largest)."""
+    plan, left = [], int(rows)
+    while left > 0:
+        fit = next((m for m in ms if m >= left), None)
+        if fit is None:
+            plan.append((ms[-1], ms[-1]))
+            left -= ms[-1]
+        else:
+            plan.append((left, fit))
+            left = 0
+    return plan
+
+
 def kernel_errors(xrt, design: GemmDesign) -> str | None:
     """Why the design's xclbin cannot serve it (no kernel of that name, too few arguments), or None."""
     try:
@@ -224,7 +240,8 @@ class DeviceSession:
             node = f"/dev/accel/accel{device_index}"
             device_contexts = lambda: amdxdna.resource_info(node)  # noqa: E731
         self.plan = ContextPlan(xrt, self.device, budget, device_contexts)
-        self.designs: dict[tuple, _Design] = {}
+        self.designs: dict[tuple, _Design] = {}  # shape -> its smallest-M design
+        self.variants: dict[tuple, list[_Design]] = {}  # shape -> its designs by M, smallest first
         self.weights: dict[int, tuple[tuple, list]] = {}  # handle -> (design key, B bo per pass)
         self.in_flight: list[tuple[object, str]] = []  # (run, xclbin) of runs that timed out
         self.passes = 0  # kernel runs started
@@ -253,11 +270,20 @@ class DeviceSession:
         """Load `design` (its context, kernel, instruction stream, A and C buffers). Raises
         XrtUnavailable, or XRT's exception when it refuses the xclbin."""
         self.poll()
-        if design.key not in self.designs:
+        entries = self.variants.get(design.key, [])
+        if all(e.design.M != design.M for e in entries):
             why = kernel_errors(self.xrt, design)
             if why is not None:
                 raise XrtUnavailable(why)
-            self.designs[design.key] = _Design(self, design)
+            entries = sorted(entries + [_Design(self, design)], key=lambda e: e.design.M)
+            self.variants[design.key] = entries
+            self.designs[design.key] = entries[0]  # the smallest M: the one weights are laid out by
+
+    def drop_m(self, key: tuple, m: int) -> None:
+        """Stop running the shape's M = `m` design (its rows differ from the smallest M's)."""
+        kept = [e for e in self.variants.get(key, []) if e.design.M != m]
+        if kept:  # never the last one
+            self.variants[key] = kept
 
     def upload(self, key: tuple, bits: np.ndarray) -> int:
         """A weight [N, K] (bf16 bits) as the design reads it, one B buffer per pass: [cN, cK]
@@ -287,11 +313,14 @@ class DeviceSession:
     def forget(self, handle: int) -> None:
         self.weights.pop(handle, None)
 
-    def run(self, handle: int, a_bits: np.ndarray, timeout_ms: int, step: int | None = None) -> np.ndarray:
-        """a_bits: [rows, K] bf16 bits -> [rows, N] fp32: chunks of `step` rows (the design's M by
-        default; 1 for a design whose rows depend on their place), one pass over each N slice
-        per chunk. One call for a whole linear: the worker is asked once. Raises NpuRunError."""
-        return self.run_many([(handle, a_bits, step)], timeout_ms)[0]
+    def run(self, handle: int, a_bits: np.ndarray, timeout_ms: int, step: int | None = None,
+            m: int | None = None) -> np.ndarray:
+        """a_bits: [rows, K] bf16 bits -> [rows, N] fp32: chunks of rows, each on the smallest M
+        of the shape's designs that holds it (`chunk_plan`), or chunks of `step` rows on the
+        smallest M (1 for a design whose rows depend on their place); `m`: the design of that M
+        only. One pass over each N slice per chunk. One call for a whole linear: the worker is
+        asked once. Raises NpuRunError."""
+        return self.run_many([(handle, a_bits, step, m)], timeout_ms)[0]
 
     def run_many(self, calls: list[tuple[int, np.ndarray, int | None]], timeout_ms: int) -> list[np.ndarray]:
         """Independent GEMMs, each (handle, a_bits, step) as `run` takes it: every pass of every
@@ -304,35 +333,46 @@ class DeviceSession:
         outs, queued = [], []  # queued: (run, entry, out, r0, rows, pass, C buffer)
         used: dict[tuple, list[int]] = {}  # design key -> [A slots, C slots] taken by this call
         try:
-            for handle, a_bits, step in calls:
+            for handle, a_bits, step, *m in calls:
                 key, bos = self.weights[handle]
-                entry = self.designs[key]
-                d = entry.design
-                if entry.retired is not None:
-                    raise NpuRunError(f"GEMM K={d.K} N={d.N}: its context was retired ({entry.retired})", "retired")
-                step = d.M if step is None else min(int(step), d.M)
-                out = np.empty((a_bits.shape[0], d.N), np.float32)
+                entries = [e for e in self.variants[key] if not m or m[0] is None or e.design.M == m[0]]
+                if not entries:
+                    raise XrtUnavailable(f"GEMM K={key[0]} N={key[1]}: no design of M = {m[0]}")
+                out = np.empty((a_bits.shape[0], key[1]), np.float32)
                 outs.append(out)
-                for r0 in range(0, a_bits.shape[0], step):
+                if step is None:
+                    plan = chunk_plan(a_bits.shape[0], [e.design.M for e in entries])
+                else:
+                    each = min(int(step), entries[0].design.M)
+                    plan = [(min(each, a_bits.shape[0] - r0), entries[0].design.M)
+                            for r0 in range(0, a_bits.shape[0], each)]
+                by_m = {e.design.M: e for e in entries}
+                r0 = 0
+                for rows, chunk_m in plan:
+                    entry = by_m[chunk_m]
+                    d = entry.design
+                    if entry.retired is not None:
+                        raise NpuRunError(f"GEMM K={d.K} N={d.N}: its context was retired ({entry.retired})",
+                                          "retired")
                     if str(d.xclbin) not in self.plan.open and queued:  # a context to open may close one in use
                         self._finish(queued, timeout_ms)
                         queued, used = [], {}
                     kernel = self.plan.kernel(d, self.busy() | {str(e.design.xclbin) for _, e, *_ in queued})
-                    n_a, n_c = used.setdefault(key, [0, 0])
-                    bo_a = entry.slot(entry.a_slots, n_a, GROUP_A, d.M * d.compiled_K * 2)
-                    used[key][0] += 1
-                    rows = min(step, a_bits.shape[0] - r0)
+                    slots = used.setdefault((key, d.M), [0, 0])
+                    bo_a = entry.slot(entry.a_slots, slots[0], GROUP_A, d.M * d.compiled_K * 2)
+                    slots[0] += 1
                     a = np.zeros((d.M, d.compiled_K), np.uint16)  # padding rows and columns are zeros
                     a[:rows, : d.K] = a_bits[r0 : r0 + rows]
                     bo_a.write(a.view(np.uint8).ravel(), 0)
                     bo_a.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
                     self.bytes_to_device += a.nbytes
                     for p, bo_b in enumerate(bos):
-                        bo_c = entry.slot(entry.c_slots, used[key][1], GROUP_C, d.M * d.compiled_N * 4)
-                        used[key][1] += 1
+                        bo_c = entry.slot(entry.c_slots, slots[1], GROUP_C, d.M * d.compiled_N * 4)
+                        slots[1] += 1
                         self.passes += 1
                         run = kernel(OPCODE, entry.bo_insts, entry.num_insts, bo_a, bo_b, bo_c)
                         queued.append((run, entry, out, r0, rows, p, bo_c))
+                    r0 += rows
             self._finish(queued, timeout_ms)
             queued = []
         except NpuRunError:
@@ -431,7 +471,7 @@ class DeviceSession:
         if self not in _HOLDING_RUNS:  # a backend dropped meanwhile must not take the run with it
             _HOLDING_RUNS.append(self)
         entry.retired = f"a run ended in {state} and may still be running"
-        for other in self.designs.values():
+        for other in (e for es in self.variants.values() for e in es):
             if other.design.xclbin == entry.design.xclbin:
                 other.retired = entry.retired
         self.plan.retire(entry.design)
@@ -459,3 +499,4 @@ class DeviceSession:
             return
         self.weights.clear()
         self.designs.clear()
+        self.variants.clear()

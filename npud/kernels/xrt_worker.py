@@ -294,7 +294,7 @@ class WorkerDevice:
     def open_design(self, design) -> None:
         self._call("open_design", (design,), SETUP_TIMEOUT_S)
         self._passes[design.key] = design.n_passes
-        self._rows[design.key] = design.M
+        self._rows[design.key] = min(design.M, self._rows.get(design.key, design.M))  # chunks: at most rows / M
 
     def upload(self, key, bits) -> int:
         handle = self._call("upload", (key, bits), SETUP_TIMEOUT_S)
@@ -304,9 +304,14 @@ class WorkerDevice:
     def forget(self, handle: int) -> None:
         self._call("forget", (handle,), SETUP_TIMEOUT_S)
 
-    def run(self, handle: int, a_bits, timeout_ms: int, step: int | None = None):
-        return self._call("run", (handle, a_bits, timeout_ms, step),
-                          reply_deadline_s(a_bits.shape[0], step, self._passes_of(handle), timeout_ms))
+    def run(self, handle: int, a_bits, timeout_ms: int, step: int | None = None, m: int | None = None):
+        # no step: chunks on the shape's designs by M, never more than of its smallest M
+        chunk = step or m or self._design_rows(handle)
+        return self._call("run", (handle, a_bits, timeout_ms, step, m),
+                          reply_deadline_s(a_bits.shape[0], chunk, self._passes_of(handle), timeout_ms))
+
+    def drop_m(self, key, m: int) -> None:
+        self._call("drop_m", (key, m), SETUP_TIMEOUT_S)
 
     def _passes_of(self, handle: int) -> int:
         return self._passes.get(self._handles.get(handle), 1)
