@@ -82,8 +82,10 @@ def run_model(name: str, base: Path, draft: Path | None, device: str, tokens: in
     from npud.engine.loader import load_model
     dirs = [base] + ([draft] if draft is not None else [])
     shapes = _shapes(dirs)
+    # the build tool's default sizes: the smallest M the device's tiles allow (a decode step's pass) and 128
     tiling = dict(device="npu1", M=16, tile=(4, 64, 32), columns=4) if device == "npu1" else \
         dict(device="npu2", M=32, tile=(8, 64, 32), columns=4)
+    tiling["more_m"] = (128,)
     # as tools/build_npu_designs.py builds them: every design a kernel of one xclbin (or one each)
     linked = {"one_xclbin": True} if one_xclbin else {}  # (a tree from before one_xclbin takes no such key)
     table = fake_pyxrt.write_design_table(folder / f"designs-{name}-{int(one_xclbin)}", shapes, **linked, **tiling)

@@ -213,7 +213,9 @@ def test_each_chunk_of_rows_runs_on_the_smallest_m_that_holds_it_with_the_same_b
     raw = bf16_weight(100, 64)
     w = backend.prepare_linear(raw)
     assert backend.sizes[(64, 100, "bf16")] == [m, *more]
-    ck = backend.table.designs[(64, 100, "bf16")].compiled_K
+    ck, cn = backend.table.designs[(64, 100, "bf16")].compiled_K, backend.table.designs[(64, 100, "bf16")].compiled_N
+    assert backend.device.weight_bytes == 2 * ck * cn * 2  # the start-up check's B and the weight: the larger M
+    # were tried with the weight itself, no upload of their own
     x = np.random.default_rng(6).standard_normal((300, 64)).astype(np.float32)
     one_row = np.concatenate([backend.linear(x[i : i + 1], w) for i in range(0, 300, 37)])
     for rows, ms in ((1, [m]), (m + 1, [64]), (100, [128]), (300, [128, 128, 64])):

@@ -145,6 +145,7 @@ class XrtBackend:
         self.placement: dict[tuple[int, int, str], str] = {}  # shape -> "npu", "npu-rowwise" or why host
         self.policies: dict[tuple[int, int, str], str] = {}  # shape on the NPU -> its tolerance policy
         self.sizes: dict[tuple[int, int, str], list[int]] = {}  # shape -> the M it runs on, when more than one
+        self._m_checked: set[tuple[int, int, str]] = set()  # shapes whose larger M were tried
         self.costs: dict[tuple[int, int, str], tuple[float, float]] = {}  # shape -> (NPU s, host s), COST_ROWS rows
         self._costs = costs if costs is not None else measure_costs
         if check is None:
@@ -191,6 +192,10 @@ class XrtBackend:
                                      "limit unlimited? docs/npu.md)") from exc
             if key not in self.costs and not self._placed_by_cost(key, runner, handle, host_copy):
                 return host_copy  # the host is faster for this shape: it runs there from now on
+            if key not in self._m_checked:  # its first weight: the larger M are tried with it
+                self._m_checked.add(key)
+                if key not in self._rowwise:  # rows that move with their place run one a pass, on the smallest M
+                    self._open_other_m(key, runner.design, handle)
             self._weights[id(host_copy.data)] = (runner, handle)
         return host_copy
 
@@ -246,29 +251,20 @@ class XrtBackend:
         self.policies[key] = tolerance_policy(design)
         self.placement[key] = "npu-rowwise" if rowwise else "npu"
         self._runners[key] = runner
-        if not rowwise:  # a design whose rows move with their place runs one a pass, on the smallest M
-            self._open_other_m(key, design)
         return runner
 
-    def _open_other_m(self, key: tuple[int, int, str], first: GemmDesign) -> None:
-        """Open the shape's designs of larger M (the table's variants), each kept only where its rows
-        are bit for bit those of the smallest M's passes: a row's bits must not depend on how many
-        rows share its pass. Raises NpuRunError."""
-        others = self.table.by_m(key)[1:]
-        if not others:
-            return
+    def _open_other_m(self, key: tuple[int, int, str], first: GemmDesign, handle: int) -> None:
+        """Open the shape's designs of larger M (the table's variants), each kept only where its rows,
+        over the shape's first weight (`handle`: no upload of its own), are bit for bit those of the
+        smallest M's passes: a row's bits must not depend on how many rows share its pass. Raises
+        NpuRunError."""
         rng = np.random.default_rng(1)
-        w = (rng.standard_normal((first.N, first.K)).astype(np.float32) / np.sqrt(first.K))
-        for design in others:
+        for design in self.table.by_m(key)[1:]:
             try:
                 self.device.open_design(design)
                 x = bf16_bits(rng.standard_normal((design.M, first.K)).astype(np.float32))
-                handle = self.device.upload(key, bf16_bits(w))
-                try:
-                    wide = self.device.run(handle, x, self.timeout_ms, None, design.M)
-                    narrow = self.device.run(handle, x, self.timeout_ms, None, first.M)
-                finally:
-                    self.device.forget(handle)
+                wide = self.device.run(handle, x, self.timeout_ms, None, design.M)
+                narrow = self.device.run(handle, x, self.timeout_ms, None, first.M)
             except NpuRunError:
                 raise
             except Exception as exc:  # XRT refusing the design: the smaller M serves the shape alone
