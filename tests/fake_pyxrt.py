@@ -106,6 +106,7 @@ class Sim:
     kmsg: tuple | None = None  # (run, path, lines): driver lines logged when that run starts
     queued: int = 0  # runs started and not yet seen final (by wait or state)
     max_queued: int = 0  # the most runs in flight at once: 1 when the backend waits for each before the next
+    run_m: list = field(default_factory=list)  # the compiled M of each run started
 
     def configure(self, spec: dict) -> None:
         """{"mode": "gil", "hold_s": s, "handshake": folder}, or a failure to inject (`inject`'s arguments)."""
@@ -233,6 +234,8 @@ class bo:
         self.host_dirty = False  # written since the last sync to the device
         self.busy = 0  # runs in flight that use this buffer: no write, sync or read of it until they end
         self.dev_newer = False  # the device wrote since the last sync from the device
+        self.dirty: tuple | None = None  # the bytes written since the last sync to the device that covered them
+        self.fresh: tuple | None = None  # the bytes synced from the device since it last wrote
 
     def size(self) -> int:
         return self._size
@@ -244,6 +247,8 @@ class bo:
         if self.busy:
             raise ProtocolViolation(f"bo of argument {self.arg} written while a run that uses it is in flight")
         self.host[seek : seek + data.size] = data
+        lo, hi = self.dirty or (seek, seek + data.size)
+        self.dirty = (min(lo, seek), max(hi, seek + data.size))
         self.host_dirty = True
         SIM.calls.append(("write", self.arg, data.size))
 
@@ -252,7 +257,7 @@ class bo:
             raise ProtocolViolation(f"read of {size} bytes at {skip} from a {self._size}-byte bo")
         if self.busy:
             raise ProtocolViolation(f"bo of argument {self.arg} read while a run that uses it is in flight")
-        if self.dev_newer:
+        if self.dev_newer and not (self.fresh and self.fresh[0] <= skip and skip + size <= self.fresh[1]):
             raise ProtocolViolation(f"bo of argument {self.arg} read before a sync from the device")
         SIM.calls.append(("read", self.arg, size))
         return self.host[skip : skip + size].view(np.int8).copy()
@@ -264,13 +269,20 @@ class bo:
                             "or sync(self, dir)")
         if self.busy:
             raise ProtocolViolation(f"bo of argument {self.arg} synced while a run that uses it is in flight")
-        SIM.calls.append(("sync", self.arg, direction.name))
+        size, offset = size_offset if size_offset else (self._size, 0)
+        if offset < 0 or size <= 0 or offset + size > self._size:
+            raise ProtocolViolation(f"sync of {size} bytes at {offset} of a {self._size}-byte bo")
+        SIM.calls.append(("sync", self.arg, direction.name) + ((size,) if size != self._size else ()))
+        end = offset + size
         if direction is xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE:
-            self.dev[:] = self.host
-            self.host_dirty = False
+            self.dev[offset:end] = self.host[offset:end]
+            if self.dirty is None or (offset <= self.dirty[0] and self.dirty[1] <= end):
+                self.host_dirty, self.dirty = False, None  # else written bytes outside the range stay unsynced
         else:
-            self.host[:] = self.dev
-            self.dev_newer = False
+            self.host[offset:end] = self.dev[offset:end]
+            self.fresh = (offset, end)
+            if size == self._size:
+                self.dev_newer = False
 
 
 class run:
@@ -369,6 +381,7 @@ class kernel:
     def __call__(self, *args):
         SIM.calls.append(("run", len(args)))
         self._check_args(args)
+        SIM.run_m.append(self.gemm["M"])
         failure = SIM._failure()
         if SIM.kmsg is not None and SIM.runs >= SIM.kmsg[0]:  # the driver prints while the run goes on
             _, path, lines = SIM.kmsg
@@ -390,7 +403,7 @@ class kernel:
         bos = (instr, a, b, c)
         if failure in ("timeout", "error", "abort"):
             c.dev[:] = 0
-            c.dev_newer = True
+            c.dev_newer, c.fresh = True, None
             if failure == "timeout":
                 return run(ert_cmd_state.ERT_CMD_STATE_RUNNING, SIM.finish_after_polls, bos)
             return run(ert_cmd_state.ERT_CMD_STATE_ERROR if failure == "error" else ert_cmd_state.ERT_CMD_STATE_ABORT,
@@ -399,7 +412,7 @@ class kernel:
         M, K, N = g["M"], g["K"], g["N"]
         if not SIM.compute:
             c.dev[: M * N * 4] = _ramp(M, N)
-            c.dev_newer = True
+            c.dev_newer, c.fresh = True, None
             return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED, None, bos)
         av = _bf16(a.dev[: M * K * 2]).reshape(M, K)
         bv = _bf16(b.dev[: K * N * 2]).reshape((N, K) if g["b_col_major"] else (K, N))
@@ -410,7 +423,7 @@ class kernel:
         for k in range(K):  # fp32, in order over K, one rounding per multiply and per add
             acc = acc + av[:, k : k + 1] * bk[k : k + 1, :]
         c.dev[: M * N * 4] = acc.view(np.uint8).ravel()
-        c.dev_newer = True
+        c.dev_newer, c.fresh = True, None
         return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED, None, bos)
 
     def _check_args(self, args) -> None:

@@ -200,7 +200,7 @@ def test_chunk_plan_takes_the_largest_m_while_more_is_left_then_the_smallest_tha
 
 
 def _a_writes(sim):
-    """The M of each A buffer written (an A of M rows is M x compiled K bf16 values)."""
+    """The bytes written to each A buffer (a chunk's rows, compiled K bf16 values each)."""
     return [c[2] for c in sim.calls if c[0] == "write" and c[1] == 3]
 
 
@@ -218,10 +218,13 @@ def test_each_chunk_of_rows_runs_on_the_smallest_m_that_holds_it_with_the_same_b
     # were tried with the weight itself, no upload of their own
     x = np.random.default_rng(6).standard_normal((300, 64)).astype(np.float32)
     one_row = np.concatenate([backend.linear(x[i : i + 1], w) for i in range(0, 300, 37)])
-    for rows, ms in ((1, [m]), (m + 1, [64]), (100, [128]), (300, [128, 128, 64])):
+    for rows, ms, chunks in ((1, [m], [1]), (m + 1, [64], [m + 1]), (100, [128], [100]),
+                             (300, [128, 128, 64], [128, 128, 44])):
         sim.calls.clear()
+        sim.run_m.clear()
         got = backend.linear(x[:rows], w)
-        assert _a_writes(sim) == [mm * ck * 2 for mm in ms]  # one A buffer a chunk, of its design's M
+        assert sim.run_m == ms  # one pass a chunk, on the smallest M that holds it
+        assert _a_writes(sim) == [r * ck * 2 for r in chunks]  # its rows only reach the device
         assert np.array_equal(bits(got), bits(reference(host, x[:rows], raw, bfp16=device == "npu2")))
         # every row the bits it has alone in a pass of the smallest M: batch invariance across sizes
         picked = [i for i in range(0, 300, 37) if i < rows]
@@ -242,7 +245,7 @@ def test_a_larger_m_whose_rows_differ_is_dropped_and_the_smallest_serves_alone(t
     assert (64, 100, "bf16") not in backend.sizes
     assert [e.design.M for e in backend.device.variants[(64, 100, "bf16")]] == [32]
     x = np.random.default_rng(7).standard_normal((40, 64)).astype(np.float32)
-    sim.calls.clear()
+    sim.run_m.clear()
     got = backend.linear(x, w)
-    assert len(_a_writes(sim)) == 2  # 40 rows: two passes of 32, not one of 64
+    assert sim.run_m == [32, 32]  # 40 rows: two passes of 32, not one of 64
     assert np.array_equal(bits(got), bits(reference(host, x, raw, bfp16=False)))

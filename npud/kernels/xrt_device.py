@@ -361,10 +361,14 @@ class DeviceSession:
                     slots = used.setdefault((key, d.M), [0, 0])
                     bo_a = entry.slot(entry.a_slots, slots[0], GROUP_A, d.M * d.compiled_K * 2)
                     slots[0] += 1
-                    a = np.zeros((d.M, d.compiled_K), np.uint16)  # padding rows and columns are zeros
+                    # the chunk's rows only (their K padding zeros): a row of C depends on its row of A
+                    # alone, so the rows past them (left from earlier calls) give rows nobody reads. A
+                    # design run a row at a time (`step`: its rows move with their neighbours) gets its
+                    # zero padding rows written too, so its neighbours are always the same.
+                    a = np.zeros((rows if step is None else d.M, d.compiled_K), np.uint16)
                     a[:rows, : d.K] = a_bits[r0 : r0 + rows]
                     bo_a.write(a.view(np.uint8).ravel(), 0)
-                    bo_a.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
+                    bo_a.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE, a.nbytes, 0)
                     self.bytes_to_device += a.nbytes
                     for p, bo_b in enumerate(bos):
                         bo_c = entry.slot(entry.c_slots, slots[1], GROUP_C, d.M * d.compiled_N * 4)
@@ -403,10 +407,11 @@ class DeviceSession:
                                   f"(timeout {timeout_ms} ms)", name)
         for run, entry, out, r0, rows, p, bo_c in queued:
             d = entry.design
-            bo_c.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE)
-            raw = bo_c.read(d.M * d.compiled_N * 4, 0)
-            self.bytes_from_device += d.M * d.compiled_N * 4
-            c = np.frombuffer(bytes(raw), np.float32).reshape(d.M, d.compiled_N)
+            size = rows * d.compiled_N * 4  # C is row-major [M, cN]: the chunk's rows come first
+            bo_c.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE, size, 0)
+            raw = bo_c.read(size, 0)
+            self.bytes_from_device += size
+            c = np.frombuffer(bytes(raw), np.float32).reshape(rows, d.compiled_N)
             n0 = p * d.compiled_N
             width = min(d.compiled_N, d.N - n0)
             out[r0 : r0 + rows, n0 : n0 + width] = c[:rows, :width]
