@@ -78,8 +78,10 @@ def test_int8_weights_run_on_the_array_within_the_bound_of_the_host_and_as_writt
     prepared = backend.prepare_linear(w)
     assert backend.where(prepared) == "npu" and backend.describe_tolerance() == {f"{k}x{n} int8": "int8-rows"}
     rng = np.random.default_rng(1)
+    ties = np.resize(np.float32([127, 0.5, -0.5, 1.5, -2.5, 3.5, 126.5, -126.5]), k)  # d = 1: x id lands on halves
     for rows in (1, 5, 64, 2 * 64 + 3):
         x = rng.standard_normal((rows, k)).astype(np.float32) * np.float32(3)
+        x[rows // 2] = ties
         got = backend.linear(x, prepared)
         want = host.linear(x, prepared)  # the host's int8 GEMM of the same weight, fp32 activations
         bound = tolerance(x, w.data.astype(np.float32), "int8-rows", w.scale)
@@ -215,3 +217,90 @@ def test_an_int8_design_refuses_a_bf16_weight_and_a_weight_without_its_scale(tmp
         backend.device.upload(runner.design.key, np.zeros((48, 64), np.uint16))
     with pytest.raises(ValueError, match="needs its scale per output row"):
         backend.device.upload(runner.design.key, np.zeros((48, 64), np.int8))
+
+
+# -- an int8 model end to end ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from npud.engine.testing.checkpoints import build_tiny_checkpoint
+    from test_gemma3 import BASE, build_gemma3_checkpoint
+
+    root = tmp_path_factory.mktemp("int8")
+    return {"qwen3": build_tiny_checkpoint(root / "qwen3", "qwen3"),
+            "gemma3": build_gemma3_checkpoint(root / "gemma3", BASE)}
+
+
+def _int8_model(ckpt, tmp_path, device, **kw):
+    from npud.engine.model import Model
+
+    shapes = [(s.K, s.N) for s in fake_pyxrt.build_tool().gemm_shapes([ckpt], "int8")]
+    path = table(tmp_path / "designs", shapes, device, one_xclbin=True)
+    return Model.load(ckpt, "int8", xrt.load_backend(path, default_backend(), strict=True, **kw))
+
+
+@pytest.mark.parametrize("device", ["npu1", "npu2"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_an_int8_model_runs_every_linear_on_the_array_in_one_round_trip_a_layer(ckpts, tmp_path, sim, arch, device):
+    from npud.engine.forward import Forward
+    from npud.engine.packed import layer_group_for
+
+    model = _int8_model(ckpts[arch], tmp_path, device)
+    try:
+        assert set(model.backend.describe_tolerance().values()) == {"int8-rows"}
+        assert set(model.backend.stats()["weight_bytes_resident"]) == {"int8"}
+        assert layer_group_for(model) is not None
+        prompt = [(i * 37 + 11) % 320 for i in range(20)]
+
+        def decode():
+            f = Forward(model)
+            logits, trips = [f.prefill(prompt)], []
+            for _ in range(4):
+                before = model.backend.device.round_trips
+                logits.append(f.step(int(np.argmax(logits[-1])), f.positions_held))
+                trips.append(model.backend.device.round_trips - before)
+            return [lg.view(np.uint32).copy() for lg in logits], trips
+
+        grouped, trips = decode()
+        assert trips == [model.config.num_layers + 1] * 4
+        model._layer_group = None  # the per-op path: the same int8 arithmetic, one call per linear
+        per_op, _ = decode()
+        assert all(np.array_equal(a, b) for a, b in zip(grouped, per_op))
+    finally:
+        model.backend.close()
+
+
+def test_every_linear_of_an_int8_model_is_within_the_bound_of_the_host(ckpts, tmp_path, sim, host, monkeypatch):
+    from npud.engine.forward import Forward
+
+    raw, seen = {}, []
+    real_prepare, real_linear = xrt.XrtBackend.prepare_linear, xrt.XrtBackend.linear
+
+    def prepare(self, w):
+        out = real_prepare(self, w)
+        raw[id(out.data)] = w
+        return out
+
+    def linear(self, x, w):
+        out = real_linear(self, x, w)
+        if id(w.data) in self._weights:
+            seen.append((x.copy(), w, out.copy()))
+        return out
+
+    monkeypatch.setattr(xrt.XrtBackend, "prepare_linear", prepare)
+    monkeypatch.setattr(xrt.XrtBackend, "linear", linear)
+    model = _int8_model(ckpts["qwen3"], tmp_path, "npu2", isolation="inline")
+    try:
+        model._layer_group = None  # every linear through backend.linear
+        f = Forward(model)
+        f.step(int(np.argmax(f.prefill([(i * 37 + 11) % 320 for i in range(12)]))), f.positions_held)
+        assert len(seen) >= 2 * (7 * model.config.num_layers + 1)
+        for x, w, got in seen:
+            want = host.linear(x, w)  # the host's int8 GEMM of the same rows and weight
+            q = raw[id(w.data)]
+            bound = tolerance(x, q.data.astype(np.float32), "int8-rows", q.scale)
+            if q.bias is not None:
+                bound += 2 * U * (np.abs(want) + np.abs(q.bias)[None, :] + bound) * (1 + U)
+            assert (np.abs(got.astype(np.float64) - want) <= bound).all()
+    finally:
+        model.backend.close()
