@@ -109,3 +109,15 @@ def test_the_stand_in_prints_what_a_token_costs_in_calls(tmp_path):
         bf16, int8 = results[(model, "bf16")], results[(model, "int8")]
         assert bf16["weight_bytes_resident"]["bf16"] == 2 * int8["weight_bytes_resident"]["int8"]
         assert bf16["weight_bytes_at_load"] == 2 * int8["weight_bytes_at_load"]
+
+
+def test_an_int8_design_is_checked_with_int8_weights_and_the_rounding_step_takes_a_bf16_one(machine, capsys):
+    tmp_path, _, _ = machine
+    table = fake_pyxrt.write_design_table(tmp_path / "mixed", [(64, 64, "int8"), (64, 128, "bf16")], M=64,
+                                          tile=(16, 32, 16), columns=4)
+    _tool().main(["--design", str(table), "--accel-dir", str(tmp_path / "accel"),
+                  "--sysfs-dir", str(tmp_path / "sysfs"), "--timeout-ms", "2000"])
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("[PASS] start-up check 64x64: npu (tolerance int8-rows") for line in lines), lines
+    assert any(line.startswith("[PASS] start-up check 64x128: npu (tolerance bfp16-blocks") for line in lines)
+    assert any(line.startswith("[INFO] accumulator rounding: K=64 N=128") for line in lines)  # the bf16 design's
