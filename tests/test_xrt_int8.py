@@ -143,6 +143,10 @@ def _unsigned_b(a, b):  # B's bytes read as uint8: the weights' signs lost
     return (a.astype(np.int64) @ b.view(np.uint8).astype(np.int64)).astype(np.int32)
 
 
+def _low_bit_lost(a, b):  # the sums with their lowest bit dropped: within the bound, not the exact sums
+    return (a.astype(np.int64) @ b.astype(np.int64)).astype(np.int32) & np.int32(~1)
+
+
 def _no_row_scale(isum, d, scale):  # the activation's scale left out
     return isum.astype(np.float32) * scale.astype(np.float32)[None, :]
 
@@ -167,6 +171,7 @@ REAL_QUANTIZE = xrt_device.quantize_rows
 @pytest.mark.parametrize("where, name, mutant", [
     (fake_pyxrt, "int8_gemm", _wrap16),
     (fake_pyxrt, "int8_gemm", _unsigned_b),
+    (fake_pyxrt, "int8_gemm", _low_bit_lost),  # caught by the exact sums, not by the bound
     (xrt_device, "dequantize", _no_row_scale),
     (xrt_device, "quantize_rows", _quantize_dropping_signs),
 ])
@@ -181,7 +186,8 @@ def test_a_wrong_int8_arithmetic_fails_the_startup_check(tmp_path, sim, host, mo
 
 @pytest.mark.parametrize("name, mutant, where", [
     ("dequantize", _scale_by_column_of_row, "failed the start-up check"),  # off the bound
-    ("quantize_rows", _quantize_by_max_of_batch, "npu-rowwise"),  # within it (coarser), but rows mix
+    # within the bound (coarser), but the passes' chunks are not the whole batch: not the exact sums
+    ("quantize_rows", _quantize_by_max_of_batch, "failed the start-up check"),
 ])
 def test_an_arithmetic_that_mixes_rows_is_caught(tmp_path, sim, host, monkeypatch, name, mutant, where):
     monkeypatch.setattr(xrt_device, name, mutant)

@@ -25,6 +25,9 @@ Two questions, answered separately:
          s [ da sum_k |q_k| (1 + 4u) + 2 (K + 4) u sum_k |x_k q_k| ]
      (the quantization's error, carried through three output roundings; the host's K FMA
      roundings, its scale's and the array's three, gamma_K <= 2 K u for K u <= 1/2).
+     The integer sums do not depend on their order, so the outputs must also be the written-down
+     arithmetic's bit for bit (the rows quantized and the sums taken here): a saturating or
+     shifted accumulator fails the check even where it would stay within the bound.
    An aborted run (zeros), a design compiled for another shape or layout, or a bfp16 design
    checked with the bf16 policy all fall outside, and the design's shape then runs on the host.
 2. Does a row's result depend on the rows beside it or on its place in the pass? A batch of
@@ -84,6 +87,22 @@ def int8_rows_bound(aa: np.ndarray, qq: np.ndarray, s: np.ndarray) -> np.ndarray
     return s[None, :] * (da[:, None] * qq.sum(axis=1)[None, :] * (1 + 4 * U) + 2.0 * (k + 4) * U * (aa @ qq.T))
 
 
+def _int8_exact(d, x: np.ndarray, q: np.ndarray, scale: np.ndarray, got: np.ndarray) -> list[str]:
+    """An int8 design's sums are exact integers, whatever their order: its outputs must be the
+    written-down arithmetic's bit for bit (the rows quantized, the sums in int64 here, scaled back),
+    which catches what the bound cannot (a saturating or shifted accumulator, a lost low bit)."""
+    from npud.kernels.xrt_device import dequantize, quantize_rows
+
+    xq, dx = quantize_rows(x)
+    exact = dequantize((xq.astype(np.int64) @ q.astype(np.int64).T).astype(np.int32), dx, scale)
+    off = got.view(np.uint32) != exact.view(np.uint32)
+    if not off.any():
+        return []
+    m, n = map(int, np.argwhere(off)[0])
+    return [f"K={d.K} N={d.N}: {int(off.sum())} of {off.size} outputs are not the exact int8 sums scaled back "
+            f"(first: row {m}, column {n}: {got[m, n]!r} vs {exact[m, n]!r})"]
+
+
 def _block_error(x: np.ndarray) -> np.ndarray:
     """|x| [R, K] -> each value's largest bfp16 error: BFP16_REL times its block's largest |x|."""
     r, k = x.shape
@@ -139,6 +158,8 @@ def check_design(runner, host, timeout_ms: int, seed: int = SEED) -> tuple[list[
             failures.append(f"K={d.K} N={d.N}: {int(off.sum())} of {off.size} outputs differ from the host "
                             f"by more than the {policy} tolerance (first: row {m}, column {n}: {got[m, n]!r} "
                             f"vs {want[m, n]!r})")
+        if d.weight_format == "int8" and not failures:
+            failures += _int8_exact(d, x, q, scale, got)
     rowwise = [f"K={d.K} N={d.N} row {i} of {rows}" for i, row in single.items()
                if not np.array_equal(row.view(np.uint32), got[i].view(np.uint32))]
     return failures, rowwise
