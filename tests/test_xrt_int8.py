@@ -310,3 +310,15 @@ def test_every_linear_of_an_int8_model_is_within_the_bound_of_the_host(ckpts, tm
             assert (np.abs(got.astype(np.float64) - want) <= bound).all()
     finally:
         model.backend.close()
+
+
+def test_a_row_too_small_for_a_normal_scale_is_zeros_within_the_bound(tmp_path, sim, host):
+    backend = load(table(tmp_path, [(64, 48)]), host)
+    w = int8_weight(48, 64)
+    prepared = backend.prepare_linear(w)
+    x = np.random.default_rng(6).standard_normal((2, 64)).astype(np.float32)
+    x[1] *= np.float32(1e-38)  # d = max|x| / 127 would be subnormal (and 1 / d overflow)
+    got = backend.linear(x, prepared)
+    assert np.all(got[1] == 0) and np.isfinite(got).all()
+    bound = tolerance(x, w.data.astype(np.float32), "int8-rows", w.scale)
+    assert (np.abs(got.astype(np.float64) - host.linear(x, prepared)) <= bound).all()

@@ -84,6 +84,8 @@ def int8_rows_bound(aa: np.ndarray, qq: np.ndarray, s: np.ndarray) -> np.ndarray
     k = aa.shape[1]
     d = aa.max(axis=1, initial=0.0) / 127.0 * (1 + U)
     da = d * (0.5 + 2.0**-16)
+    tiny = d < np.finfo(np.float32).tiny * (1 + U)  # quantize_rows makes such a row zeros: |x_k - 0| <= 127 d
+    da = np.where(tiny, 127.0 * d, da)
     return s[None, :] * (da[:, None] * qq.sum(axis=1)[None, :] * (1 + 4 * U) + 2.0 * (k + 4) * U * (aa @ qq.T))
 
 

@@ -89,12 +89,14 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     q8_0 arithmetic with the whole row as the block: d = max|x| / 127, id = 1 / d (0 when d is 0),
     q = round(x * id) half away from zero, each operation in fp32 rounded once. |x - d q| <=
     d (1/2 + 2^-16) (docs/npu.md, "Exactness"). A row holding NaN or infinity gets d = NaN, so its
-    outputs are NaN (never numbers made of a clipped infinity)."""
+    outputs are NaN (never numbers made of a clipped infinity); a row whose d would be subnormal
+    (max|x| < 127 * 2^-126) quantizes to zeros, d = 0."""
     x = np.ascontiguousarray(x, np.float32)
     finite = np.isfinite(x).all(axis=1)
     amax = np.where(finite, np.abs(np.where(np.isfinite(x), x, 0)).max(axis=1, initial=0), 0).astype(np.float32)
     d = amax / np.float32(127)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    d[d < np.finfo(np.float32).tiny] = 0  # a subnormal d has no 24-bit precision (and 1 / d may overflow):
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)  # such a row (max|x| < 127 * 2^-126) is zeros
     t = np.where(finite[:, None], x, 0) * inv[:, None]  # fp32: one rounding
     whole = np.trunc(t)
     q = whole + np.where(np.abs(t - whole) >= np.float32(0.5), np.sign(t), np.float32(0))  # t - whole is exact
