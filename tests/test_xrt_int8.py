@@ -322,3 +322,35 @@ def test_a_row_too_small_for_a_normal_scale_is_zeros_within_the_bound(tmp_path, 
     assert np.all(got[1] == 0) and np.isfinite(got).all()
     bound = tolerance(x, w.data.astype(np.float32), "int8-rows", w.scale)
     assert (np.abs(got.astype(np.float64) - host.linear(x, prepared)) <= bound).all()
+
+
+def test_placement_by_measured_cost_covers_int8_shapes(tmp_path, sim, host, monkeypatch):
+    # the int8 K = 128 shape loses on cost (injected), the other stays on the array
+    monkeypatch.setattr(xrt, "measure_costs",
+                        lambda runner, *a: (2e-3, 1e-3) if runner.design.K == 128 else (1e-6, 1e-3))
+    backend = load(table(tmp_path, [(64, 48), (128, 48)]), host)
+    near, far = backend.prepare_linear(int8_weight(48, 64)), backend.prepare_linear(int8_weight(48, 128))
+    assert backend.where(near) == "npu" and backend.where(far).startswith("the host is faster")
+    x = np.random.default_rng(7).standard_normal((2, 128)).astype(np.float32)
+    assert np.array_equal(backend.linear(x, far).view(np.uint32), host.linear(x, far).view(np.uint32))
+    assert backend.stats()["weight_bytes_resident"] == {"int8": 64 * 64}  # the lost shape's B buffer went
+
+
+def test_an_int8_model_served_through_the_worker_decodes_and_says_its_tolerance(ckpts, tmp_path, sim, monkeypatch):
+    from npud.engine.api import GenerateRequest, GenerationParams
+    from npud.engine.loader import load_model
+
+    monkeypatch.setattr(xrt, "probe", lambda: (True, "simulated"))
+    ckpt = ckpts["qwen3"]
+    shapes = [(s.K, s.N) for s in fake_pyxrt.build_tool().gemm_shapes([ckpt], "int8")]
+    served = load_model("tiny", ckpt, weight_format="int8", backend="xrt",
+                        xrt_design=table(tmp_path / "designs", shapes, "npu1", one_xclbin=True))
+    try:
+        backend = served.model.backend
+        assert backend.isolation == "process" and set(backend.describe_tolerance().values()) == {"int8-rows"}
+        session = served.start(GenerateRequest(prompt="def add(a, b):", params=GenerationParams(max_tokens=6)))
+        while not session.done:
+            session.run_round()
+        assert len(session.result().token_ids) == 6 and backend.stats()["passes"] > 0
+    finally:
+        served.model.backend.close()
