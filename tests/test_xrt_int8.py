@@ -6,6 +6,8 @@ back) fails the start-up check. Evidence about the arithmetic and the protocol, 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import structlog
@@ -354,3 +356,33 @@ def test_an_int8_model_served_through_the_worker_decodes_and_says_its_tolerance(
         assert len(session.result().token_ids) == 6 and backend.stats()["passes"] > 0
     finally:
         served.model.backend.close()
+
+
+# -- real hardware ---------------------------------------------------------------------------
+
+NPU_DESIGN = os.environ.get("NPUD_XRT_DESIGN")
+
+
+def _real_npu() -> bool:
+    return bool(NPU_DESIGN) and xrt.probe()[0]
+
+
+@pytest.mark.npu
+@pytest.mark.skipif(not _real_npu(), reason="needs an amdxdna NPU, XRT's pyxrt and NPUD_XRT_DESIGN=<design.json> "
+                                            "with int8 designs (tools/build_npu_designs.py --weight-format int8)")
+def test_npu_int8_designs_are_the_written_down_arithmetic(host):
+    backend = xrt.load_backend(NPU_DESIGN, host, strict=True)  # strict: a failed start-up check raises
+    try:
+        int8 = [(key, d) for key, d in sorted(backend.table.designs.items()) if key[2] == "int8"]
+        if not int8:
+            pytest.skip(f"{NPU_DESIGN} has no int8 design")
+        for (k, n, _), design in int8:
+            w = int8_weight(n, k, seed=k + n, bias=True)
+            prepared = backend.prepare_linear(w)
+            x = np.random.default_rng(k).standard_normal((design.M + 3, k)).astype(np.float32)
+            got = backend.linear(x, prepared)
+            assert np.array_equal(got.view(np.uint32), documented(x, w).view(np.uint32)), (k, n)
+            for m in (1, design.M + 1):
+                assert np.array_equal(backend.linear(x[:m], prepared).view(np.uint32), got[:m].view(np.uint32))
+    finally:
+        backend.close()
