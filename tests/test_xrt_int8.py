@@ -386,3 +386,11 @@ def test_npu_int8_designs_are_the_written_down_arithmetic(host):
                 assert np.array_equal(backend.linear(x[:m], prepared).view(np.uint32), got[:m].view(np.uint32))
     finally:
         backend.close()
+
+
+def test_the_numerics_identity_names_the_int8_arithmetic_only_where_the_table_has_it(tmp_path, sim, host):
+    bf16_only = load(fake_pyxrt.write_design_table(tmp_path / "a", [(64, 64)]), host)
+    assert bf16_only.numerics_id().endswith("/activations=bf16/accumulate=fp32")  # as before int8 designs existed
+    mixed = load(fake_pyxrt.write_design_table(tmp_path / "b", [(64, 64, "bf16"), (64, 64, "int8")], M=64,
+                                               tile=(16, 32, 16), columns=4), host)
+    assert mixed.numerics_id().endswith("/int8=activations-int8-per-row/accumulate-int32")

@@ -311,7 +311,7 @@ class XrtBackend:
         placement = json.dumps(self.describe_placement(), sort_keys=True)
         int8 = any(fmt == "int8" for (_, _, fmt) in self.table.designs)  # int8 shapes: their own arithmetic
         return (f"{self.name}/designs={self.table_identity}/placement={placement}"
-                "/activations=bf16/accumulate=fp32" + ("/int8=rows-q8-int32" if int8 else ""))
+                "/activations=bf16/accumulate=fp32" + ("/int8=activations-int8-per-row/accumulate-int32" if int8 else ""))
 
     def describe_placement(self) -> dict:
         """Where each GEMM shape runs: {"K x N fmt": "npu" | "npu-rowwise" | why host}."""
