@@ -17,7 +17,11 @@ does not end in ERT_CMD_STATE_COMPLETED within the configured timeout, any excep
 XRT, or a worker that dies or hangs, raises NpuRunError (a DeviceFault): an aborted run
 leaves zeros in C, which must never reach the logits.
 
-Shapes without a design, and weight formats other than bf16, run on the host kernels; each
+The weight goes to the array in the model's weight format: a bf16 model's to bf16 designs, an
+int8 model's (int8 rows with a scale each) to int8 designs, which multiply int8 activations
+quantized per row and sum in int32 (npud/kernels/xrt_device.py `quantize_rows`, `dequantize`;
+docs/npu.md, "Exactness", writes both formats' arithmetic beside the host's and their bounds).
+Shapes without a design, and weight formats other than bf16 and int8, run on the host kernels; each
 such shape is logged once with the reason. So does a shape the host computes faster: when a
 shape's first weight is uploaded, a decode-sized pass (COST_ROWS rows) of that weight is timed
 on the NPU, through the worker as a decode pays it, and on the host (the fastest of
@@ -40,7 +44,7 @@ import structlog
 
 from npud.kernels.base import LinearWeight
 from npud.kernels.xrt_design import DesignError, DesignTable, GemmDesign
-from npud.kernels.xrt_device import DeviceSession, NpuRunError, XrtUnavailable, bf16_bits
+from npud.kernels.xrt_device import DeviceSession, NpuRunError, XrtUnavailable, activations, bf16_bits
 
 log = structlog.get_logger(__name__)
 
@@ -77,12 +81,14 @@ class _Runner:
         self.device, self.design = device, design
 
     def upload_weight(self, w: LinearWeight) -> int:
+        if self.design.weight_format == "int8":
+            return self.device.upload(self.design.key, w.data, w.scale)
         return self.device.upload(self.design.key, w.data)
 
     def run(self, x: np.ndarray, handle: int, timeout_ms: int, step: int | None = None) -> np.ndarray:
         """x: [rows, K] fp32 -> [rows, N] fp32: chunks of `step` rows (M by default), one pass per
-        N slice each. Raises NpuRunError."""
-        return self.device.run(handle, bf16_bits(x), int(timeout_ms), step)
+        N slice each (bf16 bits to a bf16 design, fp32 rows to an int8 one). Raises NpuRunError."""
+        return self.device.run(handle, activations(self.design, x), int(timeout_ms), step)
 
 
 def measure_costs(runner: "_Runner", handle: int, host, host_weight: LinearWeight, rows: int,
@@ -303,8 +309,9 @@ class XrtBackend:
         (its program files and tiles), which shapes run where, and the activation path. Defined
         here because __getattr__ would answer with the host's."""
         placement = json.dumps(self.describe_placement(), sort_keys=True)
+        int8 = any(fmt == "int8" for (_, _, fmt) in self.table.designs)  # int8 shapes: their own arithmetic
         return (f"{self.name}/designs={self.table_identity}/placement={placement}"
-                "/activations=bf16/accumulate=fp32")
+                "/activations=bf16/accumulate=fp32" + ("/int8=activations-int8-per-row/accumulate-int32" if int8 else ""))
 
     def describe_placement(self) -> dict:
         """Where each GEMM shape runs: {"K x N fmt": "npu" | "npu-rowwise" | why host}."""
@@ -384,4 +391,6 @@ def load_backend(design_table: str | Path, host, *, timeout_ms: int = DEFAULT_TI
 
 def tolerance_policy(design: GemmDesign) -> str:
     """The start-up check's tolerance for `design` (npud/kernels/xrt_check.py says what each means)."""
+    if design.weight_format == "int8":
+        return "int8-rows"
     return "bfp16-blocks" if design.bfp16_emulation else "bf16-exact-products"

@@ -75,6 +75,40 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
 
 
+def activations(design: GemmDesign, x: np.ndarray) -> np.ndarray:
+    """What DeviceSession.run takes for `design` from fp32 rows x [rows, K]: bf16 bits for a bf16
+    design, the fp32 rows themselves for an int8 one (they are quantized beside the device,
+    `quantize_rows`, so that a row's scale comes from its own values, never from bf16 ones)."""
+    if design.weight_format == "int8":
+        return np.ascontiguousarray(x, np.float32)
+    return bf16_bits(x)
+
+
+def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """fp32 rows x [R, K] -> (int8 q [R, K], fp32 d [R]), symmetric, one scale per row, llama.cpp's
+    q8_0 arithmetic with the whole row as the block: d = max|x| / 127, id = 1 / d (0 when d is 0),
+    q = round(x * id) half away from zero, each operation in fp32 rounded once. |x - d q| <=
+    d (1/2 + 2^-16) (docs/npu.md, "Exactness"). A row holding NaN or infinity gets d = NaN, so its
+    outputs are NaN (never numbers made of a clipped infinity); a row whose d would be subnormal
+    (max|x| < 127 * 2^-126) quantizes to zeros, d = 0."""
+    x = np.ascontiguousarray(x, np.float32)
+    finite = np.isfinite(x).all(axis=1)
+    amax = np.where(finite, np.abs(np.where(np.isfinite(x), x, 0)).max(axis=1, initial=0), 0).astype(np.float32)
+    d = amax / np.float32(127)
+    d[d < np.finfo(np.float32).tiny] = 0  # a subnormal d has no 24-bit precision (and 1 / d may overflow):
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)  # such a row (max|x| < 127 * 2^-126) is zeros
+    t = np.where(finite[:, None], x, 0) * inv[:, None]  # fp32: one rounding
+    whole = np.trunc(t)
+    q = whole + np.where(np.abs(t - whole) >= np.float32(0.5), np.sign(t), np.float32(0))  # t - whole is exact
+    return np.clip(q, -127, 127).astype(np.int8), np.where(finite, d, np.float32(np.nan)).astype(np.float32)
+
+
+def dequantize(isum: np.ndarray, d: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """int32 sums C [R, N] -> fp32 y = (float(C) * d[r]) * scale[n], each of the three steps
+    (int32 to fp32, the two products) rounded once to nearest."""
+    return (isum.astype(np.float32) * d[:, None]) * scale.astype(np.float32, copy=False)[None, :]
+
+
 def kernel_errors(xrt, design: GemmDesign) -> str | None:
     """Why the design's xclbin cannot serve it (no kernel of that name, too few arguments), or None."""
     try:
@@ -182,7 +216,7 @@ class _Design:
         self.bo_insts.write(insts.view(np.uint8), 0)
         self.bo_insts.sync(sync)
         d = design
-        self.bo_a = session.buffer(kernel, d.M * d.compiled_K * 2, GROUP_A)
+        self.bo_a = session.buffer(kernel, d.M * d.compiled_K * d.in_bytes, GROUP_A)
         self.bo_c = session.buffer(kernel, d.M * d.compiled_N * 4, GROUP_C)
         self.retired: str | None = None
 
@@ -209,6 +243,8 @@ class DeviceSession:
         self.bytes_to_device = 0  # activations written to A buffers (and synced) for runs
         self.bytes_from_device = 0  # outputs read back from C buffers
         self.weight_bytes = 0  # weights written to B buffers (at load)
+        self.resident: dict[int, tuple[str, int]] = {}  # handle -> (weight format, bytes of its B buffers)
+        self.scales: dict[int, np.ndarray] = {}  # handle -> an int8 weight's fp32 scale per output row [N]
         self._next_handle = 1
         self.groups: dict[int, tuple] = {}  # layer group id -> (spec, handles per layer, head, row steps)
         self._rows_host = None  # the host kernels a layer group's row-wise steps run on (made once)
@@ -237,38 +273,57 @@ class DeviceSession:
                 raise XrtUnavailable(why)
             self.designs[design.key] = _Design(self, design)
 
-    def upload(self, key: tuple, bits: np.ndarray) -> int:
-        """A weight [N, K] (bf16 bits) as the design reads it, one B buffer per pass: [cN, cK]
-        when column-major, else [cK, cN], zero-padded. Returns its handle."""
+    def upload(self, key: tuple, bits: np.ndarray, scale: np.ndarray | None = None) -> int:
+        """A weight [N, K] (bf16 bits; an int8 design's: int8 with its fp32 `scale` per output row)
+        as the design reads it, one B buffer per pass: [cN, cK] when column-major, else [cK, cN],
+        zero-padded. Returns its handle. Raises ValueError for a weight of another format."""
         self.poll()
         entry = self.designs[key]
         d = entry.design
+        dtype = np.int8 if d.weight_format == "int8" else np.uint16
+        if bits.dtype != dtype or bits.shape != (d.N, d.K):
+            raise ValueError(f"GEMM K={d.K} N={d.N} {d.weight_format}: a weight of {bits.dtype} {bits.shape}, "
+                             f"the design takes {np.dtype(dtype)} ({d.N}, {d.K})")
+        if d.weight_format == "int8" and (scale is None or np.shape(scale) != (d.N,)):
+            raise ValueError(f"GEMM K={d.K} N={d.N} int8: the weight needs its scale per output row ({d.N})")
         kernel = self.plan.kernel(d, self.busy())
-        bos = []
+        bos, nbytes = [], 0
         for p in range(d.n_passes):
             part = bits[p * d.compiled_N : (p + 1) * d.compiled_N]
             if d.b_col_major:
-                b = np.zeros((d.compiled_N, d.compiled_K), np.uint16)
+                b = np.zeros((d.compiled_N, d.compiled_K), dtype)
                 b[: part.shape[0], : d.K] = part
             else:
-                b = np.zeros((d.compiled_K, d.compiled_N), np.uint16)
+                b = np.zeros((d.compiled_K, d.compiled_N), dtype)
                 b[: d.K, : part.shape[0]] = part.T
             bo = self.buffer(kernel, b.nbytes, GROUP_B)
             bo.write(b.view(np.uint8).ravel(), 0)
             self.weight_bytes += b.nbytes
+            nbytes += b.nbytes
             bo.sync(self.xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
             bos.append(bo)
         handle, self._next_handle = self._next_handle, self._next_handle + 1
         self.weights[handle] = (key, bos)
+        self.resident[handle] = (d.weight_format, nbytes)
+        if d.weight_format == "int8":
+            self.scales[handle] = np.ascontiguousarray(scale, np.float32)
         return handle
 
     def forget(self, handle: int) -> None:
         self.weights.pop(handle, None)
+        self.scales.pop(handle, None)
+        self.resident.pop(handle, None)
+
+    def activations(self, handle: int, x: np.ndarray) -> np.ndarray:
+        """fp32 rows -> what `run` takes for the weight `handle` (module function `activations`)."""
+        return activations(self.designs[self.weights[handle][0]].design, x)
 
     def run(self, handle: int, a_bits: np.ndarray, timeout_ms: int, step: int | None = None) -> np.ndarray:
-        """a_bits: [rows, K] bf16 bits -> [rows, N] fp32: chunks of `step` rows (the design's M by
-        default; 1 for a design whose rows depend on their place), one pass over each N slice
-        per chunk. One call for a whole linear: the worker is asked once. Raises NpuRunError."""
+        """a_bits: [rows, K] bf16 bits (an int8 design: fp32 rows, quantized here per row,
+        `quantize_rows`) -> [rows, N] fp32: chunks of `step` rows (the design's M by default; 1 for
+        a design whose rows depend on their place), one pass over each N slice per chunk; an int8
+        design's int32 sums are scaled back (`dequantize`). One call for a whole linear: the
+        worker is asked once. Raises NpuRunError."""
         self.poll()
         key, bos = self.weights[handle]
         entry = self.designs[key]
@@ -277,6 +332,13 @@ class DeviceSession:
             raise NpuRunError(f"GEMM K={d.K} N={d.N}: its context was retired ({entry.retired})", "retired")
         step = d.M if step is None else min(int(step), d.M)
         out = np.empty((a_bits.shape[0], d.N), np.float32)
+        if d.weight_format == "int8":  # each row's own scale: the rows beside it change nothing
+            q, dx = quantize_rows(a_bits)
+            scale = self.scales[handle]
+            for r0 in range(0, q.shape[0], step):
+                isum = self._chunk(entry, bos, q[r0 : r0 + step], timeout_ms)
+                out[r0 : r0 + step] = dequantize(isum, dx[r0 : r0 + step], scale)
+            return out
         for r0 in range(0, a_bits.shape[0], step):
             out[r0 : r0 + step] = self._chunk(entry, bos, a_bits[r0 : r0 + step], timeout_ms)
         return out
@@ -284,9 +346,10 @@ class DeviceSession:
     def _chunk(self, entry: _Design, bos: list, a_bits: np.ndarray, timeout_ms: int) -> np.ndarray:
         d, xrt = entry.design, self.xrt
         rows = a_bits.shape[0]
-        a = np.zeros((d.M, d.compiled_K), np.uint16)  # padding rows and columns are zeros
+        a = np.zeros((d.M, d.compiled_K), a_bits.dtype)  # padding rows and columns are zeros
         a[:rows, : d.K] = a_bits
-        out = np.empty((rows, d.N), np.float32)
+        c_type = np.int32 if d.dtype_out == "i32" else np.float32  # an int8 design's C: the int32 sums
+        out = np.empty((rows, d.N), c_type)
         ok = xrt.ert_cmd_state.ERT_CMD_STATE_COMPLETED
         try:
             kernel = self.plan.kernel(d, self.busy())
@@ -307,7 +370,7 @@ class DeviceSession:
                 entry.bo_c.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE)
                 raw = entry.bo_c.read(d.M * d.compiled_N * 4, 0)
                 self.bytes_from_device += d.M * d.compiled_N * 4
-                c = np.frombuffer(bytes(raw), np.float32).reshape(d.M, d.compiled_N)
+                c = np.frombuffer(bytes(raw), c_type).reshape(d.M, d.compiled_N)
                 n0 = p * d.compiled_N
                 width = min(d.compiled_N, d.N - n0)
                 out[:, n0 : n0 + width] = c[:rows, :width]
@@ -349,7 +412,7 @@ class DeviceSession:
 
         def linear(i: int, name: str, x: np.ndarray) -> np.ndarray:
             handle = head if name == "lm_head" else handles[i][name]
-            out = self.run(handle, bf16_bits(x), timeout_ms, steps.get(handle))
+            out = self.run(handle, self.activations(handle, x), timeout_ms, steps.get(handle))
             bias = None if name == "lm_head" else dict(spec.layers[i].biases).get(name)
             if bias is not None:
                 out += bias
@@ -360,11 +423,20 @@ class DeviceSession:
     def stats(self) -> dict:
         """{"passes": runs started, "contexts_opened": contexts created, "contexts_open": held now,
         "in_flight": runs kept, "bytes_to_device" / "bytes_from_device": activations written to A
-        and outputs read from C, "weight_bytes": weights written to B} (after a poll)."""
+        and outputs read from C, "weight_bytes": weights written to B, "weight_bytes_resident": the B
+        buffers of the weights held now, per weight format} (after a poll)."""
         self.poll()
         return {"passes": self.passes, "contexts_opened": self.plan.opened, "contexts_open": len(self.plan.open),
                 "in_flight": len(self.in_flight), "bytes_to_device": self.bytes_to_device,
-                "bytes_from_device": self.bytes_from_device, "weight_bytes": self.weight_bytes}
+                "bytes_from_device": self.bytes_from_device, "weight_bytes": self.weight_bytes,
+                "weight_bytes_resident": self.resident_bytes()}
+
+    def resident_bytes(self) -> dict[str, int]:
+        """{weight format: bytes of the B buffers of the weights held now} (a forgotten weight's go)."""
+        out: dict[str, int] = {}
+        for fmt, nbytes in self.resident.values():
+            out[fmt] = out.get(fmt, 0) + nbytes
+        return out
 
     def _keep(self, run, entry: _Design, state: str) -> None:
         self.in_flight.append((run, str(entry.design.xclbin)))
@@ -398,4 +470,6 @@ class DeviceSession:
         if self.poll():
             return
         self.weights.clear()
+        self.scales.clear()
+        self.resident.clear()
         self.designs.clear()
