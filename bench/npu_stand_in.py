@@ -2,8 +2,13 @@
 the NPU path in calls, not in time. Prints JSON per model: dispatches_per_token (kernel runs),
 worker_round_trips_per_token (and per layer), contexts_opened (at load, and re-opened while
 decoding), bytes_copied_per_token (activations to the device, outputs from it, the frames
-through the worker's pipes and the arrays through its shared region, each also apart), and the
-weight bytes copied to the device during the load and during the decode (0: weights stay resident).
+through the worker's pipes and the arrays through its shared region, each also apart), the
+weight bytes copied to the device during the load and during the decode (0: weights stay
+resident), and the weight bytes resident on the device per weight format
+(`weight_bytes_resident`). Each model runs in each of --formats: "bf16" (the model's weights to
+bf16 designs, each shape for the build tool's default M: the smallest the device's tiles allow
+and 128) and "int8" (the same checkpoint loaded as int8 rows with a scale each, to int8
+designs: i8 B buffers, M = 64 rows a pass).
 
 The models are shaped as Qwen3-0.6B (28 layers, hidden 1024, 16 x 128 query heads, 8 KV heads,
 MLP 3072, vocabulary 151936, tied head) and gemma-3-270m (18 layers, hidden 640, 4 x 256 query
@@ -70,26 +75,29 @@ def _build(folder: Path, kind: str, params: dict, layers: int, seed: int) -> Pat
     return folder
 
 
-def _shapes(dirs: list[Path]) -> list[tuple[int, int]]:
+def _shapes(dirs: list[Path], weight_format: str = "bf16") -> list[tuple[int, int]]:
     tool = fake_pyxrt.build_tool()
-    return sorted({(s.K, s.N) for s in tool.gemm_shapes(dirs, "bf16")})
+    return sorted({(s.K, s.N) for s in tool.gemm_shapes(dirs, weight_format)})
 
 
 def run_model(name: str, base: Path, draft: Path | None, device: str, tokens: int, folder: Path,
-              one_xclbin: bool = True) -> dict:
-    """Load `base` (with `draft`) on a stand-in table for `device`, decode, count."""
+              one_xclbin: bool = True, weight_format: str = "bf16") -> dict:
+    """Load `base` (with `draft`) in `weight_format` on a stand-in table for `device`, decode, count."""
     from npud.engine.api import GenerateRequest, GenerationParams, SpecParams
     from npud.engine.loader import load_model
     dirs = [base] + ([draft] if draft is not None else [])
-    shapes = _shapes(dirs)
-    # the build tool's default sizes: the smallest M the device's tiles allow (a decode step's pass) and 128
-    tiling = dict(device="npu1", M=16, tile=(4, 64, 32), columns=4) if device == "npu1" else \
-        dict(device="npu2", M=32, tile=(8, 64, 32), columns=4)
-    tiling["more_m"] = (128,)
+    shapes = _shapes(dirs, weight_format)
+    if weight_format == "int8":  # the int8 kernels' multiples of 16 (tools/build_npu_designs.py --int8-rows 64)
+        tiling = dict(device=device, M=64, tile=(16, 64, 32), columns=4, weight_format="int8")
+    elif device == "npu1":  # the build tool's default sizes: the smallest M the tiles allow, and 128
+        tiling = dict(device="npu1", M=16, tile=(4, 64, 32), columns=4, more_m=(128,))
+    else:
+        tiling = dict(device="npu2", M=32, tile=(8, 64, 32), columns=4, more_m=(128,))
     # as tools/build_npu_designs.py builds them: every design a kernel of one xclbin (or one each)
     linked = {"one_xclbin": True} if one_xclbin else {}  # (a tree from before one_xclbin takes no such key)
-    table = fake_pyxrt.write_design_table(folder / f"designs-{name}-{int(one_xclbin)}", shapes, **linked, **tiling)
-    served = load_model(name, base, draft_dir=draft, weight_format="bf16", backend="xrt", xrt_design=table)
+    table = fake_pyxrt.write_design_table(folder / f"designs-{name}-{weight_format}-{int(one_xclbin)}", shapes,
+                                          **linked, **tiling)
+    served = load_model(name, base, draft_dir=draft, weight_format=weight_format, backend="xrt", xrt_design=table)
     backend = served.model.backend
     try:
         layers = served.model.config.num_layers + (served.draft.config.num_layers if served.draft else 0)
@@ -116,7 +124,7 @@ def run_model(name: str, base: Path, draft: Path | None, device: str, tokens: in
                                                               "bytes_from_device")}
     base_layers = served.model.config.num_layers
     return {
-        "model": name, "device": device, "layers": base_layers, "draft_layers": layers - base_layers,
+        "model": name, "weight_format": weight_format, "device": device, "layers": base_layers, "draft_layers": layers - base_layers,
         "gemm_shapes": len(shapes), "tokens_measured": emitted, "speculation": method,
         "dispatches_per_token": round(per["passes"], 2),
         "worker_round_trips_per_token": round(per["worker_round_trips"], 2),
@@ -133,6 +141,7 @@ def run_model(name: str, base: Path, draft: Path | None, device: str, tokens: in
         "bytes_through_shared_memory_per_token": int(per["shared_bytes"]),
         "weight_bytes_at_load": loaded["weight_bytes"],
         "weight_bytes_while_decoding": after["weight_bytes"] - warm["weight_bytes"],
+        "weight_bytes_resident": after.get("weight_bytes_resident", {}),
     }
 
 
@@ -154,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="layers of each model (default: theirs, 28 and 18; the figures are per token and per layer)")
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "npud-stand-in")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--formats", default="bf16,int8",
+                   help="weight formats to load each model in, comma-separated (bf16, int8)")
     p.add_argument("--xclbin-per-shape", action="store_true",
                    help="one xclbin per shape, as tools/build_npu_designs.py --xclbin-per-shape builds them")
     args = p.parse_args(argv)
@@ -175,9 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     qdraft = _build(folder / "qwen3-draft-1l", "qwen3", QWEN3_DRAFT, 1, 1)
     gemma = _build(folder / f"gemma3-270m-{g_layers}l", "gemma3", GEMMA3_270M, g_layers, 2)
     one = not args.xclbin_per_shape
-    results = [run_model("qwen3-0.6b", qwen, None, "npu2", args.tokens, folder, one),
-               run_model("qwen3-0.6b+draft", qwen, qdraft, "npu1", args.tokens, folder, one),
-               run_model("gemma-3-270m", gemma, None, "npu2", args.tokens, folder, one)]
+    formats = [f for f in args.formats.split(",") if f]
+    if not formats or any(f not in ("bf16", "int8") for f in formats):
+        p.error(f"--formats {args.formats!r}: bf16, int8 or both")
+    results = [r for fmt in formats for r in (
+        run_model("qwen3-0.6b", qwen, None, "npu2", args.tokens, folder, one, fmt),
+        run_model("qwen3-0.6b+draft", qwen, qdraft, "npu1", args.tokens, folder, one, fmt),
+        run_model("gemma-3-270m", gemma, None, "npu2", args.tokens, folder, one, fmt))]
     if args.json:
         print(json.dumps({"stand_in": results}, indent=1))
     else:

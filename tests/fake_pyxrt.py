@@ -13,7 +13,10 @@ bakes in: the kernel's name and argument count (aiecc declares 8), the compiled 
 (refused, as the compiler would refuse it, when it breaks the toolchain's rules) and its
 binary instruction stream. A run decodes the bf16 A and B buffers and computes C with fp32
 accumulation over K in order (after bfp16 block quantisation for an emulating npu2 build),
-so the backend's results can be compared with the host's.
+so the backend's results can be compared with the host's. An int8 design ("dtype_in": "i8")
+computes what the array's int8 kernel does: C[m, n] = sum_k A[m, k] B[k, n], int8 x int8
+products summed exactly in an int32 accumulator (two's complement, as the AIE's acc32 lanes;
+the design table's INT8_MAX_K keeps a design from overflowing it), stored as int32.
 
 What the real stack refuses or does, it refuses or does here: XRT's ert_cmd_state values
 (ert.h); only pyxrt's two sync overloads; `run.wait(ms)` answering TIMEOUT while the command
@@ -410,8 +413,16 @@ class kernel:
                        None, bos)
         g = self.gemm
         M, K, N = g["M"], g["K"], g["N"]
+        int8 = g.get("dtype_in", "bf16") == "i8"
         if not SIM.compute:
-            c.dev[: M * N * 4] = _ramp(M, N)
+            c.dev[: M * N * 4] = _ramp(M, N, int8)
+            c.dev_newer, c.fresh = True, None
+            return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED, None, bos)
+        if int8:
+            av = a.dev[: M * K].view(np.int8).reshape(M, K)
+            bv = b.dev[: K * N].view(np.int8).reshape((N, K) if g["b_col_major"] else (K, N))
+            bk = bv.T if g["b_col_major"] else bv  # [K, N]
+            c.dev[: M * N * 4] = int8_gemm(av, bk).view(np.uint8).ravel()
             c.dev_newer, c.fresh = True, None
             return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED, None, bos)
         av = _bf16(a.dev[: M * K * 2]).reshape(M, K)
@@ -446,21 +457,29 @@ class kernel:
         if instr.dev.view("<u4").tolist() != self.insts:
             raise ProtocolViolation("the instruction bo does not hold this xclbin's instruction stream")
         g = self.gemm
-        for name, buf, want in (("A", a, g["M"] * g["K"] * 2), ("B", b, g["K"] * g["N"] * 2),
+        size = 1 if g.get("dtype_in", "bf16") == "i8" else 2
+        for name, buf, want in (("A", a, g["M"] * g["K"] * size), ("B", b, g["K"] * g["N"] * size),
                                 ("C", c, g["M"] * g["N"] * 4)):
             if buf.size() != want:
                 raise ProtocolViolation(f"{name} bo of {buf.size()} bytes; the design moves {want}")
 
 
+def int8_gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """int8 a [M, K] x int8 b [K, N] -> int32 [M, N]: exact products, summed in a 32-bit
+    two's-complement accumulator (what wraps there wraps here)."""
+    return (a.astype(np.int64) @ b.astype(np.int64)).astype(np.int32)  # astype wraps modulo 2^32
+
+
 _RAMPS: dict = {}
 
 
-def _ramp(m: int, n: int) -> np.ndarray:
-    """C's bytes when the arithmetic is off: every row (j % 7) / 1000 over its columns j."""
-    if (m, n) not in _RAMPS:
-        row = (np.arange(n) % 7).astype(np.float32) / np.float32(1000)
-        _RAMPS[(m, n)] = np.tile(row, m).view(np.uint8)
-    return _RAMPS[(m, n)]
+def _ramp(m: int, n: int, int8: bool = False) -> np.ndarray:
+    """C's bytes when the arithmetic is off: every row (j % 7) / 1000 over its columns j (an int8
+    design's int32 C: j % 7)."""
+    if (m, n, int8) not in _RAMPS:
+        row = (np.arange(n) % 7).astype(np.int32) if int8 else (np.arange(n) % 7).astype(np.float32) / np.float32(1000)
+        _RAMPS[(m, n, int8)] = np.tile(row, m).view(np.uint8)
+    return _RAMPS[(m, n, int8)]
 
 
 def _bf16(raw: np.ndarray) -> np.ndarray:
@@ -525,8 +544,9 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
                        columns: int = 1, b_col_major: bool = False, insts_format: str = "binary",
                        num_args: int = 8, kernel_name: str = "MLIR_AIE", bfp16_emulation: bool | None = None,
                        xclbin_bfp16: bool | None = None, shared_xclbins: bool = False,
-                       one_xclbin: bool = False, more_m: tuple = ()) -> Path:
-    """design.json plus simulated xclbins and instruction files for (K, N) bf16 shapes; returns its path.
+                       one_xclbin: bool = False, weight_format: str = "bf16", more_m: tuple = ()) -> Path:
+    """design.json plus simulated xclbins and instruction files for (K, N) shapes in `weight_format`
+    (a shape (K, N, format) names its own: "bf16" or "int8"); returns its path.
 
     The compiled K and N are rounded up to the tile rules (tile_k, tile_n * columns); an N past
     what one pass can move is split into passes (npud/kernels/xrt_rules.py). `xclbin_bfp16`: whether
@@ -549,18 +569,22 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
     designs = []
     linked = []  # one_xclbin: every design's kernel
     sized = []
-    for k, n in shapes:
+    for shape in shapes:
+        k, n, fmt = shape if len(shape) == 3 else (*shape, weight_format)
+        int8 = fmt == "int8"
         ck = -(-k // tk) * tk
-        found = split_n(n, M, ck, tm, tk, tn, columns, b_col_major)
+        found = split_n(n, M, ck, tm, tk, tn, columns, b_col_major, in_bytes=1 if int8 else 2)
         passes, cn = found if found is not None else (1, -(-n // (tn * columns)) * (tn * columns))
-        sized += [(k, n, ck, cn, passes, rows) for rows in (M, *more_m)]
-    for i, (k, n, ck, cn, passes, rows) in enumerate(sized):
-        stem = (f"{ck}x{cn}" if shared_xclbins else f"{k}x{n}") + (f"_m{rows}" if rows != M else "")
+        sized += [(k, n, fmt, int8, ck, cn, passes, rows) for rows in (M, *more_m)]
+    for i, (k, n, fmt, int8, ck, cn, passes, rows) in enumerate(sized):
+        stem = (f"{ck}x{cn}" + ("_i8" if int8 else "") if shared_xclbins else f"{k}x{n}" + ("_i8" if int8 else "")) \
+            + (f"_m{rows}" if rows != M else "")
         xb = folder / f"gemm_{stem}.xclbin"
         ins = folder / (f"insts_{stem}." + ("txt" if insts_format == "hex" else "bin"))
         words = insts_words(device, 12 + i if not shared_xclbins else 12, seed=0 if shared_xclbins else i)
+        emulation = bfp16_emulation and not int8  # an int8 kernel multiplies integers
         gemm = {"M": rows, "K": ck, "N": cn, "b_col_major": b_col_major,
-                "bfp16": bfp16_emulation if xclbin_bfp16 is None else xclbin_bfp16}
+                "bfp16": emulation if xclbin_bfp16 is None else xclbin_bfp16, "dtype_in": "i8" if int8 else "bf16"}
         name = "MLIR_AIE"  # what the table names; `kernel_name` is what the xclbin declares
         if one_xclbin:
             xb, name = folder / "model.xclbin", f"{kernel_name}_{i}"
@@ -572,10 +596,11 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
             ins.write_text("".join(f"{w:08x}\n" for w in words))
         else:
             ins.write_bytes(words.astype("<u4").tobytes())
-        design = GemmDesign(K=k, N=n, weight_format="bf16", xclbin=xb, insts=ins, kernel=name, M=rows,
+        design = GemmDesign(K=k, N=n, weight_format=fmt, xclbin=xb, insts=ins, kernel=name, M=rows,
                             compiled_K=ck, compiled_N=cn, tile_m=tm, tile_k=tk, tile_n=tn, columns=columns,
-                            dtype_in="bf16", dtype_out="f32", b_col_major=b_col_major,
-                            bfp16_emulation=bfp16_emulation, n_passes=passes, insts_format=insts_format)
+                            dtype_in="i8" if int8 else "bf16", dtype_out="i32" if int8 else "f32",
+                            b_col_major=b_col_major, bfp16_emulation=emulation, n_passes=passes,
+                            insts_format=insts_format)
         errors = tile_rule_errors(device, design)
         if errors:  # the compiler would not have built it: no xclbin either
             raise ValueError(f"K={k} N={n}: " + "; ".join(errors))

@@ -64,7 +64,7 @@ def test_table_written_for_every_shape_loads_and_serves_them(ckpt, tmp_path, dev
 def test_the_output_layer_splits_into_passes_and_what_cannot_build_stays_on_the_host_said(tmp_path):
     shapes = [tool.Shape(1024, 151936, "bf16", ("head",)), tool.Shape(64 * 1024 + 64, 64, "bf16", ("wide_k",)),
               tool.Shape(64, 64, "bf16", ("fails",)), tool.Shape(128, 64, "bf16", ("ok",)),
-              tool.Shape(64, 64, "int8", ("int8",))]
+              tool.Shape(64, 64, "int8-q8", ("int8-q8",))]
     built = []
     path, on_host, _ = tool.build_table(shapes, tool.Tiling("npu2"), tmp_path,
                                        _stub_build(built, "npu2", fail={(64, 128)}))
@@ -73,14 +73,44 @@ def test_the_output_layer_splits_into_passes_and_what_cannot_build_stays_on_the_
     # one pass moves at most 64 x 32 x 4 = 8192 columns: the vocabulary takes 19 passes of 7997 -> 8064
     assert (head.n_passes, head.compiled_N) == (19, 8064)
     assert table.lookup(128, 64, "bf16")[1] == "npu"
-    assert [line.split(":")[0] for line in on_host] == ["K=65600 N=64 bf16", "K=64 N=64 bf16", "K=64 N=64 int8"]
+    assert [line.split(":")[0] for line in on_host] == ["K=65600 N=64 bf16", "K=64 N=64 bf16", "K=64 N=64 int8-q8"]
     assert "A's size 1 = 1025 exceeds 1023" in on_host[0] and "the build failed (CalledProcessError" in on_host[1]
     none, why = table.lookup(64, 64, "bf16")
     assert none is None and "the build failed" in why  # npud's npu_shape_on_host line carries the build's word
 
 
-def test_formats_the_designs_do_not_serve_are_left_to_the_host(ckpt, tmp_path):
+def test_int8_shapes_build_int8_designs_of_their_own(ckpt, tmp_path):
     shapes = tool.gemm_shapes([ckpt], "int8")
+    for device in ("npu1", "npu2"):
+        built = []
+        path, on_host, count = tool.build_table(shapes, tool.Tiling(device), tmp_path / device,
+                                                _stub_build(built, device))
+        table = DesignTable.load(path)
+        assert on_host == [] and count == 4 and len(built) == 3
+        for s in shapes:
+            d, why = table.lookup(s.K, s.N, "int8")
+            assert why == "npu" and (d.dtype_in, d.dtype_out, d.bfp16_emulation) == ("i8", "i32", False)
+            assert d.M == 64 and d.tile_m == 16 and d.insts.name.endswith("_i8.bin")  # apart from a bf16 build's
+        assert table.lookup(64, 64, "bf16")[0] is None
+
+
+def test_a_bf16_and_an_int8_design_of_one_padded_shape_are_two_builds(tmp_path):
+    shapes = [tool.Shape(64, 64, "bf16", ("a",)), tool.Shape(64, 64, "int8", ("b",))]
+    built = []
+    path, on_host, count = tool.build_table(shapes, tool.Tiling("npu2", rows=64), tmp_path, _stub_build(built, "npu2"))
+    assert on_host == [] and count == 2 and [d.dtype_in for d in built] == ["bf16", "i8"]
+    table = DesignTable.load(path)
+    assert table.lookup(64, 64, "bf16")[0].kernel != table.lookup(64, 64, "int8")[0].kernel
+
+
+def test_an_int8_tiling_that_breaks_the_int8_kernel_s_rules_fails_before_building(ckpt, tmp_path):
+    shapes = tool.gemm_shapes([ckpt], "int8")
+    with pytest.raises(ValueError, match="tile_m = 8 is not a multiple of the npu1 int8 kernel's 16"):
+        tool.plan(shapes[0], tool.Tiling("npu1", int8_rows=32), tmp_path)
+
+
+def test_formats_the_designs_do_not_serve_are_left_to_the_host(ckpt, tmp_path):
+    shapes = tool.gemm_shapes([ckpt], "int8-q8")
     path, on_host, count = tool.build_table(shapes, tool.Tiling("npu2"), tmp_path, lambda d: None)
     assert len(on_host) == 4 and all("runs on the host" in line for line in on_host)
     assert DesignTable.load(path).designs == {} and count == 0

@@ -96,10 +96,28 @@ def test_the_stand_in_prints_what_a_token_costs_in_calls(tmp_path):
     run = subprocess.run([sys.executable, str(tool), "--stand-in", "--json", "--layers", "1"], capture_output=True,
                          text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
-    results = {r["model"]: r for r in json.loads(run.stdout)["stand_in"]}
-    assert set(results) == {"qwen3-0.6b", "qwen3-0.6b+draft", "gemma-3-270m"}
-    for r in results.values():
+    results = {(r["model"], r["weight_format"]): r for r in json.loads(run.stdout)["stand_in"]}
+    models = {"qwen3-0.6b", "qwen3-0.6b+draft", "gemma-3-270m"}
+    assert set(results) == {(m, f) for m in models for f in ("bf16", "int8")}
+    for (model, fmt), r in results.items():
         assert r["worker_round_trips_per_step"] == r["layers"]
         assert r["contexts_opened"] == 1 and r["contexts_reopened_while_decoding"] == 0
         assert r["weight_bytes_while_decoding"] == 0 and r["weight_bytes_at_load"] > 0
         assert r["dispatches_per_token"] > 0 and r["bytes_copied_per_token"] > 0
+        assert set(r["weight_bytes_resident"]) == {fmt}  # every linear on the array, in the model's format
+    for model in models:  # int8 B buffers: one byte a weight where bf16's are two (same padded shapes)
+        bf16, int8 = results[(model, "bf16")], results[(model, "int8")]
+        assert bf16["weight_bytes_resident"]["bf16"] == 2 * int8["weight_bytes_resident"]["int8"]
+        assert bf16["weight_bytes_at_load"] == 2 * int8["weight_bytes_at_load"]
+
+
+def test_an_int8_design_is_checked_with_int8_weights_and_the_rounding_step_takes_a_bf16_one(machine, capsys):
+    tmp_path, _, _ = machine
+    table = fake_pyxrt.write_design_table(tmp_path / "mixed", [(64, 64, "int8"), (64, 128, "bf16")], M=64,
+                                          tile=(16, 32, 16), columns=4)
+    _tool().main(["--design", str(table), "--accel-dir", str(tmp_path / "accel"),
+                  "--sysfs-dir", str(tmp_path / "sysfs"), "--timeout-ms", "2000"])
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("[PASS] start-up check 64x64: npu (tolerance int8-rows") for line in lines), lines
+    assert any(line.startswith("[PASS] start-up check 64x128: npu (tolerance bfp16-blocks") for line in lines)
+    assert any(line.startswith("[INFO] accumulator rounding: K=64 N=128") for line in lines)  # the bf16 design's

@@ -6,7 +6,9 @@
 
 Lists the distinct (K, N, weight format) of the checkpoints' linear layers (a base, its
 draft, its DFlash drafter: give them all), plans one mlir-aie IRON `whole_array` GEMM per
-bf16 shape with the npu1 (Phoenix, Hawk Point) or npu2 (Strix, Krackan) tiling, builds each
+bf16 or int8 shape (--weight-format int8: i8 A and B, i32 C, the int8 MACs npu1 and npu2 run
+fastest; --int8-rows rows a pass, 64 by default: the int8 kernel's tile_m is a multiple of 16)
+with the npu1 (Phoenix, Hawk Point) or npu2 (Strix, Krackan) tiling, builds each
 with the example's Makefile (IRON -> MLIR -> aiecc.py with Peano -> xclbin + the binary
 instruction stream) and writes DIR/design.json.
 
@@ -17,7 +19,8 @@ model.xclbin, linked with aiecc's --xclbin-input: npud opens one hardware contex
 checkpoints' shapes (a base, its draft, its drafter), where one xclbin per shape took six or
 more and thrashed npu1's six (--xclbin-per-shape builds them apart, as before). A shape the rules refuse, or whose build fails, stays on the
 host: the tool says why, builds the others, and always writes design.json (with what did
-build, and `"on_host"` listing the rest and why). Other weight formats run on the host too.
+build, and `"on_host"` listing the rest and why). Other weight formats (int8-q8, int8-q16, the
+GGUF blocks, fp32) run on the host too.
 
 Each shape is built for several M (rows per pass; --rows, by default the smallest the tiles
 allow on the device, 16 or 32, for decode steps and 128 for prefill): npud runs each chunk of a
@@ -55,7 +58,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from npud.kernels.base import LinearWeight, WeightFormat
-from npud.kernels.xrt_design import N_AIE_ROWS, SERVED_FORMATS, GemmDesign, tile_rule_errors, write_table
+from npud.kernels.xrt_design import (DTYPES, ELEMENT_BYTES, N_AIE_ROWS, SERVED_FORMATS, GemmDesign, tile_rule_errors,
+                                     write_table)
 from npud.kernels.xrt_rules import split_n
 from npud.kernels.xrt_design import MICRO_TILES, same_weight_layout  # the M sizes of one shape
 
@@ -141,6 +145,7 @@ class Tiling:
     bfp16_emulation: bool | None = None  # npu2's 8x8x8 bf16 MACs through bfp16; None: as the stock build (npu2 on)
     one_xclbin: bool = True  # every design a kernel of model.xclbin (one hardware context), else one xclbin each
     more_rows: tuple[int, ...] = ()  # M of further designs of every shape (the same weight layout as `rows`')
+    int8_rows: int = 64  # M of an int8 design: the int8 kernels unroll m to multiples of 16 (tile_m = M / 4)
 
     def __post_init__(self) -> None:
         if self.bfp16_emulation is None:
@@ -159,16 +164,20 @@ def plan(shape: Shape, tiling: Tiling, out_dir: Path, kernel: str = "MLIR_AIE") 
     passes where one pass cannot move it); raises ValueError with the broken rules when the
     tiling cannot build it. Shapes with the same padded shape get the same files."""
     t = tiling
+    int8 = shape.weight_format == "int8"
+    rows = t.int8_rows if int8 else t.rows
+    dtype_in, dtype_out = DTYPES.get(shape.weight_format, DTYPES["bf16"])
     ck = -(-shape.K // t.tile_k) * t.tile_k
-    split = split_n(shape.N, t.rows, ck, t.tile_m, t.tile_k, t.tile_n, t.columns, t.b_col_major)
+    split = split_n(shape.N, rows, ck, rows // N_AIE_ROWS, t.tile_k, t.tile_n, t.columns, t.b_col_major,
+                    in_bytes=ELEMENT_BYTES[dtype_in])
     passes, cn = split if split is not None else (1, -(-shape.N // (t.tile_n * t.columns)) * (t.tile_n * t.columns))
-    stem = f"{t.rows}x{ck}x{cn}"
+    stem = f"{rows}x{ck}x{cn}" + ("_i8" if int8 else "")
     xclbin = out_dir / (LINKED_XCLBIN if t.one_xclbin else f"gemm_{stem}.xclbin")
     design = GemmDesign(K=shape.K, N=shape.N, weight_format=shape.weight_format,
                         xclbin=xclbin, insts=out_dir / f"insts_{stem}.bin",
-                        kernel=kernel, M=t.rows, compiled_K=ck, compiled_N=cn, tile_m=t.tile_m,
-                        tile_k=t.tile_k, tile_n=t.tile_n, columns=t.columns, dtype_in="bf16", dtype_out="f32",
-                        b_col_major=t.b_col_major, bfp16_emulation=t.bfp16_emulation, n_passes=passes)
+                        kernel=kernel, M=rows, compiled_K=ck, compiled_N=cn, tile_m=rows // N_AIE_ROWS,
+                        tile_k=t.tile_k, tile_n=t.tile_n, columns=t.columns, dtype_in=dtype_in, dtype_out=dtype_out,
+                        b_col_major=t.b_col_major, bfp16_emulation=t.bfp16_emulation and not int8, n_passes=passes)
     errors = tile_rule_errors(t.device, design)
     if errors:
         raise ValueError(f"K={shape.K} N={shape.N}: " + "; ".join(errors))
@@ -271,11 +280,13 @@ def build_with_iron(design: GemmDesign, tiling: Tiling, mlir_aie_src: Path, work
     With the tiling's one_xclbin, the Makefile makes the design's MLIR and micro-kernel only, and
     aiecc compiles it as kernel `design.kernel` of the shared xclbin (`link`: one is there
     already, to extend). Raises subprocess.CalledProcessError when the build fails."""
-    stem = f"npud_{design.M}x{design.compiled_K}x{design.compiled_N}"
+    stem = f"npud_{design.M}x{design.compiled_K}x{design.compiled_N}_{design.dtype_in}"
     variables = {
         "M": design.M, "K": design.compiled_K, "N": design.compiled_N, "m": design.tile_m, "k": design.tile_k,
         "n": design.tile_n, "n_aie_cols": design.columns, "b_col_maj": int(design.b_col_major),
-        "dtype_in": "bf16", "dtype_out": "f32", "devicename": "npu2" if tiling.device == "npu2" else "npu",
+        # int8: i8 A and B into the int32 accumulators, stored as they are (i32 C): npud scales them back
+        "dtype_in": design.dtype_in, "dtype_out": design.dtype_out,
+        "devicename": "npu2" if tiling.device == "npu2" else "npu",
         "xclbin_target": f"build/{stem}.xclbin", "insts_target": f"build/{stem}_insts.bin",
     }
     if tiling.device == "npu2":
@@ -286,6 +297,8 @@ def build_with_iron(design: GemmDesign, tiling: Tiling, mlir_aie_src: Path, work
     # and the start-up check the bfp16 tolerance
     src = Path(mlir_aie_src) / EXAMPLE
     work.mkdir(parents=True, exist_ok=True)
+    for made in _shape_targets(design):  # a bf16 and an int8 design of one shape share these names: make
+        (src / made).unlink(missing_ok=True)  # would take the other dtype's as up to date
     if tiling.one_xclbin:
         _build_linked(design, variables, src, link)
         return
@@ -296,15 +309,19 @@ def build_with_iron(design: GemmDesign, tiling: Tiling, mlir_aie_src: Path, work
     shutil.copyfile(src / "build" / f"{stem}_insts.bin", design.insts)
 
 
+def _shape_targets(d: GemmDesign) -> tuple[str, str]:
+    """The Makefile's MLIR and micro-kernel targets of `d`, named by shape and not by dtype."""
+    suffix = f"{d.M}x{d.compiled_K}x{d.compiled_N}_{d.tile_m}x{d.tile_k}x{d.tile_n}_{d.columns}c"
+    return f"build/aie_{suffix}.mlir", f"build/mm_{d.tile_m}x{d.tile_k}x{d.tile_n}.o"
+
+
 def _build_linked(design: GemmDesign, variables: dict, src: Path, link: bool) -> None:
     """The Makefile's MLIR and micro-kernel targets for `design`, then aiecc as the Makefile runs
     it (Peano, the basic-sequential allocator) plus the flags that make the design kernel
     `design.kernel` of the shared xclbin: --xclbin-kernel-name / -instance-name / -kernel-id, and
     --xclbin-input to add it to the xclbin the earlier designs made."""
     d = design
-    suffix = f"{d.M}x{d.compiled_K}x{d.compiled_N}_{d.tile_m}x{d.tile_k}x{d.tile_n}_{d.columns}c"
-    mlir = f"build/aie_{suffix}.mlir"
-    micro = f"build/mm_{d.tile_m}x{d.tile_k}x{d.tile_n}.o"
+    mlir, micro = _shape_targets(d)
     make = ["make", "-C", str(src), mlir, micro, *(f"{k}={v}" for k, v in variables.items()
                                                    if k not in ("xclbin_target", "insts_target"))]
     print("+", " ".join(make), flush=True)
@@ -365,7 +382,7 @@ def build_table(shapes: list[Shape], tiling: Tiling, out_dir: Path,
         except ValueError as exc:
             on_host.append(f"{where}: the toolchain would refuse it ({exc})")
             continue
-        padded = (design.M, design.compiled_K, design.compiled_N)
+        padded = (design.M, design.compiled_K, design.compiled_N, design.dtype_in)  # a bf16 and an int8: two builds
         if tiling.one_xclbin:
             kernel = kernels.setdefault(padded, f"MLIR_AIE_{len(kernels)}")
             design = dataclasses.replace(design, kernel=kernel)
@@ -387,11 +404,13 @@ def build_table(shapes: list[Shape], tiling: Tiling, out_dir: Path,
             except ValueError as exc:
                 on_host.append(f"{said}: the toolchain would refuse it ({exc})")
                 continue
+            if more.M == design.M:  # an int8 shape: its designs have the int8 kernels' M alone
+                continue
             why = same_weight_layout(design, more)
             if why is not None:
                 on_host.append(f"{said}: its {why}")
                 continue
-            padded = (more.M, more.compiled_K, more.compiled_N)
+            padded = (more.M, more.compiled_K, more.compiled_N, more.dtype_in)
             if tiling.one_xclbin:
                 more = dataclasses.replace(more, kernel=kernels.setdefault(padded, f"MLIR_AIE_{len(kernels)}"))
             if padded not in built:
@@ -421,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=_rows_list, default=None,
                    help="M, rows per device pass, one design of each per shape (e.g. 16,128; each a multiple of "
                         "4 x the micro-tile's rows); default: the smallest the device's tiles allow, and 128")
+    p.add_argument("--int8-rows", type=int, default=64,
+                   help="M of the int8 designs (--weight-format int8): the int8 kernels take tile_m = M / 4 in 16s")
     p.add_argument("--tile-k", type=int, default=64)
     p.add_argument("--tile-n", type=int, default=32)
     p.add_argument("--columns", type=int, default=4)
@@ -443,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--device and --out are needed to build (or --list)")
     rows = args.rows or default_rows(args.device, args.bfp16_emulation)
     tiling = Tiling(args.device, rows[0], args.tile_k, args.tile_n, args.columns, args.b_col_major,
-                    args.bfp16_emulation, one_xclbin=not args.xclbin_per_shape, more_rows=tuple(rows[1:]))
+                    args.bfp16_emulation, one_xclbin=not args.xclbin_per_shape, more_rows=tuple(rows[1:]),
+                    int8_rows=args.int8_rows)
     for shape in shapes:  # every plan first: what stays on the host is said before an hour of compiling
         if shape.weight_format in SERVED_FORMATS:
             try:

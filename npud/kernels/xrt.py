@@ -17,7 +17,11 @@ does not end in ERT_CMD_STATE_COMPLETED within the configured timeout, any excep
 XRT, or a worker that dies or hangs, raises NpuRunError (a DeviceFault): an aborted run
 leaves zeros in C, which must never reach the logits.
 
-Shapes without a design, and weight formats other than bf16, run on the host kernels; each
+The weight goes to the array in the model's weight format: a bf16 model's to bf16 designs, an
+int8 model's (int8 rows with a scale each) to int8 designs, which multiply int8 activations
+quantized per row and sum in int32 (npud/kernels/xrt_device.py `quantize_rows`, `dequantize`;
+docs/npu.md, "Exactness", writes both formats' arithmetic beside the host's and their bounds).
+Shapes without a design, and weight formats other than bf16 and int8, run on the host kernels; each
 such shape is logged once with the reason. So does a shape the host computes faster: when a
 shape's first weight is uploaded, a decode-sized pass (COST_ROWS rows) of that weight is timed
 on the NPU, through the worker as a decode pays it, and on the host (the fastest of
@@ -38,9 +42,9 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from npud.kernels.base import LinearWeight
+from npud.kernels.base import LinearWeight, WeightFormat
 from npud.kernels.xrt_design import DesignError, DesignTable, GemmDesign
-from npud.kernels.xrt_device import DeviceSession, NpuRunError, XrtUnavailable, bf16_bits
+from npud.kernels.xrt_device import DeviceSession, NpuRunError, XrtUnavailable, activations, bf16_bits
 
 log = structlog.get_logger(__name__)
 
@@ -79,12 +83,14 @@ class _Runner:
         self.device, self.design = device, design
 
     def upload_weight(self, w: LinearWeight) -> int:
+        if self.design.weight_format == "int8":
+            return self.device.upload(self.design.key, w.data, w.scale)
         return self.device.upload(self.design.key, w.data)
 
     def run(self, x: np.ndarray, handle: int, timeout_ms: int, step: int | None = None) -> np.ndarray:
         """x: [rows, K] fp32 -> [rows, N] fp32: chunks of `step` rows (M by default), one pass per
-        N slice each. Raises NpuRunError."""
-        return self.device.run(handle, bf16_bits(x), int(timeout_ms), step)
+        N slice each (bf16 bits to a bf16 design, fp32 rows to an int8 one). Raises NpuRunError."""
+        return self.device.run(handle, activations(self.design, x), int(timeout_ms), step)
 
 
 def measure_costs(runner: "_Runner", handle: int, host, host_weight: LinearWeight, rows: int,
@@ -262,7 +268,7 @@ class XrtBackend:
         for design in self.table.by_m(key)[1:]:
             try:
                 self.device.open_design(design)
-                x = bf16_bits(rng.standard_normal((design.M, first.K)).astype(np.float32))
+                x = activations(first, rng.standard_normal((design.M, first.K)).astype(np.float32))
                 wide = self.device.run(handle, x, self.timeout_ms, None, design.M)
                 narrow = self.device.run(handle, x, self.timeout_ms, None, first.M)
             except NpuRunError:
@@ -299,9 +305,10 @@ class XrtBackend:
 
     def first_linear(self, x: np.ndarray, w: LinearWeight) -> np.ndarray:
         """Layer 0's projections on the host under the layer group: the host GEMM of the
-        activations rounded to bf16, as every GEMM of this backend takes them (numerics_id's
-        "activations=bf16"); x: [M, K] -> [M, N], the bias added."""
-        return self.host.linear(bf16_round(x), w)
+        activations rounded to bf16 where the weight is bf16, as every bf16 GEMM of this backend
+        takes them (numerics_id's "activations=bf16"; an int8 weight's host GEMM quantizes its own
+        rows); x: [M, K] -> [M, N], the bias added."""
+        return self.host.linear(bf16_round(x) if w.fmt is WeightFormat.BF16 else x, w)
 
     def layer_group(self, spec, layers: list[dict[str, LinearWeight]], lm_head: LinearWeight) -> "NpuLayerGroup | None":
         """The model's layer group on this device (npud/kernels/layers.py: one call per layer,
@@ -364,8 +371,9 @@ class XrtBackend:
         here because __getattr__ would answer with the host's."""
         placement = json.dumps(self.describe_placement(), sort_keys=True)
         first = "/first_projections=host" if self._host_by_group else ""
+        int8 = any(fmt == "int8" for (_, _, fmt) in self.table.designs)  # int8 shapes: their own arithmetic
         return (f"{self.name}/designs={self.table_identity}/placement={placement}{first}"
-                "/activations=bf16/accumulate=fp32")
+                "/activations=bf16/accumulate=fp32" + ("/int8=activations-int8-per-row/accumulate-int32" if int8 else ""))
 
     def describe_placement(self) -> dict:
         """Where each GEMM shape runs: {"K x N fmt": "npu" | "npu-rowwise" | why host}."""
@@ -461,4 +469,6 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
 
 def tolerance_policy(design: GemmDesign) -> str:
     """The start-up check's tolerance for `design` (npud/kernels/xrt_check.py says what each means)."""
+    if design.weight_format == "int8":
+        return "int8-rows"
     return "bfp16-blocks" if design.bfp16_emulation else "bf16-exact-products"

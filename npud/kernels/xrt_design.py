@@ -13,6 +13,12 @@ its linear layers. `design.json` lists them (paths relative to its folder):
         "dtype_in": "bf16", "dtype_out": "f32", "b_col_major": false,
         "bfp16_emulation": true, "insts_format": "binary"}]}
 
+An "int8" design ("weight_format": "int8", "dtype_in": "i8", "dtype_out": "i32",
+"bfp16_emulation": false) takes int8 A and B and gives int32 C, the sums of exact integer
+products; the rows of A are quantized and C is scaled back beside the device (xrt_device.py,
+`quantize_rows` and `dequantize`), which docs/npu.md ("Exactness") writes down beside the host's
+int8 arithmetic.
+
 (K, N) is the layer's true shape; the compiled shape may be larger (zero padding). A shape may
 have several designs that differ in M only (decode-sized and prefill-sized passes): they share
 the weight's layout on the device (compiled K and N, passes, B's order, the arithmetic), and
@@ -48,7 +54,17 @@ MAX_COLUMNS = {"npu1": 4, "npu2": 8}  # Phoenix / Hawk Point: 4 columns; Strix /
 # exponent); without emulation it is 4x8x8.
 MICRO_TILES = {("npu1", False): (4, 8, 4), ("npu2", True): (8, 8, 8), ("npu2", False): (4, 8, 8)}
 
-SERVED_FORMATS = ("bf16",)  # the designs take bf16 B; other weight formats run on the host
+# The int8 MAC shape (r, s, t) and the mm kernel's unrolling around it (mlir-aie's
+# aie_kernels/aie2/mm.cc and aie2p/mm.cc, matmul_vectorized_*_i8_i32): aie2 (npu1) runs 4x8x8
+# MMULs four times along m and twice along n, aie2p (npu2) 8x8x8 twice along m and n, so m, k, n
+# must be multiples of these. The products accumulate in int32 lanes and are stored as they are.
+INT8_TILE_MULTIPLES = {"npu1": (16, 8, 16), "npu2": (16, 8, 16)}
+# |int8 x int8| <= 128 * 128: a K of at most this many products cannot overflow an int32 accumulator
+INT8_MAX_K = (2**31 - 1) // (128 * 128)
+
+SERVED_FORMATS = ("bf16", "int8")  # the designs take bf16 or int8 B; other weight formats run on the host
+DTYPES = {"bf16": ("bf16", "f32"), "int8": ("i8", "i32")}  # weight format -> the design's (dtype_in, dtype_out)
+ELEMENT_BYTES = {"bf16": 2, "i8": 1}  # of A and B; C's are 4 (f32 or i32)
 INSTS_FORMATS = ("binary", "hex")  # hex: one word per line, for hand-made test tables only
 # The transaction header aiecc puts first in a stream: word 0 is rows << 24 | generation << 16
 # | minor << 8 | major, word 1 memory-tile rows << 8 | columns, word 2 the operation count,
@@ -63,7 +79,8 @@ class DesignError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class GemmDesign:
-    """One compiled GEMM: C[M, cN] (f32) = A[M, cK] (bf16) x B (bf16), B as [cN, cK] when b_col_major."""
+    """One compiled GEMM: C[M, cN] (f32) = A[M, cK] (bf16) x B (bf16), B as [cN, cK] when b_col_major;
+    an int8 design: C (i32) = A (i8) x B (i8)."""
 
     K: int  # the layer's true in_features
     N: int  # the layer's true out_features
@@ -89,19 +106,30 @@ class GemmDesign:
     def key(self) -> tuple[int, int, str]:
         return self.K, self.N, self.weight_format
 
+    @property
+    def in_bytes(self) -> int:
+        """Bytes of one A or B element (C's are 4)."""
+        return ELEMENT_BYTES.get(self.dtype_in, 2)
+
 
 def tile_rule_errors(device: str, d: GemmDesign) -> list[str]:
     """What in `d` breaks the whole_array design's rules on `device` (empty when nothing does)."""
     errors = []
     if device not in MAX_COLUMNS:
         return [f"device {device!r} is not npu1 or npu2"]
-    if d.dtype_in != "bf16" or d.dtype_out != "f32":
-        errors.append(f"dtypes {d.dtype_in}->{d.dtype_out}: npud needs bf16 inputs and f32 outputs "
-                      "(a bf16 output would round every activation a second time)")
     if d.weight_format not in SERVED_FORMATS:
         errors.append(f"weight format {d.weight_format!r}: the NPU designs serve {list(SERVED_FORMATS)}")
+    elif (d.dtype_in, d.dtype_out) != DTYPES[d.weight_format]:
+        want = DTYPES[d.weight_format]
+        errors.append(f"dtypes {d.dtype_in}->{d.dtype_out}: a {d.weight_format} design takes {want[0]} inputs and "
+                      f"gives {want[1]} outputs (a narrower output would round or saturate every sum)")
     if d.bfp16_emulation and device != "npu2":
         errors.append("bfp16 emulation exists on npu2 only")
+    if d.bfp16_emulation and d.weight_format == "int8":
+        errors.append("bfp16 emulation is a bf16 kernel's; an int8 design multiplies integers")
+    if d.weight_format == "int8" and d.compiled_K > INT8_MAX_K:
+        errors.append(f"compiled_K = {d.compiled_K}: int8 sums over more than {INT8_MAX_K} products could "
+                      "overflow the int32 accumulator")
     if not 1 <= d.columns <= MAX_COLUMNS[device]:
         errors.append(f"columns = {d.columns}: {device} has {MAX_COLUMNS[device]}")
     for name in ("M", "compiled_K", "compiled_N", "tile_m", "tile_k", "tile_n", "K", "N", "n_passes"):
@@ -123,14 +151,17 @@ def tile_rule_errors(device: str, d: GemmDesign) -> list[str]:
         errors.append(f"compiled_K = {d.compiled_K} is not a multiple of tile_k = {d.tile_k}")
     if d.compiled_N % (d.tile_n * d.columns):
         errors.append(f"compiled_N = {d.compiled_N} is not a multiple of tile_n * columns = {d.tile_n * d.columns}")
-    r, s, t = MICRO_TILES[(device, d.bfp16_emulation)]
+    if d.weight_format == "int8":
+        (r, s, t), kind = INT8_TILE_MULTIPLES[device], "int8 kernel"
+    else:
+        (r, s, t), kind = MICRO_TILES[(device, d.bfp16_emulation)], "bf16 micro-tile"
     for name, value, mac in (("tile_m", d.tile_m, r), ("tile_k", d.tile_k, s), ("tile_n", d.tile_n, t)):
         if value % mac:
-            errors.append(f"{name} = {value} is not a multiple of the {device} bf16 micro-tile's {mac} "
+            errors.append(f"{name} = {value} is not a multiple of the {device} {kind}'s {mac} "
                           f"({r}x{s}x{t})")
     if not errors:  # the shape divides into its tiles: the transfers are what the runtime sequence moves
         errors += transfer_errors(d.M, d.compiled_K, d.compiled_N, d.tile_m, d.tile_k, d.tile_n, d.columns,
-                                  d.b_col_major)
+                                  d.b_col_major, d.in_bytes)
     return errors
 
 

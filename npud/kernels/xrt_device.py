@@ -80,6 +80,40 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
 
 
+def activations(design: GemmDesign, x: np.ndarray) -> np.ndarray:
+    """What DeviceSession.run takes for `design` from fp32 rows x [rows, K]: bf16 bits for a bf16
+    design, the fp32 rows themselves for an int8 one (they are quantized beside the device,
+    `quantize_rows`, so that a row's scale comes from its own values, never from bf16 ones)."""
+    if design.weight_format == "int8":
+        return np.ascontiguousarray(x, np.float32)
+    return bf16_bits(x)
+
+
+def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """fp32 rows x [R, K] -> (int8 q [R, K], fp32 d [R]), symmetric, one scale per row, llama.cpp's
+    q8_0 arithmetic with the whole row as the block: d = max|x| / 127, id = 1 / d (0 when d is 0),
+    q = round(x * id) half away from zero, each operation in fp32 rounded once. |x - d q| <=
+    d (1/2 + 2^-16) (docs/npu.md, "Exactness"). A row holding NaN or infinity gets d = NaN, so its
+    outputs are NaN (never numbers made of a clipped infinity); a row whose d would be subnormal
+    (max|x| < 127 * 2^-126) quantizes to zeros, d = 0."""
+    x = np.ascontiguousarray(x, np.float32)
+    finite = np.isfinite(x).all(axis=1)
+    amax = np.where(finite, np.abs(np.where(np.isfinite(x), x, 0)).max(axis=1, initial=0), 0).astype(np.float32)
+    d = amax / np.float32(127)
+    d[d < np.finfo(np.float32).tiny] = 0  # a subnormal d has no 24-bit precision (and 1 / d may overflow):
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)  # such a row (max|x| < 127 * 2^-126) is zeros
+    t = np.where(finite[:, None], x, 0) * inv[:, None]  # fp32: one rounding
+    whole = np.trunc(t)
+    q = whole + np.where(np.abs(t - whole) >= np.float32(0.5), np.sign(t), np.float32(0))  # t - whole is exact
+    return np.clip(q, -127, 127).astype(np.int8), np.where(finite, d, np.float32(np.nan)).astype(np.float32)
+
+
+def dequantize(isum: np.ndarray, d: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """int32 sums C [R, N] -> fp32 y = (float(C) * d[r]) * scale[n], each of the three steps
+    (int32 to fp32, the two products) rounded once to nearest."""
+    return (isum.astype(np.float32) * d[:, None]) * scale.astype(np.float32, copy=False)[None, :]
+
+
 def chunk_plan(rows: int, ms: list[int]) -> list[tuple[int, int]]:
     """How a call of `rows` rows runs on designs of these M (ascending): [(rows of the chunk, its
     design's M)], whole passes of the largest M while more than it is left, then the smallest M
@@ -206,7 +240,7 @@ class _Design:
         self.session = session
         # A and C buffers, one per run in flight at once (DeviceSession.run_many queues several):
         # the first made now, the others when a call first queues that many
-        self.a_slots = [session.buffer(kernel, d.M * d.compiled_K * 2, GROUP_A)]
+        self.a_slots = [session.buffer(kernel, d.M * d.compiled_K * d.in_bytes, GROUP_A)]
         self.c_slots = [session.buffer(kernel, d.M * d.compiled_N * 4, GROUP_C)]
         self.retired: str | None = None
 
@@ -248,6 +282,8 @@ class DeviceSession:
         self.bytes_to_device = 0  # activations written to A buffers (and synced) for runs
         self.bytes_from_device = 0  # outputs read back from C buffers
         self.weight_bytes = 0  # weights written to B buffers (at load)
+        self.resident: dict[int, tuple[str, int]] = {}  # handle -> (weight format, bytes of its B buffers)
+        self.scales: dict[int, np.ndarray] = {}  # handle -> an int8 weight's fp32 scale per output row [N]
         self._next_handle = 1
         self.groups: dict[int, tuple] = {}  # layer group id -> (spec, handles per layer, head, row steps)
         self._rows_host = None  # the host kernels a layer group's row-wise steps run on (made once)
@@ -285,33 +321,50 @@ class DeviceSession:
         if kept:  # never the last one
             self.variants[key] = kept
 
-    def upload(self, key: tuple, bits: np.ndarray) -> int:
-        """A weight [N, K] (bf16 bits) as the design reads it, one B buffer per pass: [cN, cK]
-        when column-major, else [cK, cN], zero-padded. Returns its handle."""
+    def upload(self, key: tuple, bits: np.ndarray, scale: np.ndarray | None = None) -> int:
+        """A weight [N, K] (bf16 bits; an int8 design's: int8 with its fp32 `scale` per output row)
+        as the design reads it, one B buffer per pass: [cN, cK] when column-major, else [cK, cN],
+        zero-padded. Returns its handle. Raises ValueError for a weight of another format."""
         self.poll()
         entry = self.designs[key]
         d = entry.design
+        dtype = np.int8 if d.weight_format == "int8" else np.uint16
+        if bits.dtype != dtype or bits.shape != (d.N, d.K):
+            raise ValueError(f"GEMM K={d.K} N={d.N} {d.weight_format}: a weight of {bits.dtype} {bits.shape}, "
+                             f"the design takes {np.dtype(dtype)} ({d.N}, {d.K})")
+        if d.weight_format == "int8" and (scale is None or np.shape(scale) != (d.N,)):
+            raise ValueError(f"GEMM K={d.K} N={d.N} int8: the weight needs its scale per output row ({d.N})")
         kernel = self.plan.kernel(d, self.busy())
-        bos = []
+        bos, nbytes = [], 0
         for p in range(d.n_passes):
             part = bits[p * d.compiled_N : (p + 1) * d.compiled_N]
             if d.b_col_major:
-                b = np.zeros((d.compiled_N, d.compiled_K), np.uint16)
+                b = np.zeros((d.compiled_N, d.compiled_K), dtype)
                 b[: part.shape[0], : d.K] = part
             else:
-                b = np.zeros((d.compiled_K, d.compiled_N), np.uint16)
+                b = np.zeros((d.compiled_K, d.compiled_N), dtype)
                 b[: d.K, : part.shape[0]] = part.T
             bo = self.buffer(kernel, b.nbytes, GROUP_B)
             bo.write(b.view(np.uint8).ravel(), 0)
             self.weight_bytes += b.nbytes
+            nbytes += b.nbytes
             bo.sync(self.xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
             bos.append(bo)
         handle, self._next_handle = self._next_handle, self._next_handle + 1
         self.weights[handle] = (key, bos)
+        self.resident[handle] = (d.weight_format, nbytes)
+        if d.weight_format == "int8":
+            self.scales[handle] = np.ascontiguousarray(scale, np.float32)
         return handle
 
     def forget(self, handle: int) -> None:
         self.weights.pop(handle, None)
+        self.scales.pop(handle, None)
+        self.resident.pop(handle, None)
+
+    def activations(self, handle: int, x: np.ndarray) -> np.ndarray:
+        """fp32 rows -> what `run` takes for the weight `handle` (module function `activations`)."""
+        return activations(self.designs[self.weights[handle][0]].design, x)
 
     def run(self, handle: int, a_bits: np.ndarray, timeout_ms: int, step: int | None = None,
             m: int | None = None) -> np.ndarray:
@@ -331,6 +384,7 @@ class DeviceSession:
         self.poll()
         xrt = self.xrt
         outs, queued = [], []  # queued: (run, entry, out, r0, rows, pass, C buffer)
+        scaled = {}  # an int8 call's index -> (its rows' scales, its weight's scales): C holds int32 sums
         used: dict[tuple, list[int]] = {}  # design key -> [A slots, C slots] taken by this call
         try:
             for handle, a_bits, step, *m in calls:
@@ -338,7 +392,11 @@ class DeviceSession:
                 entries = [e for e in self.variants[key] if not m or m[0] is None or e.design.M == m[0]]
                 if not entries:
                     raise XrtUnavailable(f"GEMM K={key[0]} N={key[1]}: no design of M = {m[0]}")
-                out = np.empty((a_bits.shape[0], key[1]), np.float32)
+                if entries[0].design.weight_format == "int8":  # each row's own scale: its neighbours change nothing
+                    a_bits, dx = quantize_rows(a_bits)
+                    scaled[len(outs)] = (dx, self.scales[handle])
+                c_type = np.int32 if entries[0].design.dtype_out == "i32" else np.float32
+                out = np.empty((a_bits.shape[0], key[1]), c_type)
                 outs.append(out)
                 if step is None:
                     plan = chunk_plan(a_bits.shape[0], [e.design.M for e in entries])
@@ -359,13 +417,13 @@ class DeviceSession:
                         queued, used = [], {}
                     kernel = self.plan.kernel(d, self.busy() | {str(e.design.xclbin) for _, e, *_ in queued})
                     slots = used.setdefault((key, d.M), [0, 0])
-                    bo_a = entry.slot(entry.a_slots, slots[0], GROUP_A, d.M * d.compiled_K * 2)
+                    bo_a = entry.slot(entry.a_slots, slots[0], GROUP_A, d.M * d.compiled_K * d.in_bytes)
                     slots[0] += 1
                     # the chunk's rows only (their K padding zeros): a row of C depends on its row of A
                     # alone, so the rows past them (left from earlier calls) give rows nobody reads. A
                     # design run a row at a time (`step`: its rows move with their neighbours) gets its
                     # zero padding rows written too, so its neighbours are always the same.
-                    a = np.zeros((rows if step is None else d.M, d.compiled_K), np.uint16)
+                    a = np.zeros((rows if step is None else d.M, d.compiled_K), a_bits.dtype)
                     a[:rows, : d.K] = a_bits[r0 : r0 + rows]
                     bo_a.write(a.view(np.uint8).ravel(), 0)
                     bo_a.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE, a.nbytes, 0)
@@ -387,6 +445,8 @@ class DeviceSession:
             d = queued[-1][1].design if queued else None
             where = f"GEMM K={d.K} N={d.N}" if d is not None else "a GEMM"
             raise NpuRunError(f"{where} on the NPU raised {type(exc).__name__}: {exc}") from exc
+        for i, (dx, scale) in scaled.items():
+            outs[i] = dequantize(outs[i], dx, scale)
         return outs
 
     def _finish(self, queued: list, timeout_ms: int) -> None:
@@ -411,7 +471,7 @@ class DeviceSession:
             bo_c.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE, size, 0)
             raw = bo_c.read(size, 0)
             self.bytes_from_device += size
-            c = np.frombuffer(bytes(raw), np.float32).reshape(rows, d.compiled_N)
+            c = np.frombuffer(bytes(raw), out.dtype).reshape(rows, d.compiled_N)
             n0 = p * d.compiled_N
             width = min(d.compiled_N, d.N - n0)
             out[r0 : r0 + rows, n0 : n0 + width] = c[:rows, :width]
@@ -451,9 +511,8 @@ class DeviceSession:
         spec, handles, head, steps = self.groups[gid]
 
         def linears(i: int, names: tuple[str, ...], x: np.ndarray) -> tuple[np.ndarray, ...]:
-            bits = bf16_bits(x)
             chosen = [head if name == "lm_head" else handles[i][name] for name in names]
-            outs = self.run_many([(h, bits, steps.get(h)) for h in chosen], timeout_ms)
+            outs = self.run_many([(h, self.activations(h, x), steps.get(h)) for h in chosen], timeout_ms)
             for name, out in zip(names, outs):
                 bias = None if name == "lm_head" else dict(spec.layers[i].biases).get(name)
                 if bias is not None:
@@ -465,11 +524,20 @@ class DeviceSession:
     def stats(self) -> dict:
         """{"passes": runs started, "contexts_opened": contexts created, "contexts_open": held now,
         "in_flight": runs kept, "bytes_to_device" / "bytes_from_device": activations written to A
-        and outputs read from C, "weight_bytes": weights written to B} (after a poll)."""
+        and outputs read from C, "weight_bytes": weights written to B, "weight_bytes_resident": the B
+        buffers of the weights held now, per weight format} (after a poll)."""
         self.poll()
         return {"passes": self.passes, "contexts_opened": self.plan.opened, "contexts_open": len(self.plan.open),
                 "in_flight": len(self.in_flight), "bytes_to_device": self.bytes_to_device,
-                "bytes_from_device": self.bytes_from_device, "weight_bytes": self.weight_bytes}
+                "bytes_from_device": self.bytes_from_device, "weight_bytes": self.weight_bytes,
+                "weight_bytes_resident": self.resident_bytes()}
+
+    def resident_bytes(self) -> dict[str, int]:
+        """{weight format: bytes of the B buffers of the weights held now} (a forgotten weight's go)."""
+        out: dict[str, int] = {}
+        for fmt, nbytes in self.resident.values():
+            out[fmt] = out.get(fmt, 0) + nbytes
+        return out
 
     def _keep(self, run, entry: _Design, state: str) -> None:
         self.in_flight.append((run, str(entry.design.xclbin)))
@@ -503,5 +571,7 @@ class DeviceSession:
         if self.poll():
             return
         self.weights.clear()
+        self.scales.clear()
+        self.resident.clear()
         self.designs.clear()
         self.variants.clear()

@@ -30,7 +30,7 @@ MAX_STRIDE_WORDS = 1 << 20  # every stride, in 32-bit words
 COLUMNS = {"npu1": (1, 2, 4), "npu2": (1, 2, 4, 8)}  # whole_array's --n-aie-cols on each device
 COL_MAJOR_MULTIPLE = 32  # whole_array asserts m, k, n % 32 == 0 when B is column-major
 N_AIE_ROWS = 4
-IN_BYTES, OUT_BYTES = 2, 4  # bf16 in, f32 out
+IN_BYTES, OUT_BYTES = 2, 4  # bf16 in, f32 out (int8 designs: 1 in, i32 out, `in_bytes`)
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,23 +61,26 @@ class Transfer:
         return out
 
 
-def transfers(M: int, K: int, N: int, m: int, k: int, n: int, columns: int, b_col_major: bool) -> list[Transfer]:
-    """The three transfers of a whole_array design compiled for M x K x N (one pass)."""
+def transfers(M: int, K: int, N: int, m: int, k: int, n: int, columns: int, b_col_major: bool,
+              in_bytes: int = IN_BYTES) -> list[Transfer]:
+    """The three transfers of a whole_array design compiled for M x K x N (one pass); `in_bytes`
+    is the size of an A and B element (2: bf16, 1: int8; C is 4 bytes either way: f32 or i32)."""
     a_tiles_per_shim = N_AIE_ROWS // columns if columns < N_AIE_ROWS else 1
     blocks_n = N // (n * columns)
     rows_per_block = min(2, M // (m * N_AIE_ROWS))  # two tile rows per ping or pong
-    a = Transfer("A", (blocks_n, K // k, m * a_tiles_per_shim, k), (0, k, K), IN_BYTES)
+    a = Transfer("A", (blocks_n, K // k, m * a_tiles_per_shim, k), (0, k, K), in_bytes)
     if b_col_major:
-        b = Transfer("B", (blocks_n, K // k, n, k), (n * columns * K, k, K), IN_BYTES)
+        b = Transfer("B", (blocks_n, K // k, n, k), (n * columns * K, k, K), in_bytes)
     else:
-        b = Transfer("B", (blocks_n, K // k, k, n), (n * columns, k * N, N), IN_BYTES)
+        b = Transfer("B", (blocks_n, K // k, k, n), (n * columns, k * N, N), in_bytes)
     c = Transfer("C", (rows_per_block, blocks_n, m * N_AIE_ROWS, n), (m * N_AIE_ROWS * N, n * columns, N), OUT_BYTES)
     return [a, b, c]
 
 
-def transfer_errors(M: int, K: int, N: int, m: int, k: int, n: int, columns: int, b_col_major: bool) -> list[str]:
+def transfer_errors(M: int, K: int, N: int, m: int, k: int, n: int, columns: int, b_col_major: bool,
+                    in_bytes: int = IN_BYTES) -> list[str]:
     """Why the verifier would refuse the design's transfers (empty when it accepts them)."""
-    return [e for t in transfers(M, K, N, m, k, n, columns, b_col_major) for e in t.errors()]
+    return [e for t in transfers(M, K, N, m, k, n, columns, b_col_major, in_bytes) for e in t.errors()]
 
 
 def generator_errors(device: str, m: int, k: int, n: int, columns: int, b_col_major: bool) -> list[str]:
@@ -94,7 +97,7 @@ def generator_errors(device: str, m: int, k: int, n: int, columns: int, b_col_ma
 
 
 def split_n(N: int, M: int, K: int, m: int, k: int, n: int, columns: int, b_col_major: bool,
-            max_passes: int = 64) -> tuple[int, int] | None:
+            max_passes: int = 64, in_bytes: int = IN_BYTES) -> tuple[int, int] | None:
     """(passes, compiled N of one pass): the fewest passes whose one design, padded up to
     n * columns, the verifier accepts; None when no number of passes up to `max_passes` does
     (then a limit that does not depend on N is broken: K, or the tiles)."""
@@ -103,6 +106,6 @@ def split_n(N: int, M: int, K: int, m: int, k: int, n: int, columns: int, b_col_
         per_pass = -(-(-(-N // passes)) // step) * step
         if per_pass * (passes - 1) >= N:
             continue  # an empty last pass
-        if not transfer_errors(M, K, per_pass, m, k, n, columns, b_col_major):
+        if not transfer_errors(M, K, per_pass, m, k, n, columns, b_col_major, in_bytes):
             return passes, per_pass
     return None

@@ -296,8 +296,9 @@ class WorkerDevice:
         self._passes[design.key] = design.n_passes
         self._rows[design.key] = min(design.M, self._rows.get(design.key, design.M))  # chunks: at most rows / M
 
-    def upload(self, key, bits) -> int:
-        handle = self._call("upload", (key, bits), SETUP_TIMEOUT_S)
+    def upload(self, key, bits, scale=None) -> int:
+        args = (key, bits) if scale is None else (key, bits, scale)  # an int8 weight's scale per row
+        handle = self._call("upload", args, SETUP_TIMEOUT_S)
         self._handles[handle] = key
         return handle
 
