@@ -8,11 +8,13 @@ hang, an abort or a segfault in the driver stack faults a run instead of npud, a
 GIL-holding waits never stall the daemon; isolation "inline" runs it in this process (the
 protocol tests, which watch each call).
 
-A call runs the design's compiled M rows; a batch of more rows is cut into chunks of M,
-the last one zero-padded; a layer wider than one pass runs as the design's n_passes passes.
-Every row is computed by the same program whatever the batch, which is what batch
-invariance needs; the start-up check (npud/kernels/xrt_check.py) confirms it bit for bit on the
-device, and compares with the host GEMM within the design's tolerance policy. A run that
+A pass runs a design's compiled M rows; a call's rows are cut into chunks, each on the
+smallest M of the shape's designs that holds it (the table may hold several M per shape), and
+only a chunk's rows are copied to the device and back; a layer wider than one pass runs as the
+design's n_passes passes. Every row is computed by the same program whatever the batch, which
+is what batch invariance needs; the start-up check (npud/kernels/xrt_check.py) confirms it bit
+for bit on the device, a larger M is kept only with the smallest M's bits, and the check
+compares with the host GEMM within the design's tolerance policy. A run that
 does not end in ERT_CMD_STATE_COMPLETED within the configured timeout, any exception from
 XRT, or a worker that dies or hangs, raises NpuRunError (a DeviceFault): an aborted run
 leaves zeros in C, which must never reach the logits.
