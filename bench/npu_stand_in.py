@@ -1,12 +1,14 @@
 """A decode on the NPU stand-in (tests/fake_pyxrt.py, arithmetic off): what one token costs
 the NPU path in calls, not in time. Prints JSON per model: dispatches_per_token (kernel runs),
 worker_round_trips_per_token (and per layer), contexts_opened (at load, and re-opened while
-decoding), bytes_copied_per_token (activations to the device, outputs from it, and the frames
-through the worker's pipes), the weight bytes copied to the device during the load and
-during the decode (0: weights stay resident), and the weight bytes resident on the device per
-weight format (`weight_bytes_resident`). Each model runs in each of --formats: "bf16" (the
-model's weights to bf16 designs) and "int8" (the same checkpoint loaded as int8 rows with a
-scale each, to int8 designs: i8 B buffers, M = 64 rows a pass).
+decoding), bytes_copied_per_token (activations to the device, outputs from it, the frames
+through the worker's pipes and the arrays through its shared region, each also apart), the
+weight bytes copied to the device during the load and during the decode (0: weights stay
+resident), and the weight bytes resident on the device per weight format
+(`weight_bytes_resident`). Each model runs in each of --formats: "bf16" (the model's weights to
+bf16 designs, each shape for the build tool's default M: the smallest the device's tiles allow
+and 128) and "int8" (the same checkpoint loaded as int8 rows with a scale each, to int8
+designs: i8 B buffers, M = 64 rows a pass).
 
 The models are shaped as Qwen3-0.6B (28 layers, hidden 1024, 16 x 128 query heads, 8 KV heads,
 MLP 3072, vocabulary 151936, tied head) and gemma-3-270m (18 layers, hidden 640, 4 x 256 query
@@ -87,10 +89,10 @@ def run_model(name: str, base: Path, draft: Path | None, device: str, tokens: in
     shapes = _shapes(dirs, weight_format)
     if weight_format == "int8":  # the int8 kernels' multiples of 16 (tools/build_npu_designs.py --int8-rows 64)
         tiling = dict(device=device, M=64, tile=(16, 64, 32), columns=4, weight_format="int8")
-    elif device == "npu1":
-        tiling = dict(device="npu1", M=16, tile=(4, 64, 32), columns=4)
+    elif device == "npu1":  # the build tool's default sizes: the smallest M the tiles allow, and 128
+        tiling = dict(device="npu1", M=16, tile=(4, 64, 32), columns=4, more_m=(128,))
     else:
-        tiling = dict(device="npu2", M=32, tile=(8, 64, 32), columns=4)
+        tiling = dict(device="npu2", M=32, tile=(8, 64, 32), columns=4, more_m=(128,))
     # as tools/build_npu_designs.py builds them: every design a kernel of one xclbin (or one each)
     linked = {"one_xclbin": True} if one_xclbin else {}  # (a tree from before one_xclbin takes no such key)
     table = fake_pyxrt.write_design_table(folder / f"designs-{name}-{weight_format}-{int(one_xclbin)}", shapes,
@@ -107,7 +109,7 @@ def run_model(name: str, base: Path, draft: Path | None, device: str, tokens: in
         # the worker's counters are read before each stats() call goes through the worker: two
         # calls in a row measure one call's own round trip and frames, taken off the window below
         first, warm = backend.stats(), backend.stats()
-        own = {k: warm[k] - first[k] for k in ("worker_round_trips", "pipe_bytes")}
+        own = {k: warm[k] - first[k] for k in ("worker_round_trips", "pipe_bytes", "shared_bytes")}
         emitted = 0
         while not session.done:
             emitted += sum(1 for e in session.run_round() if e.token_id is not None)
@@ -118,7 +120,8 @@ def run_model(name: str, base: Path, draft: Path | None, device: str, tokens: in
     for k, v in own.items():
         after[k] -= v  # `warm`'s own call
     per = {k: (after[k] - warm[k]) / max(emitted, 1) for k in ("passes", "worker_round_trips", "pipe_bytes",
-                                                              "bytes_to_device", "bytes_from_device")}
+                                                              "shared_bytes", "bytes_to_device",
+                                                              "bytes_from_device")}
     base_layers = served.model.config.num_layers
     return {
         "model": name, "weight_format": weight_format, "device": device, "layers": base_layers, "draft_layers": layers - base_layers,
@@ -132,8 +135,10 @@ def run_model(name: str, base: Path, draft: Path | None, device: str, tokens: in
         "worker_round_trips_per_layer_per_step": round(step / served.model.config.num_layers, 3),
         "contexts_opened": loaded["contexts_opened"],
         "contexts_reopened_while_decoding": after["contexts_opened"] - warm["contexts_opened"],
-        "bytes_copied_per_token": int(per["bytes_to_device"] + per["bytes_from_device"] + per["pipe_bytes"]),
+        "bytes_copied_per_token": int(per["bytes_to_device"] + per["bytes_from_device"] + per["pipe_bytes"]
+                                      + per["shared_bytes"]),
         "bytes_through_pipes_per_token": int(per["pipe_bytes"]),
+        "bytes_through_shared_memory_per_token": int(per["shared_bytes"]),
         "weight_bytes_at_load": loaded["weight_bytes"],
         "weight_bytes_while_decoding": after["weight_bytes"] - warm["weight_bytes"],
         "weight_bytes_resident": after.get("weight_bytes_resident", {}),

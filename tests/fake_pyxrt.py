@@ -107,6 +107,9 @@ class Sim:
     abort_on_collect: bool = False  # in a worker process: abort as XRT does
     control_seen: str | None = None
     kmsg: tuple | None = None  # (run, path, lines): driver lines logged when that run starts
+    queued: int = 0  # runs started and not yet seen final (by wait or state)
+    max_queued: int = 0  # the most runs in flight at once: 1 when the backend waits for each before the next
+    run_m: list = field(default_factory=list)  # the compiled M of each run started
 
     def configure(self, spec: dict) -> None:
         """{"mode": "gil", "hold_s": s, "handshake": folder}, or a failure to inject (`inject`'s arguments)."""
@@ -232,7 +235,10 @@ class bo:
         self.host = np.zeros(self._size, np.uint8)
         self.dev = np.zeros(self._size, np.uint8)
         self.host_dirty = False  # written since the last sync to the device
+        self.busy = 0  # runs in flight that use this buffer: no write, sync or read of it until they end
         self.dev_newer = False  # the device wrote since the last sync from the device
+        self.dirty: tuple | None = None  # the bytes written since the last sync to the device that covered them
+        self.fresh: tuple | None = None  # the bytes synced from the device since it last wrote
 
     def size(self) -> int:
         return self._size
@@ -241,14 +247,20 @@ class bo:
         data = np.asarray(memoryview(data)).view(np.uint8).ravel()
         if seek < 0 or seek + data.size > self._size:
             raise ProtocolViolation(f"write of {data.size} bytes at {seek} into a {self._size}-byte bo")
+        if self.busy:
+            raise ProtocolViolation(f"bo of argument {self.arg} written while a run that uses it is in flight")
         self.host[seek : seek + data.size] = data
+        lo, hi = self.dirty or (seek, seek + data.size)
+        self.dirty = (min(lo, seek), max(hi, seek + data.size))
         self.host_dirty = True
         SIM.calls.append(("write", self.arg, data.size))
 
     def read(self, size: int, skip: int):
         if skip + size > self._size:
             raise ProtocolViolation(f"read of {size} bytes at {skip} from a {self._size}-byte bo")
-        if self.dev_newer:
+        if self.busy:
+            raise ProtocolViolation(f"bo of argument {self.arg} read while a run that uses it is in flight")
+        if self.dev_newer and not (self.fresh and self.fresh[0] <= skip and skip + size <= self.fresh[1]):
             raise ProtocolViolation(f"bo of argument {self.arg} read before a sync from the device")
         SIM.calls.append(("read", self.arg, size))
         return self.host[skip : skip + size].view(np.int8).copy()
@@ -258,20 +270,45 @@ class bo:
         if not isinstance(direction, xclBOSyncDirection) or len(size_offset) not in (0, 2):
             raise TypeError("sync(): incompatible function arguments; sync(self, dir, size, offset) "
                             "or sync(self, dir)")
-        SIM.calls.append(("sync", self.arg, direction.name))
+        if self.busy:
+            raise ProtocolViolation(f"bo of argument {self.arg} synced while a run that uses it is in flight")
+        size, offset = size_offset if size_offset else (self._size, 0)
+        if offset < 0 or size <= 0 or offset + size > self._size:
+            raise ProtocolViolation(f"sync of {size} bytes at {offset} of a {self._size}-byte bo")
+        SIM.calls.append(("sync", self.arg, direction.name) + ((size,) if size != self._size else ()))
+        end = offset + size
         if direction is xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE:
-            self.dev[:] = self.host
-            self.host_dirty = False
+            self.dev[offset:end] = self.host[offset:end]
+            if self.dirty is None or (offset <= self.dirty[0] and self.dirty[1] <= end):
+                self.host_dirty, self.dirty = False, None  # else written bytes outside the range stay unsynced
         else:
-            self.host[:] = self.dev
-            self.dev_newer = False
+            self.host[offset:end] = self.dev[offset:end]
+            self.fresh = (offset, end)
+            if size == self._size:
+                self.dev_newer = False
 
 
 class run:
-    def __init__(self, state, polls_to_finish: int | None = None):
+    """A started command. Until the backend has seen it end (wait() or state() answering a final
+    state) it counts as queued and holds its buffers: a write, sync or read of one of them, or
+    its C given to another run, is a ProtocolViolation, as it would be a race on a device."""
+
+    def __init__(self, state, polls_to_finish: int | None = None, bos: tuple = ()):
         self._state = state
         self._polls_left = polls_to_finish  # in flight: state() calls until it completes (None: never)
         self._sim = SIM
+        self._bos = bos
+        for b in bos:
+            b.busy += 1
+        SIM.queued += 1
+        SIM.max_queued = max(SIM.max_queued, SIM.queued)
+
+    def _seen_final(self) -> None:
+        for b in self._bos:
+            b.busy -= 1
+        if self._bos is not None:
+            self._sim.queued -= 1
+        self._bos = None
 
     def wait(self, timeout_ms: int = 0):
         if timeout_ms <= 0:
@@ -279,6 +316,8 @@ class run:
         _hold_gil(self._sim.wait_hold_s, self._sim.handshake)
         if self._state in IN_FLIGHT:
             return ert_cmd_state.ERT_CMD_STATE_TIMEOUT  # the wait gave up; the command runs on
+        if self._bos is not None:
+            self._seen_final()
         return self._state
 
     def state(self):
@@ -286,6 +325,8 @@ class run:
             self._polls_left -= 1
             if self._polls_left <= 0:
                 self._state = ert_cmd_state.ERT_CMD_STATE_COMPLETED
+        if self._state not in IN_FLIGHT and self._bos is not None:
+            self._seen_final()
         return self._state
 
     def __del__(self):
@@ -343,6 +384,7 @@ class kernel:
     def __call__(self, *args):
         SIM.calls.append(("run", len(args)))
         self._check_args(args)
+        SIM.run_m.append(self.gemm["M"])
         failure = SIM._failure()
         if SIM.kmsg is not None and SIM.runs >= SIM.kmsg[0]:  # the driver prints while the run goes on
             _, path, lines = SIM.kmsg
@@ -361,26 +403,28 @@ class kernel:
             while True:  # a wait that never returns
                 time.sleep(3600)
         _, instr, ninstr, a, b, c = args
+        bos = (instr, a, b, c)
         if failure in ("timeout", "error", "abort"):
             c.dev[:] = 0
-            c.dev_newer = True
+            c.dev_newer, c.fresh = True, None
             if failure == "timeout":
-                return run(ert_cmd_state.ERT_CMD_STATE_RUNNING, SIM.finish_after_polls)
-            return run(ert_cmd_state.ERT_CMD_STATE_ERROR if failure == "error" else ert_cmd_state.ERT_CMD_STATE_ABORT)
+                return run(ert_cmd_state.ERT_CMD_STATE_RUNNING, SIM.finish_after_polls, bos)
+            return run(ert_cmd_state.ERT_CMD_STATE_ERROR if failure == "error" else ert_cmd_state.ERT_CMD_STATE_ABORT,
+                       None, bos)
         g = self.gemm
         M, K, N = g["M"], g["K"], g["N"]
         int8 = g.get("dtype_in", "bf16") == "i8"
         if not SIM.compute:
             c.dev[: M * N * 4] = _ramp(M, N, int8)
-            c.dev_newer = True
-            return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED)
+            c.dev_newer, c.fresh = True, None
+            return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED, None, bos)
         if int8:
             av = a.dev[: M * K].view(np.int8).reshape(M, K)
             bv = b.dev[: K * N].view(np.int8).reshape((N, K) if g["b_col_major"] else (K, N))
             bk = bv.T if g["b_col_major"] else bv  # [K, N]
             c.dev[: M * N * 4] = int8_gemm(av, bk).view(np.uint8).ravel()
-            c.dev_newer = True
-            return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED)
+            c.dev_newer, c.fresh = True, None
+            return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED, None, bos)
         av = _bf16(a.dev[: M * K * 2]).reshape(M, K)
         bv = _bf16(b.dev[: K * N * 2]).reshape((N, K) if g["b_col_major"] else (K, N))
         bk = bv.T if g["b_col_major"] else bv  # [K, N]
@@ -390,8 +434,8 @@ class kernel:
         for k in range(K):  # fp32, in order over K, one rounding per multiply and per add
             acc = acc + av[:, k : k + 1] * bk[k : k + 1, :]
         c.dev[: M * N * 4] = acc.view(np.uint8).ravel()
-        c.dev_newer = True
-        return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED)
+        c.dev_newer, c.fresh = True, None
+        return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED, None, bos)
 
     def _check_args(self, args) -> None:
         if len(args) > self.num_args:
@@ -399,6 +443,8 @@ class kernel:
         if len(args) != 6:
             raise ProtocolViolation(f"a GEMM run takes opcode, instr, ninstr, A, B, C; got {len(args)} arguments")
         opcode, instr, ninstr, a, b, c = args
+        if isinstance(c, bo) and c.busy:
+            raise ProtocolViolation("C of a run in flight given to another run: the two would write it at once")
         if opcode != 3 or isinstance(opcode, bool):
             raise ProtocolViolation(f"opcode {opcode!r}, expected 3")
         for index, buf in ((1, instr), (3, a), (4, b), (5, c)):
@@ -498,7 +544,7 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
                        columns: int = 1, b_col_major: bool = False, insts_format: str = "binary",
                        num_args: int = 8, kernel_name: str = "MLIR_AIE", bfp16_emulation: bool | None = None,
                        xclbin_bfp16: bool | None = None, shared_xclbins: bool = False,
-                       one_xclbin: bool = False, weight_format: str = "bf16") -> Path:
+                       one_xclbin: bool = False, weight_format: str = "bf16", more_m: tuple = ()) -> Path:
     """design.json plus simulated xclbins and instruction files for (K, N) shapes in `weight_format`
     (a shape (K, N, format) names its own: "bf16" or "int8"); returns its path.
 
@@ -510,7 +556,8 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
     emulates bf16 with bfp16 blocks, npu1 has no emulation); a test of npu2's exact bf16 path
     says False, as `--no-bfp16-emulation` does. `one_xclbin`: every design a kernel of its own
     (MLIR_AIE_<i>) in one xclbin, as the build tool links a model's designs (one hardware
-    context for the model)."""
+    context for the model). `more_m`: for each shape, designs of these M as well (the same
+    compiled K and N: one weight upload serves them all), as the build tool's `--rows 32,128`."""
     from npud.kernels.xrt_design import GemmDesign, tile_rule_errors, write_table
     from npud.kernels.xrt_rules import split_n
 
@@ -521,18 +568,22 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
     tm, tk, tn = tile
     designs = []
     linked = []  # one_xclbin: every design's kernel
-    for i, shape in enumerate(shapes):
+    sized = []
+    for shape in shapes:
         k, n, fmt = shape if len(shape) == 3 else (*shape, weight_format)
         int8 = fmt == "int8"
         ck = -(-k // tk) * tk
         found = split_n(n, M, ck, tm, tk, tn, columns, b_col_major, in_bytes=1 if int8 else 2)
         passes, cn = found if found is not None else (1, -(-n // (tn * columns)) * (tn * columns))
-        stem = f"{ck}x{cn}" + ("_i8" if int8 else "") if shared_xclbins else f"{k}x{n}" + ("_i8" if int8 else "")
+        sized += [(k, n, fmt, int8, ck, cn, passes, rows) for rows in (M, *more_m)]
+    for i, (k, n, fmt, int8, ck, cn, passes, rows) in enumerate(sized):
+        stem = (f"{ck}x{cn}" + ("_i8" if int8 else "") if shared_xclbins else f"{k}x{n}" + ("_i8" if int8 else "")) \
+            + (f"_m{rows}" if rows != M else "")
         xb = folder / f"gemm_{stem}.xclbin"
         ins = folder / (f"insts_{stem}." + ("txt" if insts_format == "hex" else "bin"))
         words = insts_words(device, 12 + i if not shared_xclbins else 12, seed=0 if shared_xclbins else i)
         emulation = bfp16_emulation and not int8  # an int8 kernel multiplies integers
-        gemm = {"M": M, "K": ck, "N": cn, "b_col_major": b_col_major,
+        gemm = {"M": rows, "K": ck, "N": cn, "b_col_major": b_col_major,
                 "bfp16": emulation if xclbin_bfp16 is None else xclbin_bfp16, "dtype_in": "i8" if int8 else "bf16"}
         name = "MLIR_AIE"  # what the table names; `kernel_name` is what the xclbin declares
         if one_xclbin:
@@ -545,7 +596,7 @@ def write_design_table(folder: Path, shapes, *, device: str = "npu2", M: int = 3
             ins.write_text("".join(f"{w:08x}\n" for w in words))
         else:
             ins.write_bytes(words.astype("<u4").tobytes())
-        design = GemmDesign(K=k, N=n, weight_format=fmt, xclbin=xb, insts=ins, kernel=name, M=M,
+        design = GemmDesign(K=k, N=n, weight_format=fmt, xclbin=xb, insts=ins, kernel=name, M=rows,
                             compiled_K=ck, compiled_N=cn, tile_m=tm, tile_k=tk, tile_n=tn, columns=columns,
                             dtype_in="i8" if int8 else "bf16", dtype_out="i32" if int8 else "f32",
                             b_col_major=b_col_major, bfp16_emulation=emulation, n_passes=passes,

@@ -255,3 +255,59 @@ def test_every_design_is_a_kernel_of_one_xclbin_linked_by_aiecc(ckpt, tmp_path, 
         if i:
             assert f"--xclbin-input={(out / 'model.xclbin').resolve()}" in cmd  # extends the earlier kernels
     assert all(c[0] == "make" and "xclbin_target" not in " ".join(c) for c in ran if c[0] != "aiecc.py")
+
+
+@pytest.mark.parametrize("device, smallest", [("npu1", 16), ("npu2", 32)])
+def test_every_shape_is_built_for_a_decode_m_and_a_prefill_m_sharing_the_weight_layout(ckpt, tmp_path, device,
+                                                                                        smallest):
+    assert tool.default_rows(device) == [smallest, 128]
+    assert tool.default_rows("npu2", bfp16_emulation=False) == [16, 128]  # 4x8x8 micro-tiles: tile_m 4
+    shapes = tool.gemm_shapes([ckpt], "bf16") + [tool.Shape(1024, 151936, "bf16", ("head",))]
+    rows = tool.default_rows(device)
+    built = []
+    tiling = tool.Tiling(device, rows[0], more_rows=tuple(rows[1:]))
+    path, on_host, count = tool.build_table(shapes, tiling, tmp_path, _stub_build(built, device))
+    assert on_host == [] and count == 2 * len(shapes)
+    table = DesignTable.load(path)
+    for s in shapes:
+        designs = table.by_m((s.K, s.N, "bf16"))
+        assert [d.M for d in designs] == [smallest, 128]
+        assert [d.tile_m for d in designs] == [smallest // 4, 32]  # 4 core rows of tile_m rows each
+        assert len({(d.compiled_K, d.compiled_N, d.n_passes) for d in designs}) == 1
+        assert len({d.kernel for d in designs}) == 2 and len({d.xclbin for d in designs}) == 1
+    assert table.lookup(1024, 151936, "bf16")[0].n_passes == 19
+
+
+def test_an_m_whose_weight_layout_would_differ_is_left_out_said(tmp_path):
+    # M = 256 halves what one pass of C may move (its stride M x N is at most 1M words): the vocabulary
+    # would take more passes of another width, a layout of its own
+    shapes = [tool.Shape(1024, 151936, "bf16", ("head",)), tool.Shape(64, 64, "bf16", ("small",))]
+    path, on_host, count = tool.build_table(shapes, tool.Tiling("npu2", 32, more_rows=(256,)), tmp_path,
+                                           _stub_build([], "npu2"))
+    assert count == 3 and len(on_host) == 1
+    assert on_host[0] == ("K=1024 N=151936 bf16 (M = 256): left out: its compiled_N = 4096 differs from the "
+                          "M = 32 design's 8064")
+    table = DesignTable.load(path)
+    assert [d.M for d in table.by_m((64, 64, "bf16"))] == [32, 256]
+    assert [d.M for d in table.by_m((1024, 151936, "bf16"))] == [32]
+    assert table.lookup(1024, 151936, "bf16")[1] == "npu"  # the note is no reason to leave it on the host
+
+
+def test_the_rows_option_takes_several_m(ckpt, tmp_path, monkeypatch, capsys):
+    seen = {}
+
+    class Seen(Exception):
+        pass
+
+    def tiling(*a, **k):
+        seen["tiling"] = (a, k)
+        raise Seen
+
+    monkeypatch.setattr(tool, "Tiling", tiling)
+    with pytest.raises(Seen):
+        tool.main([str(ckpt), "--device", "npu1", "--out", str(tmp_path), "--rows", "128,16"])
+    args, kw = seen["tiling"]
+    assert args[1] == 16 and kw["more_rows"] == (128,)
+    with pytest.raises(SystemExit):
+        tool.main([str(ckpt), "--device", "npu1", "--out", str(tmp_path), "--rows", "16,x"])
+    assert "expected M values separated by commas" in capsys.readouterr().err

@@ -207,9 +207,33 @@ def test_the_call_sequence_syncs_inputs_before_and_output_after_each_run(tmp_pat
     backend = load(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
     w = backend.prepare_linear(bf16_weight(64, 64))
     sim.calls.clear()
+    to_device, from_device = backend.device.bytes_to_device, backend.device.bytes_from_device
     backend.linear(np.ones((1, 64), np.float32), w)
-    assert sim.calls == [("write", 3, 32 * 64 * 2), ("sync", 3, "XCL_BO_SYNC_BO_TO_DEVICE"), ("run", 6),
-                         ("sync", 5, "XCL_BO_SYNC_BO_FROM_DEVICE"), ("read", 5, 32 * 64 * 4)]
+    assert backend.device.bytes_to_device - to_device == 1 * 64 * 2
+    assert backend.device.bytes_from_device - from_device == 1 * 64 * 4
+    # the one row reaches the device and comes back, not the design's 32 (its other rows are never read)
+    assert sim.calls == [("write", 3, 1 * 64 * 2), ("sync", 3, "XCL_BO_SYNC_BO_TO_DEVICE", 1 * 64 * 2), ("run", 6),
+                         ("sync", 5, "XCL_BO_SYNC_BO_FROM_DEVICE", 1 * 64 * 4), ("read", 5, 1 * 64 * 4)]
+
+
+def test_the_simulator_holds_a_partial_sync_to_the_bytes_it_covers(tmp_path, sim, host):
+    backend = load(fake_pyxrt.write_design_table(tmp_path, [(64, 64)]), host)
+    w = backend.prepare_linear(bf16_weight(64, 64))
+    session, (_, handle) = backend.device, backend._weights[id(w.data)]
+    entry = session.designs[(64, 64, "bf16")]
+    kernel, bo_b = session.plan.kernel(entry.design, set()), session.weights[handle][1][0]
+    to_device = fake_pyxrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE
+    from_device = fake_pyxrt.xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE
+    entry.bo_a.write(np.zeros(256, np.uint8), 0)
+    entry.bo_a.sync(to_device, 128, 0)  # half of what was written
+    with pytest.raises(fake_pyxrt.ProtocolViolation, match="written but not synced"):
+        kernel(3, entry.bo_insts, entry.num_insts, entry.bo_a, bo_b, entry.bo_c)
+    entry.bo_a.sync(to_device, 256, 0)
+    kernel(3, entry.bo_insts, entry.num_insts, entry.bo_a, bo_b, entry.bo_c).wait(1000)
+    entry.bo_c.sync(from_device, 256, 0)
+    entry.bo_c.read(256, 0)
+    with pytest.raises(fake_pyxrt.ProtocolViolation, match="read before a sync from the device"):
+        entry.bo_c.read(256, 256)  # past what came back
 
 
 def test_buffers_are_made_as_aie_utils_xrt_makes_them(tmp_path, sim, host):
@@ -371,7 +395,10 @@ def test_rows_that_depend_on_their_place_in_a_pass_are_run_one_per_pass(tmp_path
     w = backend.prepare_linear(bf16_weight(64, 64))
     assert backend.placement[(64, 64, "bf16")] == "npu-rowwise"
     x = np.random.default_rng(3).standard_normal((5, 64)).astype(np.float32)
+    sim.calls.clear()
     batched = backend.linear(x, w)
+    # a row a pass, with the same zero neighbours every time: all 32 rows of A written, not one
+    assert [c[2] for c in sim.calls if c[0] == "write" and c[1] == 3] == [32 * 64 * 2] * 5
     for i in range(5):
         assert np.array_equal(bits(backend.linear(x[i : i + 1], w)), bits(batched[i : i + 1]))
 
@@ -433,7 +460,14 @@ def test_simulator_refuses_the_old_call_with_scalar_shape_arguments(tmp_path, si
     entry.bo_a.sync(to_device, entry.bo_a.size(), 0)
     with pytest.raises(fake_pyxrt.ProtocolViolation, match="ninstr"):
         kernel(3, entry.bo_insts, entry.num_insts + 1, entry.bo_a, bo_b, entry.bo_c)
-    kernel(3, entry.bo_insts, entry.num_insts, entry.bo_a, bo_b, entry.bo_c)
+    started = kernel(3, entry.bo_insts, entry.num_insts, entry.bo_a, bo_b, entry.bo_c)
+    with pytest.raises(fake_pyxrt.ProtocolViolation, match="read while a run that uses it is in flight"):
+        entry.bo_c.read(4, 0)
+    with pytest.raises(fake_pyxrt.ProtocolViolation, match="written while a run that uses it is in flight"):
+        entry.bo_a.write(np.zeros(8, np.uint8), 0)
+    with pytest.raises(fake_pyxrt.ProtocolViolation, match="C of a run in flight given to another run"):
+        kernel(3, entry.bo_insts, entry.num_insts, entry.bo_a, bo_b, entry.bo_c)
+    started.wait(1000)
     with pytest.raises(fake_pyxrt.ProtocolViolation, match="before a sync from the device"):
         entry.bo_c.read(4, 0)
     with pytest.raises(fake_pyxrt.ProtocolViolation, match="made cacheable"):
@@ -538,3 +572,30 @@ def test_a_backend_whose_npu_lost_every_timed_shape_says_so(tmp_path, sim, host)
     assert backend.lost_everywhere()
     backend.prepare_linear(bf16_weight(128, 64))  # this one wins
     assert not backend.lost_everywhere()
+
+
+def test_design_table_holds_several_m_per_shape_sharing_one_weight_layout(tmp_path):
+    import json
+
+    from npud.kernels.xrt_design import DesignError, DesignTable
+
+    path = fake_pyxrt.write_design_table(tmp_path, [(64, 100), (128, 64)], more_m=(128, 64))
+    table = DesignTable.load(path)
+    key = (64, 100, "bf16")
+    assert [d.M for d in table.by_m(key)] == [32, 64, 128] and table.designs[key].M == 32
+    assert table.lookup(64, 100, "bf16")[0].M == 32  # the smallest: the one weights are laid out by
+    assert len({d.insts for d in table.by_m(key)}) == 3
+    before = table.identity()
+    table.by_m(key)[2].insts.write_bytes(fake_pyxrt.insts_words("npu2", 12, seed=9).astype("<u4").tobytes())
+    assert DesignTable.load(path).identity() != before  # every M's files are in the identity
+    raw = json.loads(path.read_text())
+    wide = next(e for e in raw["designs"] if e["K"] == 64 and e["M"] == 64)
+    wide["compiled_N"] = 112  # a layout of its own: one weight upload could not serve both
+    path.write_text(json.dumps(raw))
+    with pytest.raises(DesignError, match="compiled_N = 112 differs from the M = 32 design's 104"):
+        DesignTable.load(path)
+    wide["compiled_N"] = 104
+    raw["designs"].append(dict(wide))
+    path.write_text(json.dumps(raw))
+    with pytest.raises(DesignError, match="a second design for K=64, N=100, bf16 with M = 64"):
+        DesignTable.load(path)

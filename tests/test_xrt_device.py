@@ -149,3 +149,103 @@ def test_a_model_whose_designs_are_kernels_of_one_xclbin_holds_one_context(tmp_p
     for raw, w in weights + weights[::-1]:
         assert np.array_equal(bits(backend.linear(x, w)), bits(host.linear(bf16_round(x), w)))
     assert sim.contexts_made == 1 and sim.contexts_live == 1
+
+
+def test_the_passes_of_a_linear_are_all_started_before_any_is_waited_for(tmp_path, sim, host):
+    # 2 chunks of M rows x 3 passes: six runs queued (each its own A and C buffers), then waited
+    table = fake_pyxrt.write_design_table(tmp_path, [(64, 1100)])
+    backend = load(table, host)
+    raw = bf16_weight(1100, 64)
+    w = backend.prepare_linear(raw)
+    x = np.random.default_rng(4).standard_normal((33, 64)).astype(np.float32)
+    sim.max_queued = 0
+    got = backend.linear(x, w)
+    assert sim.max_queued == 6 and sim.queued == 0
+    assert np.array_equal(bits(got), bits(reference(host, x, raw)))
+    entry = backend.device.designs[(64, 1100, "bf16")]
+    assert (len(entry.a_slots), len(entry.c_slots)) == (2, 6)
+    backend.linear(x, w)  # the buffers are kept for the next call
+    assert (len(entry.a_slots), len(entry.c_slots)) == (2, 6)
+
+
+def test_a_run_that_fails_in_a_queue_keeps_every_run_still_in_flight(tmp_path, sim, host):
+    # the first two of three queued passes time out: the first is waited for and raises; the second,
+    # never waited for, is still in flight and must be kept (destroying it would abort), the third ended
+    import gc
+
+    table = fake_pyxrt.write_design_table(tmp_path, [(64, 1100)])
+    backend = load(table, host, timeout_ms=200)
+    w = backend.prepare_linear(bf16_weight(1100, 64))
+    sim.inject("timeout", after=0, times=2)
+    with pytest.raises(xrt.NpuRunError, match="ERT_CMD_STATE_TIMEOUT"):
+        backend.linear(np.ones((1, 64), np.float32), w)
+    gc.collect()
+    assert sim.violations == []  # no run collected in flight
+    assert len(backend.device.in_flight) == 2
+    backend.device.poll()
+    backend.device.poll()
+    assert backend.device.poll() == 0  # both end (the simulator completes them after a few polls)
+
+
+def test_chunk_plan_takes_the_largest_m_while_more_is_left_then_the_smallest_that_holds_the_rest():
+    from npud.kernels.xrt_device import chunk_plan
+
+    assert chunk_plan(1, [32, 64, 128]) == [(1, 32)]
+    assert chunk_plan(32, [32, 64, 128]) == [(32, 32)]
+    assert chunk_plan(33, [32, 64, 128]) == [(33, 64)]
+    assert chunk_plan(200, [32, 64, 128]) == [(128, 128), (72, 128)]
+    assert chunk_plan(300, [32, 128]) == [(128, 128), (128, 128), (44, 128)]
+    assert chunk_plan(40, [16]) == [(16, 16), (16, 16), (8, 16)]
+    assert chunk_plan(0, [16]) == []
+
+
+def _a_writes(sim):
+    """The bytes written to each A buffer (a chunk's rows, compiled K bf16 values each)."""
+    return [c[2] for c in sim.calls if c[0] == "write" and c[1] == 3]
+
+
+@pytest.mark.parametrize("device, m, more", [("npu1", 16, (64, 128)), ("npu2", 32, (64, 128))])
+def test_each_chunk_of_rows_runs_on_the_smallest_m_that_holds_it_with_the_same_bits(tmp_path, sim, host, device,
+                                                                                     m, more):
+    tiling = dict(device="npu1", M=16, tile=(4, 8, 4), columns=4) if device == "npu1" else dict(device="npu2")
+    table = fake_pyxrt.write_design_table(tmp_path, [(64, 100)], more_m=more, **tiling)
+    backend = load(table, host)
+    raw = bf16_weight(100, 64)
+    w = backend.prepare_linear(raw)
+    assert backend.sizes[(64, 100, "bf16")] == [m, *more]
+    ck, cn = backend.table.designs[(64, 100, "bf16")].compiled_K, backend.table.designs[(64, 100, "bf16")].compiled_N
+    assert backend.device.weight_bytes == 2 * ck * cn * 2  # the start-up check's B and the weight: the larger M
+    # were tried with the weight itself, no upload of their own
+    x = np.random.default_rng(6).standard_normal((300, 64)).astype(np.float32)
+    one_row = np.concatenate([backend.linear(x[i : i + 1], w) for i in range(0, 300, 37)])
+    for rows, ms, chunks in ((1, [m], [1]), (m + 1, [64], [m + 1]), (100, [128], [100]),
+                             (300, [128, 128, 64], [128, 128, 44])):
+        sim.calls.clear()
+        sim.run_m.clear()
+        got = backend.linear(x[:rows], w)
+        assert sim.run_m == ms  # one pass a chunk, on the smallest M that holds it
+        assert _a_writes(sim) == [r * ck * 2 for r in chunks]  # its rows only reach the device
+        assert np.array_equal(bits(got), bits(reference(host, x[:rows], raw, bfp16=device == "npu2")))
+        # every row the bits it has alone in a pass of the smallest M: batch invariance across sizes
+        picked = [i for i in range(0, 300, 37) if i < rows]
+        assert np.array_equal(bits(got[picked]), bits(one_row[: len(picked)]))
+
+
+def test_a_larger_m_whose_rows_differ_is_dropped_and_the_smallest_serves_alone(tmp_path, sim, host):
+    import json
+
+    table = fake_pyxrt.write_design_table(tmp_path, [(64, 100)], more_m=(64,), one_xclbin=True,
+                                          bfp16_emulation=False)
+    linked = json.loads((tmp_path / "model.xclbin").read_text())
+    linked["kernels"][1]["gemm"]["bfp16"] = True  # the M = 64 build quantises: its rows differ
+    (tmp_path / "model.xclbin").write_text(json.dumps(linked))
+    backend = load(table, host)
+    raw = bf16_weight(100, 64)
+    w = backend.prepare_linear(raw)
+    assert (64, 100, "bf16") not in backend.sizes
+    assert [e.design.M for e in backend.device.variants[(64, 100, "bf16")]] == [32]
+    x = np.random.default_rng(7).standard_normal((40, 64)).astype(np.float32)
+    sim.run_m.clear()
+    got = backend.linear(x, w)
+    assert sim.run_m == [32, 32]  # 40 rows: two passes of 32, not one of 64
+    assert np.array_equal(bits(got), bits(reference(host, x, raw, bfp16=False)))

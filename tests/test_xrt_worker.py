@@ -145,3 +145,68 @@ def test_the_reply_deadline_scales_with_the_passes_of_a_layer(tmp_path, control,
         assert backend.device.lost is None
     finally:
         backend.close()
+
+
+def _call_bytes(backend, call):
+    """(pipe bytes, shared-region bytes) of one call through the worker."""
+    dev = backend.device
+    pipe, shared = dev.pipe_bytes, getattr(dev, "shared_bytes", 0)
+    out = call()
+    return out, dev.pipe_bytes - pipe, getattr(dev, "shared_bytes", 0) - shared
+
+
+def test_a_run_s_arrays_go_through_shared_memory_and_the_pipes_carry_a_command(tmp_path, control, host):
+    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 100)]), host)
+    try:
+        raw = bf16_weight(100, 64)
+        w = backend.prepare_linear(raw)
+        for rows in (1, 40, 300):
+            x = np.random.default_rng(rows).standard_normal((rows, 64)).astype(np.float32)
+            got, pipe, shared = _call_bytes(backend, lambda: backend.linear(x, w))
+            assert np.array_equal(bits(got), bits(reference(host, x, raw)))
+            assert pipe < 600  # the command and its answer, whatever the rows (pickled: 2 + 4 bytes a value)
+            assert shared == rows * 64 * 2 + rows * 100 * 4  # A's bf16 bits in, C's floats out
+    finally:
+        backend.close()
+
+
+def test_the_shared_region_grows_to_the_largest_call_and_answers_are_copies(tmp_path, control, host, monkeypatch):
+    monkeypatch.setattr(xrt_worker, "SHARED_INITIAL_BYTES", 4096)  # smaller than one answer below
+    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 100)]), host)
+    try:
+        assert backend.device.frames.size == 4096
+        raw = bf16_weight(100, 64)
+        w = backend.prepare_linear(raw)
+        x1 = np.random.default_rng(1).standard_normal((40, 64)).astype(np.float32)
+        x2 = np.random.default_rng(2).standard_normal((40, 64)).astype(np.float32)
+        first = backend.linear(x1, w)  # 16000 bytes back: the worker grows the region
+        kept = first.copy()
+        second = backend.linear(x2, w)  # written where the first answer was
+        assert backend.device.frames.size >= 40 * 64 * 2 + 40 * 100 * 4
+        assert np.array_equal(bits(first), bits(kept))  # the first answer was copied out of the region
+        assert np.array_equal(bits(first), bits(reference(host, x1, raw)))
+        assert np.array_equal(bits(second), bits(reference(host, x2, raw)))
+    finally:
+        backend.close()
+
+
+def test_the_reply_deadline_counts_chunks_of_the_smallest_m(tmp_path, control, host, monkeypatch):
+    # designs of M 32 and 128: 40 rows take at most two chunks (of 32), never one a row
+    seen = []
+    real = xrt_worker.WorkerDevice._call
+
+    def call(self, method, args, timeout_s):
+        if method == "run":
+            seen.append(timeout_s)
+        return real(self, method, args, timeout_s)
+
+    monkeypatch.setattr(xrt_worker.WorkerDevice, "_call", call)
+    backend = xrt.load_backend(fake_pyxrt.write_design_table(tmp_path, [(64, 100)], more_m=(128,)), host,
+                               timeout_ms=1000)
+    try:
+        w = backend.prepare_linear(bf16_weight(100, 64))
+        seen.clear()
+        backend.linear(np.ones((40, 64), np.float32), w)
+        assert seen == [2 * 1.0 + xrt_worker.REPLY_GRACE_S]
+    finally:
+        backend.close()

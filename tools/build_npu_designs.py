@@ -22,6 +22,11 @@ host: the tool says why, builds the others, and always writes design.json (with 
 build, and `"on_host"` listing the rest and why). Other weight formats (int8-q8, int8-q16, the
 GGUF blocks, fp32) run on the host too.
 
+Each shape is built for several M (rows per pass; --rows, by default the smallest the tiles
+allow on the device, 16 or 32, for decode steps and 128 for prefill): npud runs each chunk of a
+call's rows on the smallest M that holds it. The designs of one shape share the weight's layout
+on the device (compiled K and N, passes), so an M whose layout would differ is left out, said.
+
 npu2 designs default to bfp16 emulation, as mlir-aie's stock npu2 build compiles the mm
 kernel (--no-bfp16-emulation for a checkout built without it); the start-up check applies
 the matching tolerance (docs/npu.md, "Exactness").
@@ -56,6 +61,7 @@ from npud.kernels.base import LinearWeight, WeightFormat
 from npud.kernels.xrt_design import (DTYPES, ELEMENT_BYTES, N_AIE_ROWS, SERVED_FORMATS, GemmDesign, tile_rule_errors,
                                      write_table)
 from npud.kernels.xrt_rules import split_n
+from npud.kernels.xrt_design import MICRO_TILES, same_weight_layout  # the M sizes of one shape
 
 EXAMPLE = "programming_examples/basic/matrix_multiplication/whole_array"
 EXIT_MISSING = 3
@@ -138,6 +144,7 @@ class Tiling:
     b_col_major: bool = False  # True: B is the weight as loaded, [N, K]; whole_array then wants 32-multiples
     bfp16_emulation: bool | None = None  # npu2's 8x8x8 bf16 MACs through bfp16; None: as the stock build (npu2 on)
     one_xclbin: bool = True  # every design a kernel of model.xclbin (one hardware context), else one xclbin each
+    more_rows: tuple[int, ...] = ()  # M of further designs of every shape (the same weight layout as `rows`')
     int8_rows: int = 64  # M of an int8 design: the int8 kernels unroll m to multiples of 16 (tile_m = M / 4)
 
     def __post_init__(self) -> None:
@@ -332,6 +339,27 @@ def _build_linked(design: GemmDesign, variables: dict, src: Path, link: bool) ->
     os.replace(target, d.xclbin)
 
 
+PREFILL_ROWS = 128  # the larger M a shape gets by default: a prefill's chunks
+
+
+def default_rows(device: str, bfp16_emulation: bool | None = None) -> list[int]:
+    """The smallest M the device's micro-tile allows (4 core rows of one micro-tile's rows each: a
+    decode step's pass), then PREFILL_ROWS."""
+    emulated = device == "npu2" if bfp16_emulation is None else bfp16_emulation
+    smallest = N_AIE_ROWS * MICRO_TILES[(device, emulated and device == "npu2")][0]
+    return [smallest, PREFILL_ROWS] if smallest < PREFILL_ROWS else [smallest]
+
+
+def _rows_list(text: str) -> list[int]:
+    try:
+        rows = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected M values separated by commas, e.g. 16,128") from None
+    if not rows or rows[0] <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: every M must be a positive number of rows")
+    return rows
+
+
 def build_table(shapes: list[Shape], tiling: Tiling, out_dir: Path,
                 build: Callable[[GemmDesign], None], toolchain: dict | None = None) -> tuple[Path, list[str], int]:
     """Plan and build a design for every served shape it can, then write out_dir/design.json.
@@ -369,6 +397,33 @@ def build_table(shapes: list[Shape], tiling: Tiling, out_dir: Path,
             on_host.append(f"{where}: the build failed ({built[padded]})")
             continue
         designs.append(design)
+        for rows in tiling.more_rows:  # the same shape for more rows a pass, where the layout allows
+            said = f"{where} (M = {rows}): left out"
+            try:
+                more = plan(shape, dataclasses.replace(tiling, rows=rows, more_rows=()), out_dir)
+            except ValueError as exc:
+                on_host.append(f"{said}: the toolchain would refuse it ({exc})")
+                continue
+            if more.M == design.M:  # an int8 shape: its designs have the int8 kernels' M alone
+                continue
+            why = same_weight_layout(design, more)
+            if why is not None:
+                on_host.append(f"{said}: its {why}")
+                continue
+            padded = (more.M, more.compiled_K, more.compiled_N, more.dtype_in)
+            if tiling.one_xclbin:
+                more = dataclasses.replace(more, kernel=kernels.setdefault(padded, f"MLIR_AIE_{len(kernels)}"))
+            if padded not in built:
+                try:
+                    build(more, linked) if tiling.one_xclbin else build(more)
+                    built[padded] = None
+                    linked = True
+                except Exception as exc:
+                    built[padded] = f"{type(exc).__name__}: {exc}"
+            if built[padded] is not None:
+                on_host.append(f"{said}: the build failed ({built[padded]})")
+                continue
+            designs.append(more)
     path = out_dir / "design.json"
     write_table(path, tiling.device, designs, on_host=on_host, toolchain=toolchain)
     return path, on_host, len(designs)
@@ -382,7 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list the GEMM shapes and exit")
     p.add_argument("--device", choices=["npu1", "npu2"], help="npu1: Ryzen AI 7040/8040; npu2: Ryzen AI 300")
     p.add_argument("--out", type=Path, help="folder for the xclbins, instruction files and design.json")
-    p.add_argument("--rows", type=int, default=32, help="M, rows per device pass (multiple of 4 x tile_m)")
+    p.add_argument("--rows", type=_rows_list, default=None,
+                   help="M, rows per device pass, one design of each per shape (e.g. 16,128; each a multiple of "
+                        "4 x the micro-tile's rows); default: the smallest the device's tiles allow, and 128")
     p.add_argument("--int8-rows", type=int, default=64,
                    help="M of the int8 designs (--weight-format int8): the int8 kernels take tile_m = M / 4 in 16s")
     p.add_argument("--tile-k", type=int, default=64)
@@ -405,8 +462,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.device is None or args.out is None:
         p.error("--device and --out are needed to build (or --list)")
-    tiling = Tiling(args.device, args.rows, args.tile_k, args.tile_n, args.columns, args.b_col_major,
-                    args.bfp16_emulation, one_xclbin=not args.xclbin_per_shape, int8_rows=args.int8_rows)
+    rows = args.rows or default_rows(args.device, args.bfp16_emulation)
+    tiling = Tiling(args.device, rows[0], args.tile_k, args.tile_n, args.columns, args.b_col_major,
+                    args.bfp16_emulation, one_xclbin=not args.xclbin_per_shape, more_rows=tuple(rows[1:]),
+                    int8_rows=args.int8_rows)
     for shape in shapes:  # every plan first: what stays on the host is said before an hour of compiling
         if shape.weight_format in SERVED_FORMATS:
             try:

@@ -34,6 +34,12 @@ class Model:
         cache: dict = {}
         self.inv_freq = [cache.setdefault(spec.rope, spec.rope.inv_freq()) for spec in config.layers]
         self.decoder_layers = decoder_layers(config, self.weights.layers, self.inv_freq)
+        if getattr(self.backend, "layer_group", None) is not None:
+            from npud.engine.packed import layer_group_for
+
+            # at load, before any pass: the group decides where some linears run (the NPU's runs
+            # layer 0's projections on the host), and every pass, grouped or op by op, sees that
+            layer_group_for(self)
 
     @staticmethod
     def prepare_weights(weights: ModelWeights, backend: Backend) -> ModelWeights:

@@ -5,8 +5,9 @@ and in order). Between a layer's attention and the next layer's, everything is G
 row-wise host kernels with no state of its own: the output projection, the residual add and
 norms, the MLP, and the next layer's input norm and q/k/v projections (after the last layer,
 the final norm and the LM head). A backend whose GEMMs sit behind a process boundary (the NPU
-worker, npud/kernels/xrt_worker.py) runs that whole stretch in one call, so a decode step costs
-one round trip per layer plus one for the first layer's projections, instead of one per linear.
+worker, npud/kernels/xrt_worker.py) runs that whole stretch in one call, and the first layer's
+projections (`begin`) beside the embedding on the host, so a decode step costs one round trip per
+layer instead of one per linear.
 The attention itself (RoPE, the KV planes, the per-sequence attention) stays with the engine,
 which owns the state.
 
@@ -57,28 +58,30 @@ class LayerGroupSpec:
     sandwich: bool  # x += norm(o(attn)); h = norm(x); x += norm(mlp(h)) (else add-and-norm, the add deferred)
 
 
-Linear = Callable[[int, str, np.ndarray], np.ndarray]  # (layer, linear name or "lm_head", x) -> x @ W.T + bias
+# (layer, linear names or ("lm_head",), x) -> each x @ W.T + bias: linears of one input, which a
+# device may run together (queued, one wait)
+Linears = Callable[[int, tuple[str, ...], np.ndarray], tuple[np.ndarray, ...]]
 
 
-def begin(spec: LayerGroupSpec, host, linear: Linear, x: np.ndarray) -> tuple[np.ndarray, ...]:
+def begin(spec: LayerGroupSpec, host, linears: Linears, x: np.ndarray) -> tuple[np.ndarray, ...]:
     """Layer 0's q, k, v from the embedded rows x [M, D]."""
     h = host.rms_norm(x, spec.layers[0].input_norm, spec.eps)
-    return tuple(linear(0, name, h) for name in ("q", "k", "v"))
+    return linears(0, ("q", "k", "v"), h)
 
 
-def step(spec: LayerGroupSpec, host, linear: Linear, i: int, attn: np.ndarray, x: np.ndarray,
+def step(spec: LayerGroupSpec, host, linears: Linears, i: int, attn: np.ndarray, x: np.ndarray,
          picked: np.ndarray) -> tuple:
     """Layer i from its attention output to the next layer's projections (the module docstring)."""
     layer, eps = spec.layers[i], spec.eps
-    mixed = linear(i, "o", attn)
+    (mixed,) = linears(i, ("o",), attn)
     if spec.sandwich:
         x = x + host.rms_norm(mixed, layer.post_attention_norm, eps)
         h = host.rms_norm(x, layer.pre_feedforward_norm, eps)
-        x = x + host.rms_norm(_mlp(spec, host, linear, i, h), layer.post_feedforward_norm, eps)
+        x = x + host.rms_norm(_mlp(spec, host, linears, i, h), layer.post_feedforward_norm, eps)
         delta = None
     else:
         x, h = host.add_rms_norm(x, mixed, layer.post_attention_norm, eps)
-        delta = _mlp(spec, host, linear, i, h)  # added by the next norm, which does the add too
+        delta = _mlp(spec, host, linears, i, h)  # added by the next norm, which does the add too
     last = i == len(spec.layers) - 1
     norm = spec.final_norm if last else spec.layers[i + 1].input_norm
     if delta is None:
@@ -86,13 +89,13 @@ def step(spec: LayerGroupSpec, host, linear: Linear, i: int, attn: np.ndarray, x
     else:
         x, h = host.add_rms_norm(x, delta, norm, eps)
     if not last:
-        return x, tuple(linear(i + 1, name, h) for name in ("q", "k", "v"))
+        return x, linears(i + 1, ("q", "k", "v"), h)
     rows = h if len(picked) == h.shape[0] else h[picked]
-    logits = linear(i, "lm_head", rows) if len(picked) else np.empty((0, 0), np.float32)
+    logits = linears(i, ("lm_head",), rows)[0] if len(picked) else np.empty((0, 0), np.float32)
     return x, h, logits
 
 
-def _mlp(spec: LayerGroupSpec, host, linear: Linear, i: int, h: np.ndarray) -> np.ndarray:
-    gate, up = linear(i, "gate", h), linear(i, "up", h)
+def _mlp(spec: LayerGroupSpec, host, linears: Linears, i: int, h: np.ndarray) -> np.ndarray:
+    gate, up = linears(i, ("gate", "up"), h)
     act = host.silu_mul(gate, up) if spec.act == "silu" else host.gelu_tanh_mul(gate, up)
-    return linear(i, "down", act)
+    return linears(i, ("down",), act)[0]

@@ -8,11 +8,13 @@ hang, an abort or a segfault in the driver stack faults a run instead of npud, a
 GIL-holding waits never stall the daemon; isolation "inline" runs it in this process (the
 protocol tests, which watch each call).
 
-A call runs the design's compiled M rows; a batch of more rows is cut into chunks of M,
-the last one zero-padded; a layer wider than one pass runs as the design's n_passes passes.
-Every row is computed by the same program whatever the batch, which is what batch
-invariance needs; the start-up check (npud/kernels/xrt_check.py) confirms it bit for bit on the
-device, and compares with the host GEMM within the design's tolerance policy. A run that
+A pass runs a design's compiled M rows; a call's rows are cut into chunks, each on the
+smallest M of the shape's designs that holds it (the table may hold several M per shape), and
+only a chunk's rows are copied to the device and back; a layer wider than one pass runs as the
+design's n_passes passes. Every row is computed by the same program whatever the batch, which
+is what batch invariance needs; the start-up check (npud/kernels/xrt_check.py) confirms it bit
+for bit on the device, a larger M is kept only with the smallest M's bits, and the check
+compares with the host GEMM within the design's tolerance policy. A run that
 does not end in ERT_CMD_STATE_COMPLETED within the configured timeout, any exception from
 XRT, or a worker that dies or hangs, raises NpuRunError (a DeviceFault): an aborted run
 leaves zeros in C, which must never reach the logits.
@@ -42,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from npud.kernels.base import LinearWeight
+from npud.kernels.base import LinearWeight, WeightFormat
 from npud.kernels.xrt_design import DesignError, DesignTable, GemmDesign
 from npud.kernels.xrt_device import DeviceSession, NpuRunError, XrtUnavailable, activations, bf16_bits
 
@@ -51,6 +53,8 @@ log = structlog.get_logger(__name__)
 DEFAULT_TIMEOUT_MS = 5000
 COST_ROWS = 1  # the rows of a decode step: the pass placement compares
 COST_REPEATS = 5  # runs of each side; the fastest is kept (a preempted run only ever looks slower)
+FIRST_PROJECTIONS = ("q", "k", "v")  # layer 0's: run on the host under a layer group (layer_group)
+FIRST_ON_HOST = "host (layer 0's projections run beside the embedding under the layer group: one worker round trip fewer a step)"
 BINDING = "pyxrt"  # the module that is XRT's Python binding (tests name their simulator)
 ISOLATIONS = ("process", "inline")
 _bf16_bits = bf16_bits  # the name tests/test_kernels.py checks
@@ -145,8 +149,11 @@ class XrtBackend:
         self._runners: dict[tuple, _Runner] = {}
         self._rowwise: set[tuple] = set()  # designs whose rows depend on their place in a pass
         self._weights: dict[int, tuple[_Runner, int]] = {}  # id(prepared data) -> (runner, weight handle)
+        self._host_by_group: dict[int, str] = {}  # id(prepared data) -> why the layer group runs it on the host
         self.placement: dict[tuple[int, int, str], str] = {}  # shape -> "npu", "npu-rowwise" or why host
         self.policies: dict[tuple[int, int, str], str] = {}  # shape on the NPU -> its tolerance policy
+        self.sizes: dict[tuple[int, int, str], list[int]] = {}  # shape -> the M it runs on, when more than one
+        self._m_checked: set[tuple[int, int, str]] = set()  # shapes whose larger M were tried
         self.costs: dict[tuple[int, int, str], tuple[float, float]] = {}  # shape -> (NPU s, host s), COST_ROWS rows
         self._costs = costs if costs is not None else measure_costs
         if check is None:
@@ -193,6 +200,10 @@ class XrtBackend:
                                      "limit unlimited? docs/npu.md)") from exc
             if key not in self.costs and not self._placed_by_cost(key, runner, handle, host_copy):
                 return host_copy  # the host is faster for this shape: it runs there from now on
+            if key not in self._m_checked:  # its first weight: the larger M are tried with it
+                self._m_checked.add(key)
+                if key not in self._rowwise:  # rows that move with their place run one a pass, on the smallest M
+                    self._open_other_m(key, runner.design, handle)
             self._weights[id(host_copy.data)] = (runner, handle)
         return host_copy
 
@@ -250,6 +261,31 @@ class XrtBackend:
         self._runners[key] = runner
         return runner
 
+    def _open_other_m(self, key: tuple[int, int, str], first: GemmDesign, handle: int) -> None:
+        """Open the shape's designs of larger M (the table's variants), each kept only where its rows,
+        over the shape's first weight (`handle`: no upload of its own), are bit for bit those of the
+        smallest M's passes: a row's bits must not depend on how many rows share its pass. Raises
+        NpuRunError."""
+        rng = np.random.default_rng(1)
+        for design in self.table.by_m(key)[1:]:
+            try:
+                self.device.open_design(design)
+                x = activations(first, rng.standard_normal((design.M, first.K)).astype(np.float32))
+                wide = self.device.run(handle, x, self.timeout_ms, None, design.M)
+                narrow = self.device.run(handle, x, self.timeout_ms, None, first.M)
+            except NpuRunError:
+                raise
+            except Exception as exc:  # XRT refusing the design: the smaller M serves the shape alone
+                log.warning("npu_design_m_dropped", K=key[0], N=key[1], M=design.M, reason=str(exc))
+                continue
+            if np.array_equal(wide.view(np.uint32), narrow.view(np.uint32)):
+                log.info("npu_design_m_added", K=key[0], N=key[1], M=design.M, smallest=first.M)
+                self.sizes.setdefault(key, [first.M]).append(design.M)
+            else:
+                self.device.drop_m(key, design.M)
+                log.warning("npu_design_m_dropped", K=key[0], N=key[1], M=design.M,
+                            reason=f"its rows differ from the M = {first.M} design's")
+
     def _to_host(self, key: tuple[int, int, str], why: str) -> None:
         self.placement[key] = why
         log.info("npu_shape_on_host", K=key[0], N=key[1], weight_format=key[2], reason=why)
@@ -259,34 +295,61 @@ class XrtBackend:
         # x: [M, K] -> [M, N]; each chunk of the design's M rows is one device pass over W
         entry = self._weights.get(id(w.data))
         if entry is None:
+            if id(w.data) in self._host_by_group:
+                return self.first_linear(x, w)
             return self.host.linear(x, w)
         runner, handle = entry
-        step = 1 if runner.design.key in self._rowwise else runner.design.M
+        step = 1 if runner.design.key in self._rowwise else None  # None: each chunk on the smallest M that holds it
         out = runner.run(x, handle, self.timeout_ms, step)  # one call to the device for the whole linear
         if w.bias is not None:
             out += w.bias
         return out
 
+    def first_linear(self, x: np.ndarray, w: LinearWeight) -> np.ndarray:
+        """Layer 0's projections on the host under the layer group: the host GEMM of the
+        activations rounded to bf16 where the weight is bf16, as every bf16 GEMM of this backend
+        takes them (numerics_id's "activations=bf16"; an int8 weight's host GEMM quantizes its own
+        rows); x: [M, K] -> [M, N], the bias added."""
+        return self.host.linear(bf16_round(x) if w.fmt is WeightFormat.BF16 else x, w)
+
     def layer_group(self, spec, layers: list[dict[str, LinearWeight]], lm_head: LinearWeight) -> "NpuLayerGroup | None":
         """The model's layer group on this device (npud/kernels/layers.py: one call per layer,
         one worker round trip), or None when any of its linears does not run on the NPU (then
         the engine calls the ops one by one, as before). `spec` holds the row-wise weights;
-        `layers` each layer's q, k, v, o, gate, up, down as prepared; `lm_head` likewise."""
+        `layers` each layer's q, k, v, o, gate, up, down as prepared; `lm_head` likewise.
+
+        Layer 0's q, k and v are the one stretch with no worker call before it to ride on (the
+        first attention needs them, and the token they come from is picked after the previous
+        step's last call): they run here on the host, beside the embedding, so a step costs the
+        worker L round trips, not L + 1. From then on they run on the host op by op too (their
+        device buffers are let go), so the per-op path keeps the group's bits."""
         def handle(w: LinearWeight) -> int | None:
             entry = self._weights.get(id(w.data))
             return None if entry is None else entry[1]
 
         handles = [{name: handle(w) for name, w in layer.items()} for layer in layers]
         head = handle(lm_head)
-        if head is None or any(h is None for layer in handles for h in layer.values()):
+        on_device = [h for i, layer in enumerate(handles) for name, h in layer.items()
+                     if i > 0 or name not in FIRST_PROJECTIONS]
+        if head is None or any(h is None for h in on_device):
             return None
+        for name in FIRST_PROJECTIONS:  # layer 0's: the host's from now on
+            w = layers[0][name]
+            if handles[0][name] is not None:
+                del self._weights[id(w.data)]
+                self.device.forget(handles[0][name])
+                handles[0][name] = None
+            self._host_by_group[id(w.data)] = FIRST_ON_HOST
         steps = {h: 1 for layer, ws in zip(handles, layers) for name, h in layer.items()
-                 if (ws[name].in_features, ws[name].out_features, ws[name].fmt.value) in self._rowwise}
+                 if h is not None and (ws[name].in_features, ws[name].out_features, ws[name].fmt.value) in self._rowwise}
         if (lm_head.in_features, lm_head.out_features, lm_head.fmt.value) in self._rowwise:
             steps[head] = 1
         gid = self.device.define_layer_group(spec, handles, head, steps)
-        log.info("npu_layer_group", layers=len(layers), round_trips_per_token=len(layers) + 1)
-        return NpuLayerGroup(self.device, gid, self.timeout_ms)
+        log.info("npu_layer_group", layers=len(layers), round_trips_per_token=len(layers),
+                 first_projections="host")
+        first = {name: layers[0][name] for name in FIRST_PROJECTIONS}
+        return NpuLayerGroup(self.device, gid, self.timeout_ms, spec, self.host,
+                             lambda name, h: self.first_linear(h, first[name]))
 
     def fuse_linears(self, parts) -> None:
         """Keeps every linear apart: a design is compiled for one layer's (K, N), and a fused shape has
@@ -309,8 +372,9 @@ class XrtBackend:
         (its program files and tiles), which shapes run where, and the activation path. Defined
         here because __getattr__ would answer with the host's."""
         placement = json.dumps(self.describe_placement(), sort_keys=True)
+        first = "/first_projections=host" if self._host_by_group else ""
         int8 = any(fmt == "int8" for (_, _, fmt) in self.table.designs)  # int8 shapes: their own arithmetic
-        return (f"{self.name}/designs={self.table_identity}/placement={placement}"
+        return (f"{self.name}/designs={self.table_identity}/placement={placement}{first}"
                 "/activations=bf16/accumulate=fp32" + ("/int8=activations-int8-per-row/accumulate-int32" if int8 else ""))
 
     def describe_placement(self) -> dict:
@@ -318,11 +382,13 @@ class XrtBackend:
         return {f"{k}x{n} {fmt}": where for (k, n, fmt), where in sorted(self.placement.items())}
 
     def stats(self) -> dict:
-        """The device path's counters so far: "worker_round_trips" and "pipe_bytes" (0 inline; read
+        """The device path's counters so far: "worker_round_trips", "pipe_bytes" and "shared_bytes"
+        (arrays through the worker's shared region; all 0 inline; read
         before the device is asked, so this call's own round trip is not among them), then the
         device session's (DeviceSession.stats: passes, contexts, bytes to and from the device)."""
         trips, pipe = getattr(self.device, "round_trips", 0), getattr(self.device, "pipe_bytes", 0)
-        return {"worker_round_trips": trips, "pipe_bytes": pipe, **self.device.stats()}
+        shared = getattr(self.device, "shared_bytes", 0)
+        return {"worker_round_trips": trips, "pipe_bytes": pipe, "shared_bytes": shared, **self.device.stats()}
 
     def worker_pid(self) -> int:
         """The process that holds the device for this backend: its NPU worker's, or this one's inline."""
@@ -337,6 +403,8 @@ class XrtBackend:
         """Where one prepared weight runs: "npu" (or "npu-rowwise"), or why the host."""
         key = (int(w.in_features), int(w.out_features), w.fmt.value)
         where = self.placement.get(key)
+        if id(w.data) in self._host_by_group:
+            return self._host_by_group[id(w.data)]
         if id(w.data) in self._weights:
             return where or "npu"
         return where if where is not None and not where.startswith("npu") else "host"
@@ -363,13 +431,19 @@ class XrtBackend:
 
 class NpuLayerGroup:
     """A model's layers on the NPU device, one call per layer (npud/kernels/layers.py's shape):
-    each call is one worker round trip running the layer's GEMMs and row-wise kernels."""
+    each call is one worker round trip running the layer's GEMMs and row-wise kernels. `begin`
+    (layer 0's input norm and projections) runs here, on the host kernels, with no round trip."""
 
-    def __init__(self, device, gid: int, timeout_ms: int):
+    def __init__(self, device, gid: int, timeout_ms: int, spec, host, first_linear):
         self.device, self.gid, self.timeout_ms = device, gid, timeout_ms
+        self.spec, self.host, self.first_linear = spec, host, first_linear  # first_linear(name, h)
 
     def begin(self, x: np.ndarray) -> tuple:
-        return self.device.layer_begin(self.gid, np.ascontiguousarray(x, np.float32), self.timeout_ms)
+        from npud.kernels import layers
+
+        return layers.begin(self.spec, self.host,
+                            lambda i, names, h: tuple(self.first_linear(name, h) for name in names),
+                            np.ascontiguousarray(x, np.float32))
 
     def step(self, i: int, attn: np.ndarray, x: np.ndarray, picked: np.ndarray) -> tuple:
         return self.device.layer_step(self.gid, i, np.ascontiguousarray(attn, np.float32),
@@ -387,6 +461,12 @@ def load_backend(design_table: str | Path, host, *, timeout_ms: int = DEFAULT_TI
         raise XrtUnavailable(str(e)) from None
     return XrtBackend(table, host, timeout_ms=timeout_ms, strict=strict, isolation=isolation,
                       context_budget=context_budget, costs=costs)
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 (ties to even), as float32: the activations
+    a GEMM of this backend reads."""
+    return (bf16_bits(x).astype(np.uint32) << 16).view(np.float32)
 
 
 def tolerance_policy(design: GemmDesign) -> str:

@@ -19,7 +19,10 @@ products; the rows of A are quantized and C is scaled back beside the device (xr
 `quantize_rows` and `dequantize`), which docs/npu.md ("Exactness") writes down beside the host's
 int8 arithmetic.
 
-(K, N) is the layer's true shape; the compiled shape may be larger (zero padding). A layer
+(K, N) is the layer's true shape; the compiled shape may be larger (zero padding). A shape may
+have several designs that differ in M only (decode-sized and prefill-sized passes): they share
+the weight's layout on the device (compiled K and N, passes, B's order, the arithmetic), and
+the backend runs each chunk of a call's rows on the smallest M that holds it. A layer
 wider than one pass can be (npud/kernels/xrt_rules.py: the output layer) runs as `n_passes`
 passes of compiled_N columns each, over slices of its weight. The tile rules the design
 generator asserts and the limits the toolchain's verifier puts on the design's transfers
@@ -169,6 +172,12 @@ class DesignTable:
     path: Path
     on_host: tuple[str, ...] = ()  # the build's word on each shape it left to the host
     toolchain: dict = field(default_factory=dict)  # what built it (tools/build_npu_designs.py); {} for older tables
+    # shape -> its designs by M, smallest first (`designs` holds the first); empty for a table of one M each
+    variants: dict = field(default_factory=dict)
+
+    def by_m(self, key: tuple[int, int, str]) -> tuple[GemmDesign, ...]:
+        """The shape's designs, smallest M first (just `designs[key]` when it has one M)."""
+        return self.variants.get(key) or ((self.designs[key],) if key in self.designs else ())
 
     def lookup(self, k: int, n: int, weight_format: str) -> tuple[GemmDesign | None, str]:
         """The design for a [N, K] weight in `weight_format`, or None and why not."""
@@ -185,8 +194,7 @@ class DesignTable:
         """A sha256 over every design's fields and its xclbin's and instruction stream's bytes:
         another build of any design is another identity. Raises OSError."""
         h = hashlib.sha256(self.device.encode())
-        for key in sorted(self.designs):
-            d = self.designs[key]
+        for d in (d for key in sorted(self.designs) for d in self.by_m(key)):
             fields = {f: getattr(d, f) for f in d.__slots__ if f not in ("xclbin", "insts")}
             h.update(json.dumps(fields, sort_keys=True).encode())
             for path in (d.xclbin, d.insts):
@@ -219,6 +227,7 @@ class DesignTable:
                                                       for k, v in toolchain.items()):
             raise DesignError(f"{path}: \"toolchain\" must map names to version strings")
         designs: dict[tuple[int, int, str], GemmDesign] = {}
+        variants: dict[tuple[int, int, str], list[GemmDesign]] = {}
         for i, entry in enumerate(entries):
             where = f"{path}: designs[{i}]"
             design = _entry(entry, path.parent, where)
@@ -228,10 +237,31 @@ class DesignTable:
             for f in ("xclbin", "insts"):
                 if not getattr(design, f).is_file():
                     raise DesignError(f"{where}: {f} file {getattr(design, f)} does not exist")
-            if design.key in designs:
-                raise DesignError(f"{where}: a second design for K={design.K}, N={design.N}, {design.weight_format}")
-            designs[design.key] = design
-        return cls(device, designs, path, tuple(on_host), dict(toolchain))
+            others = variants.setdefault(design.key, [])
+            if others:
+                why = same_weight_layout(others[0], design)
+                if why is not None or any(o.M == design.M for o in others):
+                    raise DesignError(f"{where}: a second design for K={design.K}, N={design.N}, "
+                                      f"{design.weight_format}" + (f" with M = {design.M}" if why is None else
+                                                                   f" whose {why}"))
+            others.append(design)
+        for key, ds in variants.items():
+            ds.sort(key=lambda d: d.M)
+            designs[key] = ds[0]
+        return cls(device, designs, path, tuple(on_host), dict(toolchain),
+                   {k: tuple(ds) for k, ds in variants.items() if len(ds) > 1})
+
+
+LAYOUT_FIELDS = ("compiled_K", "compiled_N", "n_passes", "b_col_major", "bfp16_emulation")
+
+
+def same_weight_layout(a: GemmDesign, b: GemmDesign) -> str | None:
+    """None when designs `a` and `b` read one weight upload (they may differ in M, tiles and files),
+    else which field differs and how."""
+    for name in LAYOUT_FIELDS:
+        if getattr(a, name) != getattr(b, name):
+            return f"{name} = {getattr(b, name)} differs from the M = {a.M} design's {getattr(a, name)}"
+    return None
 
 
 _INT_FIELDS = ("K", "N", "M", "compiled_K", "compiled_N", "tile_m", "tile_k", "tile_n", "columns")
@@ -333,7 +363,7 @@ def write_table(path: str | Path, device: str, designs: list[GemmDesign], on_hos
     releases the designs were built with and the XRT, driver and firmware the build saw."""
     path = Path(path)
     rows = []
-    for d in sorted(designs, key=lambda d: d.key):
+    for d in sorted(designs, key=lambda d: (d.key, d.M)):
         row = {"K": d.K, "N": d.N, "weight_format": d.weight_format,
                "xclbin": _relative(d.xclbin, path.parent), "insts": _relative(d.insts, path.parent),
                "kernel": d.kernel}

@@ -16,6 +16,11 @@ used one that has no run in flight; its designs reopen on their next call. The b
 Where the driver tells how many contexts every process holds (npud/kernels/amdxdna.py), the
 budget is what the others leave: a context of ours is closed rather than a new one refused.
 
+The runs of one call are queued: every pass of every chunk of a linear, and the linears of one
+input in a layer group (q, k, v; gate, up), are started, each with its own A and C buffers, before
+the first is waited for (DeviceSession.run_many); the device is never idle between them waiting
+for the host.
+
 A run that does not complete in time is not destroyed: destroying an xrt::run in flight
 aborts the process (xrt_kernel.cpp), and pyxrt binds no abort. It is kept in `in_flight` and
 polled before every later call until its state is final; its design's context is retired
@@ -107,6 +112,22 @@ def dequantize(isum: np.ndarray, d: np.ndarray, scale: np.ndarray) -> np.ndarray
     """int32 sums C [R, N] -> fp32 y = (float(C) * d[r]) * scale[n], each of the three steps
     (int32 to fp32, the two products) rounded once to nearest."""
     return (isum.astype(np.float32) * d[:, None]) * scale.astype(np.float32, copy=False)[None, :]
+
+
+def chunk_plan(rows: int, ms: list[int]) -> list[tuple[int, int]]:
+    """How a call of `rows` rows runs on designs of these M (ascending): [(rows of the chunk, its
+    design's M)], whole passes of the largest M while more than it is left, then the smallest M
+    that holds the rest (a decode's row on the smallest, a prefill's bulk on the largest)."""
+    plan, left = [], int(rows)
+    while left > 0:
+        fit = next((m for m in ms if m >= left), None)
+        if fit is None:
+            plan.append((ms[-1], ms[-1]))
+            left -= ms[-1]
+        else:
+            plan.append((left, fit))
+            left = 0
+    return plan
 
 
 def kernel_errors(xrt, design: GemmDesign) -> str | None:
@@ -216,9 +237,26 @@ class _Design:
         self.bo_insts.write(insts.view(np.uint8), 0)
         self.bo_insts.sync(sync)
         d = design
-        self.bo_a = session.buffer(kernel, d.M * d.compiled_K * d.in_bytes, GROUP_A)
-        self.bo_c = session.buffer(kernel, d.M * d.compiled_N * 4, GROUP_C)
+        self.session = session
+        # A and C buffers, one per run in flight at once (DeviceSession.run_many queues several):
+        # the first made now, the others when a call first queues that many
+        self.a_slots = [session.buffer(kernel, d.M * d.compiled_K * d.in_bytes, GROUP_A)]
+        self.c_slots = [session.buffer(kernel, d.M * d.compiled_N * 4, GROUP_C)]
         self.retired: str | None = None
+
+    @property
+    def bo_a(self):
+        return self.a_slots[0]
+
+    @property
+    def bo_c(self):
+        return self.c_slots[0]
+
+    def slot(self, slots: list, i: int, group: int, nbytes: int):
+        while len(slots) <= i:
+            kernel = self.session.plan.kernel(self.design, self.session.busy())
+            slots.append(self.session.buffer(kernel, nbytes, group))
+        return slots[i]
 
 
 class DeviceSession:
@@ -236,7 +274,8 @@ class DeviceSession:
             node = f"/dev/accel/accel{device_index}"
             device_contexts = lambda: amdxdna.resource_info(node)  # noqa: E731
         self.plan = ContextPlan(xrt, self.device, budget, device_contexts)
-        self.designs: dict[tuple, _Design] = {}
+        self.designs: dict[tuple, _Design] = {}  # shape -> its smallest-M design
+        self.variants: dict[tuple, list[_Design]] = {}  # shape -> its designs by M, smallest first
         self.weights: dict[int, tuple[tuple, list]] = {}  # handle -> (design key, B bo per pass)
         self.in_flight: list[tuple[object, str]] = []  # (run, xclbin) of runs that timed out
         self.passes = 0  # kernel runs started
@@ -267,11 +306,20 @@ class DeviceSession:
         """Load `design` (its context, kernel, instruction stream, A and C buffers). Raises
         XrtUnavailable, or XRT's exception when it refuses the xclbin."""
         self.poll()
-        if design.key not in self.designs:
+        entries = self.variants.get(design.key, [])
+        if all(e.design.M != design.M for e in entries):
             why = kernel_errors(self.xrt, design)
             if why is not None:
                 raise XrtUnavailable(why)
-            self.designs[design.key] = _Design(self, design)
+            entries = sorted(entries + [_Design(self, design)], key=lambda e: e.design.M)
+            self.variants[design.key] = entries
+            self.designs[design.key] = entries[0]  # the smallest M: the one weights are laid out by
+
+    def drop_m(self, key: tuple, m: int) -> None:
+        """Stop running the shape's M = `m` design (its rows differ from the smallest M's)."""
+        kept = [e for e in self.variants.get(key, []) if e.design.M != m]
+        if kept:  # never the last one
+            self.variants[key] = kept
 
     def upload(self, key: tuple, bits: np.ndarray, scale: np.ndarray | None = None) -> int:
         """A weight [N, K] (bf16 bits; an int8 design's: int8 with its fp32 `scale` per output row)
@@ -318,67 +366,125 @@ class DeviceSession:
         """fp32 rows -> what `run` takes for the weight `handle` (module function `activations`)."""
         return activations(self.designs[self.weights[handle][0]].design, x)
 
-    def run(self, handle: int, a_bits: np.ndarray, timeout_ms: int, step: int | None = None) -> np.ndarray:
-        """a_bits: [rows, K] bf16 bits (an int8 design: fp32 rows, quantized here per row,
-        `quantize_rows`) -> [rows, N] fp32: chunks of `step` rows (the design's M by default; 1 for
-        a design whose rows depend on their place), one pass over each N slice per chunk; an int8
-        design's int32 sums are scaled back (`dequantize`). One call for a whole linear: the
-        worker is asked once. Raises NpuRunError."""
-        self.poll()
-        key, bos = self.weights[handle]
-        entry = self.designs[key]
-        d = entry.design
-        if entry.retired is not None:
-            raise NpuRunError(f"GEMM K={d.K} N={d.N}: its context was retired ({entry.retired})", "retired")
-        step = d.M if step is None else min(int(step), d.M)
-        out = np.empty((a_bits.shape[0], d.N), np.float32)
-        if d.weight_format == "int8":  # each row's own scale: the rows beside it change nothing
-            q, dx = quantize_rows(a_bits)
-            scale = self.scales[handle]
-            for r0 in range(0, q.shape[0], step):
-                isum = self._chunk(entry, bos, q[r0 : r0 + step], timeout_ms)
-                out[r0 : r0 + step] = dequantize(isum, dx[r0 : r0 + step], scale)
-            return out
-        for r0 in range(0, a_bits.shape[0], step):
-            out[r0 : r0 + step] = self._chunk(entry, bos, a_bits[r0 : r0 + step], timeout_ms)
-        return out
+    def run(self, handle: int, a_bits: np.ndarray, timeout_ms: int, step: int | None = None,
+            m: int | None = None) -> np.ndarray:
+        """a_bits: [rows, K] bf16 bits -> [rows, N] fp32: chunks of rows, each on the smallest M
+        of the shape's designs that holds it (`chunk_plan`), or chunks of `step` rows on the
+        smallest M (1 for a design whose rows depend on their place); `m`: the design of that M
+        only. One pass over each N slice per chunk. One call for a whole linear: the worker is
+        asked once. Raises NpuRunError."""
+        return self.run_many([(handle, a_bits, step, m)], timeout_ms)[0]
 
-    def _chunk(self, entry: _Design, bos: list, a_bits: np.ndarray, timeout_ms: int) -> np.ndarray:
-        d, xrt = entry.design, self.xrt
-        rows = a_bits.shape[0]
-        a = np.zeros((d.M, d.compiled_K), a_bits.dtype)  # padding rows and columns are zeros
-        a[:rows, : d.K] = a_bits
-        c_type = np.int32 if d.dtype_out == "i32" else np.float32  # an int8 design's C: the int32 sums
-        out = np.empty((rows, d.N), c_type)
-        ok = xrt.ert_cmd_state.ERT_CMD_STATE_COMPLETED
+    def run_many(self, calls: list[tuple[int, np.ndarray, int | None]], timeout_ms: int) -> list[np.ndarray]:
+        """Independent GEMMs, each (handle, a_bits, step) as `run` takes it: every pass of every
+        chunk of every call is started (each its own A and C buffers), then each is waited for
+        and read, in order: the device is handed the whole list at once instead of one run at a
+        time. A run that does not complete raises NpuRunError; every started run still in flight
+        then is kept (never destroyed). Raises NpuRunError."""
+        self.poll()
+        xrt = self.xrt
+        outs, queued = [], []  # queued: (run, entry, out, r0, rows, pass, C buffer)
+        scaled = {}  # an int8 call's index -> (its rows' scales, its weight's scales): C holds int32 sums
+        used: dict[tuple, list[int]] = {}  # design key -> [A slots, C slots] taken by this call
         try:
-            kernel = self.plan.kernel(d, self.busy())
-            entry.bo_a.write(a.view(np.uint8).ravel(), 0)
-            entry.bo_a.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
-            self.bytes_to_device += a.nbytes
-            for p, bo_b in enumerate(bos):
-                self.passes += 1
-                run = kernel(OPCODE, entry.bo_insts, entry.num_insts, entry.bo_a, bo_b, entry.bo_c)
-                state = run.wait(int(timeout_ms))
-                if state != ok:
-                    name = state_name(state)
-                    # wait() answers TIMEOUT when it stopped waiting, not when the command ended
-                    if name not in FINAL_STATES or name == "ERT_CMD_STATE_TIMEOUT":
-                        self._keep(run, entry, name)  # still in flight: destroying it would abort
-                    raise NpuRunError(f"GEMM K={d.K} N={d.N} on the NPU ended in {name} "
-                                      f"(timeout {timeout_ms} ms)", name)
-                entry.bo_c.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE)
-                raw = entry.bo_c.read(d.M * d.compiled_N * 4, 0)
-                self.bytes_from_device += d.M * d.compiled_N * 4
-                c = np.frombuffer(bytes(raw), c_type).reshape(d.M, d.compiled_N)
-                n0 = p * d.compiled_N
-                width = min(d.compiled_N, d.N - n0)
-                out[:, n0 : n0 + width] = c[:rows, :width]
+            for handle, a_bits, step, *m in calls:
+                key, bos = self.weights[handle]
+                entries = [e for e in self.variants[key] if not m or m[0] is None or e.design.M == m[0]]
+                if not entries:
+                    raise XrtUnavailable(f"GEMM K={key[0]} N={key[1]}: no design of M = {m[0]}")
+                if entries[0].design.weight_format == "int8":  # each row's own scale: its neighbours change nothing
+                    a_bits, dx = quantize_rows(a_bits)
+                    scaled[len(outs)] = (dx, self.scales[handle])
+                c_type = np.int32 if entries[0].design.dtype_out == "i32" else np.float32
+                out = np.empty((a_bits.shape[0], key[1]), c_type)
+                outs.append(out)
+                if step is None:
+                    plan = chunk_plan(a_bits.shape[0], [e.design.M for e in entries])
+                else:
+                    each = min(int(step), entries[0].design.M)
+                    plan = [(min(each, a_bits.shape[0] - r0), entries[0].design.M)
+                            for r0 in range(0, a_bits.shape[0], each)]
+                by_m = {e.design.M: e for e in entries}
+                r0 = 0
+                for rows, chunk_m in plan:
+                    entry = by_m[chunk_m]
+                    d = entry.design
+                    if entry.retired is not None:
+                        raise NpuRunError(f"GEMM K={d.K} N={d.N}: its context was retired ({entry.retired})",
+                                          "retired")
+                    if str(d.xclbin) not in self.plan.open and queued:  # a context to open may close one in use
+                        self._finish(queued, timeout_ms)
+                        queued, used = [], {}
+                    kernel = self.plan.kernel(d, self.busy() | {str(e.design.xclbin) for _, e, *_ in queued})
+                    slots = used.setdefault((key, d.M), [0, 0])
+                    bo_a = entry.slot(entry.a_slots, slots[0], GROUP_A, d.M * d.compiled_K * d.in_bytes)
+                    slots[0] += 1
+                    # the chunk's rows only (their K padding zeros): a row of C depends on its row of A
+                    # alone, so the rows past them (left from earlier calls) give rows nobody reads. A
+                    # design run a row at a time (`step`: its rows move with their neighbours) gets its
+                    # zero padding rows written too, so its neighbours are always the same.
+                    a = np.zeros((rows if step is None else d.M, d.compiled_K), a_bits.dtype)
+                    a[:rows, : d.K] = a_bits[r0 : r0 + rows]
+                    bo_a.write(a.view(np.uint8).ravel(), 0)
+                    bo_a.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE, a.nbytes, 0)
+                    self.bytes_to_device += a.nbytes
+                    for p, bo_b in enumerate(bos):
+                        bo_c = entry.slot(entry.c_slots, slots[1], GROUP_C, d.M * d.compiled_N * 4)
+                        slots[1] += 1
+                        self.passes += 1
+                        run = kernel(OPCODE, entry.bo_insts, entry.num_insts, bo_a, bo_b, bo_c)
+                        queued.append((run, entry, out, r0, rows, p, bo_c))
+                    r0 += rows
+            self._finish(queued, timeout_ms)
+            queued = []
         except NpuRunError:
+            self._keep_unfinished(queued)
             raise
         except Exception as exc:  # pyxrt raises RuntimeError (and others) from C++ for driver errors
-            raise NpuRunError(f"GEMM K={d.K} N={d.N} on the NPU raised {type(exc).__name__}: {exc}") from exc
-        return out
+            self._keep_unfinished(queued)
+            d = queued[-1][1].design if queued else None
+            where = f"GEMM K={d.K} N={d.N}" if d is not None else "a GEMM"
+            raise NpuRunError(f"{where} on the NPU raised {type(exc).__name__}: {exc}") from exc
+        for i, (dx, scale) in scaled.items():
+            outs[i] = dequantize(outs[i], dx, scale)
+        return outs
+
+    def _finish(self, queued: list, timeout_ms: int) -> None:
+        """Wait for each queued run in turn (each within the run timeout), then read its C. A run
+        that does not complete raises NpuRunError (the runs still in flight: the caller keeps them)."""
+        xrt = self.xrt
+        ok = xrt.ert_cmd_state.ERT_CMD_STATE_COMPLETED
+        for i, (run, entry, out, r0, rows, p, bo_c) in enumerate(queued):
+            state = run.wait(int(timeout_ms))
+            if state != ok:
+                name = state_name(state)
+                d = entry.design
+                # wait() answers TIMEOUT when it stopped waiting, not when the command ended
+                if name not in FINAL_STATES or name == "ERT_CMD_STATE_TIMEOUT":
+                    self._keep(run, entry, name)  # still in flight: destroying it would abort
+                del queued[: i + 1]  # this one is dealt with; the caller keeps the rest in flight
+                raise NpuRunError(f"GEMM K={d.K} N={d.N} on the NPU ended in {name} "
+                                  f"(timeout {timeout_ms} ms)", name)
+        for run, entry, out, r0, rows, p, bo_c in queued:
+            d = entry.design
+            size = rows * d.compiled_N * 4  # C is row-major [M, cN]: the chunk's rows come first
+            bo_c.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE, size, 0)
+            raw = bo_c.read(size, 0)
+            self.bytes_from_device += size
+            c = np.frombuffer(bytes(raw), out.dtype).reshape(rows, d.compiled_N)
+            n0 = p * d.compiled_N
+            width = min(d.compiled_N, d.N - n0)
+            out[r0 : r0 + rows, n0 : n0 + width] = c[:rows, :width]
+
+    def _keep_unfinished(self, queued: list) -> None:
+        """Keep every started run whose state is not final (a failure cut the call short)."""
+        for run, entry, *_ in queued:
+            try:
+                name = state_name(run.state())
+            except Exception:
+                name = None
+            if name is None or name not in FINAL_STATES:
+                self._keep(run, entry, name or "an unknown state")
 
     def define_layer_group(self, spec, handles: list[dict[str, int]], head: int, steps: dict[int, int]) -> int:
         """Keep a model's layer group (npud/kernels/layers.py): its row-wise weights here, its GEMMs'
@@ -392,13 +498,6 @@ class DeviceSession:
         self.groups[gid] = (spec, handles, head, steps)
         return gid
 
-    def layer_begin(self, gid: int, x: np.ndarray, timeout_ms: int) -> tuple:
-        """npud/kernels/layers.py begin() on this device. Raises NpuRunError."""
-        from npud.kernels import layers
-
-        spec, *_ = self.groups[gid]
-        return layers.begin(spec, self._rows_host, self._group_linear(gid, timeout_ms), x)
-
     def layer_step(self, gid: int, i: int, attn: np.ndarray, x: np.ndarray, picked: np.ndarray,
                    timeout_ms: int) -> tuple:
         """npud/kernels/layers.py step() on this device. Raises NpuRunError."""
@@ -408,17 +507,19 @@ class DeviceSession:
         return layers.step(spec, self._rows_host, self._group_linear(gid, timeout_ms), i, attn, x, picked)
 
     def _group_linear(self, gid: int, timeout_ms: int):
+        """The layer group's linears (layers.py's Linears): the GEMMs of one input queued together."""
         spec, handles, head, steps = self.groups[gid]
 
-        def linear(i: int, name: str, x: np.ndarray) -> np.ndarray:
-            handle = head if name == "lm_head" else handles[i][name]
-            out = self.run(handle, self.activations(handle, x), timeout_ms, steps.get(handle))
-            bias = None if name == "lm_head" else dict(spec.layers[i].biases).get(name)
-            if bias is not None:
-                out += bias
-            return out
+        def linears(i: int, names: tuple[str, ...], x: np.ndarray) -> tuple[np.ndarray, ...]:
+            chosen = [head if name == "lm_head" else handles[i][name] for name in names]
+            outs = self.run_many([(h, self.activations(h, x), steps.get(h)) for h in chosen], timeout_ms)
+            for name, out in zip(names, outs):
+                bias = None if name == "lm_head" else dict(spec.layers[i].biases).get(name)
+                if bias is not None:
+                    out += bias
+            return tuple(outs)
 
-        return linear
+        return linears
 
     def stats(self) -> dict:
         """{"passes": runs started, "contexts_opened": contexts created, "contexts_open": held now,
@@ -443,7 +544,7 @@ class DeviceSession:
         if self not in _HOLDING_RUNS:  # a backend dropped meanwhile must not take the run with it
             _HOLDING_RUNS.append(self)
         entry.retired = f"a run ended in {state} and may still be running"
-        for other in self.designs.values():
+        for other in (e for es in self.variants.values() for e in es):
             if other.design.xclbin == entry.design.xclbin:
                 other.retired = entry.retired
         self.plan.retire(entry.design)
@@ -473,3 +574,4 @@ class DeviceSession:
         self.scales.clear()
         self.resident.clear()
         self.designs.clear()
+        self.variants.clear()
