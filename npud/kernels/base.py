@@ -141,6 +141,23 @@ class FusedLinear:
 # calls these, which fuse nothing or compose the primitives, so any backend keeps working.
 
 
+def quantize_int8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Returns (int8 q [N, K], float32 scale [N]) with w ~= q * scale[:, None]: WeightFormat.INT8's rows.
+
+    Here, not in npud.engine.weights, because the NPU's start-up check (npud.kernels.xrt_check) makes
+    the rows an int8 model loads, and kernels do not import the engine.
+
+    Symmetric per output row: scale = max|row| / 127, q = clip(rint(w / scale), -127, 127),
+    so each element is off by at most scale / 2. An all-zero row gets scale 1.0 (its q is
+    all zeros, so it dequantizes to exact zeros and nothing divides by zero).
+    """
+    absmax = np.max(np.abs(w), axis=1) if w.shape[1] else np.zeros(w.shape[0], np.float32)
+    scale = (absmax / np.float32(127.0)).astype(np.float32)
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
+    return q, scale
+
+
 def fuse_linears(backend, parts: Sequence[LinearWeight]) -> FusedLinear | None:
     """`parts` (as loaded, one input) as one weight laid out for `backend`, or None where the
     backend keeps them apart (the default: fusion is the backend's decision)."""

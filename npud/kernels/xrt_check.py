@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from npud.kernels.base import DeviceFault, LinearWeight, WeightFormat
+from npud.kernels.base import DeviceFault, LinearWeight, WeightFormat, quantize_int8_rows
 
 U = 2.0**-24  # fp32 unit roundoff
 SEED = 20240615
@@ -126,9 +126,7 @@ def check_design(runner, host, timeout_ms: int, seed: int = SEED) -> tuple[list[
     x = bf16_round(rng.standard_normal((rows, d.K)).astype(np.float32))
     w32 = (rng.standard_normal((d.N, d.K)) / np.sqrt(d.K)).astype(np.float32)
     scale = None
-    if d.weight_format == "int8":  # the int8 rows an int8 model loads (npud.engine.weights)
-        from npud.engine.weights import quantize_int8_rows
-
+    if d.weight_format == "int8":  # the int8 rows an int8 model loads
         q, scale = quantize_int8_rows(w32)
         weight = LinearWeight(WeightFormat.INT8, q, scale)
         wf = q.astype(np.float32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from npud.engine.weights.checkpoint import TensorRef, WeightsError
-from npud.kernels.base import WeightFormat
+from npud.kernels.base import WeightFormat, quantize_int8_rows
 
 # rows converted per step are sized to about this many elements, to bound temporaries
 _CHUNK_ELEMENTS = 1 << 20
@@ -29,20 +29,6 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     # dropped half is above one half, or equal to it with an odd kept half
     rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
     return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
-
-
-def quantize_int8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Returns (int8 q [N, K], float32 scale [N]) with w ~= q * scale[:, None].
-
-    Symmetric per output row: scale = max|row| / 127, q = clip(rint(w / scale), -127, 127),
-    so each element is off by at most scale / 2. An all-zero row gets scale 1.0 (its q is
-    all zeros, so it dequantizes to exact zeros and nothing divides by zero).
-    """
-    absmax = np.max(np.abs(w), axis=1) if w.shape[1] else np.zeros(w.shape[0], np.float32)
-    scale = (absmax / np.float32(127.0)).astype(np.float32)
-    scale[scale == 0] = 1.0
-    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
-    return q, scale
 
 
 def _convert_matrix(ref: TensorRef, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray | None]:
