@@ -61,6 +61,8 @@ typedef struct job {
     long published_ns;       /* when the caller published the job (pool.c's trace) */
     atomic_long seen_ns;     /* when a worker first saw it, or 0 */
     long created_ns;         /* when the entry made it (job_new): the GEMM clock's start (pool.c) */
+    void (*unit)(void *, long); /* pool_for's job: unit(ctx, i) for each chunk i (no tiles, no scratch) */
+    void *ctx;
 } job_t;
 
 typedef void (*tile_fn)(const job_t *, long, float *, long);
