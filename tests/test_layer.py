@@ -275,7 +275,7 @@ def test_attention_and_per_row_kernels_large_enough_for_threads_run_inside_the_c
     model = model_for(checkpoints, "gemma3", "bf16")
     monkeypatch.setattr(native, "PARALLEL_MIN_WORK", 1)  # every sequence's attention takes threads: the layer's
     monkeypatch.setattr(host_backend, "PARALLEL_MIN_WORK", 1)  # and the per-op path's (its own rule)
-    monkeypatch.setattr(pointwise, "POINTWISE_PARALLEL_MIN", 1)  # and every per-row kernel of more than a row
+    monkeypatch.setattr(host_layer, "ROWS_PARALLEL_MIN", 1)  # and every per-row kernel of more than a row
     calls = []
     real = native.attention
     monkeypatch.setattr(native, "attention", lambda *a: calls.append(a[-1]) or real(*a))
@@ -305,7 +305,7 @@ def test_a_round_whose_per_row_kernels_take_threads_stays_one_call(checkpoints, 
     native.set_threads(2)
     try:
         for threshold, split in ((3 * 128, True), (3 * 128 + 1, False)):  # M x F: the widest per-row call
-            monkeypatch.setattr(pointwise, "POINTWISE_PARALLEL_MIN", threshold)
+            monkeypatch.setattr(host_layer, "ROWS_PARALLEL_MIN", threshold)
             before = native.pool_for_stats()
             assert_same_layer(model.backend, layer, rows, x, delta, planes, f"threshold {threshold}")
             assert (native.pool_for_stats()[0] > before[0]) == split, threshold

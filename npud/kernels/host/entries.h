@@ -42,5 +42,7 @@ long npud_attention(int isa, const float *q, long M, long H, long Dh, const floa
  * outputs where it computes them, so the caller waits for the units a worker holds (none is taken
  * back, unlike a GEMM's chunks). layer.c's per-row kernels and attention. */
 __attribute__((visibility("hidden"))) void pool_for(int threads, long n, void (*unit)(void *, long), void *ctx);
+/* pool.c: while on (1; 0 ends it), the workers spin between calls instead of sleeping */
+__attribute__((visibility("hidden"))) void pool_hold(int on);
 
 #endif

@@ -378,9 +378,14 @@ long npud_decoder_layer(const npud_layer_t *L, const npud_call_t *c) {
  * step's layers in one call. Returns the last layer's return, or the first error. */
 long npud_decoder_layers(const npud_layer_t *const *layers, const npud_call_t *calls, long n) {
     long held = 0;
+    /* several rows on threads: the pool's workers stay awake from the first GEMM to the last (a
+     * decode step's row keeps pool.c's short spin: its gaps are short, its GEMMs read-bound) */
+    const int hold = n > 0 && calls[0].threads > 1 && calls[0].M > 1;
+    if (hold) pool_hold(1);
     for (long i = 0; i < n; i++) {
         held = npud_decoder_layer(layers[i], calls + i);
-        if (held < 0) return held;
+        if (held < 0) break;
     }
+    if (hold) pool_hold(0);
     return held;
 }

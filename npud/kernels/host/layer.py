@@ -13,8 +13,8 @@ norms), in any weight format the host serves (describe_linear; GGUF blocks: the 
 native_linear). Left to compose_layer: a GDN layer or qwen3_5's output gate, gemma4's v_norm,
 k_eq_v, per-layer inputs and layer scalar, and a weight in a layout without a native description.
 A prefill chunk runs as one call too: its per-row kernels and a sequence's attention, where the
-per-op path would split them over threads (pointwise.POINTWISE_PARALLEL_MIN, native.PARALLEL_MIN_WORK,
-read at each call), go to the GEMM pool's threads inside the call in the same units (whole rows;
+path splits them over threads (ROWS_PARALLEL_MIN, below the per-op path's threshold, and
+native.PARALLEL_MIN_WORK, read at each call), go to the GEMM pool's threads inside the call in the same units (whole rows;
 whole rows of whole kv heads), so the bits do not depend on the split, and the pool's workers,
 busy from one GEMM to the next, do not fall asleep between them.
 
@@ -40,6 +40,10 @@ from npud.kernels.host.formats import PARALLEL_MIN_BYTES, kernel_for
 LIN_FLOAT, LIN_Q8, LIN_BD, LIN_QT, LIN_BQ8 = range(5)  # layer.c's LIN_*: which GEMM entry multiplies a weight
 ACT = {"silu": 0, "gelu_tanh": 1}
 
+# a per-row kernel's elements from which a layer call splits it over the threads: below
+# pointwise.POINTWISE_PARALLEL_MIN (the per-op path's, whose split goes through Python's pool),
+# as the GEMM pool's workers, held awake through the call, take a unit in microseconds
+ROWS_PARALLEL_MIN = 1 << 16
 _L, _D, _P = ctypes.c_long, ctypes.c_double, ctypes.c_void_p
 _FLOAT_CODES = {WeightFormat.FP32: native.FMT_F32, WeightFormat.BF16: native.FMT_BF16, WeightFormat.INT8: native.FMT_I8}
 
@@ -310,8 +314,8 @@ class HostLayers:
                     table = tables[id(inv_freq)] = pointwise._rope_table(
                         positions, np.ascontiguousarray(inv_freq, dtype=np.float32))
                 c.isa, c.threads, c.M, c.nseq = isa, threads, m, nseq
-                # read at each call, so that tests can lower them (pointwise.py's and native.py's rules)
-                c.rows_min, c.attn_min = pointwise.POINTWISE_PARALLEL_MIN, native.PARALLEL_MIN_WORK
+                # read at each call, so that tests can lower them
+                c.rows_min, c.attn_min = ROWS_PARALLEL_MIN, native.PARALLEL_MIN_WORK
                 c.pos, c.cs, c.seq, c.work = native._addr(positions), native._addr(table), native._addr(bounds), w_at
                 c.keys, c.values, c.held = ptrs + 3 * i * plane_step, ptrs + (3 * i + 1) * plane_step, \
                     ptrs + (3 * i + 2) * plane_step

@@ -36,6 +36,7 @@ static struct {
     _Atomic(job_t *) job;                  /* the current call's job; NULL between calls */
     _Atomic(job_t *) hazard[MAX_THREADS];  /* the job each worker is reading, or NULL */
     atomic_int active;                     /* workers that take part in calls (threads - 1) */
+    atomic_int hold;                       /* > 0: workers spin between calls instead of sleeping (pool_hold) */
     int started;                           /* workers running */
     job_t *retired;                        /* jobs a worker may still read (caller's side only) */
     atomic_long published, stolen, moved;  /* chunks workers delivered; chunks the caller took back;
@@ -195,7 +196,8 @@ static void *worker(void *arg) {
     for (;;) {
         unsigned call;
         int spins = 0;
-        while ((call = atomic_load_explicit(&pool.call, memory_order_acquire)) == seen && spins < SPIN_WAIT) {
+        while ((call = atomic_load_explicit(&pool.call, memory_order_acquire)) == seen &&
+               (spins < SPIN_WAIT || atomic_load_explicit(&pool.hold, memory_order_relaxed) > 0)) {
             _mm_pause();
             spins++;
         }
@@ -369,6 +371,13 @@ void pool_for(int threads, long n, void (*unit)(void *, long), void *ctx) {
     atomic_fetch_add_explicit(&pool.for_units, n, memory_order_relaxed);
     pthread_mutex_unlock(&pool.call_mu);
 }
+
+/* While on (calls nest), the workers spin between calls rather than sleep: a layer call of many
+ * rows (layer.c) holds them from its first GEMM to its last, whose gaps (per-row kernels, the
+ * activations' quantization, a GEMM's activation copy) last longer than SPIN_WAIT (some 20 us
+ * here), after which a sleeping worker took 100-150 us to wake for each next GEMM of a prefill
+ * chunk (pool_trace's wake_ns), a fifth of an average one. */
+void pool_hold(int on) { atomic_fetch_add(&pool.hold, on ? 1 : -1); }
 
 /* counts[0]: pool_for calls that went to the pool, [1]: their units, [2]: the units workers ran. */
 void npud_pool_for_stats(long *counts) {
