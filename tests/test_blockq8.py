@@ -13,7 +13,7 @@ import pytest
 from kernel_fixtures import _fma32, isa_and_threads  # noqa: F401  (a fixture)
 from npud.kernels.ggml.backend import BlockHostBackend, check_block_invariance, random_block_rows
 from npud.kernels.ggml.blocks import LAYOUTS, BlockFormat, unpack_matrix, widen
-from npud.kernels.ggml.gemm import LAYOUT_Q8, dense_weights, pack_block_matrix
+from npud.kernels.ggml.gemm import LAYOUT_FLOAT, LAYOUT_Q8, dense_weights, pack_block_matrix
 from npud.kernels.host import QB, TILE, native
 
 K = 512
@@ -167,3 +167,30 @@ def test_float16_factors_of_another_shape_are_refused():
     assert w.scale.dtype == np.float32  # two factors a group: kept float32
     with pytest.raises(ValueError, match="float16 factor tiles"):
         native.linear_bq8(np.ones((1, K), np.float32), w.data, w.scale.astype(np.float16), 64, None, False)
+
+
+@pytest.mark.parametrize("layout", [LAYOUT_Q8, LAYOUT_FLOAT])
+def test_a_prefill_sized_call_prepares_its_rows_on_the_threads_with_the_one_row_bits(layout):
+    """Rows of M x K >= gemm.h's PREP_PARALLEL_MIN at 2 threads: the entry quantizes (gguf-q8) or
+    transposes (the exact path's qtiles) them in blocks on the pool's threads (pool.c's pool_for),
+    and every row keeps the bits of its one-row call."""
+    fmt = BlockFormat.Q4_K
+    w = pack_block_matrix(random_block_rows(fmt, 136, 1024, seed=4), fmt, 1024, layout=layout)
+    b = BlockHostBackend(parallel=True)
+    w = b.prepare_linear(w)
+    x = np.random.default_rng(5).standard_normal((40, 1024)).astype(np.float32)  # 40 x 1024 >= 1 << 15
+    native.set_isa(None)
+    try:
+        native.set_threads(1)
+        single = np.concatenate([b.linear(x[i : i + 1], w) for i in range(40)]).view(np.uint32)
+        native.set_threads(2)
+        native.stall_workers(200)  # a worker takes the first block of rows for certain
+        before = native.pool_for_stats()
+        got = b.linear(x, w).view(np.uint32)
+        after = native.pool_for_stats()
+    finally:
+        native.stall_workers(0)
+        native.set_threads(0)
+    assert np.array_equal(got, single)
+    assert after[0] - before[0] == 1 and after[1] - before[1] == 8, (before, after)  # 4 x 2 blocks
+    assert after[2] > before[2], "no worker prepared a block: the bits above checked only the caller's"

@@ -7,8 +7,8 @@ none, biases, widths that end inside a tile, sliding windows, gemma3's four norm
 tables) and on a model with KV-shared layers, for M = 1, 3 and 8 rows in one, three and three
 ragged sequences: the layer's output (x, delta), and every row of every plane it writes, are the
 per-op path's bits; rows of a plane outside the pass's are untouched. Then the same at 1 and 2
-threads and on every slower ISA path, with attention large enough for threads (the layer then
-runs as two calls around it), with stalled GEMM workers (the layer's weights are kept while they
+threads and on every slower ISA path, with attention and per-row kernels large enough for threads
+(split over the GEMM pool's threads inside the call), with stalled GEMM workers (the layer's weights are kept while they
 may read them), and whole packed passes of three sequences (logits and planes). A whole model's
 layers in one call (decoder_stack: KV-shared layers reading rows written in the same call) against
 compose_layer a layer at a time; a decode step is one such call (cut at a tap layer); a call that
@@ -47,7 +47,7 @@ from npud.engine.testing.backends import ONE_CALL_LAYERS, PrimitivesOnly
 from npud.engine.testing.checkpoints import build_tiny_checkpoint, write_tokenizer
 from npud.engine.weights import AttentionWeights, LayerWeights, MlpWeights, ModelWeights
 from npud.kernels.base import LayerCall, PlaneRows, RoundRows, StackCall, WeightFormat, compose_layer
-from npud.kernels.host import HostBackend, layer as host_layer, native, pointwise
+from npud.kernels.host import HostBackend, backend as host_backend, layer as host_layer, native, pointwise
 from npud.kernels.host.formats import KERNELS
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -267,31 +267,58 @@ def test_every_isa_path_and_thread_count_gives_the_per_op_bits(checkpoints, name
         native.set_isa(best)
 
 
-def test_attention_large_enough_for_threads_runs_between_two_calls(checkpoints, monkeypatch):
-    model = model_for(checkpoints, "gemma3", "bf16")
-    native.set_threads(2)
+@pytest.mark.parametrize("name,fmt", [("gemma3", "bf16"), ("qwen3_odd", "fp32")])  # kv heads 2 and 1
+def test_attention_and_per_row_kernels_large_enough_for_threads_run_inside_the_call(checkpoints, monkeypatch, name,
+                                                                                     fmt):
+    """A prefill-sized round stays one native call: its per-row kernels and each sequence's attention
+    go to the GEMM pool's threads inside it (pool.c's pool_for), with the per-op path's bits, in
+    native._attention_units' units (a kv head each for gemma3's two, row blocks for qwen3_odd's one).
+    Workers that sleep on every unit they take (and take the first of each split) make the pool's
+    workers compute units for certain, and the call wait for them."""
+    model = model_for(checkpoints, name, fmt)
+    monkeypatch.setattr(native, "PARALLEL_MIN_WORK", 1)  # every sequence's attention takes threads: the layer's
+    monkeypatch.setattr(host_backend, "PARALLEL_MIN_WORK", 1)  # and the per-op path's (its own rule)
+    monkeypatch.setattr(host_layer, "ROWS_PARALLEL_MIN", 1)  # and every per-row kernel of more than a row
     calls = []
     real = native.attention
-    monkeypatch.setattr(host_layer, "PARALLEL_MIN_WORK", 1)  # every sequence's attention takes threads
     monkeypatch.setattr(native, "attention", lambda *a: calls.append(a[-1]) or real(*a))
+    native.set_threads(2)
+    native.stall_workers(200)
+    before = native.pool_for_stats()
     try:
         check_model_layers(model, {"M8x3": LAYOUTS["M8x3"]})
     finally:
+        native.stall_workers(0)
         native.set_threads(0)
-    # the native layers' (three sequences each) on threads; the composed layers' on one (their own rule)
-    assert calls.count(True) == 3 * len(model.decoder_layers)
+    splits, units, by_workers = (b - a for a, b in zip(before, native.pool_for_stats()))
+    layers = model.decoder_layers
+    spec = layers[0]
+    per_sequence = [len(native._attention_units(n, spec.num_kv_heads, 2, n * spec.num_heads * (held + n) * spec.head_dim))
+                    for held, n in LAYOUTS["M8x3"]]
+    split = [u for u in per_sequence if u > 1]  # one unit (qwen3_odd's one-row sequence) runs on the caller
+    # per layer: the sequences' attention, and the per-row kernels (2 norm_rope, 2 norms or gemma3's 4,
+    # the activation) in min(M, 4 x threads) = 8 blocks each
+    rows_kernels = 2 + (4 if spec.sandwich_norms else 2) + 1
+    assert splits == len(layers) * (len(split) + rows_kernels), splits
+    assert units == len(layers) * (sum(split) + rows_kernels * 8), units
+    # the caller gives a worker some time to take each split's first unit (not always enough on a
+    # loaded machine: the worker's core may be busy), so some of them, not all, are the workers'
+    assert by_workers > 0, f"the workers ran none of the {units} units: the bits above checked only the caller's"
+    # only the composed layers call native.attention (on threads, their own rule)
+    assert calls.count(True) == 3 * len(layers) and len(calls) == 3 * len(layers)
 
 
-def test_a_round_whose_per_row_kernels_take_threads_is_left_to_the_composed_path(checkpoints, monkeypatch):
+def test_a_round_whose_per_row_kernels_take_threads_stays_one_call(checkpoints, monkeypatch):
     model = model_for(checkpoints, "qwen3", "fp32")
     layer = model.decoder_layers[0]
     rows, x, delta, planes = round_inputs(model, layer, LAYOUTS["M3"], 1, False)
     native.set_threads(2)
     try:
-        monkeypatch.setattr(pointwise, "POINTWISE_PARALLEL_MIN", 3 * 128)  # M x F: the MLP's activation
-        assert model.backend.decoder_layer(_call(layer, rows, x, delta, planes)) is None
-        monkeypatch.setattr(pointwise, "POINTWISE_PARALLEL_MIN", 3 * 128 + 1)
-        assert model.backend.decoder_layer(_call(layer, rows, x, delta, planes)) is not None
+        for threshold, split in ((3 * 128, True), (3 * 128 + 1, False)):  # M x F: the widest per-row call
+            monkeypatch.setattr(host_layer, "ROWS_PARALLEL_MIN", threshold)
+            before = native.pool_for_stats()
+            assert_same_layer(model.backend, layer, rows, x, delta, planes, f"threshold {threshold}")
+            assert (native.pool_for_stats()[0] > before[0]) == split, threshold
     finally:
         native.set_threads(0)
 

@@ -323,6 +323,27 @@ static __attribute__((noinline)) T512 void tile_qt_avx512(const job_t *j, long t
 QT_DRIVER(tile_qt_generic, __attribute__((noinline)), qt_gen_block)
 QT_DRIVER(tile_qt_avx2, __attribute__((noinline, target("avx2,fma"))), qt_gen_block)
 
+/* x [M, K] transposed into xt [K, M], its k0..k1-1 (a copy: k ranges may go on any thread) */
+typedef struct {
+    const float *x;
+    float *xt;
+    long M, K, blocks;
+} qt_transpose_t;
+
+static void qt_transpose(const qt_transpose_t *a, long k0, long k1) {
+    const long M = a->M, K = a->K;
+    for (long m0 = 0; m0 < M; m0 += 8) {
+        const long m1 = m0 + 8 < M ? m0 + 8 : M;
+        for (long k = k0; k < k1; k++)
+            for (long m = m0; m < m1; m++) a->xt[k * M + m] = a->x[m * K + k];
+    }
+}
+
+static void qt_transpose_unit(void *ctx, long i) {
+    const qt_transpose_t *a = ctx;
+    qt_transpose(a, a->K * i / a->blocks, a->K * (i + 1) / a->blocks);
+}
+
 /* out[M, ntiles*TILE] = x[M, K] @ W.T (+ bias [N] or NULL) for block weights: q tiles of qbits
  * 8 ([ntiles, K, TILE] int8), 4 or 5 (packed, u = q + qzero), fac [ntiles, K / group, parts, TILE]
  * float32 (float16 when fac16). Returns as npud_gemm (gemm.c), or -2 for a qbits not 8, 4 or 5. */
@@ -333,10 +354,12 @@ long npud_linear_qtiles(const float *x, long M, long K, const void *q, const voi
     job_t *j = job_new(ntiles, (size_t)M * K * sizeof(float));
     if (!j) return -1;
     float *xt = job_extra(j, ntiles); /* x transposed: [K, M], as npud_gemm's */
-    for (long m0 = 0; m0 < M; m0 += 8) {
-        const long m1 = m0 + 8 < M ? m0 + 8 : M;
-        for (long k = 0; k < K; k++)
-            for (long m = m0; m < m1; m++) xt[k * M + m] = x[m * K + k];
+    qt_transpose_t tr = {x, xt, M, K, 1};
+    if (threads > 1 && M > 1 && M * K >= PREP_PARALLEL_MIN) { /* a prefill chunk's k ranges on the pool's threads */
+        tr.blocks = 4 * threads;
+        pool_for(threads, tr.blocks, qt_transpose_unit, &tr);
+    } else {
+        qt_transpose(&tr, 0, K);
     }
     j->fmt = FMT_QT, j->M = M, j->K = K, j->x = xt, j->w = q, j->fac = fac, j->group = group, j->parts = parts;
     j->fac16 = fac16, j->qbits = qbits, j->qzero = qzero;

@@ -259,6 +259,33 @@ BQ_DRIVER(tile_bq_avx2, __attribute__((noinline, target("avx2,fma"))), bq_gen_bl
 BQ_DRIVER(tile_bq_avx512, __attribute__((noinline)) T512, bq_gen_block)
 BQ_DRIVER(tile_bq_vnni, __attribute__((noinline)) TVNNI, bq_vnni_block)
 
+/* The q8 rows of x (npud_quantize_q8) and each weight group's sum of a row's int8 activations
+ * (exact), rows m0..m1-1: each row's own numbers, so the rows may go in blocks on any thread. */
+typedef struct {
+    const float *x;
+    long K, group;
+    int8_t *xq;
+    float *xs;
+    int32_t *bsum, *gsum;
+    long M, blocks;
+} bq_prep_t;
+
+static void bq_prep_rows(const bq_prep_t *p, long m0, long m1) {
+    const long K = p->K, nb = K / QB, ng = K / p->group;
+    npud_quantize_q8(p->x + m0 * K, m1 - m0, K, K, p->xq + m0 * K, p->xs + m0 * nb, p->bsum + m0 * nb);
+    for (long m = m0; m < m1; m++)
+        for (long G = 0; G < ng; G++) {
+            int32_t s = 0;
+            for (long k = G * p->group; k < (G + 1) * p->group; k++) s += p->xq[m * K + k];
+            p->gsum[m * ng + G] = s;
+        }
+}
+
+static void bq_prep_unit(void *ctx, long i) {
+    const bq_prep_t *p = ctx;
+    bq_prep_rows(p, p->M * i / p->blocks, p->M * (i + 1) / p->blocks);
+}
+
 /* out[M, ntiles*TILE] = x[M, K] @ W.T (+ bias [N] or NULL) for block weights against q8 rows:
  * q [ntiles, K / 4, TILE, 4] uint8 (q + 128), fac [ntiles, K / group, parts, TILE] float32 (or
  * float16 when fac16, for parts 1 and group 32 only: else -2); qbits 8, or 4 / 5 for packed q tiles
@@ -279,13 +306,13 @@ long npud_linear_bq8(const float *x, long M, long K, const uint8_t *q, const voi
     float *xs = (float *)((char *)xq + qbytes);
     int32_t *bsum = (int32_t *)(xs + M * nb);
     int32_t *gsum = bsum + M * nb;
-    npud_quantize_q8(x, M, K, K, xq, xs, bsum);
-    for (long m = 0; m < M; m++) /* the sum of each weight group's int8 activations (exact) */
-        for (long G = 0; G < ng; G++) {
-            int32_t s = 0;
-            for (long k = G * group; k < (G + 1) * group; k++) s += xq[m * K + k];
-            gsum[m * ng + G] = s;
-        }
+    bq_prep_t prep = {x, K, group, xq, xs, bsum, gsum, M, 1};
+    if (threads > 1 && M > 1 && M * K >= PREP_PARALLEL_MIN) { /* a prefill chunk's rows on the pool's threads */
+        prep.blocks = M < 4 * threads ? M : 4 * threads;
+        pool_for(threads, prep.blocks, bq_prep_unit, &prep);
+    } else {
+        bq_prep_rows(&prep, 0, M);
+    }
     j->fmt = FMT_BQ, j->M = M, j->K = K, j->w = q, j->fac = fac, j->group = group, j->parts = parts, j->fac16 = fac16, j->qbits = qbits, j->qzero = qzero;
     j->ntiles = ntiles, j->N = N, j->bias = bias, j->out = out, j->xq = xq, j->xs = xs, j->xsum = gsum;
     const int isa = isa_in_use();

@@ -37,4 +37,12 @@ long npud_attention(int isa, const float *q, long M, long H, long Dh, const floa
                     long KVH, const int64_t *pos, long window, float scale, float *out, long kvh0, long kvh1,
                     long m0, long m1);
 
+/* pool.c: unit(ctx, i) for i in 0..n-1 on `threads` threads (the caller's and the GEMM pool's
+ * workers), each unit whole on one thread; returns when every unit has run. A unit writes its
+ * outputs where it computes them, so the caller waits for the units a worker holds (none is taken
+ * back, unlike a GEMM's chunks). layer.c's per-row kernels and attention. */
+__attribute__((visibility("hidden"))) void pool_for(int threads, long n, void (*unit)(void *, long), void *ctx);
+/* pool.c: while on (1; 0 ends it), the workers spin between calls instead of sleeping */
+__attribute__((visibility("hidden"))) void pool_hold(int on);
+
 #endif

@@ -26,6 +26,8 @@
 #define MAXR 6          /* rows held in registers at once (AVX-512 float: 6 x 4 accumulators) */
 #define MAXR_Q8 4       /* q8: 4 x 4 int32 accumulators (the float ones wait in the output) */
 #define PF_BYTES 1024   /* software prefetch distance in the weight stream */
+#define PREP_PARALLEL_MIN (1L << 15) /* activations (M x K) from which a GEMM's entry quantizes or
+                                        transposes them on the pool's threads (pool_for) */
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2, FMT_Q8 = 3, FMT_BD = 4, FMT_QT = 5, FMT_BQ = 6, FMT_Q16 = 7 };
 /* ISA_AVX512_BF16: VNNI and AVX512_BF16 (every CPU with the latter has the former) */
@@ -61,6 +63,8 @@ typedef struct job {
     long published_ns;       /* when the caller published the job (pool.c's trace) */
     atomic_long seen_ns;     /* when a worker first saw it, or 0 */
     long created_ns;         /* when the entry made it (job_new): the GEMM clock's start (pool.c) */
+    void (*unit)(void *, long); /* pool_for's job: unit(ctx, i) for each chunk i (no tiles, no scratch) */
+    void *ctx;
 } job_t;
 
 typedef void (*tile_fn)(const job_t *, long, float *, long);

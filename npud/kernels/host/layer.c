@@ -11,13 +11,17 @@
  *   head norm + RoPE  npud_norm_rope on the columns where they lie, or npud_rope of a
  *                     contiguous copy where the layer has no head norm
  *   KV rows           copied into each sequence's plane at its rows held..held+n-1 (owning layers)
- *   attention         npud_attention per sequence over its own plane, on the calling thread
+ *   attention         npud_attention per sequence over its own plane (a large one in units of whole
+ *                     rows of whole kv heads on the threads: native.attention's units)
  *   o                 GEMM; the residual: npud_add_rms_norm (sandwich norms: npud_rms_norm of the
  *                     output, then npud_add_rms_norm with the pre-MLP norm)
  *   MLP               GEMM (gate/up fused or apart), npud_silu_mul / npud_gelu_tanh_mul reading the
  *                     halves where they lie, GEMM; sandwich norms: npud_rms_norm of the output
  * A GEMM's output is [M, ntiles * TILE]; where the per-op path takes the first N columns as a
  * contiguous array the rows are copied (a copy changes no bit).
+ *
+ * Per-row kernels and attention large enough for threads (c->rows_min, c->attn_min) are split over the
+ * GEMM pool's threads in whole rows (pool_for), as the per-op path splits them over native.py's pool.
  *
  * npud_decoder_layers runs consecutive layers, each over its own call, in one call (a step's layers).
  *
@@ -26,7 +30,9 @@
  * its own copy of the activations, and a worker whose chunk was taken back writes nothing), or
  * < 0: -1 when a GEMM's or attention's scratch could not be allocated, -2 for a bad weight form.
  */
+#include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "entries.h"
@@ -34,7 +40,7 @@
 #define TILE 64
 enum { LIN_FLOAT = 0, LIN_Q8 = 1, LIN_BD = 2, LIN_QT = 3, LIN_BQ8 = 4 };
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
-enum { STAGE_ALL = 0, STAGE_BEFORE_ATTENTION = 1, STAGE_AFTER_ATTENTION = 2 };
+#define ATTENTION_UNIT_WORK (1L << 22) /* native.py's: rows x heads x keys x Dh a threaded unit has at least */
 
 /* One linear layer: which GEMM entry multiplies it, and its arguments (layer.py's _linear). Every
  * field is 8 bytes, so the ctypes mirror has no padding to get wrong. */
@@ -65,7 +71,10 @@ typedef struct {
 
 /* One call: the round's rows and this layer's planes (layer.py's HostLayers.run). */
 typedef struct {
-    long isa, threads, stage; /* the per-row kernels' path; the GEMMs' threads; STAGE_* */
+    long isa, threads;        /* the per-row kernels' path; the GEMMs' threads (and the pool_for's) */
+    long rows_min, attn_min;  /* a per-row kernel's elements, a sequence's attention work (rows x heads
+                                 x keys x Dh), from which it is split over the threads (pointwise.py's
+                                 POINTWISE_PARALLEL_MIN, native.py's PARALLEL_MIN_WORK) */
     long M, nseq;
     const float *x, *delta;   /* [M, D]; delta NULL: nothing pending */
     const int64_t *pos;       /* [M] */
@@ -100,8 +109,7 @@ static long linear(const npud_linear_t *l, const float *x, long M, float *out, l
 static inline long width(const npud_linear_t *l) { return l->ntiles * TILE; }
 static inline long up16(long n) { return (n + 15) / 16 * 16; } /* whole cache lines between the regions */
 
-/* Where each buffer of a call lies in `work` (floats from its start); q first and attention's
- * output second, at the offsets layer.py reads them from when attention runs outside (stages). */
+/* Where each buffer of a call lies in `work` (floats from its start). */
 typedef struct {
     long q, attn, x1, h, qkv, q_own, k_own, v_own, copy, k_roped, o, mixed, n1, h2, gu, g_own, u_own, act, down, dc,
         total;
@@ -139,18 +147,124 @@ static layout_t layout(const npud_layer_t *L, long M) {
 /* Floats of `work` a call of L over M rows needs. */
 long npud_layer_scratch(const npud_layer_t *L, long M) { return layout(L, M).total; }
 
+/* ------------------------------------------------------------------ threads
+ * A prefill chunk's per-row kernels and attention go to the GEMM pool's threads (pool_for), the
+ * way the per-op path splits them over native.py's pool: a per-row kernel in blocks of whole rows,
+ * attention in units of whole rows of whole kv heads (native._attention_units), so no output's
+ * bits depend on the split or the thread. */
+
+enum { ROW_RMS, ROW_ADD_RMS, ROW_ROPE, ROW_NORM_ROPE, ROW_SILU, ROW_GELU };
+
+/* One per-row kernel call over rows 0..M-1, its arguments by name (as entries.h's declarations) */
+typedef struct {
+    int op, isa;
+    const float *x, *y;   /* x; add_rms_norm's delta, silu/gelu's up */
+    long ldx, ldy, D;     /* strides (norm_rope, silu/gelu); D: the norm's width, silu/gelu's F */
+    long H, Dh, half;
+    const float *w, *cs;
+    double eps;
+    float *out, *sum;     /* sum: add_rms_norm's x + delta */
+    long M, blocks;
+} rows_t;
+
+static void rows_range(const rows_t *r, long r0, long r1) {
+    switch (r->op) {
+    case ROW_RMS: npud_rms_norm(r->isa, r->x, r->D, r->w, r->eps, r->out, r0, r1); break;
+    case ROW_ADD_RMS: npud_add_rms_norm(r->isa, r->x, r->y, r->D, r->w, r->eps, r->sum, r->out, r0, r1); break;
+    case ROW_ROPE: npud_rope(r->isa, r->x, r->H, r->Dh, r->half, r->cs, r->out, r0, r1); break;
+    case ROW_NORM_ROPE:
+        npud_norm_rope(r->isa, r->x, r->ldx, r->H, r->Dh, r->w, r->eps, r->half, r->cs, r->out, r0, r1);
+        break;
+    case ROW_SILU: npud_silu_mul(r->isa, r->x, r->ldx, r->y, r->ldy, r->D, r->out, r0, r1); break;
+    case ROW_GELU: npud_gelu_tanh_mul(r->isa, r->x, r->ldx, r->y, r->ldy, r->D, r->out, r0, r1); break;
+    }
+}
+
+static void rows_unit(void *ctx, long i) {
+    const rows_t *r = ctx;
+    rows_range(r, r->M * i / r->blocks, r->M * (i + 1) / r->blocks);
+}
+
+/* r over rows 0..M-1 of c: in one call, or with `elements` (out's size, as pointwise._rows counts
+ * them) >= c->rows_min in blocks of whole rows on the threads (more blocks than threads, so a
+ * thread whose core is busy leaves its share to the others) */
+static void rows_run(const npud_call_t *c, rows_t r, long elements) {
+    r.isa = (int)c->isa;
+    r.M = c->M;
+    if (c->threads > 1 && c->M > 1 && elements >= c->rows_min) {
+        r.blocks = c->M < 4 * c->threads ? c->M : 4 * c->threads;
+        pool_for((int)c->threads, r.blocks, rows_unit, &r);
+    } else {
+        rows_range(&r, 0, c->M);
+    }
+}
+
+/* One sequence's attention (npud_attention's arguments) and its units: kvh0, kvh1, m0, m1 each */
+typedef struct {
+    int isa;
+    const float *q, *k, *v;
+    long n, H, Dh, T, KVH, window;
+    const int64_t *pos;
+    float scale;
+    float *out;
+    const long *units;
+    _Atomic long failed;
+} attn_units_t;
+
+static void attn_unit(void *ctx, long i) {
+    attn_units_t *a = ctx;
+    const long *u = a->units + 4 * i;
+    if (npud_attention(a->isa, a->q, a->n, a->H, a->Dh, a->k, a->v, a->T, a->KVH, a->pos, a->window, a->scale,
+                       a->out, u[0], u[1], u[2], u[3]) < 0)
+        atomic_store(&a->failed, 1);
+}
+
+/* One sequence's n rows over its plane (T keys): on the calling thread, or, with its work
+ * >= c->attn_min, in native._attention_units' units on the threads. 0, or -1 without memory. */
+static long attention_run(const npud_layer_t *L, const npud_call_t *c, const float *q, long n, const float *k,
+                          const float *v, long T, const int64_t *pos, float *out) {
+    const long KVH = L->KVH, threads = c->threads, work = n * L->H * T * L->Dh;
+    if (threads <= 1 || work < c->attn_min)
+        return npud_attention((int)c->isa, q, n, L->H, L->Dh, k, v, T, KVH, pos, L->window, (float)L->scale, out, 0,
+                              KVH, 0, n);
+    long want = work / ATTENTION_UNIT_WORK;
+    want = want < 8 * threads ? want : 8 * threads;
+    want = want > threads ? want : threads;
+    long blocks = (want + KVH - 1) / KVH;
+    blocks = blocks < n ? blocks : n;
+    blocks = blocks > 1 ? blocks : 1;
+    const long count = KVH % want == 0 ? want : KVH * blocks;
+    long *units = malloc((size_t)count * 4 * sizeof(long));
+    if (!units) return -1;
+    for (long i = 0; i < count; i++) {
+        long *u = units + 4 * i;
+        if (KVH % want == 0) {
+            u[0] = KVH * i / want, u[1] = KVH * (i + 1) / want, u[2] = 0, u[3] = n;
+        } else {
+            const long h = i / blocks, b = i % blocks;
+            u[0] = h, u[1] = h + 1, u[2] = n * b / blocks, u[3] = n * (b + 1) / blocks;
+        }
+    }
+    attn_units_t a = {(int)c->isa, q, k, v, n, L->H, L->Dh, T, KVH, L->window, pos, (float)L->scale, out, units, 0};
+    pool_for((int)threads, count, attn_unit, &a);
+    free(units);
+    return atomic_load(&a.failed) ? -1 : 0;
+}
+
 /* x: M rows ldx floats apart (a GEMM output's columns), `heads` heads of Dh -> out [M, heads, Dh]:
  * rope(rms_norm(x)) per head (npud_norm_rope), or without a norm rope of x copied contiguous
  * (what HostBackend.rope does with a column view) */
 static void heads_rope(const npud_layer_t *L, const npud_call_t *c, const float *x, long ldx, long heads,
                        const float *norm, float *copy, float *out) {
-    const long M = c->M, Dh = L->Dh, isa = c->isa;
+    const long M = c->M, Dh = L->Dh;
     if (norm) {
-        npud_norm_rope((int)isa, x, ldx, heads, Dh, norm, L->eps, L->half, c->cs, out, 0, M);
+        rows_run(c, (rows_t){.op = ROW_NORM_ROPE, .x = x, .ldx = ldx, .H = heads, .Dh = Dh, .w = norm, .eps = L->eps,
+                             .half = L->half, .cs = c->cs, .out = out}, M * heads * Dh);
         return;
     }
     for (long m = 0; m < M; m++) memcpy(copy + m * heads * Dh, x + m * ldx, (size_t)heads * Dh * sizeof(float));
-    npud_rope((int)isa, copy, heads, Dh, L->half, c->cs, out, 0, M);
+    rows_run(c, (rows_t){.op = ROW_ROPE, .x = copy, .H = heads, .Dh = Dh, .half = L->half, .cs = c->cs, .out = out},
+             M * heads * Dh);
 }
 
 /* The first D columns of M rows ld floats apart, as a contiguous [M, D] (src itself when ld == D). */
@@ -160,12 +274,9 @@ static const float *columns(const float *src, long ld, long M, long D, float *ds
     return dst;
 }
 
-/* The layer over rows 0..M-1 of c (c->stage: all of it, or the part before or after attention,
- * which then runs outside on the q and attention buffers at work's offsets 0 and M H Dh).
- * Returns as the header says. */
+/* The layer over rows 0..M-1 of c. Returns as the header says. */
 long npud_decoder_layer(const npud_layer_t *L, const npud_call_t *c) {
     const long M = c->M, D = L->D, H = L->H, KVH = L->KVH, Dh = L->Dh;
-    const int isa = (int)c->isa;
     const layout_t a = layout(L, M);
     float *const w = c->work;
     float *q = w + a.q, *attn = w + a.attn;
@@ -179,12 +290,13 @@ long npud_decoder_layer(const npud_layer_t *L, const npud_call_t *c) {
         held = r_;                                                                                                 \
     } while (0)
 
-    if (c->stage != STAGE_AFTER_ATTENTION) {
+    {
         float *h = w + a.h;
         if (c->delta)
-            npud_add_rms_norm(isa, c->x, c->delta, D, L->in_norm, L->eps, w + a.x1, h, 0, M);
+            rows_run(c, (rows_t){.op = ROW_ADD_RMS, .x = c->x, .y = c->delta, .D = D, .w = L->in_norm, .eps = L->eps,
+                                 .sum = w + a.x1, .out = h}, M * D);
         else
-            npud_rms_norm(isa, c->x, D, L->in_norm, L->eps, h, 0, M);
+            rows_run(c, (rows_t){.op = ROW_RMS, .x = c->x, .D = D, .w = L->in_norm, .eps = L->eps, .out = h}, M * D);
         const float *qs, *ks = NULL, *vs = NULL;
         long ldq, ldk = 0, ldv = 0;
         if (L->qkv_fused) {
@@ -213,11 +325,10 @@ long npud_decoder_layer(const npud_layer_t *L, const npud_call_t *c) {
                     memcpy(c->values[s] + t * row, vs + m * ldv, (size_t)row * sizeof(float));
                 }
         }
-        if (c->stage == STAGE_BEFORE_ATTENTION) return held;
         for (long s = 0; s < c->nseq; s++) { /* each sequence over its own plane: its rows held + n long */
             const long m0 = c->seq[s], n = c->seq[s + 1] - m0;
-            if (n > 0 && npud_attention(isa, q + m0 * H * Dh, n, H, Dh, c->keys[s], c->values[s], c->held[s] + n, KVH,
-                                        c->pos + m0, L->window, (float)L->scale, attn + m0 * H * Dh, 0, KVH, 0, n) < 0)
+            if (n > 0 && attention_run(L, c, q + m0 * H * Dh, n, c->keys[s], c->values[s], c->held[s] + n, c->pos + m0,
+                                       attn + m0 * H * Dh) < 0)
                 return -1;
         }
     }
@@ -226,10 +337,13 @@ long npud_decoder_layer(const npud_layer_t *L, const npud_call_t *c) {
     const float *mixed = columns(w + a.o, width(&L->o), M, D, w + a.mixed);
     float *h2 = w + a.h2;
     if (L->sandwich) { /* x + rms_norm(o), then the pre-MLP norm of that sum */
-        npud_rms_norm(isa, mixed, D, L->post_attn_norm, L->eps, w + a.n1, 0, M);
-        npud_add_rms_norm(isa, x1, w + a.n1, D, L->pre_ff_norm, L->eps, c->x_out, h2, 0, M);
+        rows_run(c, (rows_t){.op = ROW_RMS, .x = mixed, .D = D, .w = L->post_attn_norm, .eps = L->eps, .out = w + a.n1},
+                 M * D);
+        rows_run(c, (rows_t){.op = ROW_ADD_RMS, .x = x1, .y = w + a.n1, .D = D, .w = L->pre_ff_norm, .eps = L->eps,
+                             .sum = c->x_out, .out = h2}, M * D);
     } else {
-        npud_add_rms_norm(isa, x1, mixed, D, L->post_attn_norm, L->eps, c->x_out, h2, 0, M);
+        rows_run(c, (rows_t){.op = ROW_ADD_RMS, .x = x1, .y = mixed, .D = D, .w = L->post_attn_norm, .eps = L->eps,
+                             .sum = c->x_out, .out = h2}, M * D);
     }
     const float *gate, *up;
     long ldg, ldu;
@@ -243,14 +357,13 @@ long npud_decoder_layer(const npud_layer_t *L, const npud_call_t *c) {
         gate = w + a.g_own, ldg = width(&L->gate);
         up = w + a.u_own, ldu = width(&L->up);
     }
-    if (L->act == ACT_SILU)
-        npud_silu_mul(isa, gate, ldg, up, ldu, L->F, w + a.act, 0, M);
-    else
-        npud_gelu_tanh_mul(isa, gate, ldg, up, ldu, L->F, w + a.act, 0, M);
+    rows_run(c, (rows_t){.op = L->act == ACT_SILU ? ROW_SILU : ROW_GELU, .x = gate, .ldx = ldg, .y = up, .ldy = ldu,
+                         .D = L->F, .out = w + a.act}, M * L->F);
     const long ldd = width(&L->down);
     if (L->sandwich) { /* the MLP's output normed is the delta */
         GEMM(&L->down, w + a.act, w + a.down);
-        npud_rms_norm(isa, columns(w + a.down, ldd, M, D, w + a.dc), D, L->post_ff_norm, L->eps, c->delta_out, 0, M);
+        rows_run(c, (rows_t){.op = ROW_RMS, .x = columns(w + a.down, ldd, M, D, w + a.dc), .D = D, .w = L->post_ff_norm,
+                             .eps = L->eps, .out = c->delta_out}, M * D);
     } else if (ldd == D) {
         GEMM(&L->down, w + a.act, c->delta_out);
     } else {
@@ -265,9 +378,14 @@ long npud_decoder_layer(const npud_layer_t *L, const npud_call_t *c) {
  * step's layers in one call. Returns the last layer's return, or the first error. */
 long npud_decoder_layers(const npud_layer_t *const *layers, const npud_call_t *calls, long n) {
     long held = 0;
+    /* several rows on threads: the pool's workers stay awake from the first GEMM to the last (a
+     * decode step's row keeps pool.c's short spin: its gaps are short, its GEMMs read-bound) */
+    const int hold = n > 0 && calls[0].threads > 1 && calls[0].M > 1;
+    if (hold) pool_hold(1);
     for (long i = 0; i < n; i++) {
         held = npud_decoder_layer(layers[i], calls + i);
-        if (held < 0) return held;
+        if (held < 0) break;
     }
+    if (hold) pool_hold(0);
     return held;
 }

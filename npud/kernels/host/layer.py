@@ -11,16 +11,18 @@ Which layers run as one call: those of llama, mistral, qwen2 / qwen3 and gemma3 
 head norms or none, sliding windows, KV-shared layers reading their owner's plane, gemma3's four
 norms), in any weight format the host serves (describe_linear; GGUF blocks: the ggml backend's
 native_linear). Left to compose_layer: a GDN layer or qwen3_5's output gate, gemma4's v_norm,
-k_eq_v, per-layer inputs and layer scalar, a weight in a layout without a native description,
-and a round whose per-row kernels the per-op path would split over threads (prefill chunks of a
-wide model: M x max(D, H Dh, F) >= pointwise.POINTWISE_PARALLEL_MIN). Where a sequence's
-attention is large enough for threads (HostBackend.attention's rule), the layer runs as two calls
-around native.attention on the pool (the bits do not depend on the split either way).
+k_eq_v, per-layer inputs and layer scalar, and a weight in a layout without a native description.
+A prefill chunk runs as one call too: its per-row kernels and a sequence's attention, where the
+path splits them over threads (ROWS_PARALLEL_MIN, below the per-op path's threshold, and
+native.PARALLEL_MIN_WORK, read at each call), go to the GEMM pool's threads inside the call in the same units (whole rows;
+whole rows of whole kv heads), so the bits do not depend on the split, and the pool's workers,
+busy from one GEMM to the next, do not fall asleep between them.
 
 A stalled GEMM worker (pool.c, native._call) may read a layer's weights after the call returns:
 the call goes through native._call with every weight array of the layer, so they are kept until
-no worker reads them. No worker reads the call's scratch: a GEMM job holds its own copy of the
-activations, and a worker whose chunk was taken back writes nothing.
+no worker reads them. No worker reads the call's scratch after the call: a GEMM job holds its own
+copy of the activations, a worker whose chunk was taken back writes nothing, and the call waits for
+every per-row or attention unit a worker runs (pool.c's pool_for).
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ import numpy as np
 from npud.kernels.base import LayerCall, LinearWeight, StackCall, WeightFormat
 from npud.kernels.host import native, pointwise
 from npud.kernels.host.formats import PARALLEL_MIN_BYTES, kernel_for
-from npud.kernels.host.native import PARALLEL_MIN_WORK
 
 LIN_FLOAT, LIN_Q8, LIN_BD, LIN_QT, LIN_BQ8 = range(5)  # layer.c's LIN_*: which GEMM entry multiplies a weight
 ACT = {"silu": 0, "gelu_tanh": 1}
-STAGE_ALL, STAGE_BEFORE_ATTENTION, STAGE_AFTER_ATTENTION = range(3)
 
+# a per-row kernel's elements from which a layer call splits it over the threads: below
+# pointwise.POINTWISE_PARALLEL_MIN (the per-op path's, whose split goes through Python's pool),
+# as the GEMM pool's workers, held awake through the call, take a unit in microseconds
+ROWS_PARALLEL_MIN = 1 << 16
 _L, _D, _P = ctypes.c_long, ctypes.c_double, ctypes.c_void_p
 _FLOAT_CODES = {WeightFormat.FP32: native.FMT_F32, WeightFormat.BF16: native.FMT_BF16, WeightFormat.INT8: native.FMT_I8}
 
@@ -69,7 +73,7 @@ class Layer(ctypes.Structure):
 class Call(ctypes.Structure):
     """layer.c's npud_call_t."""
 
-    _fields_ = ([(name, _L) for name in ("isa", "threads", "stage", "M", "nseq")]
+    _fields_ = ([(name, _L) for name in ("isa", "threads", "rows_min", "attn_min", "M", "nseq")]
                 + [(name, _P) for name in ("x", "delta", "pos", "cs", "seq", "held", "keys", "values", "x_out",
                                            "delta_out", "work")])
 
@@ -125,11 +129,10 @@ def _vector(a: np.ndarray | None, n: int) -> np.ndarray | None:
 
 @dataclass(slots=True)
 class _Native:
-    """One layer's layer.c description, the arrays it points into, and its widest per-row call."""
+    """One layer's layer.c description and the arrays it points into."""
 
     struct: Layer
     keep: tuple  # every weight array the call reads: kept while a stalled worker may read them
-    widest: int  # the most floats a row of one per-row kernel call covers (max(D, H Dh, F))
     scratch: dict  # M -> floats of work a call needs
 
 
@@ -197,7 +200,7 @@ def native_layer(backend, layer) -> _Native | None:
         return None
     if not (put("o", aw.o, d, q_width) and put("down", mw.down, d, f)):
         return None
-    return _Native(s, tuple(keep), max(d, q_width, f), {})
+    return _Native(s, tuple(keep), {})
 
 
 class HostLayers:
@@ -243,12 +246,11 @@ class HostLayers:
             entry = self._stacks[key] = (pointers, keep)
         return entry
 
-    def run(self, backend, layers: tuple, rows, x: np.ndarray, delta: np.ndarray | None, planes: tuple,
-            one: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    def run(self, backend, layers: tuple, rows, x: np.ndarray, delta: np.ndarray | None,
+            planes: tuple) -> tuple[np.ndarray, np.ndarray] | None:
         """layers (each with its planes) over the round's rows in one native call, x + delta the
         first one's input; returns the last one's (x, delta), or None where layer.py's module
-        docstring leaves them to compose_layer (`one`: a single layer, which may run as two calls
-        around threaded attention; a stack of several then goes a layer at a time)."""
+        docstring leaves them to compose_layer."""
         nats = [self.native(backend, layer) for layer in layers]
         if None in nats:
             return None
@@ -265,9 +267,6 @@ class HostLayers:
             if delta.shape != x.shape:
                 raise ValueError(f"decoder layers: delta {delta.shape} does not fit x {x.shape}")
         threads = native.threads() if backend.parallel else 1
-        if threads > 1 and m > 1 and m * max(nat.widest for nat in nats) >= pointwise.POINTWISE_PARALLEL_MIN:
-            return None  # the per-row kernels would take threads (a prefill chunk of a wide model)
-        staged = False
         for layer, nat, mine in zip(layers, nats, planes):
             s = nat.struct
             kv_shape = (s.KVH, s.Dh)
@@ -280,9 +279,6 @@ class HostLayers:
                                          f"cannot hold rows {plane.held}..{end - 1} of {kv_shape}")
                 if lo < 0 or hi >= end:
                     raise ValueError(f"attention: positions must lie in 0..{end - 1} (the keys in the cache)")
-                staged = staged or (threads > 1 and (z - a) * s.H * end * s.Dh >= PARALLEL_MIN_WORK)
-        if staged and not one:
-            return None
         n, nseq = len(layers), len(rows.seqs)
         # per layer: each sequence's keys and values addresses and positions held
         where = np.asarray([[[native._addr(p.keys) for p in mine], [native._addr(p.values) for p in mine],
@@ -317,7 +313,9 @@ class HostLayers:
                 if table is None:  # the table the per-op path's RoPE calls use, kept for the round
                     table = tables[id(inv_freq)] = pointwise._rope_table(
                         positions, np.ascontiguousarray(inv_freq, dtype=np.float32))
-                c.isa, c.threads, c.stage, c.M, c.nseq = isa, threads, STAGE_ALL, m, nseq
+                c.isa, c.threads, c.M, c.nseq = isa, threads, m, nseq
+                # read at each call, so that tests can lower them
+                c.rows_min, c.attn_min = ROWS_PARALLEL_MIN, native.PARALLEL_MIN_WORK
                 c.pos, c.cs, c.seq, c.work = native._addr(positions), native._addr(table), native._addr(bounds), w_at
                 c.keys, c.values, c.held = ptrs + 3 * i * plane_step, ptrs + (3 * i + 1) * plane_step, \
                     ptrs + (3 * i + 2) * plane_step
@@ -327,35 +325,13 @@ class HostLayers:
                     d_at = c.delta_out = x_at + step
                 else:
                     c.x_out, c.delta_out = at, at + step
-            if staged:
-                self._staged(nats[0], calls[0], rows, planes[0], work, positions)
-            else:
-                stack = self._stack(layers, nats)
-                status = native._call(_bind().npud_decoder_layers, stack[1], stack[0], ctypes.addressof(calls), n)
-                _check(status, m)
+            stack = self._stack(layers, nats)
+            status = native._call(_bind().npud_decoder_layers, stack[1], stack[0], ctypes.addressof(calls), n)
+            _check(status, m)
         finally:
             if owned:
                 self.lock.release()
         return out[0], out[1]
-
-    def _staged(self, nat: _Native, c: Call, rows, planes, work: np.ndarray, positions: np.ndarray) -> None:
-        """One layer as two calls around attention on the pool's threads (native.attention, with
-        HostBackend.attention's rule for when it takes threads), reading and writing the q and
-        attention buffers at the start of work (layer.c's layout)."""
-        s, m = nat.struct, c.M
-        size = m * s.H * s.Dh
-        q = work[:size].reshape(m, s.H, s.Dh)
-        attn = work[-(-size // 16) * 16 :][:size].reshape(m, s.H, s.Dh)
-        lib = _bind()
-        c.stage = STAGE_BEFORE_ATTENTION
-        _check(native._call(lib.npud_decoder_layer, nat.keep, ctypes.addressof(s), ctypes.addressof(c)), m)
-        for (a, z), plane in zip(rows.seqs, planes):
-            end = plane.held + z - a
-            big = (z - a) * s.H * end * s.Dh >= PARALLEL_MIN_WORK
-            attn[a:z] = native.attention(q[a:z], plane.keys[:end], plane.values[:end], positions[a:z],
-                                         int(s.window), float(s.scale), big)
-        c.stage = STAGE_AFTER_ATTENTION
-        _check(native._call(lib.npud_decoder_layer, nat.keep, ctypes.addressof(s), ctypes.addressof(c)), m)
 
 
 def _check(status: int, m: int) -> None:
@@ -377,11 +353,11 @@ def decoder_layer(backend, call: LayerCall) -> tuple[np.ndarray, np.ndarray] | N
     """HostBackend.decoder_layer: the layer in one native call, or None where compose_layer runs it."""
     if call.per_layer is not None:
         return None
-    return _layers_of(call).run(backend, (call.layer,), call.rows, call.x, call.delta, (call.planes,), one=True)
+    return _layers_of(call).run(backend, (call.layer,), call.rows, call.x, call.delta, (call.planes,))
 
 
 def decoder_stack(backend, call: StackCall) -> tuple[np.ndarray, np.ndarray] | None:
     """HostBackend.decoder_stack: the layers in one native call, or None to run them a layer at a time."""
     if not call.layers:
         return None
-    return _layers_of(call).run(backend, call.layers, call.rows, call.x, call.delta, call.planes, one=False)
+    return _layers_of(call).run(backend, call.layers, call.rows, call.x, call.delta, call.planes)

@@ -141,6 +141,8 @@ def library() -> ctypes.CDLL:
             lib.npud_pool_held.restype = _L
             lib.npud_pool_stats.argtypes = [_P]
             lib.npud_pool_stats.restype = None
+            lib.npud_pool_for_stats.argtypes = [_P]
+            lib.npud_pool_for_stats.restype = None
             lib.npud_pool_stall.argtypes = [_L]
             lib.npud_pool_stall.restype = None
             lib.npud_gemm_clock.argtypes = [_P]
@@ -283,6 +285,14 @@ def pool_trace() -> dict[str, int]:
     chunks workers held (`wait_ns`)."""
     counters = _pool_counters()
     return dict(zip(POOL_TRACE, counters[4:]), worker_chunks=counters[0])
+
+
+def pool_for_stats() -> tuple[int, int, int]:
+    """So far: (a layer call's per-row and attention splits that went to the pool (pool.c's pool_for),
+    their units, the units the pool's workers ran)."""
+    counts = (ctypes.c_long * 3)()
+    library().npud_pool_for_stats(counts)
+    return counts[0], counts[1], counts[2]
 
 
 def gemm_clock() -> tuple[int, int]:

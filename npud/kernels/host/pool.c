@@ -36,6 +36,7 @@ static struct {
     _Atomic(job_t *) job;                  /* the current call's job; NULL between calls */
     _Atomic(job_t *) hazard[MAX_THREADS];  /* the job each worker is reading, or NULL */
     atomic_int active;                     /* workers that take part in calls (threads - 1) */
+    atomic_int hold;                       /* > 0: workers spin between calls instead of sleeping (pool_hold) */
     int started;                           /* workers running */
     job_t *retired;                        /* jobs a worker may still read (caller's side only) */
     atomic_long published, stolen, moved;  /* chunks workers delivered; chunks the caller took back;
@@ -49,6 +50,8 @@ static struct {
     atomic_long calls, joined, wake_ns, slept, caller_ran, call_ns, own_ns, wait_ns;
     atomic_long stall_us;                  /* tests: workers sleep this long on each chunk they take
                                               (and the caller lets one take the first) */
+    atomic_long for_calls, for_units, for_worker_units; /* pool_for: calls that went to the pool, their
+                                              units, and the units workers ran */
     atomic_long gemm_calls, gemm_ns;       /* every GEMM entry's call, and its nanoseconds from job_new
                                               to the end of dispatch (its own activation copy included):
                                               what a profile counts as GEMM time (bench/step_calls.py) */
@@ -164,6 +167,24 @@ static void caller_chunks(job_t *j) {
     atomic_fetch_add_explicit(&pool.wait_ns, now_ns() - spent_ns, memory_order_relaxed);
 }
 
+/* A worker's part of a pool_for job: units from the counter, each run where the caller wants it. */
+static void worker_units(job_t *j) {
+    for (;;) {
+        const long c = atomic_fetch_add(&j->next, 1);
+        if (c >= j->nchunks) return;
+        uint8_t st = FREE;
+        if (!atomic_compare_exchange_strong(&j->state[c], &st, OWNED)) continue; /* the caller ran it */
+        const long stall = atomic_load_explicit(&pool.stall_us, memory_order_relaxed);
+        if (stall) { /* tests: a worker descheduled in the middle of a unit, which the caller must wait for */
+            const struct timespec ts = {stall / 1000000, stall % 1000000 * 1000};
+            nanosleep(&ts, NULL);
+        }
+        j->unit(j->ctx, c);
+        atomic_store_explicit(&j->state[c], DONE, memory_order_release);
+        atomic_fetch_add_explicit(&pool.for_worker_units, 1, memory_order_relaxed);
+    }
+}
+
 static void *worker(void *arg) {
     const int index = (int)((uintptr_t)arg >> 32);
     unsigned seen = (unsigned)(uintptr_t)arg; /* the call number at creation */
@@ -175,7 +196,8 @@ static void *worker(void *arg) {
     for (;;) {
         unsigned call;
         int spins = 0;
-        while ((call = atomic_load_explicit(&pool.call, memory_order_acquire)) == seen && spins < SPIN_WAIT) {
+        while ((call = atomic_load_explicit(&pool.call, memory_order_acquire)) == seen &&
+               (spins < SPIN_WAIT || atomic_load_explicit(&pool.hold, memory_order_relaxed) > 0)) {
             _mm_pause();
             spins++;
         }
@@ -197,7 +219,8 @@ static void *worker(void *arg) {
             atomic_compare_exchange_strong(&j->seen_ns, &unseen, now_ns());
         }
         if (j && sched_getcpu() == j->caller_cpu) move_off(j->caller_cpu, &allowed);
-        if (j) worker_chunks(j, &scratch, &cap);
+        if (j && j->unit) worker_units(j);
+        else if (j) worker_chunks(j, &scratch, &cap);
         atomic_store(&pool.hazard[index], NULL);
     }
     return NULL;
@@ -239,6 +262,17 @@ static long reclaim(void) {
     return held;
 }
 
+/* The job's end (under call_mu): no longer offered, kept while a worker still names it. */
+static void retire(job_t *j) {
+    atomic_store(&pool.job, NULL);
+    if (named_by_worker(j)) {
+        j->retired = pool.retired;
+        pool.retired = j;
+    } else {
+        free(j);
+    }
+}
+
 /* Run job j (from job_new, its tile function set; this call owns it) on `threads` threads; returns the jobs still retired. */
 long dispatch(job_t *j, int threads) {
     const long created_ns = j->created_ns;
@@ -268,7 +302,6 @@ long dispatch(job_t *j, int threads) {
         pthread_cond_broadcast(&pool.cv);
         pthread_mutex_unlock(&pool.mu);
         caller_chunks(j);
-        atomic_store(&pool.job, NULL);
         const long seen_ns = atomic_load(&j->seen_ns), done_ns = now_ns();
         atomic_fetch_add_explicit(&pool.calls, 1, memory_order_relaxed);
         atomic_fetch_add_explicit(&pool.call_ns, done_ns - j->published_ns, memory_order_relaxed);
@@ -276,18 +309,81 @@ long dispatch(job_t *j, int threads) {
             atomic_fetch_add_explicit(&pool.joined, 1, memory_order_relaxed);
             atomic_fetch_add_explicit(&pool.wake_ns, seen_ns - j->published_ns, memory_order_relaxed);
         }
-        if (named_by_worker(j)) {
-            j->retired = pool.retired;
-            pool.retired = j;
-        } else {
-            free(j);
-        }
+        retire(j);
     }
     const long held = reclaim();
     pthread_mutex_unlock(&pool.call_mu);
     atomic_fetch_add_explicit(&pool.gemm_calls, 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&pool.gemm_ns, now_ns() - created_ns, memory_order_relaxed);
     return held;
+}
+
+void pool_for(int threads, long n, void (*unit)(void *, long), void *ctx) {
+    if (n <= 0) return;
+    pthread_mutex_lock(&pool.call_mu);
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > n) threads = (int)n;
+    if (threads > 1) ensure_workers(threads);
+    job_t *j = threads > 1 && pool.started > 0 ? job_new(n, 0) : NULL;
+    if (!j) { /* one thread (or no memory for the job's states): the units in order */
+        for (long i = 0; i < n; i++) unit(ctx, i);
+        pthread_mutex_unlock(&pool.call_mu);
+        return;
+    }
+    j->unit = unit, j->ctx = ctx, j->ntiles = j->nchunks = n, j->chunk = 1;
+    j->caller_cpu = sched_getcpu();
+    j->published_ns = now_ns();
+    atomic_store(&pool.active, threads - 1);
+    atomic_store(&pool.job, j);
+    pthread_mutex_lock(&pool.mu);
+    atomic_fetch_add(&pool.call, 1);
+    pthread_cond_broadcast(&pool.cv);
+    pthread_mutex_unlock(&pool.mu);
+    if (atomic_load_explicit(&pool.stall_us, memory_order_relaxed)) /* tests: a worker takes the first unit */
+        for (int i = 0; i < 100000 && atomic_load(&j->next) == 0; i++) sched_yield();
+    for (;;) {
+        const long c = atomic_fetch_add(&j->next, 1);
+        if (c >= n) break;
+        uint8_t st = FREE;
+        if (atomic_compare_exchange_strong(&j->state[c], &st, CALLER)) unit(ctx, c);
+    }
+    /* then every unit not yet done: one a worker counted but has not claimed is the caller's; one a
+     * worker runs is waited for (it writes the caller's buffers, so it cannot be taken back) */
+    for (long c = 0; c < n; c++) {
+        long spins = 0;
+        for (;;) {
+            uint8_t st = atomic_load_explicit(&j->state[c], memory_order_acquire);
+            if (st == DONE || st == CALLER) break;
+            if (st == FREE) {
+                if (atomic_compare_exchange_strong(&j->state[c], &st, CALLER)) {
+                    unit(ctx, c);
+                    break;
+                }
+                continue;
+            }
+            if (++spins < 20000) _mm_pause();
+            else sched_yield();
+        }
+    }
+    retire(j);
+    reclaim();
+    atomic_fetch_add_explicit(&pool.for_calls, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&pool.for_units, n, memory_order_relaxed);
+    pthread_mutex_unlock(&pool.call_mu);
+}
+
+/* While on (calls nest), the workers spin between calls rather than sleep: a layer call of many
+ * rows (layer.c) holds them from its first GEMM to its last, whose gaps (per-row kernels, the
+ * activations' quantization, a GEMM's activation copy) last longer than SPIN_WAIT (some 20 us
+ * here), after which a sleeping worker took 100-150 us to wake for each next GEMM of a prefill
+ * chunk (pool_trace's wake_ns), a fifth of an average one. */
+void pool_hold(int on) { atomic_fetch_add(&pool.hold, on ? 1 : -1); }
+
+/* counts[0]: pool_for calls that went to the pool, [1]: their units, [2]: the units workers ran. */
+void npud_pool_for_stats(long *counts) {
+    counts[0] = atomic_load(&pool.for_calls);
+    counts[1] = atomic_load(&pool.for_units);
+    counts[2] = atomic_load(&pool.for_worker_units);
 }
 
 /* clock[0]: GEMM calls so far, [1]: their nanoseconds (each from its entry's job_new to its return). */
