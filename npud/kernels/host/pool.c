@@ -196,10 +196,17 @@ static void *worker(void *arg) {
     for (;;) {
         unsigned call;
         int spins = 0;
-        while ((call = atomic_load_explicit(&pool.call, memory_order_acquire)) == seen &&
-               (spins < SPIN_WAIT || atomic_load_explicit(&pool.hold, memory_order_relaxed) > 0)) {
-            _mm_pause();
-            spins++;
+        while ((call = atomic_load_explicit(&pool.call, memory_order_acquire)) == seen) {
+            if (spins < SPIN_WAIT) {
+                _mm_pause();
+                spins++;
+            } else if (atomic_load_explicit(&pool.hold, memory_order_relaxed) > 0) {
+                /* held (pool_hold) past the spin: stay awake, but hand the core to whatever else is
+                 * runnable on it (the caller itself, on a machine with more threads than cores) */
+                sched_yield();
+            } else {
+                break;
+            }
         }
         if (call == seen) {
             pthread_mutex_lock(&pool.mu);
