@@ -1,11 +1,12 @@
 """Batching through the daemon, end to end, on the bundled model and gemma-3-270m.
 
-1. A 64-prompt job through `npuctl submit --wait`, batched (`[batching] max_batch`, default 8)
-   against sequential (max_batch 1), the two modes alternating in rounds on one daemon (the
-   setting is changed with SIGHUP between runs); wall time per job, aggregate tok/s, and
-   whether every text is byte-identical between the modes.
+1. A 64-prompt job through `npuctl submit --wait`, batched (`[batching] max_batch` at each of
+   --job-batches) against sequential (max_batch 1), the modes alternating in rounds on one
+   daemon (the setting is changed with SIGHUP between runs); wall time per job, aggregate
+   tok/s, and whether every text is byte-identical between the modes.
 2. An interactive request (`complete`) joining a running batch job of 8 sequences: its
-   inter-token gaps (p50, p95) against the same request alone (solo step), alternating.
+   inter-token gaps (p50, p95) against the same request alone (solo step), alternating, at each
+   `interactive_round_cost` of --join-costs, with how many batch sequences were set aside for it.
 3. N concurrent requests (`complete`, streamed, N = --sizes) of one ~32-token prompt, --gen
    tokens each, on gemma-3-270m's exact float path (the GGUF default) and on gguf-q8 (a second
    model entry of the same file), beside llama-batched-bench (-npp 32 -ntg GEN -npl SIZES, its
@@ -48,6 +49,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from batch import PROMPT, anchor, commit_of, decode_rounds  # noqa: E402
 
 from npud.clients.client import Client  # noqa: E402
+from npud.config import BatchingConfig  # noqa: E402
+
+DEFAULTS = BatchingConfig()  # the daemon's defaults: what a setting the bench does not vary is left at
 
 BIN = Path(sys.executable).parent
 MODELS = ROOT / "npud" / "models"
@@ -93,7 +97,7 @@ class Daemon:
                 sys.exit(f"bench: npud did not start; its log:\n{(tmp / 'npud.log').read_text()}")
             time.sleep(0.1)
 
-    def write(self, max_batch: int) -> None:
+    def write(self, max_batch: int, interactive_round_cost: float = DEFAULTS.interactive_round_cost) -> None:
         gemma = "" if self.gemma is None else "".join(
             f'\n[[models]]\nname = "{name}"\ncheckpoint_dir = "{self.gemma}"\nweight_format = "{fmt}"\n'
             for name, fmt in GEMMA_FORMATS.items())
@@ -112,15 +116,16 @@ quantum_tokens = 1000000
 quantum_ms = 3600000.0
 [batching]
 max_batch = {max_batch}
+interactive_round_cost = {interactive_round_cost}
 [[models]]
 name = "pycode"
 checkpoint_dir = "{MODELS / 'pycode-base'}"
 weight_format = "bf16"
 """ + gemma)
 
-    def set_max_batch(self, max_batch: int) -> None:
+    def set_max_batch(self, max_batch: int, interactive_round_cost: float = DEFAULTS.interactive_round_cost) -> None:
         seen = self.reloads()
-        self.write(max_batch)
+        self.write(max_batch, interactive_round_cost)
         self.proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 30
         while self.reloads() == seen:
@@ -129,7 +134,11 @@ weight_format = "bf16"
             time.sleep(0.05)
 
     def reloads(self) -> int:
-        return (self.tmp / "npud.log").read_text().count('"config_reloaded"')
+        return self.count('"config_reloaded"')
+
+    def count(self, text: str) -> int:
+        """Lines of the daemon's log with `text` so far."""
+        return (self.tmp / "npud.log").read_text().count(text)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -176,12 +185,14 @@ def interactive(d: Daemon, model: str, max_tokens: int) -> tuple[list[float], st
         while c.status(job)["tokens"] < 16:  # all 8 sequences past their prefill
             time.sleep(0.02)
         running = c.status(job)["running_prompts"]
+        aside = d.count('"sequence_set_aside"')
         gaps = gaps_of(c, model, "# the joining request\n" + items[0]["prompt"], max_tokens)
+        aside = d.count('"sequence_set_aside"') - aside
         still = c.status(job)["state"]
         c.cancel(job)
         while c.status(job)["state"] not in ("cancelled", "done"):
             time.sleep(0.02)
-    return gaps, f"{len(running)} running, batch {still} after"
+    return gaps, f"{len(running)} running, {aside} set aside for it, batch {still} after"
 
 
 def concurrent(d: Daemon, model: str, n: int, gen: int, spec: dict | None) -> dict:
@@ -295,6 +306,66 @@ def overhead(rounds: int) -> None:
             print(f"| {r} | max_batch {max_batch} | {wall:.2f} | {cpu / 2048 * 1000:.3f} | {at} |")
 
 
+def jobs_part(d: Daemon, model: str, items: list[dict], args) -> None:
+    """Part 1: the job sequential (max_batch 1) and batched at each --job-batches, alternating."""
+    modes = [1, *[int(x) for x in args.job_batches.split(",")]]
+    walls: dict[int, list[float]] = {m: [] for m in modes}
+    texts: dict[int, list[str]] = {}
+    tokens = 0
+    print(f"\n## {model}: one {args.prompts}-prompt `npuctl submit --wait` job\n")
+    print("| round | max_batch | wall s | tok/s | x sequential, this round | load |")
+    print("|---|---|---|---|---|---|")
+    for r in range(args.rounds):
+        for max_batch in (modes if r % 2 == 0 else modes[::-1]):
+            d.set_max_batch(max_batch)
+            at = load()
+            wall, rows = submit(d, model, items, args.max_tokens, f"{model}-{r}-{max_batch}")
+            tokens = sum(len(x["token_ids"]) for x in rows)
+            walls[max_batch].append(wall)
+            texts.setdefault(max_batch, [x["text"] for x in rows])
+            # round 0 runs sequential first: its texts are the reference
+            same = "" if [x["text"] for x in rows] == texts[1] else " (texts differ from the sequential run!)"
+            print(f"| {r} | {max_batch} | {wall:.1f} | {tokens / wall:.1f} | "
+                  f"{'' if len(walls[1]) <= r else f'{walls[1][r] / wall:.2f}'} | {at} |{same}", flush=True)
+    seq = statistics.median(walls[1])
+    for m in modes[1:]:
+        print(f"{model}: max_batch {m}: median {statistics.median(walls[m]):.1f} s (range {min(walls[m]):.1f}-"
+              f"{max(walls[m]):.1f}) against {seq:.1f} s sequential (range {min(walls[1]):.1f}-{max(walls[1]):.1f}): "
+              f"{seq / statistics.median(walls[m]):.2f}x; per round: "
+              + ", ".join(f"{a / b:.2f}" for a, b in zip(walls[1], walls[m])))
+    print(f"{model}: {tokens} tokens; every text byte-identical between the modes: "
+          f"{'yes' if all(t == texts[1] for t in texts.values()) else 'NO'}")
+
+
+def join_part(d: Daemon, model: str, items: list[dict], args) -> None:
+    """Part 2: the joining request's steps against its solo steps at each interactive_round_cost."""
+    costs = [float(x) for x in args.join_costs.split(",")]
+    print(f"\n## {model}: an interactive request ({args.max_tokens} tokens) joining a running 8-sequence batch job "
+          f"(max_batch 9: room for all of them), at interactive_round_cost {', '.join(map(str, costs))}\n")
+    print("| round | case | interactive_round_cost | step p50 ms | step p95 ms | load | note |")
+    print("|---|---|---|---|---|---|---|")
+    p95s: dict[str, list[float]] = {}
+    for r in range(args.rounds):
+        cases = ["solo", *costs]
+        for case in (cases if r % 2 == 0 else cases[::-1]):
+            d.set_max_batch(9, costs[0] if case == "solo" else case)
+            at = load()
+            if case == "solo":
+                with Client(d.socket, timeout=600) as c:
+                    gaps = gaps_of(c, model, "# the joining request\n" + items[0]["prompt"], args.max_tokens)
+                note = "alone"
+            else:
+                gaps, note = interactive(d, model, args.max_tokens)
+            p95s.setdefault(str(case), []).append(p95(gaps))
+            print(f"| {r} | {'solo' if case == 'solo' else 'joined'} | {'' if case == 'solo' else case} | "
+                  f"{statistics.median(gaps) * 1000:.1f} | {p95(gaps) * 1000:.1f} | {at} | {note} |", flush=True)
+    solo = statistics.median(p95s["solo"])
+    for cost in costs:
+        print(f"{model}: interactive_round_cost {cost}: joined p95 / solo p95 = "
+              f"{statistics.median(p95s[str(cost)]) / solo:.2f} (medians over rounds; per round: "
+              + ", ".join(f"{j / s:.2f}" for j, s in zip(p95s[str(cost)], p95s["solo"])) + ")")
+
+
 def concurrent_part(d: Daemon, gemma: Path, args) -> None:
     """Part 3: N concurrent requests on both formats beside llama-batched-bench, alternating in rounds."""
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -358,6 +429,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--parts", default="jobs,join,concurrent")
+    ap.add_argument("--job-batches", default="8,16", help="part 1's max_batch settings beside 1")
+    ap.add_argument("--join-costs", default=f"{DEFAULTS.interactive_round_cost},1000", help="part 2's interactive_round_cost settings")
     ap.add_argument("--sizes", default="1,2,4,8,16", help="part 3's concurrent request counts")
     ap.add_argument("--gen", type=int, default=96, help="part 3's tokens per request")
     ap.add_argument("--spec", default="auto", choices=("auto", "none", "ngram"), help="part 3's speculation")
@@ -384,53 +457,9 @@ def main() -> int:
             items = prompts(model, args.prompts)
             submit(d, model, items[:2], 4, f"{model}-warm")  # load the model and warm its kernels
             if "jobs" in parts:
-                walls: dict[int, list[float]] = {1: [], 8: []}
-                texts: dict[int, list[str]] = {}
-                tokens = 0
-                print(f"\n## {model}: one {args.prompts}-prompt `npuctl submit --wait` job\n")
-                print("| round | mode | wall s | tok/s | load |")
-                print("|---|---|---|---|---|")
-                for r in range(args.rounds):
-                    for max_batch in ((1, 8) if r % 2 == 0 else (8, 1)):
-                        d.set_max_batch(max_batch)
-                        at = load()
-                        wall, rows = submit(d, model, items, args.max_tokens, f"{model}-{r}-{max_batch}")
-                        tokens = sum(len(x["token_ids"]) for x in rows)
-                        walls[max_batch].append(wall)
-                        run_texts = [x["text"] for x in rows]
-                        texts.setdefault(max_batch, run_texts)
-                        same = "" if run_texts == texts[max_batch] else " (texts differ from this mode's first run!)"
-                        mode = "sequential (max_batch 1)" if max_batch == 1 else "batched (max_batch 8)"
-                        print(f"| {r} | {mode} | {wall:.1f} | {tokens / wall:.1f} | {at} |{same}")
-                seq, bat = statistics.median(walls[1]), statistics.median(walls[8])
-                print(f"\n{model}: median {seq:.1f} s sequential (range {min(walls[1]):.1f}-{max(walls[1]):.1f}), "
-                      f"{bat:.1f} s batched (range {min(walls[8]):.1f}-{max(walls[8]):.1f}): batched is "
-                      f"{seq / bat:.2f}x; {tokens} tokens; every text byte-identical between the modes: "
-                      f"{'yes' if texts[1] == texts[8] else 'NO'}")
-
+                jobs_part(d, model, items, args)
             if "join" in parts:
-                print(f"\n## {model}: an interactive request ({args.max_tokens} tokens) joining a running 8-sequence"
-                      " batch job (max_batch 9: the 8 keep running beside it)\n")
-                print("| round | case | step p50 ms | step p95 ms | load | note |")
-                print("|---|---|---|---|---|---|")
-                d.set_max_batch(9)
-                solo_p95, joined_p95 = [], []
-                for r in range(args.rounds):
-                    for case in (("solo", "joined") if r % 2 == 0 else ("joined", "solo")):
-                        at = load()
-                        if case == "solo":
-                            with Client(d.socket, timeout=600) as c:
-                                gaps = gaps_of(c, model, "# the joining request\n" + items[0]["prompt"],
-                                               args.max_tokens)
-                            note = "alone"
-                            solo_p95.append(p95(gaps))
-                        else:
-                            gaps, note = interactive(d, model, args.max_tokens)
-                            joined_p95.append(p95(gaps))
-                        print(f"| {r} | {case} | {statistics.median(gaps) * 1000:.1f} | {p95(gaps) * 1000:.1f} | "
-                              f"{at} | {note} |")
-                ratio = statistics.median(joined_p95) / statistics.median(solo_p95)
-                print(f"\n{model}: joined p95 / solo p95 = {ratio:.2f} (medians over rounds)")
+                join_part(d, model, items, args)
         if "concurrent" in parts and gemma is not None:
             concurrent_part(d, gemma, args)
         print(f"\n(load at end {load()})")

@@ -213,7 +213,7 @@ class BatchingConfig:
     # the running sequences costs at most this many of one sequence's steps (the model's
     # calibrated pass costs, ServedModel.round_cost); the others are set aside until it ends. A
     # number past any round's cost (1000) leaves max_batch alone to decide.
-    interactive_round_cost: float = 2.0
+    interactive_round_cost: float = 1.5
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_batch_positions", "prefill_budget"):
