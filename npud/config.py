@@ -201,7 +201,7 @@ class BatchingConfig:
     # Sequences of one model advanced together, one batched engine round at a time: a batch
     # job's prompts and interactive requests that join at a round boundary. 1: no batching
     # (each ticket runs one prompt of one job at a time).
-    max_batch: int = 8
+    max_batch: int = 16
     # The context positions (prompt tokens + max_tokens, each clamped to the model's context)
     # of the running sequences, summed: the KV memory they may come to hold. A sequence that
     # does not fit waits; one sequence alone always runs.
