@@ -4,7 +4,7 @@ concurrent greedy sequences, beside llama.cpp's llama-batched-bench on the same 
 npud: N sessions of a ~32-token prompt start together; the first run_batch rounds prefill (not timed), then
 every decode round is timed until each session has its G tokens. Aggregate tok/s = tokens of the timed
 rounds / their time; step latency = the median round time (each sequence gets one token a round); a round's
-profile (bench/step_profile.py): the native calls of the first decode round (counted, so not timed) and
+profile (bench/step_profile.py): the native calls of the second decode round (counted, so not timed) and
 the median microseconds of a timed round outside the GEMMs. Every
 session's tokens are checked equal to the same prompt run alone (batching changes no output).
 
@@ -51,15 +51,15 @@ def load() -> str:
 
 def decode_rounds(served, sessions) -> dict:
     """Run `sessions` (started, none done) to the end in batched rounds: the prefill rounds untimed,
-    the first decode round counted (bench/step_profile.py), the others timed. Returns {"tok_s":
+    the second decode round counted (bench/step_profile.py), the others timed. Returns {"tok_s":
     tokens of the timed rounds / their time, "step_ms": median round, "calls": native calls of the
     counted round, "outside_us": median microseconds of a round outside GEMMs, "load"}."""
     while any(s.forward.positions_held < len(s.prompt_ids) - 1 for s in sessions):
         served.run_batch(sessions, prefill_budget=None)  # the prefill: not timed
     rounds, outside, tokens, counts = [], [], 0, None
     while live := [s for s in sessions if not s.done]:
-        if counts is None:  # the first decode round is counted, not timed: the counting costs time
-            counts, _ = counted(lambda: served.run_batch(live))
+        if counts is None and rounds:  # the second decode round is counted, not timed (the counting costs
+            counts, _ = counted(lambda: served.run_batch(live))  # time; the first sets up what later ones reuse)
             continue
         wall, outside_ns, got = timed(lambda: served.run_batch(live))
         rounds.append(wall / 1e9)
@@ -68,7 +68,8 @@ def decode_rounds(served, sessions) -> dict:
     # the last round only releases held-back text: leave it out of the step times
     timed_rounds = slice(None, -1) if len(rounds) > 1 else slice(None)
     return {"tok_s": tokens / sum(rounds), "step_ms": 1e3 * statistics.median(rounds[timed_rounds]),
-            "calls": counts["calls"], "outside_us": statistics.median(outside[timed_rounds]), "load": load()}
+            "calls": None if counts is None else counts["calls"],
+            "outside_us": statistics.median(outside[timed_rounds]), "load": load()}
 
 
 def npud_child(path: str, fmt: str, gen: int, sizes: list[int]) -> dict:
@@ -226,7 +227,7 @@ def main() -> int:
             key = str(n)
             tok = [r[key]["tok_s"] for r in results if key in r]
             step = [r[key]["step_ms"] for r in results if key in r]
-            calls = [r[key]["calls"] for r in results if "calls" in r.get(key, {})]
+            calls = [r[key]["calls"] for r in results if r.get(key, {}).get("calls") is not None]
             outside = [r[key]["outside_us"] for r in results if "outside_us" in r.get(key, {})]
             loads = ", ".join(r[key]["load"] for r in results if key in r)
             ratio = f"{statistics.median(tok) / base:.2f}" if base and tok else "-"

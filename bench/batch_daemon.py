@@ -417,7 +417,7 @@ def concurrent_part(d: Daemon, gemma: Path, args) -> None:
     print("|---|---|---|---|---|---|---|")
     for model in GEMMA_FORMATS:
         for n, x in engine_rounds(model, gemma, args.threads, args.gen, sizes).items():
-            print(f"| {model} | {n} | {x['step_ms']:.1f} | {x['tok_s']:.1f} | {x['calls']} | {x['outside_us']:.0f} | "
+            print(f"| {model} | {n} | {x['step_ms']:.1f} | {x['tok_s']:.1f} | {x['calls'] or '-'} | {x['outside_us']:.0f} | "
                   f"{x['load']} |")
 
 
