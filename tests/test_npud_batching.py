@@ -56,6 +56,21 @@ async def tickets(client, job) -> list[dict]:
     return sorted((await client.tickets(job=job))["tickets"], key=lambda t: t["ticket"])
 
 
+async def complete_together(daemon, requests: dict[str, int]) -> dict[str, dict]:
+    """`complete` of each prompt (with its max_tokens) on a connection of its own, all at once;
+    {prompt: its result}."""
+    done = {}
+
+    async def complete(prompt, n):
+        async with await connect(daemon) as mine:
+            done[prompt] = await mine.complete(prompt, max_tokens=n).wait()
+
+    async with trio.open_nursery() as clients:
+        for prompt, n in requests.items():
+            clients.start_soon(complete, prompt, n)
+    return done
+
+
 def rounds_with(prompt: str) -> list[list[str]]:
     return [b for b in fakes.BATCHES if prompt in b]
 
@@ -82,15 +97,7 @@ async def test_interactive_requests_join_the_running_batch_and_get_the_text_they
     async with await connect(daemon) as c:
         batch = (await c.submit(["b0", "b1", "b2"], max_tokens=60))["job"]
         await wait_tokens(c, batch, 3)
-        done = {}
-
-        async def complete(prompt, n):
-            async with await connect(daemon) as mine:
-                done[prompt] = await mine.complete(prompt, max_tokens=n).wait()
-
-        async with trio.open_nursery() as clients:
-            for prompt, n in (("now", 5), ("later", 9)):
-                clients.start_soon(complete, prompt, n)
+        done = await complete_together(daemon, {"now": 5, "later": 9})
         assert done["now"]["text"] == fakes.expected_text("now", 5)
         assert done["later"]["text"] == fakes.expected_text("later", 9)
         assert (await c.status(batch))["state"] == "running"  # they rode its ticket: no preemption
@@ -181,15 +188,7 @@ async def test_interactive_requests_ride_together_whatever_the_round_costs(nurse
     async with await connect(daemon) as c:
         batch = (await c.submit(["b0", "b1"], max_tokens=60))["job"]
         await wait_tokens(c, batch, 2)
-        done = {}
-
-        async def complete(prompt, n):
-            async with await connect(daemon) as mine:
-                done[prompt] = await mine.complete(prompt, max_tokens=n).wait()
-
-        async with trio.open_nursery() as clients:
-            for prompt in ("i0", "i1"):
-                clients.start_soon(complete, prompt, 8)
+        done = await complete_together(daemon, {"i0": 8, "i1": 8})
         assert {p: done[p]["text"] for p in done} == {p: fakes.expected_text(p, 8) for p in ("i0", "i1")}
         assert ["i0", "i1"] in [sorted(b) for b in fakes.BATCHES]  # the two in one round, no batch beside them
         assert not any(("i0" in b or "i1" in b) and ("b0" in b or "b1" in b) for b in fakes.BATCHES)
