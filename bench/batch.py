@@ -3,7 +3,9 @@ concurrent greedy sequences, beside llama.cpp's llama-batched-bench on the same 
 
 npud: N sessions of a ~32-token prompt start together; the first run_batch rounds prefill (not timed), then
 every decode round is timed until each session has its G tokens. Aggregate tok/s = tokens of the timed
-rounds / their time; step latency = the median round time (each sequence gets one token a round). Every
+rounds / their time; step latency = the median round time (each sequence gets one token a round); a round's
+profile (bench/step_profile.py): the native calls of the second decode round (counted, so not timed) and
+the median microseconds of a timed round outside the GEMMs. Every
 session's tokens are checked equal to the same prompt run alone (batching changes no output).
 
 The anchors: `llama-batched-bench -m FILE -c 8192 -npp 32 -ntg G -npl 1,2,4,8,16 -t T` (its S_TG column),
@@ -31,6 +33,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from step_profile import counted, timed  # noqa: E402
+
 SIZES = (1, 2, 4, 8, 16)
 PROMPT = ("Write a short note to a colleague about the quarterly report: the figures came in late, the "
           "summary needs a second pass, and the meeting moves to Thursday.")
@@ -41,6 +47,29 @@ def load() -> str:
 
 
 # -- npud, in a child process per thread count --------------------------------------------------
+
+
+def decode_rounds(served, sessions) -> dict:
+    """Run `sessions` (started, none done) to the end in batched rounds: the prefill rounds untimed,
+    the second decode round counted (bench/step_profile.py), the others timed. Returns {"tok_s":
+    tokens of the timed rounds / their time, "step_ms": median round, "calls": native calls of the
+    counted round, "outside_us": median microseconds of a round outside GEMMs, "load"}."""
+    while any(s.forward.positions_held < len(s.prompt_ids) - 1 for s in sessions):
+        served.run_batch(sessions, prefill_budget=None)  # the prefill: not timed
+    rounds, outside, tokens, counts = [], [], 0, None
+    while live := [s for s in sessions if not s.done]:
+        if counts is None and rounds:  # the second decode round is counted, not timed (the counting costs
+            counts, _ = counted(lambda: served.run_batch(live))  # time; the first sets up what later ones reuse)
+            continue
+        wall, outside_ns, got = timed(lambda: served.run_batch(live))
+        rounds.append(wall / 1e9)
+        outside.append(outside_ns / 1e3)
+        tokens += sum(sum(e.token_id is not None for e in events) for events in got)
+    # the last round only releases held-back text: leave it out of the step times
+    timed_rounds = slice(None, -1) if len(rounds) > 1 else slice(None)
+    return {"tok_s": tokens / sum(rounds), "step_ms": 1e3 * statistics.median(rounds[timed_rounds]),
+            "calls": None if counts is None else counts["calls"],
+            "outside_us": statistics.median(outside[timed_rounds]), "load": load()}
 
 
 def npud_child(path: str, fmt: str, gen: int, sizes: list[int]) -> dict:
@@ -57,18 +86,8 @@ def npud_child(path: str, fmt: str, gen: int, sizes: list[int]) -> dict:
     out = {"prompt_tokens": len(served.prompt_ids(request))}
     for n in sizes:
         sessions = [served.start(request) for _ in range(n)]
-        while any(s.forward.positions_held < len(s.prompt_ids) - 1 for s in sessions):
-            served.run_batch(sessions, prefill_budget=None)  # the prefill: not timed
-        rounds, tokens = [], 0
-        while live := [s for s in sessions if not s.done]:
-            started = time.perf_counter()
-            got = served.run_batch(live)
-            rounds.append(time.perf_counter() - started)
-            tokens += sum(sum(e.token_id is not None for e in events) for events in got)
+        out[str(n)] = decode_rounds(served, sessions)
         assert all(s.result().token_ids == want for s in sessions), "a batched sequence's tokens differ from alone"
-        # the last round only releases held-back text: leave it out of the step times
-        timed = rounds[:-1] if len(rounds) > 1 else rounds
-        out[str(n)] = {"tok_s": tokens / sum(rounds), "step_ms": 1e3 * statistics.median(timed), "load": load()}
     return out
 
 
@@ -199,17 +218,21 @@ def main() -> int:
                             f"{n}:{got[str(n)]['tok_s']:.1f}" for n in sizes if str(n) in got)
                             + f" tok/s, load {load()}", flush=True)
     print()
-    print("| model | engine | threads | N | aggregate tok/s, median (range) | step ms per sequence | x of N=1 | load (1/5/15 min) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | engine | threads | N | aggregate tok/s, median (range) | step ms per sequence | x of N=1 | "
+          "native calls / round | us outside GEMMs / round | load (1/5/15 min) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for (engine, label, t), results in runs.items():
         base = statistics.median(r["1"]["tok_s"] for r in results) if all("1" in r for r in results) else None
         for n in sizes:
             key = str(n)
             tok = [r[key]["tok_s"] for r in results if key in r]
             step = [r[key]["step_ms"] for r in results if key in r]
+            calls = [r[key]["calls"] for r in results if r.get(key, {}).get("calls") is not None]
+            outside = [r[key]["outside_us"] for r in results if "outside_us" in r.get(key, {})]
             loads = ", ".join(r[key]["load"] for r in results if key in r)
             ratio = f"{statistics.median(tok) / base:.2f}" if base and tok else "-"
-            print(f"| {label} | {engine} | {t} | {n} | {median_range(tok)} | {median_range(step)} | {ratio} | {loads} |")
+            print(f"| {label} | {engine} | {t} | {n} | {median_range(tok)} | {median_range(step)} | {ratio} | "
+                  f"{median_range(calls, '{:.0f}')} | {median_range(outside, '{:.0f}')} | {loads} |")
     print()
     print("| host GEMM (gemma-3-270m Q4_K_M, layer 0 and the LM head) | threads | M=1 ms | M=8 ms | M=16 ms | "
           "M=16 / M=1 | load |")

@@ -3,7 +3,8 @@
 Interleaved rounds (npud exact, npud gguf-q8, llama.cpp, ik_llama.cpp, then again), at 1 and 2
 threads, medians and ranges over the rounds, /proc/loadavg printed with every round. npud: greedy
 decode tok/s (median step of --tokens steps after a 32-token prompt), an 8-row verify over a step,
-prefill tok/s of 64 and 512 tokens (best of 2), and the roofline: a step's weight bytes over the
+prefill tok/s of 64 and 512 tokens (best of 2), a step's profile (native calls and microseconds
+outside the GEMMs per decode step, bench/step_profile.py), and the roofline: a step's weight bytes over the
 read bandwidth measured in this run, and the decode rate's fraction of it; the output layer's M=1
 and M=8 calls beside its own bytes over that bandwidth. The anchors: llama-bench -p 64,512 -n 32
 -r 1 on the same file with the same thread count (tg32 and pp64 / pp512 tok/s), their build
@@ -32,6 +33,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tools"))
 
 from decode import measure_read_bandwidth, our_decode, our_prefill, our_verify, set_threads  # noqa: E402
+from step_profile import decode_profile  # noqa: E402
 
 from npud.engine.model import Model  # noqa: E402
 
@@ -77,7 +79,8 @@ def npud_run(model: Model, prompt: list[int], long_prompt: list[int], tokens: in
     step = our_decode(model, prompt, tokens)
     verify = our_verify(model, prompt, 8)
     h1, h8 = head_times(model)
-    return {"decode": 1 / step, "verify8/step": verify / step, "prefill64": 64 / our_prefill(model, long_prompt[:64]),
+    prof = decode_profile(model, prompt, tokens)
+    return {"calls/step": prof["calls"], "outside us/step": prof["outside_us"], "decode": 1 / step, "verify8/step": verify / step, "prefill64": 64 / our_prefill(model, long_prompt[:64]),
             "prefill512": 512 / our_prefill(model, long_prompt), "head1": h1, "head8": h8}
 
 
@@ -129,10 +132,12 @@ def main() -> None:
                 commits[name] = str(res.pop("commit"))
                 results.setdefault((name, threads), []).append(res)
             print(f"threads {threads} round {r + 1}: load {load()}", flush=True)
-    print("\n| engine | threads | decode tok/s | verify8 / step | prefill-64 tok/s | prefill-512 tok/s | roofline tok/s | decode / roofline |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| engine | threads | decode tok/s | verify8 / step | prefill-64 tok/s | prefill-512 tok/s | roofline tok/s | "
+          "decode / roofline | native calls / step | us outside GEMMs / step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for (name, threads), rows in results.items():
-        col = {k: [row[k] for row in rows if k in row] for k in ("decode", "verify8/step", "prefill64", "prefill512")}
+        col = {k: [row[k] for row in rows if k in row]
+               for k in ("decode", "verify8/step", "prefill64", "prefill512", "calls/step", "outside us/step")}
         roof = fraction = "-"
         if name.startswith("npud"):
             step_bytes = models[name.split()[1]].weight_bytes_per_token()
@@ -140,7 +145,8 @@ def main() -> None:
             roof = f"{bw / step_bytes:.1f}"
             fraction = med([d * step_bytes / bw for d in col["decode"]], ".2f")
         print(f"| {name} | {threads} | {med(col['decode'], '.1f')} | {med(col['verify8/step'], '.2f')} | "
-              f"{med(col['prefill64'], '.0f')} | {med(col['prefill512'], '.0f')} | {roof} | {fraction} |")
+              f"{med(col['prefill64'], '.0f')} | {med(col['prefill512'], '.0f')} | {roof} | {fraction} | "
+              f"{med(col['calls/step'], '.0f')} | {med(col['outside us/step'], '.0f')} |")
     head = next(iter(models.values())).weights.lm_head
     print(f"\noutput layer ({head.out_features} x {head.in_features} {head.fmt.value}), fastest of 5 calls, median over "
           "rounds; GB/s: its prepared bytes (q and factor tiles) / the call's time, beside the read bandwidth:")

@@ -8,11 +8,9 @@ backend with decoder_stack hidden), a call per kernel ("per-op": decoder_stack a
 hidden, the path before), alternated in rounds: step, layer, per-op, step, layer, per-op, ...
 
 Per round: a fresh sequence, a 32-token prompt, 2 steps of warm-up, then --tokens greedy steps,
-each timed: its wall time, and its GEMM time from the library's GEMM clock (pool.c's
-npud_gemm_clock: every GEMM entry from its start to its return, whether Python or layer.c called
-it); "outside GEMMs" is the difference (per-row kernels, attention, copies, ctypes, Python, and
-whatever time the scheduler gave another process then). A step's native calls (every call into
-the host library) and GEMM calls are counted in one more step after the timed ones, untimed.
+each timed: its wall time and its time outside GEMMs; a step's native calls (every call into
+the host library) and GEMM calls are counted in one more step after the timed ones, untimed
+(bench/step_profile.py, which the other benches' profile columns share, says how).
 Printed: a line per round with /proc/loadavg, then per format and thread count the medians and
 ranges over the rounds of the per-round medians.
 
@@ -26,7 +24,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,6 +31,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from isolated import run_isolated  # noqa: E402
+from step_profile import decode_profile  # noqa: E402
 
 PROMPT = [(i * 37 + 11) % 2000 + 100 for i in range(32)]
 PATHS = ("step", "layer", "per-op")
@@ -43,47 +41,13 @@ def load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-class _Counted:
-    """A library function that counts its calls (attributes read through to the function)."""
-
-    def __init__(self, fn, counts: dict, name: str):
-        self._fn, self._counts, self._name = fn, counts, name
-
-    def __call__(self, *args):
-        self._counts[self._name] = self._counts.get(self._name, 0) + 1
-        return self._fn(*args)
-
-    def __getattr__(self, attr):
-        return getattr(self._fn, attr)
-
-
-def count_native_calls(run) -> dict[str, int]:
-    """run() with every npud_* function of the host library counting its calls; {name: calls}."""
-    from npud.kernels.host import native
-
-    lib = native.library()
-    names = [n for n in dir(lib) if n.startswith("npud_")]  # those bound so far: every one a step uses
-    counts: dict[str, int] = {}
-    saved = {n: getattr(lib, n) for n in names}
-    try:
-        for n in names:
-            setattr(lib, n, _Counted(saved[n], counts, n))
-        run()
-    finally:
-        for n in names:
-            setattr(lib, n, saved[n])
-    return counts
-
-
 def measure(fmt: str, rounds: int, tokens: int) -> dict:
     """In a process of its own: rounds of both paths on gemma-3-270m in `fmt`; per round and path
     the median step, its median time outside GEMMs, and the load."""
     from real_gemma import gemma_gguf_path
 
-    from npud.engine.forward import Forward
     from npud.engine.model import Model
     from npud.engine.testing.backends import ONE_CALL_LAYERS, PrimitivesOnly
-    from npud.kernels.host import native
 
     model = Model.load(gemma_gguf_path(), fmt)
     backends = {"step": model.backend, "layer": PrimitivesOnly(model.backend, hide={"decoder_stack"}),
@@ -91,25 +55,7 @@ def measure(fmt: str, rounds: int, tokens: int) -> dict:
 
     def one_round(path: str) -> dict:
         model.backend = backends[path]
-        f = Forward(model)
-        tok = int(f.prefill(PROMPT).argmax())
-        for _ in range(2):
-            tok = int(f.step(tok, f.positions_held).argmax())
-        walls, outside = [], []
-        for _ in range(tokens):
-            c0 = native.gemm_clock()
-            t0 = time.perf_counter_ns()
-            logits = f.step(tok, f.positions_held)
-            wall = time.perf_counter_ns() - t0
-            c1 = native.gemm_clock()
-            walls.append(wall)
-            outside.append(wall - (c1[1] - c0[1]))
-            tok = int(logits.argmax())
-        g0 = native.gemm_clock()[0]
-        counts = count_native_calls(lambda: f.step(tok, f.positions_held))
-        return {"step_ms": statistics.median(walls) / 1e6, "outside_us": statistics.median(outside) / 1e3,
-                "calls": sum(counts.values()), "gemm_calls": native.gemm_clock()[0] - g0, "by_name": counts,
-                "load": load()}
+        return {**decode_profile(model, PROMPT, tokens), "load": load()}
 
     out = {p: [] for p in PATHS}
     for _ in range(rounds):

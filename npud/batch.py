@@ -12,7 +12,11 @@ this order:
      model in the queue's grant order (their jobs join the batch: npud/tickets.py `join`).
 
 A batch holds at most `max_batch` sequences and, summed over them, `max_batch_positions`
-context positions (prompt tokens + max_tokens); one sequence alone always runs. With
+context positions (prompt tokens + max_tokens); one sequence alone always runs. While an
+interactive sequence runs, batch sequences ride beside it only while a round of all of them
+costs at most `interactive_round_cost` of one sequence's steps (the model's calibrated
+`round_cost`): an interactive request's steps stay near its solo step, and the batch sequences
+set aside for it run again when it ends. With
 max_batch = 1 nothing joins: a ticket runs one prompt of one job at a time. Jobs of another
 model wait for the ticket to end or yield (npud/tickets.py should_yield: an interactive request
 waiting preempts batch work, quanta rotate the rest).
@@ -21,11 +25,15 @@ waiting preempts batch work, quanta rotate the rest).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from npud.config import BatchingConfig
 from npud.jobs import Job, JobState, Sequence
 from npud.tickets import Priority, Ticket
+
+
+RoundCost = Callable[[int], "float | None"]  # ServedModel.round_cost: a round of n sequences in solo steps
 
 
 class Kind(enum.IntEnum):
@@ -68,11 +76,23 @@ class RunningBatch:
     def positions(self) -> int:
         return sum(s.positions for s in self.running)
 
-    def fits(self, positions: int, limits: BatchingConfig) -> bool:
-        """Whether a sequence of `positions` may run now beside the running ones."""
+    def fits(self, positions: int, limits: BatchingConfig, priority: Priority = Priority.BATCH,
+             cost: RoundCost | None = None) -> bool:
+        """Whether a sequence of `positions` and `priority` may run now beside the running ones;
+        `cost` (ServedModel.round_cost) prices a round of n sequences."""
         if not self.running:
             return True
-        return len(self.running) < limits.max_batch and self.positions() + positions <= limits.max_batch_positions
+        return (len(self.running) < limits.max_batch and self.positions() + positions <= limits.max_batch_positions
+                and self._cost_fits([s.job.priority for s in self.running] + [priority], limits, cost))
+
+    @staticmethod
+    def _cost_fits(priorities: list[Priority], limits: BatchingConfig, cost: RoundCost | None) -> bool:
+        """A round of sequences of these priorities keeps to interactive_round_cost: it has no
+        interactive sequence, or no batch one, or costs at most that (unknown costs: no limit)."""
+        if Priority.INTERACTIVE not in priorities or Priority.BATCH not in priorities or cost is None:
+            return True
+        price = cost(len(priorities))
+        return price is None or price <= limits.interactive_round_cost
 
     # -- changes -------------------------------------------------------------------------
 
@@ -100,10 +120,10 @@ class RunningBatch:
         for seq in list(job.sequences.values()):
             self.remove(seq)
 
-    def set_aside_for(self, positions: int, limits: BatchingConfig) -> list[Sequence]:
-        """Set aside running batch-class sequences (the last to start first) until one of
-        `positions` fits; none when even all of them would not make room. Their sessions stay
-        with their jobs. Returns those set aside."""
+    def set_aside_for(self, positions: int, limits: BatchingConfig, cost: RoundCost | None = None) -> list[Sequence]:
+        """Set aside running batch-class sequences (the last to start first) until an
+        interactive one of `positions` fits; none when even all of them would not make room.
+        Their sessions stay with their jobs. Returns those set aside."""
         victims = [s for s in reversed(self.running) if s.job.priority is Priority.BATCH]
         rest = [s for s in self.running if s not in victims]
         if rest and (len(rest) >= limits.max_batch
@@ -111,7 +131,7 @@ class RunningBatch:
             return []
         out = []
         for seq in victims:
-            if self.fits(positions, limits):
+            if self.fits(positions, limits, Priority.INTERACTIVE, cost):
                 break
             self.running.remove(seq)
             out.append(seq)

@@ -201,7 +201,7 @@ class BatchingConfig:
     # Sequences of one model advanced together, one batched engine round at a time: a batch
     # job's prompts and interactive requests that join at a round boundary. 1: no batching
     # (each ticket runs one prompt of one job at a time).
-    max_batch: int = 8
+    max_batch: int = 16
     # The context positions (prompt tokens + max_tokens, each clamped to the model's context)
     # of the running sequences, summed: the KV memory they may come to hold. A sequence that
     # does not fit waits; one sequence alone always runs.
@@ -209,12 +209,21 @@ class BatchingConfig:
     # Prompt rows that sequences still prefilling may take in one round between them, so a long
     # prompt joining does not stall the running sequences' steps (npud.engine.api run_batch).
     prefill_budget: int = 64
+    # While an interactive sequence runs, batch sequences run beside it only while a round of all
+    # the running sequences costs at most this many of one sequence's steps (the model's
+    # calibrated pass costs, ServedModel.round_cost); the others are set aside until it ends. A
+    # number past any round's cost (1000) leaves max_batch alone to decide.
+    interactive_round_cost: float = 1.5
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_batch_positions", "prefill_budget"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DaemonConfigError(f"batching.{name}", value, "must be a whole number of at least 1")
+        cost = self.interactive_round_cost
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 1.0 <= cost < math.inf:
+            raise DaemonConfigError("batching.interactive_round_cost", cost,
+                                    "must be a finite number of at least 1.0 (one sequence's step)")
         if self.max_batch > MAX_BATCH_LIMIT:
             raise DaemonConfigError("batching.max_batch", self.max_batch, f"must be at most {MAX_BATCH_LIMIT}")
 

@@ -248,11 +248,11 @@ class DeviceOwner:
                     if self._errors_grew(batch.ticket):
                         return False
                     continue
-            if not batch.fits(positions, limits):
+            if not batch.fits(positions, limits, job.priority, served.round_cost):
                 if job.priority is Priority.INTERACTIVE:
-                    for seq in batch.set_aside_for(positions, limits):
+                    for seq in batch.set_aside_for(positions, limits, served.round_cost):
                         log.info("sequence_set_aside", set_aside_job=seq.job.id, prompt=seq.prompt, for_job=job.id)
-                if not batch.fits(positions, limits):
+                if not batch.fits(positions, limits, job.priority, served.round_cost):
                     return True
             if cand.kind is Kind.JOIN:
                 self.queue.join(cand.ticket, batch.ticket)

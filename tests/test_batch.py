@@ -335,3 +335,17 @@ def test_a_packed_pass_hands_each_sequence_its_own_rows(spec_model):
                [p.arrays[n].tobytes() for p in fb.state.snapshot().planes for n in sorted(p.arrays)]
     assert len(packed_taps.rows) == 1 and packed_taps.rows[0].shape[0] == len(nxt[2])
     assert np.array_equal(alone_taps.rows[0], packed_taps.rows[0])
+
+
+def test_round_cost_is_the_calibrated_pass_of_a_row_per_sequence(spec_model):
+    costs = spec_model.model.pass_costs
+    assert spec_model.round_cost(1) == 1.0
+    assert [spec_model.round_cost(n) for n in (2, 8, 16, 20)] == [costs.rows(n) for n in (2, 8, 16, 20)]
+    assert spec_model.round_cost(16) >= spec_model.round_cost(2)
+    with pytest.raises(ValueError, match="at least one sequence"):
+        spec_model.round_cost(0)
+    saved, spec_model.model.pass_costs = costs, None
+    try:
+        assert spec_model.round_cost(4) is None  # not calibrated: not known
+    finally:
+        spec_model.model.pass_costs = saved

@@ -56,6 +56,21 @@ async def tickets(client, job) -> list[dict]:
     return sorted((await client.tickets(job=job))["tickets"], key=lambda t: t["ticket"])
 
 
+async def complete_together(daemon, requests: dict[str, int]) -> dict[str, dict]:
+    """`complete` of each prompt (with its max_tokens) on a connection of its own, all at once;
+    {prompt: its result}."""
+    done = {}
+
+    async def complete(prompt, n):
+        async with await connect(daemon) as mine:
+            done[prompt] = await mine.complete(prompt, max_tokens=n).wait()
+
+    async with trio.open_nursery() as clients:
+        for prompt, n in requests.items():
+            clients.start_soon(complete, prompt, n)
+    return done
+
+
 def rounds_with(prompt: str) -> list[list[str]]:
     return [b for b in fakes.BATCHES if prompt in b]
 
@@ -82,15 +97,7 @@ async def test_interactive_requests_join_the_running_batch_and_get_the_text_they
     async with await connect(daemon) as c:
         batch = (await c.submit(["b0", "b1", "b2"], max_tokens=60))["job"]
         await wait_tokens(c, batch, 3)
-        done = {}
-
-        async def complete(prompt, n):
-            async with await connect(daemon) as mine:
-                done[prompt] = await mine.complete(prompt, max_tokens=n).wait()
-
-        async with trio.open_nursery() as clients:
-            for prompt, n in (("now", 5), ("later", 9)):
-                clients.start_soon(complete, prompt, n)
+        done = await complete_together(daemon, {"now": 5, "later": 9})
         assert done["now"]["text"] == fakes.expected_text("now", 5)
         assert done["later"]["text"] == fakes.expected_text("later", 9)
         assert (await c.status(batch))["state"] == "running"  # they rode its ticket: no preemption
@@ -145,6 +152,49 @@ async def set_aside_run(daemon, logs):
         # was resumed, not restarted
         [held] = await tickets(c, a)
         assert held["jobs"] == [a, now["job"], b] and held["tokens"] == 80 + 4 + 10
+
+
+async def test_an_interactive_request_keeps_the_batch_beside_it_within_its_round_cost(nursery, workdir):
+    # a round of n sequences costs round_costs[n - 1] solo steps: with the limit at 2.0, one batch
+    # sequence may ride beside the interactive one (2.0, the limit itself), not two (2.5)
+    knobs = dict(SLOW, round_costs=[1.0, 2.0, 2.5, 3.0, 3.5, 4.0])
+    daemon = await start(nursery, make_config(workdir, knobs=knobs, batching={"interactive_round_cost": 2.0}))
+    with structlog.testing.capture_logs() as logs:
+        async with await connect(daemon) as c:
+            batch = (await c.submit(["b0", "b1", "b2", "b3"], max_tokens=40))["job"]
+            await wait_tokens(c, batch, 4)
+            assert len(fakes.BATCHES[-1]) == 4  # alone, the batch runs all four (no interactive: no limit)
+            now = await c.complete("now", max_tokens=6).wait()
+            assert now["text"] == fakes.expected_text("now", 6)
+            joined = rounds_with("now")
+            assert len(joined) == 6 and all(b == ["b0", "now"] for b in joined)  # the last to start set aside first
+            aside = [(e["set_aside_job"], e["prompt"]) for e in logs if e["event"] == "sequence_set_aside"]
+            assert aside == [(batch, 3), (batch, 2), (batch, 1)]
+            await wait_state(c, batch)
+            after = max(i for i, b in enumerate(fakes.BATCHES) if "now" in b) + 1
+            assert sorted(fakes.BATCHES[after]) == ["b0", "b1", "b2", "b3"]  # back together once it ended
+            # the set-aside sessions resumed where they stopped, on the same ticket (no preemption)
+            assert await texts(c, batch) == [fakes.expected_text(f"b{i}", 40) for i in range(4)]
+            [held] = await tickets(c, batch)
+            assert held["outcome"] == "done" and held["tokens"] == 4 * 40 + 6
+    daemon.request_stop()
+
+
+async def test_interactive_requests_ride_together_whatever_the_round_costs(nursery, workdir):
+    # any batch sequence beside an interactive one is over the limit; two interactive ones are not
+    # held to it between themselves
+    knobs = dict(SLOW, round_costs=[1.0, 2.0])
+    daemon = await start(nursery, make_config(workdir, knobs=knobs, batching={"interactive_round_cost": 1.5}))
+    async with await connect(daemon) as c:
+        batch = (await c.submit(["b0", "b1"], max_tokens=60))["job"]
+        await wait_tokens(c, batch, 2)
+        done = await complete_together(daemon, {"i0": 8, "i1": 8})
+        assert {p: done[p]["text"] for p in done} == {p: fakes.expected_text(p, 8) for p in ("i0", "i1")}
+        assert ["i0", "i1"] in [sorted(b) for b in fakes.BATCHES]  # the two in one round, no batch beside them
+        assert not any(("i0" in b or "i1" in b) and ("b0" in b or "b1" in b) for b in fakes.BATCHES)
+        await wait_state(c, batch)
+        assert await texts(c, batch) == [fakes.expected_text("b0", 60), fakes.expected_text("b1", 60)]
+    daemon.request_stop()
 
 
 async def test_a_cancelled_job_leaves_the_batch_and_the_others_finish_as_alone(nursery, workdir):
@@ -268,8 +318,14 @@ def test_batching_settings_are_checked_by_name(tmp_path, value, fragment):
     for name in ("max_batch_positions", "prefill_budget"):
         with pytest.raises(DaemonConfigError, match=f"batching.{name}"):
             parse_config({"batching": {name: 0}})
-    cfg = parse_config({"batching": {"max_batch": 16, "max_batch_positions": 4096, "prefill_budget": 32}})
-    assert (cfg.batching.max_batch, cfg.batching.max_batch_positions, cfg.batching.prefill_budget) == (16, 4096, 32)
+    for value, fragment in ((0.5, "at least 1.0"), (float("inf"), "finite"), ("2", "a number"), (True, "a number")):
+        with pytest.raises(DaemonConfigError, match="batching.interactive_round_cost") as info:
+            parse_config({"batching": {"interactive_round_cost": value}})
+        assert fragment in str(info.value)
+    cfg = parse_config({"batching": {"max_batch": 16, "max_batch_positions": 4096, "prefill_budget": 32,
+                                     "interactive_round_cost": 1}})
+    assert (cfg.batching.max_batch, cfg.batching.max_batch_positions, cfg.batching.prefill_budget,
+            cfg.batching.interactive_round_cost) == (16, 4096, 32, 1.0)
 
 
 def test_a_ticket_is_found_by_every_job_that_rode_it_and_users_see_only_their_own(tmp_path):

@@ -116,6 +116,7 @@ class FakeSession:
 class FakeServedModel:
     """An npud.engine.api.ServedModel without a prefix cache. Knobs from fake.json:
     tokens_per_round, round_sleep_s, max_context, fim (a request with a suffix runs), nbytes,
+    round_costs (round_cost(n) is item n - 1, the last for more; absent: None),
     chat_template (the name a chat's stats give its template; None: no such stat),
     fault_file (a round raises
     DeviceFault, as a failed NPU run does, once for each time that file is created;
@@ -132,9 +133,15 @@ class FakeServedModel:
         self.fault_prompt = knobs.get("fault_prompt")  # only the prompt with this text faults (None: any)
         self.fault_at_token = int(knobs.get("fault_at_token", 0))  # after this many of its tokens
         self.chat_template = knobs.get("chat_template")
+        self.round_costs = knobs.get("round_costs")  # [cost of a round of n sequences, n = 1, 2, ...]; None: unknown
 
     def describe(self) -> dict:
         return {"name": self.name, "fake": True, "tokens_per_round": self.tokens_per_round}
+
+    def round_cost(self, sequences: int) -> float | None:
+        if self.round_costs is None:
+            return None
+        return float(self.round_costs[min(sequences, len(self.round_costs)) - 1])
 
     def count_prompt_tokens(self, request: GenerateRequest) -> int:
         return len(prompt_text(request).split())

@@ -441,6 +441,10 @@ class ServedModel(Protocol):
     def cache_flush(self) -> int:
         """Write in-memory prefix-cache entries to disk; returns how many were written."""
 
+    def round_cost(self, sequences: int) -> float | None:
+        """What a round of `sequences` decoding sequences (a row each) costs in one sequence's
+        steps, by the model's calibrated pass costs (1.0 for one); None when they are not known."""
+
     def run_batch(self, sessions: Sequence[Session], *, prefill_budget: int = DEFAULT_PREFILL_BUDGET
                   ) -> list[list[TokenEvent] | EngineError]:
         """One round of each of `sessions` (started by this model, none done, each at most

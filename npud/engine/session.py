@@ -323,6 +323,14 @@ class LoadedModel(TokenizerMethods):
 
         native.set_threads(self.threads or 0)
 
+    def round_cost(self, sequences: int) -> float | None:
+        """npud.engine.api.ServedModel.round_cost: an r-row pass's calibrated cost in plain steps
+        (npud/engine/pass_costs.py), r = sequences; None without a calibration."""
+        if sequences < 1:
+            raise ValueError(f"a round has at least one sequence, got {sequences}")
+        costs = self.model.pass_costs
+        return None if costs is None else float(costs.rows(sequences))
+
     def run_batch(self, sessions, *, prefill_budget: int | None = DEFAULT_PREFILL_BUDGET):
         """npud.engine.api.ServedModel.run_batch: one round of each session, their base passes packed
         into shared weight streams (npud/engine/batch.py). Returns each session's events, or the
