@@ -233,6 +233,18 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* Make j the current job for threads - 1 workers and wake the sleeping ones (call_mu held). */
+static void publish(job_t *j, int threads) {
+    j->caller_cpu = sched_getcpu();
+    j->published_ns = now_ns();
+    atomic_store(&pool.active, threads - 1);
+    atomic_store(&pool.job, j);
+    pthread_mutex_lock(&pool.mu);
+    atomic_fetch_add(&pool.call, 1);
+    pthread_cond_broadcast(&pool.cv);
+    pthread_mutex_unlock(&pool.mu);
+}
+
 static void ensure_workers(int n) {
     while (pool.started < n - 1) {
         pthread_t th;
@@ -300,14 +312,7 @@ long dispatch(job_t *j, int threads) {
         if (j->chunk > most) j->chunk = most;
         j->nchunks = (j->ntiles + j->chunk - 1) / j->chunk;
         atomic_fetch_add_explicit(&pool.offered, j->nchunks, memory_order_relaxed);
-        j->caller_cpu = sched_getcpu();
-        j->published_ns = now_ns();
-        atomic_store(&pool.active, threads - 1);
-        atomic_store(&pool.job, j);
-        pthread_mutex_lock(&pool.mu);
-        atomic_fetch_add(&pool.call, 1);
-        pthread_cond_broadcast(&pool.cv);
-        pthread_mutex_unlock(&pool.mu);
+        publish(j, threads);
         caller_chunks(j);
         const long seen_ns = atomic_load(&j->seen_ns), done_ns = now_ns();
         atomic_fetch_add_explicit(&pool.calls, 1, memory_order_relaxed);
@@ -338,14 +343,7 @@ void pool_for(int threads, long n, void (*unit)(void *, long), void *ctx) {
         return;
     }
     j->unit = unit, j->ctx = ctx, j->ntiles = j->nchunks = n, j->chunk = 1;
-    j->caller_cpu = sched_getcpu();
-    j->published_ns = now_ns();
-    atomic_store(&pool.active, threads - 1);
-    atomic_store(&pool.job, j);
-    pthread_mutex_lock(&pool.mu);
-    atomic_fetch_add(&pool.call, 1);
-    pthread_cond_broadcast(&pool.cv);
-    pthread_mutex_unlock(&pool.mu);
+    publish(j, threads);
     if (atomic_load_explicit(&pool.stall_us, memory_order_relaxed)) /* tests: a worker takes the first unit */
         for (int i = 0; i < 100000 && atomic_load(&j->next) == 0; i++) sched_yield();
     for (;;) {
