@@ -194,3 +194,36 @@ def test_a_prefill_sized_call_prepares_its_rows_on_the_threads_with_the_one_row_
     assert np.array_equal(got, single)
     assert after[0] - before[0] == 1 and after[1] - before[1] == 8, (before, after)  # 4 x 2 blocks
     assert after[2] > before[2], "no worker prepared a block: the bits above checked only the caller's"
+
+
+@pytest.mark.parametrize("fmt", list(BlockFormat))
+def test_row_blocks_interleaved_per_group_give_the_one_row_bits(fmt, isa_and_threads):
+    """blockq8.c's bq_vnni_multi (several row blocks over each weight group in turn, taken by weights
+    of at least bq8_stream_min bytes: the output layer) forced on a small weight: every row count
+    (each split into blocks of 2..4 rows, up to the driver's 64 rows and past them) and thread count
+    gives the one-row calls' bits, on every path, and the same bits as the chunked row blocks."""
+    b = BlockHostBackend(parallel=True)
+    w = b.prepare_linear(pack_block_matrix(random_block_rows(fmt, 136, 768, seed=4), fmt, 768, layout=LAYOUT_Q8))
+    x = np.random.default_rng(6).standard_normal((70, 768)).astype(np.float32)
+    x[9] *= 1e-3  # a row of another magnitude
+    native.set_isa(None)
+    single = np.concatenate([b.linear(x[i : i + 1], w) for i in range(70)]).view(np.uint32)
+    before = native.bq8_stream_min()
+    try:
+        for path in _paths():
+            native.set_isa(path)
+            for threads in (1, 2):
+                native.set_threads(threads)
+                for m in (5, 6, 7, 8, 9, 13, 16, 17, 64, 70):
+                    native.bq8_stream_min(0)
+                    assert native.bq8_stream_min() == 0  # the threshold took: the interleaved blocks run
+                    interleaved = b.linear(x[:m], w).view(np.uint32)
+                    native.bq8_stream_min(1 << 40)
+                    chunked = b.linear(x[:m], w).view(np.uint32)
+                    assert np.array_equal(interleaved, single[:m]), (path, threads, m)
+                    assert np.array_equal(chunked, single[:m]), (path, threads, m)
+    finally:
+        native.bq8_stream_min(before)
+    assert native.bq8_stream_min() == before == 8 << 20
+    with pytest.raises(ValueError, match="a size in bytes"):
+        native.bq8_stream_min(-5)

@@ -25,8 +25,9 @@
  * not depend on the other rows; integer sums are exact, so VNNI's vpdpbusd (u8 x s8 in groups
  * of four, with the sum started at -128 * s_G to undo the + 128), the AVX2 build and the generic
  * C give the same bits. Rows go in blocks of MAXR_Q8, groups in chunks when there are several
- * blocks (the partial sums wait in the output, stored and reloaded exactly), threads take whole
- * tiles (pool.c). */
+ * blocks (the partial sums wait in the output, stored and reloaded exactly) or, on the VNNI path for a
+ * weight streamed from memory (bq_stream_min), every block over each group in turn (bq_vnni_multi);
+ * threads take whole tiles (pool.c). */
 
 /* Factor i (an index into the factor tiles) of job j as float32. */
 static inline __attribute__((always_inline)) float fac_at(const job_t *j, size_t i) {
@@ -42,7 +43,7 @@ static inline __attribute__((always_inline)) int32_t bq_packed_u(const int qbits
     return u;
 }
 
-#define BQ_KC 512 /* k per chunk when several row blocks share a tile's weights (32 KiB of them) */
+#define BQ_KC 512 /* k per chunk when several row blocks share a tile's weights (32 KiB of them): the chunked blocks */
 
 static inline __attribute__((always_inline)) void bq_gen_block(const job_t *j, long t, float *o, long ldo, long r0,
                                                                long R, long g0, long g1) {
@@ -191,6 +192,121 @@ static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R
         }
 }
 
+/* Several row blocks, interleaved per group: group G's weights come in once (its stream, and the
+ * next tile's, prefetched ahead of the first block) and every row block of the M rows at o (row r
+ * at o + r * ldo, rows r0.. of the job) runs over them while they are in L1, one block of up to
+ * MAXR_Q8 rows at a time with its 4R int32 sums in registers; the float sums wait in o. Each row's
+ * chain is the one bq_vnni_rows gives it (same int32 sums, same float steps in group order). */
+static inline __attribute__((always_inline)) TVNNI void bq_vnni_grp(const int R, const int P, const int g, const int H,
+                                                                    const int Q, const int pf, const job_t *j,
+                                                                    const uint8_t *wg, size_t tbytes, size_t f, float *o,
+                                                                    long ldo, long r0, long G) {
+    /* o: the block's first row (job row r0) */
+    const long K = j->K, ng = K / g, nb = K / QB;
+    const __m512i low4 = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
+    const float *f32 = j->fac;
+    const uint16_t *f16 = (const uint16_t *)j->fac;
+    const int8_t *xq = j->xq + r0 * K + G * g;
+    const float *xs = j->xs + r0 * nb;
+    const int32_t *xsum = j->xsum + r0 * ng;
+    __m512i isum[MAXR_Q8][4];
+    for (int r = 0; r < R; r++) {
+        const __m512i init = _mm512_set1_epi32(-j->qzero * xsum[r * ng + G]);
+        for (int v = 0; v < 4; v++) isum[r][v] = init;
+    }
+    __m512i hb[4];
+    if (Q == 5)
+        for (int v = 0; v < 4; v++) hb[v] = _mm512_loadu_si512(wg + 1024 + 64 * v);
+    const size_t gbytes = (size_t)g * TILE * Q / 8;
+    for (int k4 = 0; k4 < g / 4; k4++) {
+        if (pf) { /* the first block: this k4's share of the group PF_BYTES on (L1) and of the next tile's (L2) */
+            const char *p = (const char *)wg + k4 * (gbytes / 8);
+            for (size_t b = 0; b < gbytes / 8; b += 64) {
+                _mm_prefetch(p + PF_BYTES + b, _MM_HINT_T0);
+                _mm_prefetch(p + tbytes + b, _MM_HINT_T1);
+            }
+        }
+        __m512i w0, w1, w2, w3;
+        if (Q == 8) {
+            const uint8_t *wp = wg + (size_t)k4 * TILE * 4;
+            w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 64);
+            w2 = _mm512_loadu_si512(wp + 128), w3 = _mm512_loadu_si512(wp + 192);
+        } else {
+            const __m512i n0 = _mm512_loadu_si512(wg + 128 * k4), n1 = _mm512_loadu_si512(wg + 128 * k4 + 64);
+            w0 = _mm512_and_si512(n0, low4), w1 = _mm512_and_si512(_mm512_srli_epi16(n0, 4), low4);
+            w2 = _mm512_and_si512(n1, low4), w3 = _mm512_and_si512(_mm512_srli_epi16(n1, 4), low4);
+            if (Q == 5) {
+                const __m512i bit = _mm512_set1_epi8((char)(1 << k4));
+                w0 = _mm512_mask_add_epi8(w0, _mm512_test_epi8_mask(hb[0], bit), w0, sixteen);
+                w1 = _mm512_mask_add_epi8(w1, _mm512_test_epi8_mask(hb[1], bit), w1, sixteen);
+                w2 = _mm512_mask_add_epi8(w2, _mm512_test_epi8_mask(hb[2], bit), w2, sixteen);
+                w3 = _mm512_mask_add_epi8(w3, _mm512_test_epi8_mask(hb[3], bit), w3, sixteen);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            int32_t four;
+            memcpy(&four, xq + r * K + k4 * 4, 4);
+            const __m512i xb = _mm512_set1_epi32(four);
+            isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w0, xb);
+            isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w1, xb);
+            isum[r][2] = _mm512_dpbusd_epi32(isum[r][2], w2, xb);
+            isum[r][3] = _mm512_dpbusd_epi32(isum[r][3], w3, xb);
+        }
+    }
+    __m512 fs[4], fd[4];
+    for (int v = 0; v < 4; v++) {
+        fs[v] = bq_fac16(H, f32, f16, f + 16 * v);
+        if (P == 2) fd[v] = _mm512_loadu_ps(f32 + f + TILE + 16 * v);
+    }
+    for (int r = 0; r < R; r++) {
+        const __m512 d = _mm512_set1_ps(xs[r * nb + G * g / QB]);
+        const __m512 sf = _mm512_set1_ps((float)xsum[r * ng + G]);
+        for (int v = 0; v < 4; v++) {
+            __m512 val = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][v]), fs[v]);
+            if (P == 2) val = _mm512_fnmadd_ps(fd[v], sf, val);
+            float *p = o + r * ldo + 16 * v;
+            _mm512_storeu_ps(p, _mm512_fmadd_ps(val, d, G == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(p)));
+        }
+    }
+}
+
+/* Rows r0 .. r0 + M - 1 of the job (output row r at o + (r - r0) * ldo: the driver's buffer) in
+ * nblocks row blocks (row_block), all groups, the blocks interleaved per group. */
+static inline __attribute__((always_inline)) TVNNI void bq_vnni_multi(const int P, const int g, const int H,
+                                                                      const int Q, const job_t *j, long t, float *o,
+                                                                      long ldo, long r0, long M) {
+    const long K = j->K, ng = K / g;
+    const size_t gbytes = (size_t)g * TILE * Q / 8, tbytes = ng * gbytes;
+    const uint8_t *wt = (const uint8_t *)j->w + (size_t)t * tbytes;
+    const size_t ft = (size_t)t * ng * P * TILE, fbytes = H ? 2 : 4;
+    const long nblocks = (M + MAXR_Q8 - 1) / MAXR_Q8;
+    long b0[64 / MAXR_Q8], bn[64 / MAXR_Q8]; /* the driver's BQ_ROWS rows at most */
+    for (long i = 0; i < nblocks; i++) row_block(M, MAXR_Q8, i, nblocks, &b0[i], &bn[i]);
+    for (long G = 0; G < ng; G++) {
+        const uint8_t *wg = wt + G * gbytes;
+        const size_t f = ft + G * P * TILE;
+        const char *fp = (const char *)j->fac + f * fbytes;
+        _mm_prefetch(fp + 4 * P * TILE * fbytes, _MM_HINT_T0);
+        _mm_prefetch(fp + ng * P * TILE * fbytes, _MM_HINT_T1);
+#define BQ_GRP(R, PF) bq_vnni_grp(R, P, g, H, Q, PF, j, wg, tbytes, f, o + b0[i] * ldo, ldo, r0 + b0[i], G)
+        for (long i = 0; i < nblocks; i++) {
+            if (i == 0) { /* the stream's prefetches */
+                if (bn[i] == 4) BQ_GRP(4, 1);
+                else if (bn[i] == 3) BQ_GRP(3, 1);
+                else BQ_GRP(2, 1); /* several blocks: 2 rows at least each */
+            } else {
+                if (bn[i] == 4) BQ_GRP(4, 0);
+                else if (bn[i] == 3) BQ_GRP(3, 0);
+                else BQ_GRP(2, 0);
+            }
+        }
+#undef BQ_GRP
+    }
+    for (long r = 0; r < M; r++)
+        for (int v = 0; v < 4; v++)
+            store16(j, o + r * ldo + 16 * v, _mm512_loadu_ps(o + r * ldo + 16 * v), t * TILE + 16 * v, 1);
+}
+
 #define BQ_ROWS(P, g, H, Q)                                                                          \
     switch (R) {                                                                                     \
     case 1: bq_vnni_rows(1, P, g, H, Q, j, t, o, ldo, r0, g0, g1); break;                            \
@@ -224,13 +340,49 @@ static inline __attribute__((always_inline)) TVNNI void bq_vnni_block(const job_
     }
 }
 
+/* Weights of at least this many q bytes take bq_vnni_multi for several row blocks (the output
+ * layer: its 8 rows 1.2-1.3x its 1-row call where the chunked blocks take 1.5x, one thread); smaller
+ * ones, which a call finds in cache when it runs over and over, keep the chunked row blocks (measured
+ * 10-20% faster at 8 and 16 rows on gemma's layer shapes there). npud_bq8_stream_min changes it (tests). */
+static size_t bq_stream_min = (size_t)8 << 20;
+
+/* Sets the threshold above when bytes >= 0; returns the one before. */
+long npud_bq8_stream_min(long bytes) {
+    const long before = (long)bq_stream_min;
+    if (bytes >= 0) bq_stream_min = (size_t)bytes;
+    return before;
+}
+
+/* bq_vnni_multi for the job's format: 1 (done), or 0 for a weight under bq_stream_min (the driver's
+ * chunked row blocks then). */
+#define BQ_MULTI(P, g, H, Q) bq_vnni_multi(P, g, H, Q, j, t, o, ldo, r0, M)
+static inline __attribute__((always_inline)) TVNNI int bq_vnni_multi_any(const job_t *j, long t, float *o, long ldo,
+                                                                        long r0, long M) {
+    if ((size_t)j->ntiles * (j->K / j->group) * j->group * TILE * j->qbits / 8 < bq_stream_min) return 0;
+    if (j->parts == 2) {
+        if (j->qbits == 8) BQ_MULTI(2, 32, 0, 8);
+        else if (j->qbits == 5) BQ_MULTI(2, 32, 0, 5);
+        else BQ_MULTI(2, 32, 0, 4);
+    } else if (j->group == 16) {
+        BQ_MULTI(1, 16, 0, 8);
+    } else if (j->qbits != 8) {
+        if (j->qbits == 5) BQ_MULTI(1, 32, 1, 5);
+        else BQ_MULTI(1, 32, 1, 4);
+    } else if (j->fac16) {
+        BQ_MULTI(1, 32, 1, 8);
+    } else {
+        BQ_MULTI(1, 32, 0, 8);
+    }
+    return 1;
+}
+
 /* One tile for every row: row blocks of at most MAXR_Q8 rows; with several blocks, groups go in
  * chunks of BQ_KC k so the chunk of the tile stays in cache while every block runs over it. Several
  * rows go through a buffer of BQ_ROWS x 64 (rows 256 bytes apart) and are copied out at the end:
  * the output's rows lie N floats apart, a multiple of 4 KiB for wide layers, so that the rows'
  * partial sums written straight into it share a few cache sets (gemma's head: 3x slower at 8 rows). */
 #define BQ_ROWS 64
-#define BQ_DRIVER(NAME, ATTR, BLOCK)                                                                 \
+#define BQ_DRIVER(NAME, ATTR, BLOCK, MULTI)                                                          \
     ATTR static void NAME(const job_t *j, long t, float *o, long ldo) {                              \
         const long ng = j->K / j->group;                                                             \
         if (j->M == 1) {                                                                             \
@@ -241,6 +393,11 @@ static inline __attribute__((always_inline)) TVNNI void bq_vnni_block(const job_
         for (long m0 = 0; m0 < j->M; m0 += BQ_ROWS) {                                                \
             const long mr = j->M - m0 < BQ_ROWS ? j->M - m0 : BQ_ROWS;                               \
             const long nblocks = (mr + MAXR_Q8 - 1) / MAXR_Q8;                                       \
+            if (nblocks > 1 && MULTI(j, t, buf, TILE, m0, mr)) {                                     \
+                for (long r = 0; r < mr; r++)                                                        \
+                    memcpy(o + (m0 + r) * ldo, buf + r * TILE, TILE * sizeof(float));                \
+                continue;                                                                            \
+            }                                                                                        \
             const long chunk = nblocks == 1 ? ng : BQ_KC / j->group;                                 \
             for (long g0 = 0; g0 < ng; g0 += chunk) {                                                \
                 const long g1 = g0 + chunk < ng ? g0 + chunk : ng;                                   \
@@ -254,10 +411,11 @@ static inline __attribute__((always_inline)) TVNNI void bq_vnni_block(const job_
         }                                                                                            \
     }
 
-BQ_DRIVER(tile_bq_generic, __attribute__((noinline)), bq_gen_block)
-BQ_DRIVER(tile_bq_avx2, __attribute__((noinline, target("avx2,fma"))), bq_gen_block)
-BQ_DRIVER(tile_bq_avx512, __attribute__((noinline)) T512, bq_gen_block)
-BQ_DRIVER(tile_bq_vnni, __attribute__((noinline)) TVNNI, bq_vnni_block)
+#define BQ_NO_MULTI(j, t, o, ldo, r0, M) 0 /* the chunked row blocks */
+BQ_DRIVER(tile_bq_generic, __attribute__((noinline)), bq_gen_block, BQ_NO_MULTI)
+BQ_DRIVER(tile_bq_avx2, __attribute__((noinline, target("avx2,fma"))), bq_gen_block, BQ_NO_MULTI)
+BQ_DRIVER(tile_bq_avx512, __attribute__((noinline)) T512, bq_gen_block, BQ_NO_MULTI)
+BQ_DRIVER(tile_bq_vnni, __attribute__((noinline)) TVNNI, bq_vnni_block, bq_vnni_multi_any)
 
 /* The q8 rows of x (npud_quantize_q8) and each weight group's sum of a row's int8 activations
  * (exact), rows m0..m1-1: each row's own numbers, so the rows may go in blocks on any thread. */

@@ -19,6 +19,7 @@ long npud_linear_qtiles(const float *x, long M, long K, const void *q, const voi
 long npud_linear_bq8(const float *x, long M, long K, const uint8_t *q, const void *fac, long group, long parts,
                      int fac16, int qbits, int qzero, long ntiles, long N, const float *bias, float *out,
                      int threads);
+long npud_bq8_stream_min(long bytes);
 
 /* pointwise.c: rows r0..r1-1 */
 void npud_rms_norm(int isa, const float *x, long D, const float *w, double eps, float *out, long r0, long r1);

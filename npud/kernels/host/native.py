@@ -132,6 +132,9 @@ def library() -> ctypes.CDLL:
             lib.npud_linear_qtiles.restype = _L
             lib.npud_linear_bq8.argtypes = [_P, _L, _L, _P, _P, _L, _L, _I, _I, _I, _L, _L, _P, _P, _I]
             lib.npud_linear_bq8.restype = _L
+            if hasattr(lib, "npud_bq8_stream_min"):  # (bench/kernels_ab.py loads older revisions' kernels too)
+                lib.npud_bq8_stream_min.argtypes = [_L]
+                lib.npud_bq8_stream_min.restype = _L
             lib.npud_gather_qtiles.argtypes = [_P, _P, _L, _L, _L, _I, _I, _I, _P, _L, _P]
             lib.npud_gather_qtiles.restype = None
             lib.npud_round_bf16.argtypes = [_P, _L, _L, _L, _P]
@@ -426,6 +429,15 @@ def linear_bq8(x: np.ndarray, q: np.ndarray, f: np.ndarray, n: int, bias: np.nda
     if status < 0:
         raise MemoryError(f"no memory for the q8 rows of a [{m}, {k}] activation")
     return out
+
+
+def bq8_stream_min(nbytes: int | None = None) -> int:
+    """The q-byte size from which linear_bq8 runs several row blocks interleaved per weight group
+    (blockq8.c's bq_vnni_multi, VNNI path) rather than in k chunks; sets it when nbytes is given
+    (tests: 0 takes that path for every weight). Returns the value before. The bits are the same."""
+    if nbytes is not None and nbytes < 0:
+        raise ValueError(f"a size in bytes, not {nbytes}")
+    return int(library().npud_bq8_stream_min(-1 if nbytes is None else nbytes))
 
 
 def gather_qtiles(q: np.ndarray, f: np.ndarray, tokens: np.ndarray, zero: int = 0) -> np.ndarray:
