@@ -253,6 +253,48 @@ def test_packs_never_pass_the_checked_rows_and_keep_passes_whole():
     assert _packs([3, 4], [5, 5]) == [[3, 4]] and MAX_PACKED_ROWS == 64
 
 
+def test_packs_put_each_pass_in_the_first_pack_with_room():
+    """One-row steps on both sides of a full prefill chunk share one pack (not one pack a side)."""
+    assert _packs([5, 6, 7, 8], [1, 64, 1, 1]) == [[5, 7, 8], [6]]
+    assert _packs(list(range(5)), [40, 30, 20, 30, 4]) == [[0, 2, 4], [1, 3]]
+    for rows in ([1] * 70, [64, 64, 1], [33, 32, 31, 2, 64, 1]):
+        packs = _packs(list(range(len(rows))), rows)
+        assert sorted(i for p in packs for i in p) == list(range(len(rows)))  # every pass once, whole
+        assert all(sum(rows[i] for i in p) <= MAX_PACKED_ROWS for p in packs) and all(p == sorted(p) for p in packs)
+        assert len(packs) == -(-sum(rows) // MAX_PACKED_ROWS)  # as few as the rows need, here
+
+
+def test_a_batched_round_runs_one_pack_when_its_passes_fit(spec_model, monkeypatch):
+    """Plain greedy sessions past their prefill: every round of the batch is one pack, the first
+    decode round too (it steps the prompt's last token, then the first token: alone that is two
+    passes in one round; batched the second waits for the next round instead of a pack of its own),
+    and the tokens are those of each session alone."""
+    import npud.engine.batch
+
+    packs = []
+    run_packed = npud.engine.batch.run_packed
+    monkeypatch.setattr(npud.engine.batch, "run_packed", lambda model, jobs: packs.append(len(jobs)) or run_packed(model, jobs))
+    params = GenerationParams(max_tokens=6, spec=_spec("none"), use_prefix_cache=False)
+    requests = [GenerateRequest(prompt=t, params=params) for t in TEXTS[:4]]
+    sessions = [spec_model.start(r) for r in requests]
+    spec_model.run_batch(sessions, prefill_budget=None)
+    while any(s.forward.positions_held < len(s.prompt_ids) - 1 for s in sessions):
+        spec_model.run_batch(sessions, prefill_budget=None)
+    per_round = []
+    while live := [s for s in sessions if not s.done]:
+        before = len(packs)
+        spec_model.run_batch(live)
+        per_round.append(len(packs) - before)
+    assert max(per_round) == 1 and sum(per_round) >= 6, per_round
+    alone = []
+    for r in requests:
+        s = spec_model.start(r)
+        while not s.done:
+            s.run_round()
+        alone.append(s.result().token_ids)
+    assert [s.result().token_ids for s in sessions] == alone
+
+
 def test_a_session_whose_pass_cannot_start_fails_alone(spec_model):
     """A pass past the position limit fails its session's round; the others' rounds go on and
     equal their rounds alone."""

@@ -6,9 +6,13 @@ events the round released. `run_round` advances every session to its next pass, 
 passes of all sessions into one pass over the model (npud.engine.packed.run_packed: rows
 concatenated, each session's contiguous and in order; GEMMs once over all rows; attention and
 recurrent state per session), hands each session its own logits, and repeats until every
-session has reached the end of its round. A session that needs two passes in a round (a
-two-pass speculative round) takes part in two packs. A session alone goes through the same
-driver (ModelSession.run_round), so there is one code path.
+session has reached the end of its round. A session alone that needs two passes in a round (a
+two-pass speculative round; the first decode round, which steps the prompt's last token and then
+the first token) runs both; in a round of several sessions a pass that only comes once the
+round's packs have run waits for the next round (its round ends there with no events): it
+would be a pack of its own, a whole weight stream for one or a few rows, where the next round
+carries it in the others' pack. A session alone goes through the same driver
+(ModelSession.run_round), so there is one code path.
 
 Prompt chunks (prefill passes) are limited per round by a row budget across the sessions:
 a chunk that does not fit waits for the next round (its session's round ends there, with no
@@ -96,12 +100,16 @@ def run_round(model, works: Sequence[Work], prefill_budget: int | None = None
         elif w.waiting is None:
             advance(i)
     granted = 0  # prompt rows this round
+    first = True
     while True:
         ready = []
         for i, w in enumerate(works):
             if results[i] is not _OPEN:
                 continue
             p = w.waiting
+            if not first and len(works) > 1:
+                results[i] = []  # a second pass in this round waits for the next one (its own pack otherwise)
+                continue
             if p.prefill:
                 if prefill_budget is not None and granted > 0 and granted + p.num_rows > prefill_budget:
                     results[i] = []  # the chunk waits for the next round
@@ -110,6 +118,7 @@ def run_round(model, works: Sequence[Work], prefill_budget: int | None = None
             ready.append(i)
         if not ready:
             return results
+        first = False
         for pack in _packs(ready, [works[i].waiting.num_rows for i in ready]):
             out = run_packed(model, [(works[i].forward, works[i].waiting) for i in pack])
             for i, logits in zip(pack, out):
@@ -120,14 +129,18 @@ def run_round(model, works: Sequence[Work], prefill_budget: int | None = None
 
 
 def _packs(ready: list[int], rows: list[int]) -> list[list[int]]:
-    """`ready` in order, cut into packs of at most MAX_PACKED_ROWS rows (a pass is never cut)."""
-    packs, current, held = [], [], 0
+    """`ready` in packs of at most MAX_PACKED_ROWS rows, a pass never cut: each pass goes into the
+    first pack with room for it (first fit), so one-row steps on either side of a prefill chunk
+    share a pack rather than each side taking one; a pack keeps `ready`'s order."""
+    packs: list[list[int]] = []
+    held: list[int] = []
     for i, n in zip(ready, rows):
-        if current and held + n > MAX_PACKED_ROWS:
-            packs.append(current)
-            current, held = [], 0
-        current.append(i)
-        held += n
-    if current:
-        packs.append(current)
+        for k, h in enumerate(held):
+            if h + n <= MAX_PACKED_ROWS:
+                packs[k].append(i)
+                held[k] += n
+                break
+        else:
+            packs.append([i])
+            held.append(n)
     return packs
