@@ -391,3 +391,69 @@ def test_round_cost_is_the_calibrated_pass_of_a_row_per_sequence(spec_model):
         assert spec_model.round_cost(4) is None  # not calibrated: not known
     finally:
         spec_model.model.pass_costs = saved
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "prefix-cache"])
+def test_a_prefill_chunk_is_cut_to_the_room_the_steps_leave_and_changes_no_bits(spec_model, monkeypatch, cache):
+    """Three sessions stepping and a long prompt joining: its 64-row chunk is cut to the 61 rows
+    the three steps leave in one pack (not a pack of its own), the rest runs next round, and its
+    tokens, events and final state bytes are those of running it alone. With the prefix cache the
+    chunk up to a block boundary asks for its last row's logits: the rest's last row gives them."""
+    import npud.engine.batch
+
+    assert spec_model.prefix_cache is not None
+
+    packs = []
+    run_packed = npud.engine.batch.run_packed
+    monkeypatch.setattr(npud.engine.batch, "run_packed",
+                        lambda model, jobs: packs.append(sum(p.num_rows for _, p in jobs)) or run_packed(model, jobs))
+    params = GenerationParams(max_tokens=8, spec=_spec("none"), use_prefix_cache=cache)
+    stepping = [spec_model.start(GenerateRequest(prompt=t, params=params)) for t in (TEXTS[0], TEXTS[1], TEXTS[4])]
+    while any(s.forward.positions_held < len(s.prompt_ids) - 1 for s in stepping):
+        spec_model.run_batch(stepping)
+    spec_model.run_batch(stepping)  # the first decode round
+    # 66-90 prompt tokens: with the cache, one chunk up to the block boundary at 64 that asks for its last row
+    long = next(r for n in range(20, len(TEXTS[2])) if 66 <= len(spec_model.prompt_ids(
+        r := GenerateRequest(prompt=f"# cut, cache {cache}\n" + TEXTS[2][:n], params=params))) <= 90)
+    joined = spec_model.start(long)
+    events = []
+    before = len(packs)
+    events += spec_model.run_batch([*stepping, joined])[3]
+    assert packs[before:] == [64] and joined.forward.positions_held == 61
+    while not joined.done:
+        live = [s for s in [*stepping, joined] if not s.done]
+        events += spec_model.run_batch(live)[live.index(joined)]
+    assert joined.result().stats["num_cached_tokens"] == 0  # a prompt no test ran before: nothing restored
+    alone_params = dataclasses.replace(params, use_prefix_cache=False)
+    alone, alone_events = spec_model.start(GenerateRequest(prompt=long.prompt, params=alone_params)), []
+    while not alone.done:
+        alone_events += alone.run_round()
+    assert outcome(joined, events) == outcome(alone, alone_events)
+
+
+def test_a_chunk_that_fits_the_budget_but_not_the_pack_waits(spec_model, monkeypatch):
+    """Under a roomy budget a second joining prompt's chunk that would start a second pack waits for
+    the next round, and both prompts' tokens are those of running them alone."""
+    import npud.engine.batch
+
+    packs = []
+    run_packed = npud.engine.batch.run_packed
+    monkeypatch.setattr(npud.engine.batch, "run_packed",
+                        lambda model, jobs: packs.append(sum(p.num_rows for _, p in jobs)) or run_packed(model, jobs))
+    params = GenerationParams(max_tokens=6, spec=_spec("none"), use_prefix_cache=False)
+    stepping = [spec_model.start(GenerateRequest(prompt=t, params=params)) for t in (TEXTS[0], TEXTS[1])]
+    while any(s.forward.positions_held < len(s.prompt_ids) - 1 for s in stepping):
+        spec_model.run_batch(stepping)
+    spec_model.run_batch(stepping)
+    joining = [spec_model.start(GenerateRequest(prompt=t, params=params)) for t in (TEXTS[2], TEXTS[5])]
+    assert all(len(s.prompt_ids) > 64 for s in joining)
+    before = len(packs)
+    spec_model.run_batch([*stepping, *joining], prefill_budget=1000)
+    assert packs[before:] == [64] and [s.forward.positions_held for s in joining] == [62, 0]
+    while live := [s for s in [*stepping, *joining] if not s.done]:
+        spec_model.run_batch(live, prefill_budget=1000)
+    for s in joining:
+        alone = spec_model.start(GenerateRequest(prompt=s.request.prompt, params=params))
+        while not alone.done:
+            alone.run_round()
+        assert s.result().token_ids == alone.result().token_ids
