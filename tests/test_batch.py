@@ -253,6 +253,48 @@ def test_packs_never_pass_the_checked_rows_and_keep_passes_whole():
     assert _packs([3, 4], [5, 5]) == [[3, 4]] and MAX_PACKED_ROWS == 64
 
 
+def test_packs_put_each_pass_in_the_first_pack_with_room():
+    """One-row steps on both sides of a full prefill chunk share one pack (not one pack a side)."""
+    assert _packs([5, 6, 7, 8], [1, 64, 1, 1]) == [[5, 7, 8], [6]]
+    assert _packs(list(range(5)), [40, 30, 20, 30, 4]) == [[0, 2, 4], [1, 3]]
+    for rows in ([1] * 70, [64, 64, 1], [33, 32, 31, 2, 64, 1]):
+        packs = _packs(list(range(len(rows))), rows)
+        assert sorted(i for p in packs for i in p) == list(range(len(rows)))  # every pass once, whole
+        assert all(sum(rows[i] for i in p) <= MAX_PACKED_ROWS for p in packs) and all(p == sorted(p) for p in packs)
+        assert len(packs) == -(-sum(rows) // MAX_PACKED_ROWS)  # as few as the rows need, here
+
+
+def test_a_batched_round_runs_one_pack_when_its_passes_fit(spec_model, monkeypatch):
+    """Plain greedy sessions past their prefill: every round of the batch is one pack, the first
+    decode round too (it steps the prompt's last token, then the first token: alone that is two
+    passes in one round; batched the second waits for the next round instead of a pack of its own),
+    and the tokens are those of each session alone."""
+    import npud.engine.batch
+
+    packs = []
+    run_packed = npud.engine.batch.run_packed
+    monkeypatch.setattr(npud.engine.batch, "run_packed", lambda model, jobs: packs.append(len(jobs)) or run_packed(model, jobs))
+    params = GenerationParams(max_tokens=6, spec=_spec("none"), use_prefix_cache=False)
+    requests = [GenerateRequest(prompt=t, params=params) for t in TEXTS[:4]]
+    sessions = [spec_model.start(r) for r in requests]
+    spec_model.run_batch(sessions, prefill_budget=None)
+    while any(s.forward.positions_held < len(s.prompt_ids) - 1 for s in sessions):
+        spec_model.run_batch(sessions, prefill_budget=None)
+    per_round = []
+    while live := [s for s in sessions if not s.done]:
+        before = len(packs)
+        spec_model.run_batch(live)
+        per_round.append(len(packs) - before)
+    assert max(per_round) == 1 and sum(per_round) >= 6, per_round
+    alone = []
+    for r in requests:
+        s = spec_model.start(r)
+        while not s.done:
+            s.run_round()
+        alone.append(s.result().token_ids)
+    assert [s.result().token_ids for s in sessions] == alone
+
+
 def test_a_session_whose_pass_cannot_start_fails_alone(spec_model):
     """A pass past the position limit fails its session's round; the others' rounds go on and
     equal their rounds alone."""
@@ -349,3 +391,69 @@ def test_round_cost_is_the_calibrated_pass_of_a_row_per_sequence(spec_model):
         assert spec_model.round_cost(4) is None  # not calibrated: not known
     finally:
         spec_model.model.pass_costs = saved
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "prefix-cache"])
+def test_a_prefill_chunk_is_cut_to_the_room_the_steps_leave_and_changes_no_bits(spec_model, monkeypatch, cache):
+    """Three sessions stepping and a long prompt joining: its 64-row chunk is cut to the 61 rows
+    the three steps leave in one pack (not a pack of its own), the rest runs next round, and its
+    tokens, events and final state bytes are those of running it alone. With the prefix cache the
+    chunk up to a block boundary asks for its last row's logits: the rest's last row gives them."""
+    import npud.engine.batch
+
+    assert spec_model.prefix_cache is not None
+
+    packs = []
+    run_packed = npud.engine.batch.run_packed
+    monkeypatch.setattr(npud.engine.batch, "run_packed",
+                        lambda model, jobs: packs.append(sum(p.num_rows for _, p in jobs)) or run_packed(model, jobs))
+    params = GenerationParams(max_tokens=8, spec=_spec("none"), use_prefix_cache=cache)
+    stepping = [spec_model.start(GenerateRequest(prompt=t, params=params)) for t in (TEXTS[0], TEXTS[1], TEXTS[4])]
+    while any(s.forward.positions_held < len(s.prompt_ids) - 1 for s in stepping):
+        spec_model.run_batch(stepping)
+    spec_model.run_batch(stepping)  # the first decode round
+    # 66-90 prompt tokens: with the cache, one chunk up to the block boundary at 64 that asks for its last row
+    long = next(r for n in range(20, len(TEXTS[2])) if 66 <= len(spec_model.prompt_ids(
+        r := GenerateRequest(prompt=f"# cut, cache {cache}\n" + TEXTS[2][:n], params=params))) <= 90)
+    joined = spec_model.start(long)
+    events = []
+    before = len(packs)
+    events += spec_model.run_batch([*stepping, joined])[3]
+    assert packs[before:] == [64] and joined.forward.positions_held == 61
+    while not joined.done:
+        live = [s for s in [*stepping, joined] if not s.done]
+        events += spec_model.run_batch(live)[live.index(joined)]
+    assert joined.result().stats["num_cached_tokens"] == 0  # a prompt no test ran before: nothing restored
+    alone_params = dataclasses.replace(params, use_prefix_cache=False)
+    alone, alone_events = spec_model.start(GenerateRequest(prompt=long.prompt, params=alone_params)), []
+    while not alone.done:
+        alone_events += alone.run_round()
+    assert outcome(joined, events) == outcome(alone, alone_events)
+
+
+def test_a_chunk_that_fits_the_budget_but_not_the_pack_waits(spec_model, monkeypatch):
+    """Under a roomy budget a second joining prompt's chunk that would start a second pack waits for
+    the next round, and both prompts' tokens are those of running them alone."""
+    import npud.engine.batch
+
+    packs = []
+    run_packed = npud.engine.batch.run_packed
+    monkeypatch.setattr(npud.engine.batch, "run_packed",
+                        lambda model, jobs: packs.append(sum(p.num_rows for _, p in jobs)) or run_packed(model, jobs))
+    params = GenerationParams(max_tokens=6, spec=_spec("none"), use_prefix_cache=False)
+    stepping = [spec_model.start(GenerateRequest(prompt=t, params=params)) for t in (TEXTS[0], TEXTS[1])]
+    while any(s.forward.positions_held < len(s.prompt_ids) - 1 for s in stepping):
+        spec_model.run_batch(stepping)
+    spec_model.run_batch(stepping)
+    joining = [spec_model.start(GenerateRequest(prompt=t, params=params)) for t in (TEXTS[2], TEXTS[5])]
+    assert all(len(s.prompt_ids) > 64 for s in joining)
+    before = len(packs)
+    spec_model.run_batch([*stepping, *joining], prefill_budget=1000)
+    assert packs[before:] == [64] and [s.forward.positions_held for s in joining] == [62, 0]
+    while live := [s for s in [*stepping, *joining] if not s.done]:
+        spec_model.run_batch(live, prefill_budget=1000)
+    for s in joining:
+        alone = spec_model.start(GenerateRequest(prompt=s.request.prompt, params=params))
+        while not alone.done:
+            alone.run_round()
+        assert s.result().token_ids == alone.result().token_ids
