@@ -42,10 +42,11 @@ def daemon():
 class Terminal:
     """A process on a pseudo-terminal: type into it, read what it shows."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], sigint=signal.SIG_DFL) -> None:
         pid, fd = pty.fork()
         if pid == 0:  # the child: the pty is its controlling terminal and stdin, stdout, stderr
             try:
+                signal.signal(signal.SIGINT, sigint)  # as its parent left it (SIG_IGN: a background job's)
                 os.execvpe(argv[0], argv, env)
             finally:
                 os._exit(127)
@@ -97,11 +98,11 @@ class Terminal:
         raise AssertionError(f"npuctl chat did not end; it showed:\n{self.shown[-2000:]}")
 
 
-def chat(daemon: DaemonProc, home: Path, *args: str) -> Terminal:
+def chat(daemon: DaemonProc, home: Path, *args: str, sigint=signal.SIG_DFL) -> Terminal:
     env = {**python_env(daemon.socket), "HOME": str(home), "XDG_STATE_HOME": str(home / "state"), "TERM": "xterm",
            "NO_COLOR": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent)])}
     env.pop("INPUTRC", None)
-    return Terminal([sys.executable, "-m", "npud.clients.npuctl", "chat", *args], env)
+    return Terminal([sys.executable, "-m", "npud.clients.npuctl", "chat", *args], env, sigint)
 
 
 def transcript(*messages: tuple[str, str]) -> str:
@@ -153,10 +154,13 @@ def test_a_conversation_with_system_reset_save_and_history(daemon, tmp_path):
     assert not re.search(r" w\d+", again.shown)  # nothing was sent to the model
 
 
-def test_ctrl_c_stops_the_reply_and_the_session_goes_on(daemon, tmp_path):
+@pytest.mark.parametrize("sigint", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "ignored-by-parent"])
+def test_ctrl_c_stops_the_reply_and_the_session_goes_on(daemon, tmp_path, sigint):
+    """Also when npuctl chat starts with SIGINT ignored, as a background job of a non-interactive
+    shell does (Python leaves an ignored SIGINT ignored: the reply ran to its end, seen in CI)."""
     with daemon.client() as c:
         before = {j["job"] for j in c.jobs(limit=1000)["jobs"]}
-    term = chat(daemon, tmp_path, "fake")  # no --max-tokens: the reply runs up to limits.max_tokens (1500)
+    term = chat(daemon, tmp_path, "fake", sigint=sigint)  # no --max-tokens: the reply runs up to limits.max_tokens (1500)
     term.expect(">>> ")
     term.send("tell me everything\r")
     term.expect(r" w\d+ w\d+ w\d+")  # the reply is streaming

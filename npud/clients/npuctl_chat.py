@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -215,6 +216,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     reader = LineReader(sys.stdin, sys.stdout)
     chat = Chat(args, model, max_tokens, sys.stdout, sys.stderr)
     if reader.tty:
+        # Ctrl-C is how a reply is stopped: a chat started with SIGINT ignored (a background job of a
+        # non-interactive shell, which Python then leaves ignored) would otherwise lose it
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.stderr.write(f"[chatting with {model}; /help for commands, /bye or Ctrl-D to leave]\n")
         sys.stderr.flush()
     try:
