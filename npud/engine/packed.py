@@ -191,17 +191,11 @@ class _Packed:
             final = b.rms_norm(x, w.final_norm, cfg.rms_norm_eps)
         else:
             final = add_rms_norm(b, x, delta, w.final_norm, cfg.rms_norm_eps)[1]
-        wanted = []  # the rows of `final` whose logits are asked for, and each sequence's share
         for (f, p), rows in zip(self.seqs, self.slices):
             f._last_hidden = final[rows]
             if f._tap_sink is not None:
                 f._tap_sink.append(np.concatenate([taps[i][rows] for i in f._tap_layers], axis=1))
-            if p.logits is Rows.ALL:
-                wanted.append(np.arange(rows.start, rows.stop))
-            elif p.logits is Rows.LAST:
-                wanted.append(np.arange(rows.stop - 1, rows.stop))
-            else:
-                wanted.append(np.arange(0))
+        wanted = self._wanted()  # the rows of `final` whose logits are asked for, and each sequence's share
         picked = np.concatenate(wanted)
         if len(picked) == 0:
             return [np.empty((0, cfg.vocab_size), np.float32) for _ in self.seqs]

@@ -93,13 +93,31 @@ static inline __attribute__((always_inline)) TVNNI __m512 bq_fac16(const int H, 
  * up to 2 rows, past that in o (L1: the driver's row buffer), so that the registers hold the int32
  * sums (measured 1.2-1.5x at 8 and 64 rows on Zen 4). H: float16 factors; Q: qbits (8, 5, 4). */
 
+/* Group wg's four weight vectors of k4 as bytes u (+ 128 for Q = 8, the nibbles for Q = 4, with the
+ * fifth bit from hb for Q = 5), the operand vpdpbusd takes: one place for every VNNI path. */
+static inline __attribute__((always_inline)) TVNNI void bq_weights(const int Q, const uint8_t *wg, int k4,
+                                                                   const __m512i hb[4], __m512i w[4]) {
+    if (Q == 8) {
+        const uint8_t *wp = wg + (size_t)k4 * TILE * 4;
+        for (int v = 0; v < 4; v++) w[v] = _mm512_loadu_si512(wp + 64 * v);
+        return;
+    }
+    const __m512i low4 = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
+    const __m512i n0 = _mm512_loadu_si512(wg + 128 * k4), n1 = _mm512_loadu_si512(wg + 128 * k4 + 64);
+    w[0] = _mm512_and_si512(n0, low4), w[1] = _mm512_and_si512(_mm512_srli_epi16(n0, 4), low4);
+    w[2] = _mm512_and_si512(n1, low4), w[3] = _mm512_and_si512(_mm512_srli_epi16(n1, 4), low4);
+    if (Q == 5) { /* + 16 where the plane's bit k4 is set */
+        const __m512i bit = _mm512_set1_epi8((char)(1 << k4));
+        for (int v = 0; v < 4; v++) w[v] = _mm512_mask_add_epi8(w[v], _mm512_test_epi8_mask(hb[v], bit), w[v], sixteen);
+    }
+}
+
 static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R, const int P, const int g, const int H,
                                                                      const int Q, const job_t *j, long t, float *o,
                                                                      long ldo, long r0, long g0, long g1) {
     const long K = j->K, ng = K / g, nb = K / QB;
     const size_t gbytes = (size_t)g * TILE * Q / 8, tbytes = ng * gbytes; /* a group's, a tile's q bytes */
     const uint8_t *wt = (const uint8_t *)j->w + (size_t)t * tbytes;
-    const __m512i low4 = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
     const size_t ft = (size_t)t * ng * P * TILE; /* the tile's first factor */
     const float *f32 = j->fac;
     const uint16_t *f16 = (const uint16_t *)j->fac;
@@ -137,31 +155,16 @@ static inline __attribute__((always_inline)) TVNNI void bq_vnni_rows(const int R
                 if (Q != 4) _mm_prefetch(pf - PF_BYTES + tbytes + 128, _MM_HINT_T1);
                 if (Q == 8) _mm_prefetch(pf - PF_BYTES + tbytes + 192, _MM_HINT_T1);
             }
-            __m512i w0, w1, w2, w3;
-            if (Q == 8) {
-                const uint8_t *wp = wg + (size_t)k4 * TILE * 4;
-                w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 64);
-                w2 = _mm512_loadu_si512(wp + 128), w3 = _mm512_loadu_si512(wp + 192);
-            } else { /* the nibbles, then (5 bits) the fifth bit: + 16 where the plane's bit k4 is set */
-                const __m512i n0 = _mm512_loadu_si512(wg + 128 * k4), n1 = _mm512_loadu_si512(wg + 128 * k4 + 64);
-                w0 = _mm512_and_si512(n0, low4), w1 = _mm512_and_si512(_mm512_srli_epi16(n0, 4), low4);
-                w2 = _mm512_and_si512(n1, low4), w3 = _mm512_and_si512(_mm512_srli_epi16(n1, 4), low4);
-                if (Q == 5) {
-                    const __m512i bit = _mm512_set1_epi8((char)(1 << k4));
-                    w0 = _mm512_mask_add_epi8(w0, _mm512_test_epi8_mask(hb[0], bit), w0, sixteen);
-                    w1 = _mm512_mask_add_epi8(w1, _mm512_test_epi8_mask(hb[1], bit), w1, sixteen);
-                    w2 = _mm512_mask_add_epi8(w2, _mm512_test_epi8_mask(hb[2], bit), w2, sixteen);
-                    w3 = _mm512_mask_add_epi8(w3, _mm512_test_epi8_mask(hb[3], bit), w3, sixteen);
-                }
-            }
+            __m512i w[4];
+            bq_weights(Q, wg, k4, hb, w);
             for (int r = 0; r < R; r++) {
                 int32_t four;
                 memcpy(&four, xq + r * K + G * g + k4 * 4, 4);
                 const __m512i xb = _mm512_set1_epi32(four);
-                isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w0, xb);
-                isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w1, xb);
-                isum[r][2] = _mm512_dpbusd_epi32(isum[r][2], w2, xb);
-                isum[r][3] = _mm512_dpbusd_epi32(isum[r][3], w3, xb);
+                isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w[0], xb);
+                isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w[1], xb);
+                isum[r][2] = _mm512_dpbusd_epi32(isum[r][2], w[2], xb);
+                isum[r][3] = _mm512_dpbusd_epi32(isum[r][3], w[3], xb);
             }
         }
         const size_t f = ft + G * P * TILE;
@@ -203,7 +206,6 @@ static inline __attribute__((always_inline)) TVNNI void bq_vnni_grp(const int R,
                                                                     long ldo, long r0, long G) {
     /* o: the block's first row (job row r0) */
     const long K = j->K, ng = K / g, nb = K / QB;
-    const __m512i low4 = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
     const float *f32 = j->fac;
     const uint16_t *f16 = (const uint16_t *)j->fac;
     const int8_t *xq = j->xq + r0 * K + G * g;
@@ -226,31 +228,16 @@ static inline __attribute__((always_inline)) TVNNI void bq_vnni_grp(const int R,
                 _mm_prefetch(p + tbytes + b, _MM_HINT_T1);
             }
         }
-        __m512i w0, w1, w2, w3;
-        if (Q == 8) {
-            const uint8_t *wp = wg + (size_t)k4 * TILE * 4;
-            w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 64);
-            w2 = _mm512_loadu_si512(wp + 128), w3 = _mm512_loadu_si512(wp + 192);
-        } else {
-            const __m512i n0 = _mm512_loadu_si512(wg + 128 * k4), n1 = _mm512_loadu_si512(wg + 128 * k4 + 64);
-            w0 = _mm512_and_si512(n0, low4), w1 = _mm512_and_si512(_mm512_srli_epi16(n0, 4), low4);
-            w2 = _mm512_and_si512(n1, low4), w3 = _mm512_and_si512(_mm512_srli_epi16(n1, 4), low4);
-            if (Q == 5) {
-                const __m512i bit = _mm512_set1_epi8((char)(1 << k4));
-                w0 = _mm512_mask_add_epi8(w0, _mm512_test_epi8_mask(hb[0], bit), w0, sixteen);
-                w1 = _mm512_mask_add_epi8(w1, _mm512_test_epi8_mask(hb[1], bit), w1, sixteen);
-                w2 = _mm512_mask_add_epi8(w2, _mm512_test_epi8_mask(hb[2], bit), w2, sixteen);
-                w3 = _mm512_mask_add_epi8(w3, _mm512_test_epi8_mask(hb[3], bit), w3, sixteen);
-            }
-        }
+        __m512i w[4];
+        bq_weights(Q, wg, k4, hb, w);
         for (int r = 0; r < R; r++) {
             int32_t four;
             memcpy(&four, xq + r * K + k4 * 4, 4);
             const __m512i xb = _mm512_set1_epi32(four);
-            isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w0, xb);
-            isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w1, xb);
-            isum[r][2] = _mm512_dpbusd_epi32(isum[r][2], w2, xb);
-            isum[r][3] = _mm512_dpbusd_epi32(isum[r][3], w3, xb);
+            isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w[0], xb);
+            isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w[1], xb);
+            isum[r][2] = _mm512_dpbusd_epi32(isum[r][2], w[2], xb);
+            isum[r][3] = _mm512_dpbusd_epi32(isum[r][3], w[3], xb);
         }
     }
     __m512 fs[4], fd[4];
